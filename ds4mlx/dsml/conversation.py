@@ -1,0 +1,70 @@
+"""The neutral conversation model every wire protocol is converted into.
+
+Routes (OpenAI chat, Anthropic messages, OpenAI Responses) and the agent build a
+`Conversation`; `ds4mlx.dsml` renders it to DeepSeek V4 prompt text. Field meanings
+follow DeepSeek's official V4 encoding (`encoding_dsv4.py`): roles ``system``,
+``developer``, ``user``, ``assistant``, ``tool`` and ``latest_reminder``.
+Stdlib only: no MLX, no JSON transport concerns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Role = Literal["system", "developer", "user", "assistant", "tool", "latest_reminder"]
+ROLES: tuple[str, ...] = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
+
+
+@dataclass
+class ToolSpec:
+    """A function tool offered to the model.
+
+    ``parameters`` is a JSON Schema object (dict). Its ``properties`` order is the
+    order arguments are reported back in.
+    """
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+@dataclass
+class ToolCall:
+    """One tool call made by an assistant turn.
+
+    ``id`` is the protocol id (``toolu_…`` for Anthropic, ``call_…`` for OpenAI).
+    ``arguments`` is the decoded JSON object. ``dsml`` is the exact DSML ``invoke``
+    block the model sampled when known (from tool memory); renderers prefer it.
+    """
+
+    id: str
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+    dsml: str | None = None
+
+
+@dataclass
+class Message:
+    """One turn. ``tool_call_id`` is set for role ``tool`` (the result's call id)."""
+
+    role: Role
+    content: str = ""
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str | None = None
+
+
+@dataclass
+class Conversation:
+    """A whole request: messages, tools and the generation mode.
+
+    ``thinking`` selects thinking mode (``<think>`` opens the reply) versus chat mode
+    (``</think>``). ``reasoning_effort`` is ``"max"``, ``"high"`` or None; "max"
+    adds DeepSeek's Think-Max preamble when the context is large enough.
+    """
+
+    messages: list[Message] = field(default_factory=list)
+    tools: list[ToolSpec] = field(default_factory=list)
+    thinking: bool = True
+    reasoning_effort: str | None = None
