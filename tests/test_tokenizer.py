@@ -1,0 +1,115 @@
+"""Tokenizer: DeepSeek V4 special tokens, round trips, UTF-8-safe streaming."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from ds4mlx.tokenizer import (
+    ASSISTANT,
+    BOS,
+    DSML,
+    EOS,
+    LATEST_REMINDER,
+    SPECIAL_TOKENS,
+    THINK,
+    THINK_END,
+    USER,
+    Tokenizer,
+    TokenizerError,
+    package_tokenizer_path,
+)
+
+TEXTS = [
+    "Hello, world! The quick brown fox jumps over 1234567 lazy dogs.",
+    "中文分词测试：你好，世界。深度求索的模型。",
+    "日本語のテキスト、カタカナとひらがな。한국어도 있습니다.",
+    "emoji 🤖🚀 family 👨‍👩‍👧‍👦 flags 🇫🇷🇯🇵 skin 👍🏽 and ZWJ‍s",
+    "mixed: naïve café Ωμέγα ∑∫√ — “quotes” … \u00a0nbsp\ttab\n\nnewlines  spaces   ",
+    f"{BOS}{USER}解释 🤖 please{ASSISTANT}{THINK}思考…{THINK_END}答案"
+    f'\n\n<{DSML}tool_calls>\n<{DSML}invoke name="read">\n</{DSML}tool_calls>{EOS}',
+    f"{LATEST_REMINDER}remember 😀{EOS}{USER}",
+]
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.load(None)
+
+
+def test_special_token_ids(tok):
+    assert tok.encode(BOS) == [0] and tok.bos_id == 0
+    assert tok.encode(EOS) == [1] and tok.eos_id == 1
+    assert tok.encode(THINK) == [128821] and tok.think_id == 128821
+    assert tok.encode(THINK_END) == [128822] and tok.think_end_id == 128822
+    assert tok.encode(DSML) == [128825] and tok.dsml_id == 128825
+    assert tok.encode(USER) == [tok.user_id]
+    assert tok.encode(ASSISTANT) == [tok.assistant_id]
+    assert tok.encode(LATEST_REMINDER) == [tok.latest_reminder_id]
+    assert tok.vocab_size == 129280
+    for s in SPECIAL_TOKENS:
+        (i,) = tok.encode(s)
+        assert tok.decode([i]) == s
+        assert tok.token_to_id(s) == i
+
+
+def test_no_bos_added(tok):
+    ids = tok.encode("hi")
+    assert ids and ids[0] != tok.bos_id
+
+
+def test_special_tokens_inside_text(tok):
+    ids = tok.encode(f"a{USER}b{THINK}c{DSML}d")
+    for s in (USER, THINK, DSML):
+        assert tok.token_to_id(s) in ids
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_round_trip(tok, text):
+    assert tok.decode(tok.encode(text)) == text
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streaming_never_splits_utf8(tok, text):
+    ids = tok.encode(text)
+    det = tok.detokenizer()
+    pieces = [det.add(i) for i in ids]
+    pieces.append(det.flush())
+    for p in pieces:
+        assert "\ufffd" not in p
+        # Complete characters only: each piece survives a UTF-8 round trip on its own.
+        assert p.encode("utf-8").decode("utf-8") == p
+    assert "".join(pieces) == tok.decode(ids) == text
+
+
+def test_streaming_holds_back_partial_char(tok):
+    # 🤖 is two byte-level tokens in this vocabulary: the first one emits nothing.
+    ids = tok.encode("🤖")
+    assert len(ids) >= 2
+    det = tok.detokenizer()
+    assert det.add(ids[0]) == ""
+    assert det.pending
+    out = "".join(det.add(i) for i in ids[1:])
+    assert out == "🤖" and not det.pending
+
+
+def test_streaming_flush_of_truncated_char(tok):
+    ids = tok.encode("🤖")
+    det = tok.detokenizer()
+    det.add(ids[0])
+    assert det.flush() == tok.decode(ids[:1])  # replacement char, like decode()
+
+
+def test_model_dir_tokenizer_preferred(tmp_path):
+    shutil.copy(package_tokenizer_path(), tmp_path / "tokenizer.json")
+    t = Tokenizer.load(tmp_path)
+    assert t.path == tmp_path / "tokenizer.json"
+    # A directory without one falls back to the package file.
+    assert Tokenizer.load(tmp_path / "missing").path == package_tokenizer_path()
+
+
+def test_foreign_tokenizer_rejected(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(TokenizerError):
+        Tokenizer.load(tmp_path)
