@@ -1,0 +1,1029 @@
+"""Disk KV cache store (DESIGN.md §5).
+
+One snapshot per file, named ``<sha1>.safetensors`` where ``sha1`` is the SHA-1 (hex) of
+the UTF-8 bytes of the rendered text the snapshot's tokens decode to. The container is
+plain safetensors (written with ``mx.save_safetensors``, read with ``mx.load`` and, for
+cheap header scans, the ``safetensors`` package):
+
+* **metadata** (str -> str, the safetensors header): only small fixed-size fields, so a
+  directory scan reads a few hundred bytes per file —
+
+  ``format`` = ``"ds4mlx-kv"``, ``version`` = ``"1"``, ``model_identity``,
+  ``expert_bits`` (``""`` when unknown), ``ctx_size``, ``tokens`` (count),
+  ``text_bytes``, ``hits`` (at creation, always ``"0"``), ``created`` and ``last_used``
+  (Unix seconds, ``repr(float)``), ``reason`` (``cold|continued|evict|shutdown``),
+  ``tool_count``, ``session_meta`` (JSON of the engine's ``SessionState.meta``) and
+  ``digest`` (BLAKE2b-128 over every tensor; safetensors itself has no checksum and a
+  bit-flipped KV tensor would silently corrupt generations).
+
+* **tensors**: ``ds4mlx.text`` (uint8, the rendered text's UTF-8 bytes),
+  ``ds4mlx.tokens`` (int32 token ids), ``ds4mlx.tool_memory`` (uint8, UTF-8 JSON object
+  ``{tool id: exact DSML}``) and every session array as ``session.<name>``.
+  The text and the tool map live in tensors rather than metadata because they grow with
+  the conversation (100s of KB): as tensors they are stored byte-exact with no JSON
+  escaping (CJK text would inflate ×2–6 as ``\\uXXXX``), and they keep the header small
+  so scans and ``kv ls`` never parse them.
+
+Hit counts and last-used times change on every hit; rewriting a multi-hundred-MB file
+for that is out of the question, and patching a JSON header in place is not crash-safe.
+They live in a sidecar ``index.json`` (``{"version": 1, "entries": {key: {"created",
+"hits", "last_used"}}}``) replaced atomically on every hit. A sidecar record counts only
+while its ``created`` equals the file's, so a stale record never applies to a re-created
+file; a lost or corrupt sidecar only resets statistics. The snapshot files are never
+modified after their rename into place.
+
+Writes go to ``.<key>.<pid>.<random>.tmp`` in the same directory (same filesystem, so
+the rename is atomic), are fsynced, renamed over the final name, and the directory is
+fsynced. A reader therefore sees either no file or a complete one; a killed writer
+leaves only a temp file, removed by the next :class:`DiskKVStore` whose owner process
+is dead.
+
+Eviction score (lower is evicted first; ties: least recently used first)::
+
+    decayed_hits = hits * 2 ** (-(now - last_used) / HIT_HALF_LIFE_S)   (0 below 0.01)
+    score        = (1 + decayed_hits) * tokens / size_bytes
+
+``tokens / size_bytes`` is the prefill a hit saves per byte of disk; each hit
+multiplies that value, but hits lose half their weight every ``HIT_HALF_LIFE_S``
+(6 hours) without use, so an entry that was popular yesterday does not crowd out
+today's. Unreadable files score ``-inf`` (evicted before anything else); the file being
+written is never evicted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from safetensors import safe_open
+
+log = logging.getLogger("ds4mlx.kv")
+
+FORMAT = "ds4mlx-kv"
+VERSION = 1
+SUFFIX = ".safetensors"
+INDEX_NAME = "index.json"
+REASONS = ("cold", "continued", "evict", "shutdown")
+HIT_HALF_LIFE_S = 6 * 3600.0
+MIN_EFFECTIVE_HITS = 0.01
+
+TEXT_KEY = "ds4mlx.text"
+TOKENS_KEY = "ds4mlx.tokens"
+TOOLS_KEY = "ds4mlx.tool_memory"
+SESSION_PREFIX = "session."
+
+_FILE_RE = re.compile(r"^([0-9a-f]{40})\.safetensors$")
+_TMP_RE = re.compile(r"^\.(?:[0-9a-f]{40}|index)\.(\d+)\.[0-9a-f]+\.tmp$")
+_REQUIRED_META = (
+    "format",
+    "version",
+    "model_identity",
+    "expert_bits",
+    "ctx_size",
+    "tokens",
+    "text_bytes",
+    "created",
+    "reason",
+    "digest",
+)
+
+
+class KVStoreError(Exception):
+    """A snapshot file cannot be used (corrupt, truncated, foreign, vanished)."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One snapshot file as its header describes it.
+
+    Attributes:
+        key: SHA-1 hex of the rendered text's UTF-8 bytes (the file name stem).
+        path: the file.
+        tokens: token count (int tokens).
+        text_bytes: length of the rendered text (int bytes, UTF-8).
+        model_identity: the engine identity the snapshot was written for.
+        expert_bits: routed-expert quantization bits, or None when not recorded.
+        ctx_size: context size the snapshot was written for (int tokens).
+        hits: disk hits so far (from the sidecar index).
+        created: creation time (float Unix seconds).
+        last_used: last hit, or ``created`` (float Unix seconds).
+        reason: ``cold``, ``continued``, ``evict`` or ``shutdown``.
+        size: file size (int bytes).
+        tool_count: tool-memory entries stored with it.
+        head: the text's first line (at most 200 characters), for listings.
+    """
+
+    key: str
+    path: Path
+    tokens: int
+    text_bytes: int
+    model_identity: str
+    expert_bits: int | None
+    ctx_size: int
+    hits: int
+    created: float
+    last_used: float
+    reason: str
+    size: int
+    tool_count: int = 0
+    head: str = ""
+
+
+@dataclass(frozen=True)
+class BadFile:
+    """A file in the cache directory that is never loaded, and why (``reason``)."""
+
+    path: Path
+    reason: str
+    size: int
+
+
+@dataclass
+class ScanResult:
+    """Directory contents: readable snapshots and unusable files."""
+
+    entries: list[Entry] = field(default_factory=list)
+    bad: list[BadFile] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes used by snapshot-named files, good or bad (int bytes)."""
+        return sum(e.size for e in self.entries) + sum(b.size for b in self.bad)
+
+
+@dataclass
+class Loaded:
+    """A verified snapshot, ready for ``Session.restore``.
+
+    Attributes:
+        entry: the file's :class:`Entry` (hits already counted).
+        text: the rendered text the tokens decode to (str).
+        tokens: token ids (list of int).
+        arrays: the session arrays under their original names (``mx.array``, evaluated).
+        meta: the engine's ``SessionState.meta`` as saved.
+        tool_memory: tool id -> exact sampled DSML.
+    """
+
+    entry: Entry
+    text: str
+    tokens: list[int]
+    arrays: dict[str, mx.array]
+    meta: dict[str, str]
+    tool_memory: dict[str, str]
+
+    def suffix(self, rendered_prompt: str) -> str:
+        """The part of ``rendered_prompt`` after this snapshot's text.
+
+        Raises:
+            ValueError: the text is not a byte prefix of ``rendered_prompt``.
+        """
+        data = _utf8(rendered_prompt)
+        mine = _utf8(self.text)
+        if not data.startswith(mine):
+            raise ValueError("snapshot text is not a prefix of the prompt")
+        return data[len(mine) :].decode("utf-8", "surrogatepass")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _utf8(text: str) -> bytes:
+    # Rendered prompts come from client JSON, where a lone surrogate ("\ud800") is legal;
+    # surrogatepass keeps such text hashable and round-trippable instead of raising.
+    return text.encode("utf-8", "surrogatepass")
+
+
+def text_key(text: str) -> str:
+    """The cache key of ``text``: SHA-1 hex of its UTF-8 bytes."""
+    return hashlib.sha1(_utf8(text)).hexdigest()
+
+
+def _fsync_file(fd: int) -> None:
+    # On macOS fsync() only reaches the drive's cache; F_FULLFSYNC is the real barrier.
+    full = getattr(fcntl, "F_FULLFSYNC", None)
+    if full is not None:
+        try:
+            fcntl.fcntl(fd, full)
+            return
+        except OSError:
+            pass  # not supported by this filesystem: fall back to fsync
+    os.fsync(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    # Makes the rename itself durable: without it a power loss can forget the new name.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def _tmp_name(stem: str) -> str:
+    return f".{stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def _digest(tensors: Mapping[str, mx.array]) -> str:
+    """BLAKE2b-128 over names, dtypes, shapes and bytes of ``tensors`` in name order."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        a = tensors[name]
+        h.update(f"{name}\0{a.dtype}\0{tuple(a.shape)}\0".encode())
+        if a.size:
+            h.update(memoryview(mx.contiguous(a)))
+    return h.hexdigest()
+
+
+def _json_utf8(obj: object) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode(
+        "utf-8", "surrogatepass"
+    )
+
+
+def _bytes_array(data: bytes) -> mx.array:
+    return mx.array(np.frombuffer(data, dtype=np.uint8)) if data else mx.zeros((0,), mx.uint8)
+
+
+def _array_bytes(a: mx.array) -> bytes:
+    return bytes(memoryview(mx.contiguous(a))) if a.size else b""
+
+
+def _parse_meta(meta: Mapping[str, str]) -> dict:
+    """Validate the header fields; return them typed. Raises KVStoreError."""
+    if meta.get("format") != FORMAT:
+        raise KVStoreError("not a ds4mlx KV snapshot (no format=ds4mlx-kv in the header)")
+    missing = [k for k in _REQUIRED_META if k not in meta]
+    if missing:
+        raise KVStoreError(f"header lacks {', '.join(missing)}")
+    try:
+        version = int(meta["version"])
+    except ValueError as e:
+        raise KVStoreError(f"bad version {meta['version']!r}") from e
+    if version != VERSION:
+        raise KVStoreError(f"format version {version}, this build reads {VERSION}")
+    try:
+        out = {
+            "model_identity": meta["model_identity"],
+            "expert_bits": int(meta["expert_bits"]) if meta["expert_bits"] else None,
+            "ctx_size": int(meta["ctx_size"]),
+            "tokens": int(meta["tokens"]),
+            "text_bytes": int(meta["text_bytes"]),
+            "hits": int(meta.get("hits", "0")),
+            "created": float(meta["created"]),
+            "last_used": float(meta.get("last_used", meta["created"])),
+            "reason": meta["reason"],
+            "tool_count": int(meta.get("tool_count", "0")),
+            "digest": meta["digest"],
+        }
+    except ValueError as e:
+        raise KVStoreError(f"malformed header field: {e}") from e
+    if out["tokens"] <= 0 or out["text_bytes"] <= 0 or out["ctx_size"] <= 0:
+        raise KVStoreError("header has non-positive tokens, text_bytes or ctx_size")
+    if not math.isfinite(out["created"]):
+        raise KVStoreError("header has a non-finite creation time")
+    return out
+
+
+def _head(text_bytes: bytes) -> str:
+    line = text_bytes[:800].decode("utf-8", "replace").split("\n", 1)[0]
+    return line[:200]
+
+
+def read_entry(path: str | os.PathLike, *, verify_key: bool = True) -> Entry:
+    """Read and check one snapshot's header (no tensors but the text are read).
+
+    Checks: safetensors layout covers the file exactly (catches truncation and
+    appended bytes), ``format``/``version``, header field types, tensor names, dtypes and
+    shapes against the header counts and, with ``verify_key``, that the stored text
+    hashes to the file name. Hit statistics come from the header (the sidecar is
+    applied by :func:`scan_dir`).
+
+    Raises:
+        KVStoreError: the file is not a usable snapshot.
+        FileNotFoundError: the file vanished (another process removed it).
+    """
+    path = Path(path)
+    m = _FILE_RE.match(path.name)
+    if not m:
+        raise KVStoreError("file name is not <sha1>.safetensors")
+    key = m.group(1)
+    try:
+        size = path.stat().st_size
+        with safe_open(str(path), framework="numpy") as f:
+            meta = f.metadata() or {}
+            hdr = _parse_meta(meta)
+            names = set(f.keys())
+            for need in (TEXT_KEY, TOKENS_KEY, TOOLS_KEY):
+                if need not in names:
+                    raise KVStoreError(f"tensor {need} missing")
+            text_slice = f.get_slice(TEXT_KEY)
+            tok_slice = f.get_slice(TOKENS_KEY)
+            if text_slice.get_dtype() != "U8" or text_slice.get_shape() != [hdr["text_bytes"]]:
+                raise KVStoreError("text tensor does not match the header's text_bytes")
+            if tok_slice.get_dtype() != "I32" or tok_slice.get_shape() != [hdr["tokens"]]:
+                raise KVStoreError("token tensor does not match the header's token count")
+            text = (
+                f.get_tensor(TEXT_KEY).tobytes()
+                if verify_key
+                else text_slice[: min(800, hdr["text_bytes"])].tobytes()
+            )
+    except FileNotFoundError:
+        raise
+    except KVStoreError:
+        raise
+    except Exception as e:  # safetensors raises its own error types for bad layouts
+        raise KVStoreError(f"unreadable safetensors: {e}") from e
+    if verify_key and hashlib.sha1(text).hexdigest() != key:
+        raise KVStoreError("stored text does not hash to the file name")
+    return Entry(
+        key=key,
+        path=path,
+        tokens=hdr["tokens"],
+        text_bytes=hdr["text_bytes"],
+        model_identity=hdr["model_identity"],
+        expert_bits=hdr["expert_bits"],
+        ctx_size=hdr["ctx_size"],
+        hits=hdr["hits"],
+        created=hdr["created"],
+        last_used=hdr["last_used"],
+        reason=hdr["reason"],
+        size=size,
+        tool_count=hdr["tool_count"],
+        head=_head(text),
+    )
+
+
+def read_index(dir: str | os.PathLike) -> dict[str, dict]:
+    """The sidecar hit statistics ``{key: {"created", "hits", "last_used"}}`` ({} if none)."""
+    p = Path(dir) / INDEX_NAME
+    try:
+        data = json.loads(p.read_text("utf-8"))
+        entries = data["entries"] if data.get("version") == 1 else {}
+        return {
+            k: {
+                "created": float(v["created"]),
+                "hits": int(v["hits"]),
+                "last_used": float(v["last_used"]),
+            }
+            for k, v in entries.items()
+        }
+    except FileNotFoundError:
+        return {}
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
+        log.warning("kv cache: ignoring unreadable hit index %s: %s", p, e)
+        return {}
+
+
+def _apply_index(e: Entry, index: Mapping[str, dict]) -> Entry:
+    rec = index.get(e.key)
+    if rec is None or rec["created"] != e.created:
+        return e
+    return replace(e, hits=rec["hits"], last_used=max(rec["last_used"], e.created))
+
+
+def _list_dir(dir: Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(dir) as it:
+            return list(it)
+    except FileNotFoundError:
+        return []
+
+
+def scan_dir(dir: str | os.PathLike, *, verify_key: bool = True) -> ScanResult:
+    """Every ``<sha1>.safetensors`` in ``dir``: readable entries and bad files.
+
+    Safe while another process adds or removes files: a file that vanishes mid-scan is
+    simply not listed. Does not modify the directory.
+    """
+    dir = Path(dir)
+    index = read_index(dir)
+    out = ScanResult()
+    for de in _list_dir(dir):
+        if not _FILE_RE.match(de.name):
+            continue
+        try:
+            out.entries.append(_apply_index(read_entry(de.path, verify_key=verify_key), index))
+        except FileNotFoundError:
+            continue
+        except KVStoreError as e:
+            try:
+                size = de.stat().st_size
+            except FileNotFoundError:
+                continue
+            out.bad.append(BadFile(Path(de.path), str(e), size))
+    out.entries.sort(key=lambda e: e.last_used, reverse=True)
+    return out
+
+
+def eviction_score(entry: Entry, now: float) -> float:
+    """Keep-value of ``entry`` at ``now`` (Unix seconds); lower is evicted first.
+
+    ``(1 + hits * 2**(-(now - last_used) / HIT_HALF_LIFE_S)) * tokens / size``, with the
+    decayed hits floored to 0 below ``MIN_EFFECTIVE_HITS``.
+    """
+    hits = float(entry.hits)
+    elapsed = now - entry.last_used
+    if elapsed > 0:
+        hits *= 2.0 ** (-elapsed / HIT_HALF_LIFE_S)
+    if hits < MIN_EFFECTIVE_HITS:
+        hits = 0.0
+    return (1.0 + hits) * entry.tokens / max(entry.size, 1)
+
+
+def load_file(path: str | os.PathLike) -> Loaded:
+    """Read and fully verify one snapshot file (no identity checks, no hit counting).
+
+    Verifies the header, the digest of every tensor, that the text hashes to the file
+    name and that the token count and tool map are consistent. Every array is evaluated
+    before returning, so the file may be removed afterwards.
+
+    Raises:
+        KVStoreError: corrupt, truncated or foreign file.
+        FileNotFoundError: the file vanished.
+    """
+    path = Path(path)
+    entry = read_entry(path, verify_key=False)
+    try:
+        tensors, meta = mx.load(str(path), format="safetensors", return_metadata=True)
+        mx.eval(list(tensors.values()))
+    except FileNotFoundError:
+        raise
+    except Exception as e:
+        raise KVStoreError(f"unreadable safetensors: {e}") from e
+    # Re-parse the header that came with these tensors: the file may have been replaced
+    # (same key, new snapshot) between read_entry() and mx.load().
+    hdr = _parse_meta(meta)
+    if _digest(tensors) != hdr["digest"]:
+        raise KVStoreError("digest mismatch: tensor data is corrupt")
+    text_b = _array_bytes(tensors.pop(TEXT_KEY))
+    if len(text_b) != hdr["text_bytes"] or hashlib.sha1(text_b).hexdigest() != entry.key:
+        raise KVStoreError("stored text does not hash to the file name")
+    tokens = tensors.pop(TOKENS_KEY)
+    if tokens.dtype != mx.int32 or tokens.shape != (hdr["tokens"],):
+        raise KVStoreError("token tensor does not match the header")
+    try:
+        tools = json.loads(_array_bytes(tensors.pop(TOOLS_KEY)).decode("utf-8", "surrogatepass"))
+        session_meta = json.loads(meta.get("session_meta", "{}"))
+        if not isinstance(tools, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in tools.items()
+        ):
+            raise ValueError("tool memory is not a str -> str object")
+        if not isinstance(session_meta, dict):
+            raise ValueError("session_meta is not an object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise KVStoreError(f"bad tool memory or session meta: {e}") from e
+    arrays = {}
+    for name, a in tensors.items():
+        if not name.startswith(SESSION_PREFIX):
+            raise KVStoreError(f"unexpected tensor {name}")
+        arrays[name[len(SESSION_PREFIX) :]] = a
+    entry = replace(
+        entry,
+        tokens=hdr["tokens"],
+        created=hdr["created"],
+        last_used=max(entry.last_used, hdr["created"]),
+        model_identity=hdr["model_identity"],
+        expert_bits=hdr["expert_bits"],
+        ctx_size=hdr["ctx_size"],
+        reason=hdr["reason"],
+    )
+    return Loaded(
+        entry=entry,
+        text=text_b.decode("utf-8", "surrogatepass"),
+        tokens=tokens.tolist(),
+        arrays=arrays,
+        meta={str(k): str(v) for k, v in session_meta.items()},
+        tool_memory=tools,
+    )
+
+
+# --------------------------------------------------------------------------- the store
+
+
+class DiskKVStore:
+    """The disk KV cache of one model in one directory.
+
+    Args:
+        dir: cache directory (created if missing).
+        budget_bytes: byte budget for all snapshot files in ``dir`` (int bytes, > 0).
+        model_identity: the engine's identity; lookups return only snapshots written
+            with the same string. If it encodes the routed-expert quantization, snapshots
+            are never shared across quantizations whatever ``reject_different_quant``
+            says.
+        ctx_size: context size (int tokens); lookups require the same value.
+        expert_bits: routed-expert quantization bits, recorded in the header (None if
+            not applicable).
+        reject_different_quant: also require the same ``expert_bits`` on lookup.
+        read_only: never modify the directory (no temp cleanup, no hit statistics);
+            for inspection from another process.
+
+    Opening removes temp files left by dead writers. All methods are safe to call from
+    one thread while other processes add or remove files in ``dir`` (a file that
+    vanishes is a miss; a new one is picked up by the next call).
+
+    Raises:
+        ValueError: bad arguments.
+        OSError: ``dir`` cannot be created.
+    """
+
+    def __init__(
+        self,
+        dir: str | os.PathLike,
+        *,
+        budget_bytes: int,
+        model_identity: str,
+        ctx_size: int,
+        expert_bits: int | None,
+        reject_different_quant: bool = False,
+        read_only: bool = False,
+    ) -> None:
+        if budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
+        if ctx_size <= 0:
+            raise ValueError(f"ctx_size must be positive, got {ctx_size}")
+        self.dir = Path(dir)
+        self.budget_bytes = int(budget_bytes)
+        self.model_identity = model_identity
+        self.ctx_size = int(ctx_size)
+        self.expert_bits = expert_bits
+        self.reject_different_quant = reject_different_quant
+        self.read_only = read_only
+        self._lock = threading.RLock()
+        # name -> (stat signature, Entry | BadFile); re-read only when a file changes.
+        self._cache: dict[str, tuple[tuple, Entry | BadFile]] = {}
+        self._index: dict[str, dict] = {}
+        self._index_sig: tuple | None = None
+        self._reported: set[tuple[str, tuple]] = set()
+        self._failed: dict[str, tuple] = {}  # key -> signature that failed verification
+        if not read_only:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._remove_stale_temps()
+
+    # ---------------------------------------------------------------- directory state
+
+    def _remove_stale_temps(self) -> None:
+        for de in _list_dir(self.dir):
+            m = _TMP_RE.match(de.name)
+            if m and not _pid_alive(int(m.group(1))):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(de.path)
+                    log.info("kv cache: removed stale temp file %s", de.path)
+
+    def _refresh_index(self) -> None:
+        p = self.dir / INDEX_NAME
+        try:
+            st = p.stat()
+            sig = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            sig = None
+        if sig != self._index_sig:
+            self._index = read_index(self.dir) if sig else {}
+            self._index_sig = sig
+
+    def scan(self) -> ScanResult:
+        """Current directory contents (entries of every identity, and bad files).
+
+        Headers are re-read only for files that are new or changed since the last call.
+        Bad files are logged once each (warning).
+        """
+        with self._lock:
+            self._refresh_index()
+            out = ScanResult()
+            seen = set()
+            for de in _list_dir(self.dir):
+                if not _FILE_RE.match(de.name):
+                    continue
+                try:
+                    st = de.stat()
+                except FileNotFoundError:
+                    continue
+                sig = (st.st_ino, st.st_mtime_ns, st.st_size)
+                seen.add(de.name)
+                cached = self._cache.get(de.name)
+                if cached is None or cached[0] != sig:
+                    try:
+                        item: Entry | BadFile = read_entry(de.path)
+                    except FileNotFoundError:
+                        continue
+                    except KVStoreError as e:
+                        item = BadFile(Path(de.path), str(e), st.st_size)
+                    self._cache[de.name] = (sig, item)
+                else:
+                    item = cached[1]
+                if isinstance(item, Entry):
+                    key = item.key
+                    if self._failed.get(key) == sig:
+                        item = BadFile(item.path, "failed verification on load", item.size)
+                    else:
+                        item = _apply_index(item, self._index)
+                if isinstance(item, BadFile):
+                    if (item.path.name, sig) not in self._reported:
+                        self._reported.add((item.path.name, sig))
+                        log.warning("kv cache: skipping bad file %s: %s", item.path, item.reason)
+                    out.bad.append(item)
+                else:
+                    out.entries.append(item)
+            for name in list(self._cache):
+                if name not in seen:
+                    del self._cache[name]
+            return out
+
+    def _compatible(self, e: Entry) -> bool:
+        return (
+            e.model_identity == self.model_identity
+            and e.ctx_size == self.ctx_size
+            and (not self.reject_different_quant or e.expert_bits == self.expert_bits)
+        )
+
+    def entries(self) -> list[Entry]:
+        """Readable snapshots this store may load (same identity, context, quant rule)."""
+        return [e for e in self.scan().entries if self._compatible(e)]
+
+    def usage_bytes(self) -> int:
+        """Bytes of every snapshot-named file in the directory (int bytes)."""
+        return self.scan().total_bytes
+
+    # ---------------------------------------------------------------- lookup and load
+
+    def lookup(self, rendered_prompt: str, *, exclude: Iterable[str] = ()) -> Entry | None:
+        """The snapshot with the longest text that is a byte prefix of ``rendered_prompt``.
+
+        Only compatible snapshots (same model identity and context size, and same expert
+        bits when ``reject_different_quant``) are considered; keys in ``exclude`` are
+        skipped. The comparison is on UTF-8 bytes via the SHA-1 key (the candidate's
+        text itself is checked again by :meth:`load`). Ties in length prefer more tokens.
+        Returns None on a miss.
+        """
+        data = _utf8(rendered_prompt)
+        excluded = set(exclude)
+        cands = [e for e in self.entries() if e.text_bytes <= len(data) and e.key not in excluded]
+        cands.sort(key=lambda e: (e.text_bytes, e.tokens), reverse=True)
+        hashes: dict[int, str] = {}
+        for e in cands:
+            h = hashes.get(e.text_bytes)
+            if h is None:
+                h = hashes[e.text_bytes] = hashlib.sha1(data[: e.text_bytes]).hexdigest()
+            if h == e.key:
+                return e
+        return None
+
+    def load(self, entry: Entry, *, count_hit: bool = True) -> Loaded:
+        """Read and verify ``entry``; count a hit (hits + 1, last_used = now).
+
+        Raises:
+            KVStoreError: the file is corrupt, foreign, incompatible or vanished. The
+                failure is logged and the file is reported as bad from then on (until
+                it changes); it is not deleted.
+        """
+        with self._lock:
+            try:
+                st = entry.path.stat()
+                sig = (st.st_ino, st.st_mtime_ns, st.st_size)
+            except FileNotFoundError as e:
+                raise KVStoreError(f"{entry.path} vanished") from e
+            try:
+                loaded = load_file(entry.path)
+                if not self._compatible(loaded.entry):
+                    raise KVStoreError("snapshot is for another model, context or quantization")
+            except FileNotFoundError as e:
+                raise KVStoreError(f"{entry.path} vanished") from e
+            except KVStoreError as e:
+                self._failed[entry.key] = sig
+                log.warning("kv cache: not loading %s: %s", entry.path, e)
+                raise
+            self._refresh_index()
+            e2 = replace(_apply_index(loaded.entry, self._index), size=st.st_size)
+            if count_hit and not self.read_only:
+                e2 = replace(e2, hits=e2.hits + 1, last_used=max(time.time(), e2.created))
+                self._record_hit(e2)
+            loaded.entry = e2
+            return loaded
+
+    def lookup_and_load(self, rendered_prompt: str) -> Loaded | None:
+        """:meth:`lookup` then :meth:`load`, falling back to shorter prefixes when a
+        candidate fails to load. Returns None when nothing usable matches."""
+        failed: list[str] = []
+        while True:
+            e = self.lookup(rendered_prompt, exclude=failed)
+            if e is None:
+                return None
+            try:
+                return self.load(e)
+            except KVStoreError:
+                failed.append(e.key)
+
+    def tool_memory_for(self, ids: Iterable[str]) -> dict[str, str]:
+        """Tool-memory entries for ``ids`` found in any compatible snapshot.
+
+        For exact DSML replay after a restart when the snapshot that holds a call is not
+        the one a prompt hits. Reads only the small tool-map tensors; unreadable files
+        are skipped.
+        """
+        want = set(ids)
+        found: dict[str, str] = {}
+        for e in sorted(self.entries(), key=lambda e: e.created, reverse=True):
+            if not want - found.keys():
+                break
+            if not e.tool_count:
+                continue
+            try:
+                with safe_open(str(e.path), framework="numpy") as f:
+                    raw = f.get_tensor(TOOLS_KEY).tobytes()
+                tools = json.loads(raw.decode("utf-8", "surrogatepass"))
+            except Exception as exc:  # vanished or corrupt: not this file
+                log.debug("kv cache: tool map of %s unreadable: %s", e.path, exc)
+                continue
+            if isinstance(tools, dict):
+                for k in want & tools.keys():
+                    if isinstance(tools[k], str):
+                        found.setdefault(k, tools[k])
+        return found
+
+    # ---------------------------------------------------------------- saving
+
+    def save(
+        self,
+        *,
+        text: str,
+        tokens: Sequence[int],
+        arrays: Mapping[str, mx.array],
+        reason: str,
+        meta: Mapping[str, str] | None = None,
+        tool_memory: Mapping[str, str] | Iterable[tuple[str, str]] | None = None,
+    ) -> Entry | None:
+        """Write a snapshot atomically, then evict down to the budget.
+
+        Args:
+            text: the rendered text ``tokens`` decode to (the lookup key; non-empty).
+            tokens: token ids (non-empty, each in int32 range).
+            arrays: session arrays (``SessionState.arrays``); evaluated and copied into
+                the file, so later mutation does not matter.
+            reason: ``cold``, ``continued``, ``evict`` or ``shutdown``.
+            meta: ``SessionState.meta`` (str -> str), returned by :meth:`load`.
+            tool_memory: tool id -> exact DSML (mapping or pairs); only entries whose
+                DSML occurs in ``text`` are stored.
+
+        Returns:
+            The new (or identical existing) :class:`Entry`, or None when the snapshot
+            alone would exceed the budget or the write failed (logged; the directory is
+            left as it was apart from evictions).
+
+        Raises:
+            ValueError: bad arguments (empty text or tokens, unknown reason, reserved or
+                non-str names); also when the store is read-only.
+        """
+        if self.read_only:
+            raise ValueError("store is read-only")
+        if reason not in REASONS:
+            raise ValueError(f"reason must be one of {REASONS}, got {reason!r}")
+        if not isinstance(text, str) or not text:
+            raise ValueError("text must be a non-empty str")
+        if not tokens:
+            raise ValueError("tokens must be non-empty")
+        meta = dict(meta or {})
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+            raise ValueError("meta must be str -> str")
+        text_b = _utf8(text)
+        key = hashlib.sha1(text_b).hexdigest()
+        pairs = tool_memory.items() if isinstance(tool_memory, Mapping) else (tool_memory or ())
+        tools: dict[str, str] = {}
+        present: dict[str, bool] = {}
+        for tid, dsml in pairs:
+            ok = present.get(dsml)
+            if ok is None:
+                ok = present[dsml] = bool(dsml) and dsml in text
+            if ok:
+                tools[tid] = dsml
+        ids = np.asarray(tokens, dtype=np.int64)
+        if ids.ndim != 1 or ids.min() < 0 or ids.max() > np.iinfo(np.int32).max:
+            raise ValueError("tokens must be a flat sequence of ids in int32 range")
+        tensors: dict[str, mx.array] = {
+            TEXT_KEY: _bytes_array(text_b),
+            TOKENS_KEY: mx.array(ids.astype(np.int32)),
+            TOOLS_KEY: _bytes_array(_json_utf8(tools)),
+        }
+        for name, a in arrays.items():
+            if not isinstance(name, str) or not isinstance(a, mx.array):
+                raise ValueError(f"arrays must be str -> mx.array (bad entry {name!r})")
+            tensors[SESSION_PREFIX + name] = mx.contiguous(a)
+        mx.eval(list(tensors.values()))
+        now = time.time()
+        header = {
+            "format": FORMAT,
+            "version": str(VERSION),
+            "model_identity": self.model_identity,
+            "expert_bits": "" if self.expert_bits is None else str(int(self.expert_bits)),
+            "ctx_size": str(self.ctx_size),
+            "tokens": str(len(tokens)),
+            "text_bytes": str(len(text_b)),
+            "hits": "0",
+            "created": repr(now),
+            "last_used": repr(now),
+            "reason": reason,
+            "tool_count": str(len(tools)),
+            "session_meta": json.dumps(meta, ensure_ascii=False, sort_keys=True),
+            "digest": _digest(tensors),
+        }
+        estimate = self._size_upper_bound(tensors, header)
+        final = self.dir / f"{key}{SUFFIX}"
+        with self._lock:
+            if estimate > self.budget_bytes:
+                log.warning(
+                    "kv cache: not saving tokens=%d reason=%s: %d bytes exceed the budget %d",
+                    len(tokens), reason, estimate, self.budget_bytes,
+                )  # fmt: skip
+                return None
+            same = self._existing_same(final, key, len(tokens), tools)
+            if same is not None:
+                log.info(
+                    "kv cache: tokens=%d reason=%s already stored as %s", len(tokens), reason, key
+                )
+                return same
+            # Make room first, so the directory stays within budget even if we are killed
+            # between the rename and the eviction pass that follows it.
+            self._evict(self.budget_bytes - estimate, protect=key)
+            tmp = self.dir / _tmp_name(key)
+            t0 = time.perf_counter()
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                with os.fdopen(fd, "wb") as f:
+                    mx.save_safetensors(f, tensors, header)
+                    f.flush()
+                    # Data must be durable before the rename publishes the name; otherwise
+                    # a power loss could leave a complete-looking name over missing blocks.
+                    _fsync_file(f.fileno())
+                os.replace(tmp, final)
+                _fsync_dir(self.dir)
+            except OSError as e:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                log.warning("kv cache: save failed tokens=%d reason=%s: %s", len(tokens), reason, e)
+                return None
+            size = final.stat().st_size
+            if size > estimate:
+                log.warning("kv cache: size estimate %d < actual %d bytes", estimate, size)
+            entry = Entry(
+                key=key,
+                path=final,
+                tokens=len(tokens),
+                text_bytes=len(text_b),
+                model_identity=self.model_identity,
+                expert_bits=self.expert_bits,
+                ctx_size=self.ctx_size,
+                hits=0,
+                created=now,
+                last_used=now,
+                reason=reason,
+                size=size,
+                tool_count=len(tools),
+                head=_head(text_b),
+            )
+            self._failed.pop(key, None)
+            if size > self.budget_bytes:
+                self._unlink(entry.path)
+                return None
+            self._evict(self.budget_bytes, protect=key)
+            log.info(
+                "kv cache: stored tokens=%d reason=%s key=%s size=%.2f MiB save=%.1f ms",
+                len(tokens), reason, key, size / 2**20, (time.perf_counter() - t0) * 1e3,
+            )  # fmt: skip
+            return entry
+
+    @staticmethod
+    def _size_upper_bound(tensors: Mapping[str, mx.array], header: Mapping[str, str]) -> int:
+        # safetensors = 8-byte length + JSON header (metadata + per-tensor dtype, shape,
+        # offsets) padded to 8 + raw data. Bound the JSON generously: escaping can at most
+        # ~6x a metadata string, and each tensor entry is its name plus < 160 bytes.
+        meta_json = sum(6 * (len(k) + len(v)) + 8 for k, v in header.items())
+        tensor_json = sum(6 * len(n) + 160 + 24 * len(a.shape) for n, a in tensors.items())
+        return 8 + meta_json + tensor_json + 64 + sum(a.nbytes for a in tensors.values())
+
+    def _existing_same(
+        self, final: Path, key: str, n_tokens: int, tools: Mapping[str, str]
+    ) -> Entry | None:
+        """An existing valid compatible file with the same text, token count and a tool
+        map holding ``tools``: rewriting it would only cost I/O and reset its hits."""
+        try:
+            e = read_entry(final)
+        except (FileNotFoundError, KVStoreError):
+            return None
+        if not self._compatible(e) or e.tokens != n_tokens:
+            return None
+        if tools:
+            try:
+                with safe_open(str(final), framework="numpy") as f:
+                    stored = json.loads(f.get_tensor(TOOLS_KEY).tobytes().decode("utf-8"))
+            except Exception:
+                return None
+            if any(stored.get(k) != v for k, v in tools.items()):
+                return None
+        self._refresh_index()
+        return _apply_index(e, self._index)
+
+    # ---------------------------------------------------------------- statistics
+
+    def _record_hit(self, e: Entry) -> None:
+        self._refresh_index()
+        index = dict(self._index)
+        index[e.key] = {"created": e.created, "hits": e.hits, "last_used": e.last_used}
+        live = {m.group(1) for de in _list_dir(self.dir) if (m := _FILE_RE.match(de.name))}
+        index = {k: v for k, v in index.items() if k in live}
+        self._write_index(index)
+
+    def _write_index(self, index: Mapping[str, dict]) -> None:
+        data = json.dumps({"version": 1, "entries": index}, sort_keys=True).encode()
+        tmp = self.dir / _tmp_name("index")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.dir / INDEX_NAME)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            log.warning("kv cache: could not write hit index: %s", e)
+            return
+        self._index = dict(index)
+        with contextlib.suppress(FileNotFoundError):
+            st = (self.dir / INDEX_NAME).stat()
+            self._index_sig = (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    # ---------------------------------------------------------------- eviction
+
+    def _unlink(self, path: Path) -> bool:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        self._cache.pop(path.name, None)
+        return True
+
+    def _evict(self, target_bytes: int, *, protect: str | None) -> list[Entry | BadFile]:
+        """Delete files, lowest score first, until the directory holds ≤ target bytes."""
+        scan = self.scan()
+        total = scan.total_bytes
+        now = time.time()
+        ranked: list[tuple[float, float, Entry | BadFile]] = [
+            (-math.inf, 0.0, b) for b in scan.bad
+        ] + [(eviction_score(e, now), e.last_used, e) for e in scan.entries if e.key != protect]
+        ranked.sort(key=lambda t: (t[0], t[1]))
+        gone: list[Entry | BadFile] = []
+        for _, _, item in ranked:
+            if total <= target_bytes:
+                break
+            if self._unlink(item.path):
+                log.info(
+                    "kv cache: evicted %s (%s, %d bytes)",
+                    item.path.name,
+                    item.reason
+                    if isinstance(item, BadFile)
+                    else f"tokens={item.tokens} hits={item.hits}",
+                    item.size,
+                )
+                gone.append(item)
+            total -= item.size
+        return gone
+
+    def evict(self) -> list[Entry | BadFile]:
+        """Evict down to the budget now (e.g. after the budget was lowered)."""
+        with self._lock:
+            return self._evict(self.budget_bytes, protect=None)
+
+    def remove(self, key: str) -> bool:
+        """Delete the snapshot ``key`` (full SHA-1 hex). True if a file was removed."""
+        with self._lock:
+            return self._unlink(self.dir / f"{key}{SUFFIX}")
