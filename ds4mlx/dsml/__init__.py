@@ -1,1 +1,76 @@
-"""ds4mlx.dsml."""
+"""ds4mlx.dsml: DeepSeek V4 prompt rendering and DSML tool-call parsing (DESIGN.md §4).
+
+Stdlib only. The public API:
+
+- `Conversation`, `Message`, `ToolCall`, `ToolSpec`: the neutral conversation model.
+- `render_prompt`, `render_segments`, `render_tool_results_suffix`,
+  `render_assistant_turn`, `render_tool_calls`, `render_invoke`, `canonical_invoke`,
+  `render_tools_section`, `think_max_active`: rendering (byte-identical to
+  DeepSeek's ``encoding_dsv4.py``).
+- `StreamDecoder`, `decode_text` and the events `ThinkingDelta`, `TextDelta`,
+  `ToolCallStart`, `ToolCallArgsDelta`, `ToolCallEnd`, `ParseError`; `DecodeResult`.
+- `ToolMemory`, `new_tool_id`, `StopMatcher`; special tokens in `ds4mlx.dsml.tokens`.
+"""
+
+from .conversation import ROLES, Conversation, Message, Role, ToolCall, ToolSpec
+from .decoder import (
+    DecodeResult,
+    Event,
+    ParseError,
+    StreamDecoder,
+    TextDelta,
+    ThinkingDelta,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    decode_text,
+)
+from .ids import new_tool_id
+from .render import (
+    Segment,
+    canonical_invoke,
+    render_assistant_turn,
+    render_invoke,
+    render_prompt,
+    render_segments,
+    render_tool_calls,
+    render_tool_results_suffix,
+    render_tools_section,
+    think_max_active,
+)
+from .stops import StopMatcher
+from .tokens import THINK_MAX_MIN_CONTEXT
+from .tool_memory import ToolMemory
+
+__all__ = [
+    "ROLES",
+    "THINK_MAX_MIN_CONTEXT",
+    "Conversation",
+    "DecodeResult",
+    "Event",
+    "Message",
+    "ParseError",
+    "Role",
+    "Segment",
+    "StopMatcher",
+    "StreamDecoder",
+    "TextDelta",
+    "ThinkingDelta",
+    "ToolCall",
+    "ToolCallArgsDelta",
+    "ToolCallEnd",
+    "ToolCallStart",
+    "ToolMemory",
+    "ToolSpec",
+    "canonical_invoke",
+    "decode_text",
+    "new_tool_id",
+    "render_assistant_turn",
+    "render_invoke",
+    "render_prompt",
+    "render_segments",
+    "render_tool_calls",
+    "render_tool_results_suffix",
+    "render_tools_section",
+    "think_max_active",
+]

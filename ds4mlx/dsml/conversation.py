@@ -46,13 +46,28 @@ class ToolCall:
 
 @dataclass
 class Message:
-    """One turn. ``tool_call_id`` is set for role ``tool`` (the result's call id)."""
+    """One turn. ``tool_call_id`` is set for role ``tool`` (the result's call id).
+
+    The last three fields are DeepSeek-internal extras of ``encoding_dsv4.py`` that
+    protocol routes normally leave at their defaults:
+
+    - ``tools``: tools attached to this ``system``/``developer`` message (the official
+      encoding renders the tools section after that message's text). Prefer
+      ``Conversation.tools``, which the renderer attaches to the leading system message.
+    - ``task``: one of ``action``, ``query``, ``authority``, ``domain``, ``title``,
+      ``read_url`` (DeepSeek's quick-instruction tasks); None for normal turns.
+    - ``response_format``: a JSON schema dict rendered as a "## Response Format"
+      section after a ``system``/``developer`` message's text.
+    """
 
     role: Role
     content: str = ""
     reasoning: str | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_call_id: str | None = None
+    tools: list[ToolSpec] = field(default_factory=list)
+    task: str | None = None
+    response_format: dict[str, Any] | None = None
 
 
 @dataclass

