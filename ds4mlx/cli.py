@@ -46,13 +46,9 @@ def _load_engine(model: str, ctx_size: int | None):
 
 def _chat_prompt(text: str, *, thinking: bool) -> str:
     """One user message in the DS4 chat format, generation opened (thinking or not)."""
-    try:
-        from ds4mlx.dsml import render_prompt
-        from ds4mlx.dsml.conversation import Conversation, Message
-    except ImportError:
-        from ds4mlx.tokenizer import ASSISTANT, BOS, THINK, THINK_END, USER
+    from ds4mlx.dsml import render_prompt
+    from ds4mlx.dsml.conversation import Conversation, Message
 
-        return f"{BOS}{USER}{text}{ASSISTANT}{THINK if thinking else THINK_END}"
     return render_prompt(Conversation(messages=[Message("user", text)], thinking=thinking))
 
 

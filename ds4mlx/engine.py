@@ -17,6 +17,7 @@ Typical use::
 from __future__ import annotations
 
 import hashlib
+import inspect
 import io
 import json
 import os
@@ -644,9 +645,15 @@ def _max_positions(args, config: dict) -> int | None:
 
 
 def _last_logits_fn(model) -> Callable[[mx.array, list], mx.array]:
-    """``f(tokens (1, L) int32, cache) -> float32 (vocab,)`` logits after the last token."""
+    """``f(tokens (1, L) int32, cache) -> float32 (vocab,)`` logits after the last token.
 
-    def f(x, cache):
-        return model(x, cache)[0, -1].astype(mx.float32)
-
-    return f
+    Uses the network's ``last_only`` switch when it has one, so a prefill chunk runs the
+    vocab projection (129280 × 4096 for Flash) on one row instead of ``L``.
+    """
+    try:
+        last_only = "last_only" in inspect.signature(model.__call__).parameters
+    except (TypeError, ValueError):
+        last_only = False
+    if last_only:
+        return lambda x, cache: model(x, cache, last_only=True)[0, -1].astype(mx.float32)
+    return lambda x, cache: model(x, cache)[0, -1].astype(mx.float32)
