@@ -36,10 +36,11 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
 def _load_engine(model: str, ctx_size: int | None):
     """Load an engine, turning load errors into one readable line on stderr."""
     from ds4mlx.engine import Engine
+    from ds4mlx.model.loading import LoadError
 
     try:
         return Engine.load(model, ctx_size=ctx_size)
-    except (OSError, ValueError, RuntimeError) as e:
+    except (LoadError, OSError, ValueError, RuntimeError) as e:
         print(f"ds4mlx: cannot load model {model}: {e}", file=sys.stderr)
         return None
 
@@ -196,8 +197,9 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 
 
 def _cmd_kv(args: argparse.Namespace) -> int:
-    print("ds4mlx kv: not yet", file=sys.stderr)
-    return 2
+    from ds4mlx.kv.cli import run
+
+    return run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -273,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_agent)
 
     p = sub.add_parser("kv", help="inspect the disk KV cache")
+    from ds4mlx.kv.cli import configure_parser as _kv_parser
+
+    _kv_parser(p)
     p.set_defaults(func=_cmd_kv)
     return parser
 

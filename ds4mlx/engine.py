@@ -610,13 +610,15 @@ class Engine:
         self.session = Session(self)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, *, ctx_size: int | None = None) -> Engine:
+    def load(cls, path: str | os.PathLike, *, ctx_size: int | None = None, dtype=None) -> Engine:
         """Load the checkpoint directory ``path`` (config.json, *.safetensors, tokenizer).
 
         Args:
             path: checkpoint directory.
             ctx_size: context size in tokens; default ``default_ctx_size`` (the model's
                 limit capped at 65536 on a GPU, 32768 on the CPU).
+            dtype: compute dtype of unquantized weights; default bfloat16 on a GPU and
+                float32 on the CPU, where MLX has no fast half-precision arithmetic.
         Raises:
             ds4mlx.model.loading.LoadError: unreadable or unsupported checkpoint.
             ds4mlx.tokenizer.TokenizerError: unusable tokenizer.
@@ -625,7 +627,9 @@ class Engine:
         from ds4mlx.model.loading import load_model
 
         path = Path(path)
-        model, args = load_model(path)
+        if dtype is None:
+            dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
+        model, args = load_model(str(path), dtype=dtype)
         with open(path / "config.json") as f:
             config = json.load(f)
         return cls(model, args, Tokenizer.load(path), path=path, config=config, ctx_size=ctx_size)
