@@ -448,6 +448,39 @@ def scan_dir(dir: str | os.PathLike, *, verify_key: bool = True) -> ScanResult:
     return out
 
 
+def match_keys(dir: str | os.PathLike, prefix: str) -> list[Path]:
+    """Snapshot files in ``dir`` whose key starts with ``prefix`` (case-insensitive)."""
+    prefix = prefix.lower()
+    return sorted(
+        Path(de.path)
+        for de in _list_dir(Path(dir))
+        if _FILE_RE.match(de.name) and de.name.startswith(prefix)
+    )
+
+
+def clear_dir(dir: str | os.PathLike) -> int:
+    """Remove every snapshot file, the hit index and dead writers' temp files from
+    ``dir``; returns the number of snapshot files removed. Files of other names are
+    left alone."""
+    n = 0
+    for de in _list_dir(Path(dir)):
+        tmp = _TMP_RE.match(de.name)
+        snap = _FILE_RE.match(de.name) is not None
+        if snap or (tmp and not _pid_alive(int(tmp.group(1)))):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(de.path)
+                n += snap
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(Path(dir) / INDEX_NAME)
+    return n
+
+
+def with_hits(entry: Entry, dir: str | os.PathLike | None = None) -> Entry:
+    """``entry`` with hit count and last-used time from the sidecar index of ``dir``
+    (default: the entry's directory)."""
+    return _apply_index(entry, read_index(dir if dir is not None else entry.path.parent))
+
+
 def eviction_score(entry: Entry, now: float) -> float:
     """Keep-value of ``entry`` at ``now`` (Unix seconds); lower is evicted first.
 
