@@ -1,0 +1,311 @@
+"""Shell jobs for the agent's ``bash`` tools: run, poll, time out, stop.
+
+Every command runs as ``bash -c COMMAND`` in its own process group (session), with
+stdin closed and stderr merged into stdout. A reader thread drains the pipe into a
+bounded buffer that keeps the head and the tail of unread output and drops the
+middle, so a chatty command can neither block on a full pipe nor fill memory.
+Stopping a job signals the whole process group (SIGTERM, then SIGKILL after a
+grace period), so children started by the command die with it.
+
+Times are in seconds (``time.monotonic``); buffer sizes in bytes.
+"""
+
+from __future__ import annotations
+
+import codecs
+import itertools
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+# Non-interactive defaults: the agent cannot answer a pager or a credential prompt.
+_ENV_OVERRIDES = {
+    "PAGER": "cat",
+    "GIT_PAGER": "cat",
+    "GIT_TERMINAL_PROMPT": "0",
+    "NO_COLOR": "1",
+}
+
+# How long to wait for the pipe to close after the main process exited. A command
+# that leaves a background child holding stdout would otherwise block us forever.
+_DRAIN_S = 0.5
+
+
+class _HeadTailBuffer:
+    """Unread bytes: the first ``limit/2`` and the last ``limit/2`` once over ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(limit, 2)
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.dropped = 0
+        self.overflow = False
+
+    def append(self, data: bytes) -> None:
+        if not self.overflow:
+            self.head += data
+            if len(self.head) <= self.limit:
+                return
+            half = self.limit // 2
+            self.overflow = True
+            data = bytes(self.head[half:])
+            del self.head[half:]
+        self.tail += data
+        excess = len(self.tail) - self.limit // 2
+        if excess > 0:
+            self.dropped += excess
+            del self.tail[:excess]
+
+    def take(self) -> tuple[bytes, int, bytes]:
+        out = bytes(self.head), self.dropped, bytes(self.tail)
+        self.head.clear()
+        self.tail.clear()
+        self.dropped = 0
+        self.overflow = False
+        return out
+
+
+class Job:
+    """One running (or finished) shell command.
+
+    Args:
+        handle: the id the model uses (``job_N``).
+        command: the bash command line.
+        cwd: working directory.
+        timeout: seconds after which the job is stopped and marked ``timed_out``;
+            None for no limit.
+        buffer_bytes: cap on unread output kept between polls (head + tail).
+        kill_grace: seconds between SIGTERM and SIGKILL when stopping.
+        env: extra environment variables (merged over ``os.environ``).
+
+    Raises:
+        OSError: bash could not be started.
+    """
+
+    def __init__(
+        self,
+        handle: str,
+        command: str,
+        cwd: Path,
+        *,
+        timeout: float | None = None,
+        buffer_bytes: int = 1 << 20,
+        kill_grace: float = 2.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.handle = handle
+        self.command = command
+        self.kill_grace = kill_grace
+        self.timeout = timeout
+        self.timed_out = False
+        self.stopped = False
+        full_env = {**os.environ, **_ENV_OVERRIDES, **(env or {})}
+        self.started = time.monotonic()
+        self.ended: float | None = None
+        self._proc = subprocess.Popen(
+            ["bash", "-c", command],
+            cwd=cwd,
+            env=full_env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # own process group: killpg reaches its children
+        )
+        self.pid = self._proc.pid
+        self._lock = threading.Lock()
+        self._new = threading.Condition(self._lock)
+        self._buf = _HeadTailBuffer(buffer_bytes)
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._eof = threading.Event()
+        self._reader = threading.Thread(target=self._read, name=f"job-{handle}", daemon=True)
+        self._reader.start()
+        self._timer: threading.Timer | None = None
+        if timeout is not None:
+            self._timer = threading.Timer(timeout, self._on_timeout)
+            self._timer.daemon = True
+            self._timer.start()
+
+    # --- state -----------------------------------------------------------------
+
+    @property
+    def returncode(self) -> int | None:
+        """Exit status (negative: killed by that signal), or None while running."""
+        code = self._proc.poll()
+        if code is not None and self.ended is None:
+            self.ended = time.monotonic()
+        return code
+
+    @property
+    def running(self) -> bool:
+        return self.returncode is None
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds since start, until exit once it exited."""
+        self.returncode  # noqa: B018 - refreshes `ended`
+        return (self.ended or time.monotonic()) - self.started
+
+    @property
+    def output_open(self) -> bool:
+        """True if the process exited but something it started still holds its output."""
+        return not self.running and not self._eof.is_set()
+
+    # --- output ----------------------------------------------------------------
+
+    def _read(self) -> None:
+        fd = self._proc.stdout.fileno()
+        try:
+            while True:
+                data = os.read(fd, 65536)
+                if not data:
+                    break
+                with self._new:
+                    self._buf.append(data)
+                    self._new.notify_all()
+        except OSError:
+            pass
+        finally:
+            self._eof.set()
+            with self._new:
+                self._new.notify_all()
+            self._proc.stdout.close()
+
+    def read_new(self) -> str:
+        """Output produced since the previous call, decoded as UTF-8 (bad bytes replaced).
+
+        If more than ``buffer_bytes`` accumulated, the middle is replaced by a
+        ``[… N bytes of output dropped …]`` line.
+        """
+        with self._lock:
+            # Check EOF before taking: the reader sets it only after its last append.
+            final = self._eof.is_set()
+            head, dropped, tail = self._buf.take()
+        if not dropped:
+            return self._decoder.decode(head, final=final)
+        text = self._decoder.decode(head, final=True)
+        self._decoder.reset()
+        sep = "" if not text or text.endswith("\n") else "\n"
+        marker = f"{sep}[… {dropped} bytes of output dropped …]\n"
+        return text + marker + self._decoder.decode(tail, final=final)
+
+    def wait_output(self, timeout: float) -> None:
+        """Block up to ``timeout`` seconds until there is unread output or the job ended."""
+        deadline = time.monotonic() + timeout
+        with self._new:
+            while not self._buf.head and not self._eof.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.running:
+                    return
+                self._new.wait(min(left, 0.1))
+
+    # --- lifecycle -------------------------------------------------------------
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Wait up to ``timeout`` seconds for the job to exit; return its code or None.
+
+        After the exit, waits briefly for the output pipe to close so the caller
+        sees the complete output.
+        """
+        try:
+            code = self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        self._eof.wait(_DRAIN_S)
+        return code
+
+    def stop(self, grace: float | None = None) -> int | None:
+        """Stop the job's whole process group: SIGTERM, then SIGKILL after ``grace`` s.
+
+        Safe to call on a finished job (it still kills leftover children). Returns the
+        exit code (negative signal number when killed), None if the process survived.
+        """
+        grace = self.kill_grace if grace is None else grace
+        if self._timer is not None:
+            self._timer.cancel()
+        if self.running:
+            self.stopped = True
+        self._signal(signal.SIGTERM)
+        code = self.wait(grace)
+        # Kill stragglers in the group even when the leader exited on SIGTERM.
+        self._signal(signal.SIGKILL)
+        if code is None:
+            code = self.wait(grace)
+        else:
+            self._eof.wait(_DRAIN_S)  # leftovers just died: let the reader see EOF
+        return code
+
+    def _signal(self, sig: int) -> None:
+        # The group id is the leader's pid; it cannot be reused while any member of
+        # the group lives, and once the group is empty killpg fails with ESRCH.
+        try:
+            os.killpg(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass  # group already gone
+
+    def _on_timeout(self) -> None:
+        if self.running:
+            self.timed_out = True
+            self.stop()
+
+
+class JobManager:
+    """Background jobs of one agent session, addressed by handle (``job_1``, ``job_2`` …).
+
+    Args:
+        buffer_bytes: cap on unread output per job, bytes.
+        kill_grace: seconds between SIGTERM and SIGKILL when stopping.
+    """
+
+    def __init__(self, *, buffer_bytes: int = 1 << 20, kill_grace: float = 2.0) -> None:
+        self.buffer_bytes = buffer_bytes
+        self.kill_grace = kill_grace
+        self._jobs: dict[str, Job] = {}
+        self._ids = itertools.count(1)
+
+    def start(
+        self, command: str, cwd: Path, *, timeout: float | None = None, register: bool = True
+    ) -> Job:
+        """Start ``command`` in ``cwd``; ``register=False`` for foreground runs (no handle kept).
+
+        Raises:
+            OSError: bash could not be started.
+        """
+        # Foreground runs get no number so the model's job handles stay job_1, job_2 …
+        handle = f"job_{next(self._ids)}" if register else "foreground"
+        job = Job(
+            handle,
+            command,
+            cwd,
+            timeout=timeout,
+            buffer_bytes=self.buffer_bytes,
+            kill_grace=self.kill_grace,
+        )
+        if register:
+            self._jobs[handle] = job
+        return job
+
+    def get(self, handle: str) -> Job:
+        """The job with this handle.
+
+        Raises:
+            KeyError: unknown handle (message lists the known ones).
+        """
+        job = self._jobs.get(handle)
+        if job is None:
+            known = ", ".join(self._jobs) or "none"
+            raise KeyError(f"unknown job handle {handle!r} (known: {known})")
+        return job
+
+    @property
+    def jobs(self) -> list[Job]:
+        """All background jobs of the session, oldest first (running or not)."""
+        return list(self._jobs.values())
+
+    def stop_all(self) -> None:
+        """Stop every job that is still running (session end)."""
+        for job in self._jobs.values():
+            if job.running:
+                job.stop()
