@@ -49,6 +49,8 @@ DEFAULT_READ_LIMIT = 2000  # lines
 MAX_LIST_ENTRIES = 5000
 MAX_SEARCH_FILE_BYTES = 10 << 20
 MAX_MATCH_LINE_CHARS = 300
+MAX_RUNNING_JOBS = 16
+MAX_SUMMARY_CHARS = 8000  # permission prompts: enough to judge, bounded for the terminal
 _BINARY_SNIFF_BYTES = 8192
 _SKIP_DIRS = frozenset({".git"})
 
@@ -667,6 +669,8 @@ class Toolbox:
         if path.is_dir():
             raise ToolError(FAILED, f"{rel} is a directory")
         exists = path.exists()
+        if exists and not path.is_file():  # a FIFO or device would block or misbehave
+            raise ToolError(FAILED, f"{rel} is not a regular file")
         if exists:
             try:
                 old = path.read_text(encoding="utf-8")
@@ -893,8 +897,15 @@ class Toolbox:
             timeout = self.bash_timeout
         limit = f"timeout {timeout:g} s" if timeout is not None else "no timeout"
         mode = "background job" if background else "foreground"
-        self._ask("bash", f"run ({mode}, {limit}) in {self.workspace}:\n{command}")
+        self._ask("bash", f"run ({mode}, {limit}) in {self.workspace}:\n{_cap(command)}")
         if background:
+            running = [j.handle for j in self.jobs.jobs if j.running]
+            if len(running) >= MAX_RUNNING_JOBS:
+                raise ToolError(
+                    FAILED,
+                    f"too many background jobs running ({', '.join(running)}); "
+                    "stop one with bash_stop first",
+                )
             job = self.jobs.start(command, self.workspace, timeout=timeout)
             return _Result(
                 f"started background job {job.handle} (pid {job.pid}, {limit}). Poll it with "
@@ -1003,7 +1014,7 @@ def _diff(old: str | None, new: str, rel: str, max_lines: int = 80) -> str:
     )
     if len(lines) > max_lines:
         lines = lines[:max_lines] + [f"… {len(lines) - max_lines} more diff lines\n"]
-    return "".join(line if line.endswith("\n") else line + "\n" for line in lines)
+    return _cap("".join(line if line.endswith("\n") else line + "\n" for line in lines))
 
 
 def _preview(content: str, max_lines: int = 20) -> str:
@@ -1011,4 +1022,8 @@ def _preview(content: str, max_lines: int = 20) -> str:
     shown = "".join(lines[:max_lines])
     if len(lines) > max_lines:
         shown += f"… {len(lines) - max_lines} more lines\n"
-    return shown
+    return _cap(shown)
+
+
+def _cap(text: str, limit: int = MAX_SUMMARY_CHARS) -> str:
+    return text if len(text) <= limit else text[:limit] + f"… ({len(text) - limit} more chars)\n"
