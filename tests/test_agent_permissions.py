@@ -224,3 +224,13 @@ def test_ask_exceptions_propagate(ws: Path) -> None:
     with pytest.raises(KeyboardInterrupt):
         tb.run("write", {"path": "a.txt", "content": "1"})
     assert not (ws / "a.txt").exists()
+
+
+def test_ask_errors_propagate_unchanged(ws: Path) -> None:
+    def ask(tool: str, summary: str) -> str:
+        raise EOFError("stdin closed")
+
+    tb = Toolbox(ws, Permissions(ask))
+    with pytest.raises(EOFError, match="stdin closed"):
+        tb.run("bash", {"command": "touch x"})
+    assert not (ws / "x").exists()

@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 
 from ds4mlx.agent.jobs import JobManager
@@ -552,3 +554,42 @@ def test_describe(tb: Toolbox) -> None:
     assert tb.describe("read", {"path": "a.py", "offset": 3}) == "read path=a.py offset=3"
     text = tb.describe("write", {"path": "a", "content": "x\n" * 100})
     assert "⏎" in text and len(text) < 100
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    text=st.text(alphabet=st.sampled_from("ab\n é"), max_size=3000),
+    budget=st.integers(64, 200),
+)
+def test_shape_then_more_reconstructs_the_output(text: str, budget: int) -> None:
+    store = OutputStore(budget)
+    shaped = store.shape(text)
+    assert approx_tokens(shaped.text) <= budget
+    if shaped.handle is None:
+        assert shaped.text == text
+        return
+    item = store._items[shaped.handle]  # where the cut is, to check the pieces
+    head_end, tail_start = item.cursor, item.tail_start
+    assert shaped.text.startswith(text[:head_end])
+    assert shaped.text.endswith(text[tail_start:])
+    assert 0 < tail_start - head_end
+    pieces = []
+    for _ in range(len(text) + 2):
+        before = item.cursor
+        chunk = store.more(shaped.handle)
+        assert approx_tokens(chunk) <= budget
+        if chunk.startswith("[end of the cut part"):
+            break
+        assert item.cursor > before  # always progresses
+        piece = text[before : item.cursor]
+        assert chunk.startswith(piece) and chunk[len(piece) :].lstrip("\n").startswith("[lines ")
+        pieces.append(piece)
+    assert "".join(pieces) == text[head_end:tail_start]
+
+
+def test_bash_spec_states_the_real_default_timeout(ws: Path) -> None:
+    tb = Toolbox(ws, Permissions(), bash_timeout=42)
+    bash = next(s for s in tb.specs if s.name == "bash")
+    assert "Foreground default: 42;" in bash.parameters["properties"]["timeout"]["description"]
+    bash.parameters["properties"].clear()  # callers get copies
+    assert tb.specs[6].parameters["properties"]

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 CountTokens = Callable[[str], int]
 
-# A character is never more than this many tokens for any tokenizer we use (byte
-# BPE worst case is one token per UTF-8 byte, at most 4). It bounds how much text
-# has to be measured before we know it is over budget.
+# A token practically never covers more characters than this, so a budget of N
+# tokens never needs more than N * 32 characters measured. Guessing too low here
+# would only cut an output that might just have fit; it never overruns a budget.
 _MAX_CHARS_PER_TOKEN = 32
 
 

@@ -17,6 +17,7 @@ Tools: ``read``, ``more``, ``write``, ``edit``, ``list``, ``search``, ``bash``,
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import os
@@ -84,6 +85,10 @@ class ToolError(Exception):
         super().__init__(message)
         self.kind = kind
         self.message = message
+
+
+class _CallbackError(Exception):
+    """Carries an exception raised by the permission callback out of the tool."""
 
 
 @dataclass
@@ -430,17 +435,24 @@ class Toolbox:
             "bash_status": self._bash_status,
             "bash_stop": self._bash_stop,
         }
+        specs = copy.deepcopy(TOOL_SPECS)
+        for spec in specs:
+            if spec.name == "bash":  # tell the model the real default
+                spec.parameters["properties"]["timeout"]["description"] = (
+                    f"Seconds before the command is stopped. Foreground default: "
+                    f"{bash_timeout:g}; background default: no limit."
+                )
         self._tools = {
             spec.name: _Tool(spec, impls[spec.name], Draft202012Validator(spec.parameters))
-            for spec in TOOL_SPECS
+            for spec in specs
         }
 
     # --- public API ------------------------------------------------------------
 
     @property
     def specs(self) -> list[ToolSpec]:
-        """The tool definitions to offer the model (``Conversation.tools``)."""
-        return [t.spec for t in self._tools.values()]
+        """The tool definitions to offer the model (``Conversation.tools``); copies."""
+        return [copy.deepcopy(t.spec) for t in self._tools.values()]
 
     @property
     def names(self) -> list[str]:
@@ -495,6 +507,8 @@ class Toolbox:
             )
         except ToolError as exc:
             return self._error(exc.kind, exc.message)
+        except _CallbackError as exc:
+            raise exc.__cause__ from None
         except (KeyboardInterrupt, SystemExit):
             raise
         except FileNotFoundError as exc:
@@ -607,7 +621,11 @@ class Toolbox:
             return os.fsdecode(filename)
 
     def _ask(self, tool: str, summary: str) -> None:
-        if not self.permissions.request(tool, summary):
+        try:
+            allowed = self.permissions.request(tool, summary)
+        except Exception as exc:  # the UI's problem, not the model's: re-raised by run()
+            raise _CallbackError() from exc
+        if not allowed:
             first = summary.splitlines()[0] if summary else tool
             raise ToolError(
                 PERMISSION_DENIED,
