@@ -63,7 +63,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -582,6 +582,7 @@ class DiskKVStore:
         reject_different_quant: also require the same ``expert_bits`` on lookup.
         read_only: never modify the directory (no temp cleanup, no hit statistics);
             for inspection from another process.
+        clock: current time in Unix seconds (tests inject one).
 
     Opening removes temp files left by dead writers. All methods are safe to call from
     one thread while other processes add or remove files in ``dir`` (a file that
@@ -602,6 +603,7 @@ class DiskKVStore:
         expert_bits: int | None,
         reject_different_quant: bool = False,
         read_only: bool = False,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
@@ -614,6 +616,7 @@ class DiskKVStore:
         self.expert_bits = expert_bits
         self.reject_different_quant = reject_different_quant
         self.read_only = read_only
+        self._clock = clock
         self._lock = threading.RLock()
         # name -> (stat signature, Entry | BadFile); re-read only when a file changes.
         self._cache: dict[str, tuple[tuple, Entry | BadFile]] = {}
@@ -737,9 +740,10 @@ class DiskKVStore:
         """Read and verify ``entry``; count a hit (hits + 1, last_used = now).
 
         Raises:
-            KVStoreError: the file is corrupt, foreign, incompatible or vanished. The
-                failure is logged and the file is reported as bad from then on (until
-                it changes); it is not deleted.
+            KVStoreError: the file is incompatible (another model identity, context size
+                or, with ``reject_different_quant``, expert bits), vanished, or corrupt.
+                A corrupt file is logged and reported as bad from then on (until it
+                changes); it is not deleted.
         """
         with self._lock:
             try:
@@ -747,20 +751,22 @@ class DiskKVStore:
                 sig = (st.st_ino, st.st_mtime_ns, st.st_size)
             except FileNotFoundError as e:
                 raise KVStoreError(f"{entry.path} vanished") from e
+            if not self._compatible(entry):
+                raise KVStoreError(f"{entry.path} is for another model, context or quantization")
             try:
                 loaded = load_file(entry.path)
-                if not self._compatible(loaded.entry):
-                    raise KVStoreError("snapshot is for another model, context or quantization")
             except FileNotFoundError as e:
                 raise KVStoreError(f"{entry.path} vanished") from e
             except KVStoreError as e:
                 self._failed[entry.key] = sig
                 log.warning("kv cache: not loading %s: %s", entry.path, e)
                 raise
+            if not self._compatible(loaded.entry):  # replaced since the scan: not ours now
+                raise KVStoreError(f"{entry.path} is for another model, context or quantization")
             self._refresh_index()
             e2 = replace(_apply_index(loaded.entry, self._index), size=st.st_size)
             if count_hit and not self.read_only:
-                e2 = replace(e2, hits=e2.hits + 1, last_used=max(time.time(), e2.created))
+                e2 = replace(e2, hits=e2.hits + 1, last_used=max(self._clock(), e2.created))
                 self._record_hit(e2)
             loaded.entry = e2
             return loaded
@@ -873,7 +879,7 @@ class DiskKVStore:
                 raise ValueError(f"arrays must be str -> mx.array (bad entry {name!r})")
             tensors[SESSION_PREFIX + name] = mx.contiguous(a)
         mx.eval(list(tensors.values()))
-        now = time.time()
+        now = self._clock()
         header = {
             "format": FORMAT,
             "version": str(VERSION),
@@ -957,12 +963,19 @@ class DiskKVStore:
 
     @staticmethod
     def _size_upper_bound(tensors: Mapping[str, mx.array], header: Mapping[str, str]) -> int:
-        # safetensors = 8-byte length + JSON header (metadata + per-tensor dtype, shape,
-        # offsets) padded to 8 + raw data. Bound the JSON generously: escaping can at most
-        # ~6x a metadata string, and each tensor entry is its name plus < 160 bytes.
-        meta_json = sum(6 * (len(k) + len(v)) + 8 for k, v in header.items())
-        tensor_json = sum(6 * len(n) + 160 + 24 * len(a.shape) for n, a in tensors.items())
-        return 8 + meta_json + tensor_json + 64 + sum(a.nbytes for a in tensors.values())
+        # safetensors = 8-byte length + compact JSON header ({"__metadata__": {...},
+        # name: {"data_offsets": [a, b], "dtype": "XXX", "shape": [...]}, ...}) padded to
+        # 8 bytes + raw data. ASCII-escaped JSON is never shorter than raw UTF-8 JSON, so
+        # its length bounds the metadata whichever way the writer escapes; a tensor entry
+        # is its quoted name plus < 64 bytes of keys and punctuation plus ≤ 21 bytes per
+        # number.
+        meta_json = len(json.dumps(dict(header), ensure_ascii=True, separators=(",", ":")))
+        tensor_json = sum(
+            len(json.dumps(n, ensure_ascii=True)) + 64 + 21 * (2 + len(a.shape))
+            for n, a in tensors.items()
+        )
+        data = sum(a.nbytes for a in tensors.values())
+        return 8 + len('{"__metadata__":}') + meta_json + tensor_json + 8 + data
 
     def _existing_same(
         self, final: Path, key: str, n_tokens: int, tools: Mapping[str, str]
@@ -1029,7 +1042,7 @@ class DiskKVStore:
         """Delete files, lowest score first, until the directory holds ≤ target bytes."""
         scan = self.scan()
         total = scan.total_bytes
-        now = time.time()
+        now = self._clock()
         ranked: list[tuple[float, float, Entry | BadFile]] = [
             (-math.inf, 0.0, b) for b in scan.bad
         ] + [(eviction_score(e, now), e.last_used, e) for e in scan.entries if e.key != protect]

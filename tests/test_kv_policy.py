@@ -1,0 +1,176 @@
+"""Disk-cache save policy (ds4mlx/kv/policy.py): pure functions over token counts.
+
+The numeric cases follow ds4's own server tests for the same settings, so ds4mlx saves
+at the same points as ds4 with the same flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from ds4mlx.kv.policy import (
+    KVCacheSettings,
+    SavePoint,
+    SaveTracker,
+    add_arguments,
+    chat_anchor,
+    cold_save_point,
+    continued_save_points,
+    prefill_chunks,
+    prefill_save_points,
+    should_save_live,
+    store_len,
+)
+
+D = KVCacheSettings()
+USER, ASSISTANT = 9001, 9002
+
+
+def test_defaults_match_ds4():
+    assert (D.min_tokens, D.cold_max_tokens, D.continued_interval_tokens) == (512, 30000, 10000)
+    assert (D.boundary_trim_tokens, D.boundary_align_tokens) == (32, 2048)
+    assert D.disk_space_mb == 4096 and D.budget_bytes == 4096 * 2**20
+    assert not D.enabled and not D.reject_different_quant
+    assert D.continued_step == 10240  # 10000 rounded up to the 2048 alignment
+
+
+def test_settings_validation():
+    with pytest.raises(ValueError):
+        KVCacheSettings(min_tokens=0)
+    with pytest.raises(ValueError):
+        KVCacheSettings(boundary_trim_tokens=-1)
+    with pytest.raises(ValueError):
+        KVCacheSettings(cold_max_tokens=100)  # below min_tokens
+    with pytest.raises(ValueError):
+        KVCacheSettings(disk_space_mb=0)
+    KVCacheSettings(cold_max_tokens=0)  # 0 = cold saves off
+    assert KVCacheSettings(continued_interval_tokens=0).continued_step == 0
+    assert KVCacheSettings(boundary_align_tokens=0).continued_step == 10000
+
+
+def test_flags_round_trip():
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert KVCacheSettings.from_args(p.parse_args([])) == D
+    s = KVCacheSettings.from_args(
+        p.parse_args(
+            "--kv-disk-dir /tmp/kv --kv-disk-space-mb 16 --kv-cache-min-tokens 64 "
+            "--kv-cache-cold-max-tokens 1000 --kv-cache-continued-interval-tokens 300 "
+            "--kv-cache-boundary-trim-tokens 4 --kv-cache-boundary-align-tokens 128 "
+            "--kv-cache-reject-different-quant".split()
+        )
+    )
+    assert s == KVCacheSettings("/tmp/kv", 16, 64, 1000, 300, 4, 128, True)
+    assert s.enabled and s.budget_bytes == 16 * 2**20 and s.continued_step == 384
+
+
+def test_store_len_trims_and_aligns():
+    assert store_len(D, 11011) == 10240
+    assert store_len(D, 1695) == 1695  # 1663 aligns to 0 < 512: keep the whole prompt
+    assert store_len(D, 544) == 544  # not above min + trim
+    assert store_len(D, 2048 + 32) == 2048
+    assert store_len(D, 2048 + 31) == 2079
+    s = KVCacheSettings(boundary_trim_tokens=0, boundary_align_tokens=1000)
+    assert store_len(s, 3500) == 3000
+    s = KVCacheSettings(boundary_trim_tokens=0, boundary_align_tokens=0)
+    assert store_len(s, 3500) == 3500
+
+
+def test_chat_anchor_last_user_before_first_assistant():
+    s = KVCacheSettings(min_tokens=4)
+    codex = [1, 2, USER, 3, 4, USER, 5, ASSISTANT]  # environment item, then the task
+    assert chat_anchor(s, codex, user_token_id=USER, assistant_token_id=ASSISTANT) == 5
+    claude = [1, 2, 3, 4, USER, 5, ASSISTANT]
+    assert chat_anchor(s, claude, user_token_id=USER, assistant_token_id=ASSISTANT) == 4
+    multi = [1, 2, USER, 3, ASSISTANT, 4, USER, 5, ASSISTANT]  # later turns do not count
+    s2 = KVCacheSettings(min_tokens=2)
+    assert chat_anchor(s2, multi, user_token_id=USER, assistant_token_id=ASSISTANT) == 2
+    s3 = KVCacheSettings(min_tokens=3)
+    assert chat_anchor(s3, multi, user_token_id=USER, assistant_token_id=ASSISTANT) is None
+
+
+def test_cold_save_point():
+    assert cold_save_point(D, 511) is None
+    assert cold_save_point(D, 512) == 512
+    assert cold_save_point(D, 11011) == 10240
+    assert cold_save_point(D, 30000) == 28672
+    assert cold_save_point(D, 30001) is None  # continued frontiers cover long prompts
+    assert cold_save_point(KVCacheSettings(cold_max_tokens=0), 5000) is None
+    # With marker ids, the chat anchor wins when it is long enough.
+    prompt = [7] * 3000 + [USER] + [8] * 3000 + [ASSISTANT]
+    ids = {"user_token_id": USER, "assistant_token_id": ASSISTANT}
+    assert cold_save_point(D, prompt, **ids) == 3000
+    assert cold_save_point(D, prompt) == store_len(D, len(prompt)) == 4096
+    short_anchor = [7] * 100 + [USER] + [8] * 3000 + [ASSISTANT]
+    assert cold_save_point(D, short_anchor, **ids) == 2048
+
+
+def test_continued_frontiers():
+    assert continued_save_points(D, 0, 10239) == []
+    assert continued_save_points(D, 10239, 10240) == [10240]
+    assert continued_save_points(D, 10240, 10241) == []
+    assert continued_save_points(D, 0, 31000) == [10240, 20480, 30720]
+    assert continued_save_points(D, 0, 31000, last_saved=10240) == [20480, 30720]
+    assert continued_save_points(D, 24576, 30720, last_saved=24576) == [30720]
+    assert continued_save_points(D, 10240, 18432, last_saved=10240) == []
+    s = KVCacheSettings(boundary_align_tokens=0)
+    assert continued_save_points(s, 20480, 29999, last_saved=20480) == []
+    assert continued_save_points(s, 29999, 30000, last_saved=20480) == [30000]
+    small = KVCacheSettings(min_tokens=600, continued_interval_tokens=256, boundary_align_tokens=0)
+    assert continued_save_points(small, 0, 1100) == [768, 1024]  # 256, 512 < min_tokens
+    assert continued_save_points(KVCacheSettings(continued_interval_tokens=0), 0, 10**6) == []
+    assert continued_save_points(D, 500, 400) == []
+
+
+def test_prefill_save_points_merge_cold_and_continued():
+    pts = prefill_save_points(D, cached=0, prompt_tokens=25000)
+    assert pts == [
+        SavePoint(10240, "continued"),
+        SavePoint(20480, "continued"),
+        SavePoint(24576, "cold"),
+    ]
+    # A cold point on a frontier is written once, as cold.
+    assert prefill_save_points(D, cached=0, prompt_tokens=10240 + 40) == [SavePoint(10240, "cold")]
+    # Reused prefix: no cold save, only frontiers beyond what is cached.
+    assert prefill_save_points(D, cached=12000, prompt_tokens=25000) == [
+        SavePoint(20480, "continued")
+    ]
+    assert prefill_save_points(D, cached=0, prompt_tokens=100) == []
+    assert prefill_save_points(D, cached=0, prompt_tokens=1695) == [SavePoint(1695, "cold")]
+    prompt = [7] * 3000 + [USER] + [8] * 9000 + [ASSISTANT]
+    pts = prefill_save_points(
+        D, cached=0, prompt_tokens=prompt, user_token_id=USER, assistant_token_id=ASSISTANT
+    )
+    assert pts == [SavePoint(3000, "cold"), SavePoint(10240, "continued")]
+    for p in pts:
+        assert 0 < p.tokens <= len(prompt)
+
+
+def test_prefill_chunks_stop_at_save_points():
+    assert prefill_chunks(0, 5000, 2048) == [2048, 4096, 5000]
+    assert prefill_chunks(0, 5000, 2048, [3000, 4096, 6000]) == [2048, 3000, 4096, 5000]
+    # Absolute alignment: a reused prefix does not shift the chunk schedule.
+    assert prefill_chunks(1500, 5000, 2048, [1500, 2500]) == [2048, 2500, 4096, 5000]
+    assert prefill_chunks(7, 7, 2048) == []
+    with pytest.raises(ValueError):
+        prefill_chunks(0, 10, 0)
+    with pytest.raises(ValueError):
+        prefill_chunks(10, 0, 4)
+
+
+def test_live_saves_and_tracker():
+    on = KVCacheSettings(disk_dir="/tmp/x")
+    assert should_save_live(on, 512) and not should_save_live(on, 511)
+    assert not should_save_live(D, 10**6)  # no directory, no saves
+    t = SaveTracker()
+    assert t.continued(D, 0, 20480) == [10240, 20480]
+    t.saved(20480)
+    assert t.continued(D, 20480, 30720) == [30720]
+    t.saved(10240)
+    assert t.last_saved == 20480
+    t.loaded(30720)  # a disk snapshot already holds this frontier
+    assert t.continued(D, 30720, 30721) == []
+    t.reset()
+    assert t.continued(D, 0, 10240) == [10240]

@@ -1,0 +1,479 @@
+"""Disk KV store (ds4mlx/kv/store.py): real files, real mx arrays (tiny, random)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from ds4mlx.kv import store as kvs
+from ds4mlx.kv.store import DiskKVStore, KVStoreError, eviction_score, scan_dir, text_key
+
+IDENT = "ds4-test-model"
+CTX = 4096
+
+
+def make_store(tmp_path: Path, budget: int = 50_000_000, **kw) -> DiskKVStore:
+    args = {"model_identity": IDENT, "ctx_size": CTX, "expert_bits": 4}
+    args.update(kw)
+    return DiskKVStore(tmp_path / "kv", budget_bytes=budget, **args)
+
+
+def arrays(seed: int, n: int = 64) -> dict[str, mx.array]:
+    rng = np.random.default_rng(seed)
+    out = {
+        "logits": mx.array(rng.standard_normal(n).astype(np.float32)),
+        "cache.0.kv": mx.array(rng.standard_normal((8, n)).astype(np.float32)).astype(mx.bfloat16),
+        "cache.0.comp": mx.array(rng.standard_normal((3, 5)).astype(np.float16)),
+        "cache.1.idx": mx.array(rng.integers(-1000, 1000, (7,)).astype(np.int32)),
+        "cache.1.empty": mx.zeros((0, 4), mx.float32),
+        "cache.1.scalar": mx.array(3.5),
+    }
+    # A non-contiguous view, as a cache's state may hand out.
+    out["cache.2.t"] = mx.array(rng.standard_normal((4, 6)).astype(np.float32)).T
+    return out
+
+
+def save(store: DiskKVStore, text: str, seed: int = 0, n_tokens: int = 5, **kw):
+    kw.setdefault("reason", "cold")
+    return store.save(
+        text=text, tokens=list(range(seed, seed + n_tokens)), arrays=arrays(seed), **kw
+    )
+
+
+def same_arrays(a: dict[str, mx.array], b: dict[str, mx.array]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        x, y = a[k], b[k]
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        # Bit-identical: compare raw bytes, not values (NaN-safe, -0.0-safe).
+        if kvs._array_bytes(x) != kvs._array_bytes(y):
+            return False
+    return True
+
+
+# --------------------------------------------------------------------------- round trip
+
+
+def test_round_trip_bit_identical(tmp_path):
+    store = make_store(tmp_path)
+    text = "<｜begin▁of▁sentence｜>système 日本語 🙂\n" + "x" * 300_000 + "\n\n<｜DSML｜invoke a>"
+    tokens = [0, 128821, 129279, 7, 7, 1]
+    arrs = arrays(1)
+    arrs["nan"] = mx.array([float("nan"), -0.0, float("inf")])
+    tools = {"toolu_a": "<｜DSML｜invoke a>", "toolu_gone": "not in the text", "call_x": "日本"}
+    meta = {"identity": IDENT, "layers": "3"}
+    e = store.save(
+        text=text, tokens=tokens, arrays=arrs, reason="evict", meta=meta, tool_memory=tools
+    )
+    assert e is not None and e.key == text_key(text) and e.tokens == 6
+    assert e.path.name == f"{e.key}.safetensors"
+    assert e.text_bytes == len(text.encode()) and e.reason == "evict" and e.tool_count == 2
+
+    got = make_store(tmp_path).load(e)  # a fresh store: everything comes from the file
+    assert got.text == text
+    assert got.tokens == tokens
+    assert same_arrays(got.arrays, arrs)
+    assert got.meta == meta
+    # Only entries whose DSML occurs in the text are persisted.
+    assert got.tool_memory == {"toolu_a": "<｜DSML｜invoke a>", "call_x": "日本"}
+    assert got.entry.hits == 1 and got.entry.expert_bits == 4 and got.entry.ctx_size == CTX
+
+
+def test_tool_memory_pairs_and_lookup_by_id(tmp_path):
+    store = make_store(tmp_path)
+    save(store, "AAA <inv1> BBB", tool_memory=[("t1", "<inv1>"), ("t2", "<inv2>")])
+    save(store, "CCC <inv2>", seed=1, tool_memory=[("t2", "<inv2>")])
+    assert make_store(tmp_path).tool_memory_for(["t1", "t2", "nope"]) == {
+        "t1": "<inv1>",
+        "t2": "<inv2>",
+    }
+
+
+def test_save_rejects_bad_arguments(tmp_path):
+    store = make_store(tmp_path)
+    with pytest.raises(ValueError):
+        store.save(text="", tokens=[1], arrays={}, reason="cold")
+    with pytest.raises(ValueError):
+        store.save(text="a", tokens=[], arrays={}, reason="cold")
+    with pytest.raises(ValueError):
+        store.save(text="a", tokens=[1], arrays={}, reason="whim")
+    with pytest.raises(ValueError):
+        store.save(text="a", tokens=[2**31], arrays={}, reason="cold")
+    with pytest.raises(ValueError):
+        store.save(text="a", tokens=[1], arrays={"x": np.zeros(2)}, reason="cold")
+    ro = make_store(tmp_path, read_only=True)
+    with pytest.raises(ValueError):
+        ro.save(text="a", tokens=[1], arrays={}, reason="cold")
+
+
+def test_resave_same_text(tmp_path):
+    store = make_store(tmp_path)
+    e1 = save(store, "same text", tool_memory={"a": "same"})
+    store.load(e1)  # one hit
+    # Same text, tokens and tools: kept as is (hits survive, no rewrite).
+    e2 = save(store, "same text", tool_memory={"a": "same"})
+    assert e2.created == e1.created and e2.hits == 1
+    # A new tool id for the same text: rewritten, and it carries the new map.
+    e3 = save(store, "same text", tool_memory={"a": "same", "b": "text"})
+    assert e3.created != e1.created
+    assert store.load(e3).tool_memory == {"a": "same", "b": "text"}
+    assert len(store.entries()) == 1
+
+
+# --------------------------------------------------------------------------- lookup
+
+
+def test_longest_prefix_lookup(tmp_path):
+    store = make_store(tmp_path)
+    base = "<｜begin▁of▁sentence｜>system prompt"
+    e_short = save(store, base, seed=1)
+    e_long = save(store, base + "<｜User｜>hello", seed=2)
+    save(store, base + "<｜User｜>other", seed=3)
+    save(store, "unrelated " + base, seed=4)
+
+    assert store.lookup(base + "<｜User｜>hello<｜Assistant｜>").key == e_long.key
+    assert store.lookup(base + "<｜User｜>hello").key == e_long.key  # equal length counts
+    assert store.lookup(base + "<｜User｜>hel").key == e_short.key
+    assert store.lookup(base[:-1]) is None
+    assert store.lookup("") is None
+    got = store.lookup_and_load(base + "<｜User｜>hello world")
+    assert got.entry.key == e_long.key and got.tokens == list(range(2, 7))
+    assert got.suffix(base + "<｜User｜>hello world") == " world"
+    with pytest.raises(ValueError):
+        got.suffix("something else")
+
+
+def test_lookup_is_by_utf8_bytes(tmp_path):
+    store = make_store(tmp_path)
+    save(store, "naïve é", seed=1)  # é = c3 a9
+    e_jp = save(store, "日本", seed=2)  # 2 chars, 6 bytes
+    # Shares the lead byte c3 with é but is a different character: no match.
+    assert store.lookup("naïve è and more") is None
+    assert store.lookup("naïve é and more") is not None
+    # Byte lengths, not character counts, decide which prefix is hashed.
+    assert store.lookup("日本語").key == e_jp.key
+    assert store.lookup("日") is None
+    assert store.lookup("日本"[:1] + "x" * 10) is None
+    # Lone surrogates (legal in JSON strings) survive the round trip.
+    e_sur = save(store, "bad \ud800 surrogate", seed=3)
+    got = store.lookup_and_load("bad \ud800 surrogate!")
+    assert got.entry.key == e_sur.key and got.text == "bad \ud800 surrogate"
+    assert got.suffix("bad \ud800 surrogate!") == "!"
+
+
+def test_lookup_filters_identity_ctx_and_quant(tmp_path):
+    prompt = "shared prefix and then the rest"
+    save(make_store(tmp_path, model_identity="other-model"), "shared prefix and", seed=1)
+    save(make_store(tmp_path, ctx_size=CTX * 2), "shared prefix", seed=2)
+    save(make_store(tmp_path, expert_bits=2), "shared", seed=3)
+
+    mine = make_store(tmp_path)
+    assert mine.lookup(prompt).text_bytes == len("shared")  # cross-quant accepted
+    strict = make_store(tmp_path, reject_different_quant=True)
+    assert strict.lookup(prompt) is None
+    assert make_store(tmp_path, model_identity="other-model").lookup(prompt).text_bytes == len(
+        "shared prefix and"
+    )
+    assert make_store(tmp_path, ctx_size=CTX * 2).lookup(prompt).text_bytes == len("shared prefix")
+    # Loading a foreign entry directly is refused too.
+    foreign = [e for e in mine.scan().entries if e.model_identity == "other-model"][0]
+    with pytest.raises(KVStoreError):
+        mine.load(foreign)
+    # Foreign snapshots are not bad files; they are just not ours.
+    assert mine.scan().bad == [] and len(mine.scan().entries) == 3
+
+
+def test_vanished_file_is_a_miss(tmp_path):
+    store = make_store(tmp_path)
+    e_short = save(store, "abc", seed=1)
+    e_long = save(store, "abcdef", seed=2)
+    assert store.lookup("abcdefg").key == e_long.key
+    os.unlink(e_long.path)  # e.g. `ds4mlx kv rm` from another process
+    with pytest.raises(KVStoreError):
+        store.load(e_long)
+    assert store.lookup_and_load("abcdefg").entry.key == e_short.key
+
+
+def test_hits_persist_in_sidecar(tmp_path):
+    store = make_store(tmp_path)
+    e = save(store, "hello")
+    for _ in range(3):
+        store.lookup_and_load("hello there")
+    again = make_store(tmp_path)
+    (got,) = again.entries()
+    assert got.hits == 3 and got.last_used > e.created
+    assert scan_dir(tmp_path / "kv").entries[0].hits == 3
+    # A lost or corrupt sidecar only resets statistics.
+    (tmp_path / "kv" / "index.json").write_text("{not json")
+    assert make_store(tmp_path).entries()[0].hits == 0
+    # A sidecar record for an earlier file of the same key does not apply.
+    idx = {"version": 1, "entries": {e.key: {"created": 1.0, "hits": 9, "last_used": 2.0}}}
+    (tmp_path / "kv" / "index.json").write_text(json.dumps(idx))
+    assert make_store(tmp_path).entries()[0].hits == 0
+
+
+# --------------------------------------------------------------------------- budget
+
+
+def test_budget_never_exceeded_and_new_file_kept(tmp_path):
+    one = save(make_store(tmp_path / "probe"), "probe").size
+    budget = int(one * 4.5)
+    store = make_store(tmp_path, budget=budget)
+    rng = np.random.default_rng(0)
+    for i in range(30):
+        text = f"conversation {i} " + "z" * int(rng.integers(0, 3000))
+        e = save(store, text, seed=i, reason="continued")
+        assert e is not None and e.path.exists(), "the file just written is never evicted"
+        assert store.usage_bytes() <= budget
+        if i % 3 == 0:
+            store.lookup_and_load(text + " more")
+    # Room is made before writing (with a size bound, so a crash after the rename
+    # still leaves the directory within budget): at least two of these files fit.
+    assert 2 <= len(store.entries()) <= 4
+
+
+def test_oversized_snapshot_is_not_written(tmp_path, caplog):
+    store = make_store(tmp_path, budget=5_000)
+    keep = store.save(text="small", tokens=[1], arrays={}, reason="cold")
+    big = {"x": mx.zeros((10_000,), mx.float32)}
+    with caplog.at_level(logging.WARNING, logger="ds4mlx.kv"):
+        assert store.save(text="big", tokens=[1], arrays=big, reason="cold") is None
+    assert "exceed the budget" in caplog.text
+    assert [e.key for e in store.entries()] == [keep.key]  # nothing evicted for it
+
+
+def test_eviction_score_formula():
+    now = 1_000_000.0
+    base = dict(key="k", path=Path("k"), text_bytes=1, model_identity="m", expert_bits=None)
+    base.update(ctx_size=1, created=0.0, reason="cold")
+    fresh = kvs.Entry(**base, tokens=2048, hits=0, last_used=now, size=4096)
+    stale = kvs.Entry(
+        **base, tokens=1024, hits=10, last_used=now - 14 * kvs.HIT_HALF_LIFE_S, size=4096
+    )
+    hot = kvs.Entry(**base, tokens=1024, hits=10, last_used=now - kvs.HIT_HALF_LIFE_S, size=4096)
+    assert eviction_score(fresh, now) == 2048 / 4096
+    assert eviction_score(stale, now) == 1024 / 4096  # 10 * 2**-14 < 0.01 -> 0
+    assert eviction_score(hot, now) == pytest.approx((1 + 5) * 1024 / 4096)
+    assert eviction_score(stale, now) < eviction_score(fresh, now) < eviction_score(hot, now)
+
+
+def test_eviction_order_follows_score(tmp_path):
+    now = 1_900_000_000.0
+    clock = [now]
+    store = make_store(tmp_path, budget=10**9, clock=lambda: clock[0])
+    h = kvs.HIT_HALF_LIFE_S
+    plan = {  # text -> (created ago, hits, last used ago) in seconds
+        "a-stale-popular": (50 * h, 50, 40 * h),  # 50 * 2**-40 hits: worth nothing now
+        "b-fresh-unused": (10, 0, 10),
+        "c-recent-hits": (2 * h, 3, 60),
+        "d-half-decayed": (3 * h, 2, h),  # 2 hits at half weight = 1
+        "e-old-unused": (20 * h, 0, 20 * h),
+    }
+    entries = {}
+    for i, (text, (age, _, _)) in enumerate(plan.items()):
+        clock[0] = now - age
+        entries[text] = save(store, text.ljust(20), seed=i)
+    clock[0] = now
+    index = {
+        e.key: {"created": e.created, "hits": plan[t][1], "last_used": now - plan[t][2]}
+        for t, e in entries.items()
+    }
+    (store.dir / "index.json").write_text(json.dumps({"version": 1, "entries": index}))
+    assert len({e.size for e in entries.values()}) == 1  # same size and tokens: hits decide
+    scored = sorted(store.entries(), key=lambda e: (eviction_score(e, now), e.last_used))
+    expected = [e.head.strip() for e in scored]
+    # Zero-value entries go least recently used first, then by decayed hits.
+    assert expected == [
+        "a-stale-popular",
+        "e-old-unused",
+        "b-fresh-unused",
+        "d-half-decayed",
+        "c-recent-hits",
+    ]
+    size = entries["a-stale-popular"].size
+    evicted = []
+    for keep in range(4, -1, -1):
+        store.budget_bytes = keep * size
+        evicted += [e.head.strip() for e in store.evict()]
+        assert len(store.entries()) == keep
+    assert evicted == expected
+
+
+# --------------------------------------------------------------------------- bad files
+
+
+def _tensors_and_meta(path: Path):
+    t, m = mx.load(str(path), format="safetensors", return_metadata=True)
+    mx.eval(list(t.values()))  # mx.load is lazy; we are about to overwrite the file
+    return t, m
+
+
+def _rewrite(path: Path, tensors, meta):
+    with open(path, "wb") as f:
+        mx.save_safetensors(f, tensors, meta)
+
+
+def test_corrupt_and_foreign_files_are_skipped_and_reported(tmp_path, caplog):
+    store = make_store(tmp_path)
+    good = save(store, "prefix", seed=0)
+    prompt = "prefix and then a longer prompt"
+    d = store.dir
+
+    def victim(i: int) -> Path:
+        e = save(store, "prefix and then"[: 7 + i], seed=i)
+        return e.path
+
+    # 1. truncated
+    p = victim(1)
+    p.write_bytes(p.read_bytes()[:-100])
+    # 2. random bytes
+    p = victim(2)
+    p.write_bytes(np.random.default_rng(0).bytes(p.stat().st_size))
+    # 3. a foreign safetensors file under a snapshot name
+    p = victim(3)
+    _rewrite(p, {"model.embed.weight": mx.zeros((4, 4))}, {"format": "pt"})
+    # 4. a future format version
+    p = victim(4)
+    t, m = _tensors_and_meta(p)
+    _rewrite(p, t, {**m, "version": "2"})
+    # 5. text that does not hash to the name
+    p = victim(5)
+    t, m = _tensors_and_meta(p)
+    t[kvs.TEXT_KEY] = mx.array(np.frombuffer(b"prefix_", np.uint8))
+    _rewrite(p, t, m)
+    # 6. flipped bits in the KV data (only the digest can tell)
+    p = victim(6)
+    t, m = _tensors_and_meta(p)
+    t["session.logits"] = t["session.logits"] + 1
+    _rewrite(p, t, m)
+    # 7. empty file
+    (d / ("f" * 40 + ".safetensors")).write_bytes(b"")
+
+    with caplog.at_level(logging.WARNING, logger="ds4mlx.kv"):
+        fresh = make_store(tmp_path)
+        scan = fresh.scan()
+        bad_names = {b.path.name for b in scan.bad}
+        assert len(bad_names) == 6  # 1-5 and 7 are caught by the header scan
+        assert {e.key for e in scan.entries} == {good.key, victim_key(6, store)}
+        # 6 looks fine until loaded: the digest catches it and it is never returned.
+        got = fresh.lookup_and_load(prompt)
+        assert got.entry.key == good.key and got.text == "prefix"
+        assert len(fresh.scan().bad) == 7
+    assert "digest mismatch" in caplog.text
+    assert "skipping bad file" in caplog.text
+    # The header-level checks are what `kv ls` reports without reading tensors.
+    reasons = " | ".join(b.reason for b in scan_dir(d).bad)
+    for part in ("unreadable safetensors", "not a ds4mlx KV snapshot", "format version 2"):
+        assert part in reasons
+    with pytest.raises(KVStoreError):
+        kvs.load_file(fresh.dir / f"{victim_key(6, store)}.safetensors")
+
+
+def victim_key(i: int, store: DiskKVStore) -> str:
+    return text_key("prefix and then"[: 7 + i])
+
+
+def test_bad_files_count_toward_budget_and_go_first(tmp_path):
+    store = make_store(tmp_path)
+    e = save(store, "good", seed=0)
+    junk = store.dir / ("0" * 40 + ".safetensors")
+    junk.write_bytes(b"\0" * e.size)
+    store.budget_bytes = int(e.size * 2.5)
+    save(store, "good two", seed=1)
+    assert not junk.exists()
+    assert {x.head for x in store.entries()} == {"good", "good two"}
+    assert store.usage_bytes() <= store.budget_bytes
+
+
+def test_stale_temp_files_removed_at_open(tmp_path):
+    d = tmp_path / "kv"
+    d.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead_pid = int(dead.stdout)
+    stale = d / f".{'a' * 40}.{dead_pid}.0123abcd.tmp"
+    stale_idx = d / f".index.{dead_pid}.99.tmp"
+    live = d / f".{'b' * 40}.{os.getpid()}.0123abcd.tmp"  # a writer that is still running
+    other = d / "notes.txt"
+    for p in (stale, stale_idx, live, other):
+        p.write_bytes(b"partial")
+    make_store(tmp_path, read_only=True)
+    assert stale.exists()  # inspection never modifies the directory
+    make_store(tmp_path)
+    assert not stale.exists() and not stale_idx.exists()
+    assert live.exists() and other.exists()
+
+
+def test_read_only_store_does_not_count_hits(tmp_path):
+    save(make_store(tmp_path), "hello")
+    ro = make_store(tmp_path, read_only=True)
+    assert ro.lookup_and_load("hello!").text == "hello"
+    assert not (tmp_path / "kv" / "index.json").exists()
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str]:
+    from ds4mlx.cli import main
+
+    rc = main(["kv", *argv])
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+def test_cli_ls_show_rm(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "160")
+    store = make_store(tmp_path)
+    e1 = save(store, "<｜begin▁of▁sentence｜>first line\nsecond", seed=1, n_tokens=600)
+    e2 = save(store, "another snapshot", seed=2, reason="shutdown", tool_memory={"t": "snap"})
+    store.lookup_and_load("another snapshot!")
+    (store.dir / ("c" * 40 + ".safetensors")).write_bytes(b"junk")
+    d = str(store.dir)
+
+    rc, out = run_cli(capsys, "ls", d)
+    assert rc == 0
+    assert e1.key[:12] in out and e2.key[:12] in out and "c" * 12 in out
+    assert "first line" in out and "second" not in out
+    assert "600" in out and "shutdown" in out and "BAD" in out
+    assert "2 snapshots, 1 bad" in out
+
+    rc, out = run_cli(capsys, "show", d, e2.key[:8])
+    assert rc == 0
+    for part in (e2.key, "shutdown", IDENT, "another snapshot", "1 ids", "hits"):
+        assert part in out
+    rc, out = run_cli(capsys, "show", d, "c" * 10)
+    assert rc == 1 and "BAD" in out
+    rc, out = run_cli(capsys, "show", d, "")  # ambiguous
+    assert rc == 1
+
+    rc, out = run_cli(capsys, "rm", d, e1.key[:10])
+    assert rc == 0 and not e1.path.exists() and e2.path.exists()
+    rc, out = run_cli(capsys, "rm", d)
+    assert rc == 2
+    rc, out = run_cli(capsys, "rm", d, "--all")
+    assert rc == 0 and not any(p.name.endswith(".safetensors") for p in store.dir.iterdir())
+    assert not (store.dir / "index.json").exists()
+
+
+def test_cli_ls_verify_flags_corrupt_data(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "160")
+    store = make_store(tmp_path)
+    e = save(store, "to be corrupted", seed=3)
+    t, m = _tensors_and_meta(e.path)
+    t["session.cache.0.kv"] = t["session.cache.0.kv"] * 2
+    _rewrite(e.path, t, m)
+    rc, out = run_cli(capsys, "ls", str(store.dir))
+    assert "BAD" not in out
+    rc, out = run_cli(capsys, "ls", "--verify", str(store.dir))
+    assert "BAD" in out and "digest" in out
