@@ -1,0 +1,359 @@
+"""Wire formats → Conversation (ds4mlx.dsml.wire; DESIGN.md §4 "Mapping wire formats")."""
+
+from __future__ import annotations
+
+import pytest
+
+from ds4mlx.dsml import render_prompt, wire
+from ds4mlx.dsml.conversation import Message, ToolCall
+
+BILLING = "x-anthropic-billing-header: cc_version=2.1.197.123; cc_entrypoint=sdk-cli;"
+
+
+def _roles(conv):
+    return [m.role for m in conv.messages]
+
+
+# --------------------------------------------------------------------------- Anthropic
+
+
+def test_anthropic_system_blocks_join_and_billing_header_dropped():
+    body = {
+        "system": [
+            {"type": "text", "text": BILLING},
+            {
+                "type": "text",
+                "text": "You are a Claude agent.",
+                "cache_control": {"type": "ephemeral"},
+            },
+            {"type": "text", "text": "\nBe terse."},
+            {"type": "text", "text": "Third"},
+        ],
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    conv = wire.anthropic_to_conversation(body)
+    # "\n" inserted only where the previous part does not already end with one.
+    assert conv.messages[0] == Message(
+        role="system", content="You are a Claude agent.\n\nBe terse.\nThird"
+    )
+    kept = wire.anthropic_to_conversation(body, keep_billing_header=True)
+    assert kept.messages[0].content.startswith(BILLING + "\nYou are")
+
+
+def test_two_sessions_differing_only_in_billing_header_render_the_same():
+    def body(h):
+        return {
+            "system": [{"type": "text", "text": h}, {"type": "text", "text": "S"}],
+            "messages": [{"role": "user", "content": "q"}],
+        }
+
+    a = render_prompt(wire.anthropic_to_conversation(body(BILLING)))
+    b = render_prompt(wire.anthropic_to_conversation(body(BILLING.replace("123", "999"))))
+    assert a == b
+
+
+def test_anthropic_mid_conversation_system_is_hoisted_after_top_level_system():
+    body = {
+        "system": "TOP",
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "hello"}]},
+            {"role": "system", "content": "ENV"},
+        ],
+    }
+    conv = wire.anthropic_to_conversation(body)
+    assert _roles(conv) == ["system", "user"]
+    assert conv.messages[0].content == "TOP\n\nENV"
+    # Rendered in place the official encoding would not open the assistant turn.
+    assert render_prompt(conv).endswith("<｜User｜>hello<｜Assistant｜><think>")
+
+
+def test_anthropic_tool_results_precede_text_and_lists_render_placeholders():
+    body = {
+        "messages": [
+            {"role": "user", "content": "run"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "plan", "signature": "foreign-sig"},
+                    {"type": "text", "text": "ok"},
+                    {
+                        "type": "tool_use",
+                        "id": "toolu_a",
+                        "name": "Bash",
+                        "input": {"command": "ls"},
+                    },
+                    {
+                        "type": "tool_use",
+                        "id": "toolu_b",
+                        "name": "Bash",
+                        "input": {"command": "pwd"},
+                    },
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "after"},
+                    {"type": "tool_result", "tool_use_id": "toolu_b", "content": "/w"},
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_a",
+                        "content": [
+                            {"type": "text", "text": "a"},
+                            {"type": "image", "source": {}},
+                            {"type": "text", "text": "b"},
+                        ],
+                        "is_error": False,
+                    },
+                ],
+            },
+        ],
+        "tools": [
+            {
+                "name": "Bash",
+                "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}},
+            }
+        ],
+    }
+    conv = wire.anthropic_to_conversation(body)
+    assert _roles(conv) == ["user", "assistant", "tool", "tool", "user"]
+    a = conv.messages[1]
+    assert a.reasoning == "plan" and a.content == "ok"
+    assert [c.id for c in a.tool_calls] == ["toolu_a", "toolu_b"]
+    assert conv.messages[3].content == "a\n\n[image]\n\nb"
+    text = render_prompt(conv)
+    # Results in call order (a before b), the user's text after them.
+    assert (
+        "<tool_result>a\n\n[image]\n\nb</tool_result>\n\n<tool_result>/w</tool_result>\n\nafter"
+        in text
+    )
+
+
+def test_anthropic_thinking_signature_carrier_restores_reasoning():
+    body = {
+        "messages": [
+            {"role": "user", "content": "q"},
+            {
+                "role": "assistant",
+                "content": [{"type": "thinking", "thinking": "", "signature": "SIG"}],
+            },
+            {"role": "user", "content": "more"},
+        ]
+    }
+    conv = wire.anthropic_to_conversation(
+        body, decode_reasoning=lambda s: "real reasoning" if s == "SIG" else None
+    )
+    assert conv.messages[1].reasoning == "real reasoning"
+    conv = wire.anthropic_to_conversation(body, decode_reasoning=lambda s: None)
+    assert conv.messages[1].reasoning == ""
+
+
+def test_anthropic_thinking_modes_and_effort():
+    base = {"messages": [{"role": "user", "content": "q"}]}
+    assert wire.anthropic_to_conversation(base).thinking is True
+    assert wire.anthropic_to_conversation(base, default_thinking=False).thinking is False
+    assert (
+        wire.anthropic_to_conversation({**base, "thinking": {"type": "disabled"}}).thinking is False
+    )
+    assert wire.anthropic_to_conversation(
+        {**base, "thinking": {"type": "adaptive"}}, default_thinking=False
+    ).thinking
+    conv = wire.anthropic_to_conversation({**base, "output_config": {"effort": "max"}})
+    assert conv.reasoning_effort == "max"
+
+
+def test_anthropic_server_tools_not_offered_and_tool_choice_none():
+    body = {
+        "messages": [{"role": "user", "content": "q"}],
+        "tools": [
+            {"type": "web_search_20250305", "name": "web_search"},
+            {"name": "Read", "input_schema": {"type": "object", "properties": {}}},
+        ],
+    }
+    assert [t.name for t in wire.anthropic_to_conversation(body).tools] == ["Read"]
+    assert wire.anthropic_to_conversation({**body, "tool_choice": {"type": "none"}}).tools == []
+
+
+def test_anthropic_unknown_role_is_a_wire_error():
+    with pytest.raises(wire.WireError) as e:
+        wire.anthropic_to_conversation({"messages": [{"role": "robot", "content": "x"}]})
+    assert e.value.param == "messages.0.role"
+
+
+# --------------------------------------------------------------------------- OpenAI chat
+
+
+def test_openai_chat_roles_tools_and_reasoning():
+    body = {
+        "messages": [
+            {"role": "system", "content": "S1"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "q"}, {"type": "image_url", "image_url": {}}],
+            },
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning_content": "think",
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "f", "arguments": '{"x": 1}'},
+                    },
+                    {
+                        "id": "call_2",
+                        "type": "function",
+                        "function": {"name": "f", "arguments": "not json"},
+                    },
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "r1"},
+            {"role": "developer", "content": "D"},
+        ],
+        "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        ],
+    }
+    conv = wire.openai_chat_to_conversation(body)
+    assert _roles(conv) == ["system", "user", "assistant", "tool"]
+    assert conv.messages[0].content == "S1\n\nD"
+    assert conv.messages[1].content == "q[image_url]"
+    a = conv.messages[2]
+    assert a.reasoning == "think"
+    assert a.tool_calls == [
+        ToolCall(id="call_1", name="f", arguments={"x": 1}),
+        ToolCall(id="call_2", name="f", arguments={"arguments": "not json"}),
+    ]
+    assert conv.tools[0].name == "f"
+
+
+@pytest.mark.parametrize(
+    "extra,thinking,effort",
+    [
+        ({}, True, None),
+        ({"thinking": {"type": "disabled"}}, False, None),
+        ({"think": False}, False, None),
+        ({"chat_template_kwargs": {"thinking": False}}, False, None),
+        ({"reasoning_effort": "none"}, False, None),
+        ({"reasoning_effort": "max"}, True, "max"),
+        ({"reasoning_effort": "low"}, True, "high"),
+    ],
+)
+def test_openai_chat_thinking_switches(extra, thinking, effort):
+    conv = wire.openai_chat_to_conversation(
+        {"messages": [{"role": "user", "content": "q"}], **extra}
+    )
+    assert (conv.thinking, conv.reasoning_effort) == (thinking, effort)
+
+
+def test_openai_chat_alias_default_and_override():
+    body = {"messages": [{"role": "user", "content": "q"}]}
+    assert wire.openai_chat_to_conversation(body, default_thinking=False).thinking is False
+    assert wire.openai_chat_to_conversation(
+        {**body, "thinking": {"type": "enabled"}}, default_thinking=False
+    ).thinking
+
+
+# --------------------------------------------------------------------------- Responses
+
+
+def test_responses_codex_shape():
+    body = {
+        "instructions": "INS",
+        "input": [
+            {
+                "type": "message",
+                "role": "developer",
+                "content": [{"type": "input_text", "text": "DEV"}],
+            },
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "ENV"}]},
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "say hi"}],
+            },
+            {"type": "reasoning", "summary": [], "encrypted_content": "ENC"},
+            {
+                "type": "function_call",
+                "call_id": "call_1",
+                "name": "exec_command",
+                "arguments": '{"cmd":"ls"}',
+            },
+            {"type": "function_call_output", "call_id": "call_1", "output": "files"},
+            {
+                "type": "reasoning",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": "r2"}],
+            },
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "done"}],
+            },
+            {"type": "message", "role": "user", "content": "thanks"},
+            {"type": "web_search_call", "status": "completed"},
+        ],
+        "tools": [
+            {
+                "type": "function",
+                "name": "exec_command",
+                "parameters": {"type": "object", "properties": {}},
+            },
+            {"type": "web_search", "external_web_access": False},
+            {
+                "type": "namespace",
+                "name": "multi_agent_v1",
+                "description": "agents",
+                "tools": [{"type": "function", "name": "spawn", "parameters": {"type": "object"}}],
+            },
+            {
+                "type": "custom",
+                "name": "apply_patch",
+                "description": "patch",
+                "format": {"type": "text"},
+            },
+        ],
+        "reasoning": {"summary": "auto"},
+    }
+    conv = wire.responses_to_conversation(
+        body, decode_reasoning=lambda s: "r1" if s == "ENC" else None
+    )
+    assert _roles(conv) == ["system", "user", "user", "assistant", "tool", "assistant", "user"]
+    assert conv.messages[0].content == "INS\n\nDEV"
+    a1 = conv.messages[3]
+    assert a1.reasoning == "r1" and a1.tool_calls[0].arguments == {"cmd": "ls"}
+    a2 = conv.messages[5]
+    assert (a2.reasoning, a2.content) == ("r2", "done")
+    assert [t.name for t in conv.tools] == ["exec_command", "spawn", "apply_patch"]
+    kinds = wire.responses_tool_kinds(body["tools"])
+    assert kinds["spawn"].namespace == "multi_agent_v1"
+    assert kinds["apply_patch"].kind == "custom"
+    assert "web_search" not in kinds
+
+
+def test_responses_string_input_effort_and_item_reference():
+    conv = wire.responses_to_conversation({"input": "hi", "reasoning": {"effort": "none"}})
+    assert _roles(conv) == ["user"] and conv.thinking is False
+    with pytest.raises(wire.WireError) as e:
+        wire.responses_to_conversation({"input": [{"type": "item_reference", "id": "x"}]})
+    assert e.value.param == "input[0]"
+
+
+def test_responses_custom_tool_call_replay():
+    conv = wire.responses_to_conversation(
+        {
+            "input": [
+                {"role": "user", "content": "patch it"},
+                {
+                    "type": "custom_tool_call",
+                    "call_id": "call_9",
+                    "name": "apply_patch",
+                    "input": "*** Begin",
+                },
+                {"type": "custom_tool_call_output", "call_id": "call_9", "output": "ok"},
+            ]
+        }
+    )
+    assert conv.messages[1].tool_calls[0].arguments == {"input": "*** Begin"}
+    assert conv.messages[2].tool_call_id == "call_9"
