@@ -709,6 +709,9 @@ class StreamDecoder:
     def _flush(self) -> None:
         st = self._state
         buf, self._buf = self._buf, ""
+        # A lone high surrogate at the very end can never be completed now.
+        if buf and "\ud800" <= buf[-1] <= "\udbff":
+            buf = buf[:-1]
         if st == _THINK:
             self._thinking(buf)
         elif st == _TEXT:

