@@ -146,3 +146,17 @@ def test_suffix_rejects_non_tool_endings():
         render_tool_results_suffix(
             Conversation([Message("user", "hi"), Message("assistant", "x"), Message("user", "y")])
         )
+
+
+def test_thinking_visible_key_is_prefix_of_next_prompt():
+    from ds4mlx.dsml import thinking_visible_key
+
+    first = Conversation([Message("system", "s"), Message("user", "q1")], thinking=True)
+    prompt = render_prompt(first)
+    turn = Message("assistant", "answer 1", "hidden reasoning")
+    key = thinking_visible_key(prompt, turn)
+    nxt = Conversation(first.messages + [turn, Message("user", "q2")], thinking=True)
+    assert render_prompt(nxt).startswith(key)
+    assert "hidden reasoning" not in key
+    with pytest.raises(ValueError):
+        thinking_visible_key(render_prompt(Conversation(first.messages, thinking=False)), turn)
