@@ -51,7 +51,7 @@ REF_CONFIG = dict(
     sliding_window=16,
     o_groups=2,
     o_lora_rank=16,
-    index_n_heads=8,
+    index_n_heads=16,
     index_head_dim=16,
     index_topk=8,
     partial_rotary_factor=0.25,  # 8 rope channels of 32
@@ -110,6 +110,11 @@ def build_reference(seed: int = 0, **overrides):
                 # clamp at 10 fires for a few percent of them.
                 p.copy_(rnd(p.shape, 0.6))
             elif name.endswith("experts.down_proj"):
+                p.copy_(rnd(p.shape, 0.08))
+            elif "shared_experts" in name and ("gate_proj" in name or "up_proj" in name):
+                # Large enough that an (incorrect) clamp on the shared expert would show.
+                p.copy_(rnd(p.shape, 0.6))
+            elif name.endswith("shared_experts.down_proj.weight"):
                 p.copy_(rnd(p.shape, 0.08))
             elif name.endswith("embed_tokens.weight"):
                 p.copy_(rnd(p.shape, 1.0))
