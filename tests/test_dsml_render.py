@@ -160,3 +160,17 @@ def test_thinking_visible_key_is_prefix_of_next_prompt():
     assert "hidden reasoning" not in key
     with pytest.raises(ValueError):
         thinking_visible_key(render_prompt(Conversation(first.messages, thinking=False)), turn)
+
+
+def test_canonical_invoke_formats_and_wraps_non_objects():
+    from ds4mlx.dsml import canonical_invoke
+
+    assert canonical_invoke("f", {"s": "raw <text>", "n": 1.5, "o": {"k": [True, None]}}) == (
+        '<｜DSML｜invoke name="f">\n'
+        '<｜DSML｜parameter name="s" string="true">raw <text></｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="n" string="false">1.5</｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="o" string="false">{"k": [true, null]}</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>"
+    )
+    assert canonical_invoke("f", {}) == '<｜DSML｜invoke name="f">\n\n</｜DSML｜invoke>'
+    assert 'name="arguments" string="true">not json<' in canonical_invoke("f", "not json")  # type: ignore[arg-type]

@@ -145,8 +145,12 @@ def canonical_invoke(name: str, arguments: dict[str, Any]) -> str:
     """Canonical DSML ``invoke`` block for a call (``encoding_dsv4.py``: ``encode_arguments_to_dsml``).
 
     String values are written raw with ``string="true"``; every other value as JSON
-    (`to_json`) with ``string="false"``. Argument order is the dict's order.
+    (`to_json`) with ``string="false"``. Argument order is the dict's order. A
+    non-dict ``arguments`` is wrapped as ``{"arguments": value}`` (the official
+    encoder's fallback for arguments that are not a JSON object).
     """
+    if not isinstance(arguments, dict):
+        arguments = {"arguments": arguments}
     params = []
     for key, value in arguments.items():
         if isinstance(value, str):
