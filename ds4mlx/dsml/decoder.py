@@ -278,7 +278,7 @@ def _esc(text: str) -> str:
 
 
 class _Call:
-    __slots__ = ("index", "id", "name", "raw", "args", "emitted", "error")
+    __slots__ = ("index", "id", "name", "raw", "args", "emitted")
 
     def __init__(self, index: int, call_id: str) -> None:
         self.index = index
@@ -287,7 +287,6 @@ class _Call:
         self.raw: list[str] = []  # exact invoke bytes consumed so far
         self.args: dict[str, Any] = {}  # sampled order
         self.emitted = False  # any argument key streamed yet
-        self.error: str | None = None
 
 
 class StreamDecoder:
@@ -380,7 +379,9 @@ class StreamDecoder:
         been generated), whitespace between DSML elements, JSON punctuation and keys
         in non-string parameter values, anything after ``</｜DSML｜tool_calls>``.
         Payload: reasoning, visible text, string parameter bodies, JSON string values
-        and scalars (DESIGN.md §4).
+        and scalars, and the point where a JSON value is about to start (its type is
+        the model's choice) (DESIGN.md §4). A partial marker is payload until its
+        ``｜DSML｜`` token arrives: ``<`` or ``</`` may still be ordinary text.
         """
         st = self._state
         if st == _THINK:
@@ -685,7 +686,7 @@ class StreamDecoder:
         self._call = None
         if error is not None:
             self._error(f"{error} in call {call.name!r}")
-        self._args_delta_for(call, "}" if call.emitted else "{}")
+        self._events.append(ToolCallArgsDelta(call.index, "}" if call.emitted else "{}"))
         order = self._order.get(call.name, [])
         args = {k: call.args[k] for k in order if k in call.args}
         args.update((k, v) for k, v in call.args.items() if k not in args)
@@ -702,9 +703,6 @@ class StreamDecoder:
         self._events.append(
             ToolCallEnd(call.index, tool_call, json.dumps(args, ensure_ascii=False), error)
         )
-
-    def _args_delta_for(self, call: _Call, text: str) -> None:
-        self._events.append(ToolCallArgsDelta(call.index, text))
 
     def _st_after(self) -> bool:
         if self._skip_ws():
