@@ -13,8 +13,8 @@ cheap header scans, the ``safetensors`` package):
   ``text_bytes``, ``hits`` (at creation, always ``"0"``), ``created`` and ``last_used``
   (Unix seconds, ``repr(float)``), ``reason`` (``cold|continued|evict|shutdown``),
   ``tool_count``, ``session_meta`` (JSON of the engine's ``SessionState.meta``) and
-  ``digest`` (BLAKE2b-128 over every tensor; safetensors itself has no checksum and a
-  bit-flipped KV tensor would silently corrupt generations).
+  ``digest`` (``crc32:<hex>`` over every tensor; safetensors itself has no checksum and
+  a bit-flipped KV tensor would silently corrupt generations).
 
 * **tensors**: ``ds4mlx.text`` (uint8, the rendered text's UTF-8 bytes),
   ``ds4mlx.tokens`` (int32 token ids), ``ds4mlx.tool_memory`` (uint8, UTF-8 JSON object
@@ -63,6 +63,7 @@ import re
 import secrets
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -257,14 +258,19 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _digest(tensors: Mapping[str, mx.array]) -> str:
-    """BLAKE2b-128 over names, dtypes, shapes and bytes of ``tensors`` in name order."""
-    h = hashlib.blake2b(digest_size=16)
+    """``crc32:<8 hex>`` over names, dtypes, shapes and bytes of ``tensors`` in name order.
+
+    CRC-32 (zlib, several GB/s) rather than a cryptographic hash: it guards against
+    corruption, and a cryptographic hash would add no protection against someone who can
+    write the cache directory (there is no secret), only seconds per GB on every load.
+    """
+    crc = 0
     for name in sorted(tensors):
         a = tensors[name]
-        h.update(f"{name}\0{a.dtype}\0{tuple(a.shape)}\0".encode())
+        crc = zlib.crc32(f"{name}\0{a.dtype}\0{tuple(a.shape)}\0".encode(), crc)
         if a.size:
-            h.update(memoryview(mx.contiguous(a)))
-    return h.hexdigest()
+            crc = zlib.crc32(memoryview(mx.contiguous(a)), crc)
+    return f"crc32:{crc:08x}"
 
 
 def _json_utf8(obj: object) -> bytes:
@@ -850,7 +856,7 @@ class DiskKVStore:
             raise ValueError(f"reason must be one of {REASONS}, got {reason!r}")
         if not isinstance(text, str) or not text:
             raise ValueError("text must be a non-empty str")
-        if not tokens:
+        if len(tokens) == 0:
             raise ValueError("tokens must be non-empty")
         meta = dict(meta or {})
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
