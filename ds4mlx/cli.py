@@ -187,8 +187,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    print("ds4mlx serve: not yet", file=sys.stderr)
-    return 2
+    from ds4mlx.server import run_serve
+
+    return run_serve(args)
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
@@ -269,6 +270,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("serve", help="OpenAI/Anthropic-compatible HTTP server")
+    p.add_argument(
+        "-m",
+        "--model",
+        default=None,
+        help="checkpoint directory (default: $DS4MLX_MODEL)",
+    )
+    p.add_argument(
+        "--demo",
+        action="store_true",
+        help="serve the tiny demo model (made once in ~/.cache/ds4mlx/demo; its text is noise)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (8000)")
+    p.add_argument("--ctx", type=int, default=None, help="context size in tokens")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="default max output tokens when a request sets none (default: the context left)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require this key (Authorization: Bearer or x-api-key; default: $DS4MLX_API_KEY)",
+    )
+    p.add_argument("--cors", action="store_true", help="allow cross-origin browser requests")
+    p.add_argument("--trace", default=None, metavar="FILE", help="append a JSON-lines trace here")
+    p.add_argument(
+        "--served-model-name",
+        default="deepseek-v4-flash",
+        help="model id clients use (deepseek-v4-flash; alias deepseek-chat = non-thinking)",
+    )
+    p.add_argument(
+        "--keep-billing-header",
+        action="store_true",
+        help="keep Claude Code's x-anthropic-billing-header system line (stripped by default)",
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no per-request log lines")
+    p.add_argument("--enable-scripted-decoding", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("agent", help="terminal coding agent")

@@ -1,1 +1,74 @@
-"""ds4mlx.routes."""
+"""HTTP routes of ``ds4mlx serve``: one module per protocol (DESIGN.md §1, §6).
+
+- `ds4mlx.routes.openai`: ``/v1/chat/completions``, ``/v1/completions``
+- `ds4mlx.routes.anthropic`: ``/v1/messages``, ``/v1/messages/count_tokens``
+- `ds4mlx.routes.responses`: ``/v1/responses`` (HTTP + WebSocket)
+- `ds4mlx.routes.models`: ``/v1/models``, ``/v1/tokenize``, ``/v1/detokenize``,
+  ``/health``, ``/debug/script``
+- `ds4mlx.routes.common`: errors, body parsing, SSE framing, auth, reasoning carrier
+
+`register` adds them to a Quart app with protocol-shaped error handlers, the API-key
+check and (opt-in) CORS.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("ds4mlx.server")
+
+
+def register(app) -> None:
+    """Register every blueprint, error handler and request hook on ``app``."""
+    from quart import request
+    from werkzeug.exceptions import HTTPException
+
+    from ds4mlx.routes import anthropic, models, openai, responses
+    from ds4mlx.routes.common import (
+        APIError,
+        check_auth,
+        error_response,
+        http_exception_to_api,
+        state,
+    )
+
+    for mod in (openai, anthropic, responses, models):
+        app.register_blueprint(mod.bp)
+
+    @app.errorhandler(APIError)
+    async def _api_error(e: APIError):
+        return error_response(e)
+
+    @app.errorhandler(HTTPException)
+    async def _http_error(e: HTTPException):
+        return error_response(http_exception_to_api(e))
+
+    @app.errorhandler(Exception)
+    async def _any_error(e: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(
+            APIError(500, f"internal error: {type(e).__name__}", type="server_error")
+        )
+
+    @app.before_request
+    async def _auth():
+        if request.method == "OPTIONS" and state().config.cors:
+            return app.response_class("", status=204)
+        if request.path == "/health":
+            return None
+        err = check_auth()
+        if err is not None:
+            return error_response(err)
+        return None
+
+    @app.after_request
+    async def _cors(resp):
+        if state().config.cors:
+            resp.headers["Access-Control-Allow-Origin"] = "*"
+            resp.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+            resp.headers["Access-Control-Allow-Headers"] = (
+                "Authorization, Content-Type, x-api-key, anthropic-version, anthropic-beta, "
+                "anthropic-dangerous-direct-browser-access, openai-beta"
+            )
+            resp.headers["Access-Control-Max-Age"] = "600"
+        return resp

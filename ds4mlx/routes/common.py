@@ -1,0 +1,479 @@
+"""Shared route plumbing: protocol-shaped errors, body parsing, SSE framing, auth, CORS.
+
+Errors follow each protocol's own shape:
+
+- Anthropic (``/v1/messages*``): ``{"type": "error", "error": {"type", "message"}}``
+  (https://docs.anthropic.com/en/api/errors).
+- OpenAI (everything else): ``{"error": {"message", "type", "param", "code"}}``
+  (https://platform.openai.com/docs/guides/error-codes).
+
+Client mistakes (malformed JSON, invalid UTF-8, wrong types, unknown roles, oversized
+bodies, prompts over the context) are 4xx; only server faults are 5xx.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from quart import Response, current_app, request
+from werkzeug.exceptions import HTTPException
+
+M = TypeVar("M", bound=BaseModel)
+
+# Anthropic error "type" per HTTP status (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+class APIError(Exception):
+    """An error answered in the protocol's shape.
+
+    Args:
+        status: HTTP status (int).
+        message: human-readable text.
+        type: OpenAI ``type`` (``invalid_request_error``…); Anthropic's type is derived
+            from the status unless ``anthropic_type`` is given.
+        param: the offending field path, or None.
+        code: OpenAI ``code`` (e.g. ``context_length_exceeded``), or None.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        anthropic_type: str | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.anthropic_type = anthropic_type
+
+
+def protocol_of(path: str) -> str:
+    """``"anthropic"`` for the Messages API paths, else ``"openai"``."""
+    return "anthropic" if path.startswith("/v1/messages") else "openai"
+
+
+def error_body(protocol: str, err: APIError) -> dict[str, Any]:
+    """The JSON error object of ``protocol`` for ``err``."""
+    if protocol == "anthropic":
+        return {
+            "type": "error",
+            "error": {
+                "type": err.anthropic_type
+                or _ANTHROPIC_TYPES.get(
+                    err.status, "api_error" if err.status >= 500 else "invalid_request_error"
+                ),
+                "message": err.message,
+            },
+        }
+    return {
+        "error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
+    }
+
+
+def error_response(err: APIError, protocol: str | None = None) -> Response:
+    """A JSON `Response` for ``err`` in the current request's protocol shape."""
+    protocol = protocol or protocol_of(request.path)
+    resp = current_app.response_class(
+        json.dumps(error_body(protocol, err), ensure_ascii=False),
+        status=err.status,
+        mimetype="application/json",
+    )
+    return resp
+
+
+def http_exception_to_api(e: HTTPException) -> APIError:
+    """Map Werkzeug/Quart HTTP errors (404, 405, 413, 400…) onto `APIError`."""
+    status = e.code or 500
+    if status == 413:
+        limit = current_app.config.get("MAX_CONTENT_LENGTH")
+        msg = f"request body too large (limit {limit} bytes)" if limit else "request body too large"
+        return APIError(413, msg, code="request_too_large")
+    if status == 404:
+        return APIError(
+            404,
+            f"no route {request.method} {request.path}",
+            type="not_found_error",
+            code="not_found",
+        )
+    if status == 405:
+        return APIError(
+            405, f"method {request.method} not allowed on {request.path}", code="method_not_allowed"
+        )
+    return APIError(
+        status,
+        e.description or e.name,
+        type="invalid_request_error" if status < 500 else "server_error",
+    )
+
+
+def _loc_to_path(loc: tuple[Any, ...]) -> str:
+    """Pydantic error location → ``messages.0.content`` style path (union tags skipped)."""
+    parts: list[str] = []
+    for p in loc:
+        if isinstance(p, int):
+            parts.append(str(p))
+        elif isinstance(p, str):
+            # Union member / tagged-union labels are not field names.
+            if any(c in p for c in "[]()'\",") or p.startswith("function-"):
+                continue
+            parts.append(p)
+    return ".".join(parts)
+
+
+def validation_error_to_api(e: ValidationError) -> APIError:
+    """The first pydantic error as a 400 naming the field path (``param``)."""
+    errs = e.errors(include_url=False)
+    first = errs[0] if errs else {"loc": (), "msg": str(e)}
+    path = _loc_to_path(tuple(first.get("loc", ())))
+    msg = first.get("msg", "invalid value")
+    more = f" (and {len(errs) - 1} more errors)" if len(errs) > 1 else ""
+    text = f"{path}: {msg}{more}" if path else f"{msg}{more}"
+    return APIError(400, text, param=path or None)
+
+
+async def read_json() -> Any:
+    """Read the request body as JSON.
+
+    Raises:
+        APIError: 413 oversized, 400 invalid UTF-8, malformed or too deeply nested JSON.
+    """
+    try:
+        raw = await request.get_data(cache=False, as_text=False)
+    except HTTPException as e:
+        raise http_exception_to_api(e) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"request body is not valid UTF-8 (byte {e.start})") from None
+    if not text.strip():
+        raise APIError(400, "request body is empty; expected a JSON object")
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise APIError(400, "request JSON is nested too deeply") from None
+    except ValueError as e:
+        raise APIError(400, f"malformed JSON: {e}") from None
+
+
+async def parse_body(model: type[M]) -> tuple[M, dict[str, Any]]:
+    """Read and validate the body with ``model``; return the model and its dump.
+
+    Unknown fields are tolerated (the models allow extras: clients send beta fields).
+
+    Raises:
+        APIError: 4xx for any malformed, mistyped or oversized body.
+    """
+    data = await read_json()
+    return validate(model, data)
+
+
+def validate(model: type[M], data: Any) -> tuple[M, dict[str, Any]]:
+    """Validate ``data`` with ``model``; 400 `APIError` with the field path on failure."""
+    if not isinstance(data, dict):
+        raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
+    try:
+        obj = model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error_to_api(e) from None
+    except RecursionError:
+        raise APIError(400, "request JSON is nested too deeply") from None
+    return obj, obj.model_dump()
+
+
+# --------------------------------------------------------------------------- SSE
+
+
+def sse(data: Any, event: str | None = None) -> bytes:
+    """One Server-Sent Events frame (``event:`` line when given, one ``data:`` line).
+
+    ``data`` is JSON-encoded unless it is already a str (e.g. ``"[DONE]"``).
+    """
+    payload = (
+        data
+        if isinstance(data, str)
+        else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    )
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}\n\n".encode()
+
+
+SSE_COMMENT = b": keepalive\n\n"
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+
+
+def sse_response(gen: AsyncIterator[bytes]) -> Response:
+    """A streaming `Response` over ``gen`` (no response timeout)."""
+    resp = current_app.response_class(gen, status=200, headers=dict(SSE_HEADERS))
+    resp.timeout = None
+    return resp
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    return current_app.response_class(
+        json.dumps(obj, ensure_ascii=False), status=status, mimetype="application/json"
+    )
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def state():
+    """The `ds4mlx.server.ServerState` of the running app."""
+    return current_app.extensions["ds4mlx"]
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def new_id(prefix: str) -> str:
+    """A random response/item id (``msg_…``, ``chatcmpl-…``, ``resp_…``)."""
+    return prefix + secrets.token_hex(12)
+
+
+def check_auth() -> APIError | None:
+    """Check ``--api-key`` (``Authorization: Bearer`` or ``x-api-key``); None when ok."""
+    key = state().config.api_key
+    if not key:
+        return None
+    got = request.headers.get("x-api-key") or ""
+    auth = request.headers.get("authorization") or ""
+    if auth.lower().startswith("bearer "):
+        got = got or auth[7:].strip()
+    if got and hmac.compare_digest(got.encode(), key.encode()):
+        return None
+    return APIError(
+        401, "invalid or missing API key", type="invalid_request_error", code="invalid_api_key"
+    )
+
+
+def context_check(n_prompt: int) -> None:
+    """Reject a prompt that leaves no room to generate (before queueing).
+
+    Raises:
+        APIError: 400 ``context_length_exceeded`` with the counts.
+    """
+    ctx = state().ctx_size
+    if n_prompt >= ctx:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {ctx} tokens. However, your prompt "
+            f"resulted in {n_prompt} tokens, leaving no room for output. Shorten the "
+            "conversation or restart the server with a larger --ctx.",
+            code="context_length_exceeded",
+            param="messages",
+        )
+
+
+def clamp_max_tokens(requested: int | None, n_prompt: int) -> int:
+    """Output limit: the request's (or ``--tokens``) capped by the context left.
+
+    A limit beyond the context is not an error (DESIGN.md §6): generation stops when
+    the context is full and reports ``length`` / ``max_tokens``.
+    """
+    st = state()
+    room = st.ctx_size - n_prompt
+    want = requested if requested is not None else st.config.default_max_tokens
+    if want is None:
+        return max(1, room)
+    return max(1, min(int(want), room))
+
+
+def sampling_params(
+    thinking: bool, *, temperature=None, top_p=None, top_k=None, min_p=None, seed=None
+):
+    """``SamplingParams`` for a request (DESIGN.md §6).
+
+    Thinking mode ignores the client's knobs, as DeepSeek's API does: temperature 1,
+    top_p 1, min_p 0.05. Otherwise the client's values with those defaults; top_k
+    ``-1`` (vLLM's "off") is 0.
+    """
+    from ds4mlx.engine import SamplingParams
+    from ds4mlx.server import DEFAULT_MIN_P, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+
+    if thinking:
+        return SamplingParams(DEFAULT_TEMPERATURE, DEFAULT_TOP_P, 0, DEFAULT_MIN_P, seed)
+    return SamplingParams(
+        DEFAULT_TEMPERATURE if temperature is None else float(temperature),
+        DEFAULT_TOP_P if top_p is None else float(top_p),
+        0 if top_k is None or top_k < 0 else int(top_k),
+        DEFAULT_MIN_P if min_p is None else float(min_p),
+        seed,
+    )
+
+
+async def tokenize(text: str) -> list[int]:
+    """Tokenize off the event loop (long prompts take tens of milliseconds)."""
+    import asyncio
+
+    return await asyncio.to_thread(state().tokenizer.encode, text)
+
+
+def render(conv) -> str:
+    """Render ``conv`` with the server's context size and tool memory (400 on errors)."""
+    from ds4mlx.dsml import render_prompt
+
+    st = state()
+    try:
+        return render_prompt(conv, context_size=st.ctx_size, tool_memory=st.tool_memory)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, f"cannot render the conversation: {e}") from None
+
+
+# --------------------------------------------------------------------------- reasoning carrier
+
+
+def load_reasoning_key() -> bytes:
+    """HMAC key for reasoning carriers.
+
+    ``DS4MLX_REASONING_KEY`` when set; else a random key kept in
+    ``$XDG_CACHE_HOME/ds4mlx/reasoning.key`` (created 0600) so carriers handed out
+    before a restart still verify after it; else a per-process random key.
+    """
+    env = os.environ.get("DS4MLX_REASONING_KEY")
+    if env:
+        return hashlib.sha256(env.encode()).digest()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = Path(base) / "ds4mlx" / "reasoning.key"
+    try:
+        data = path.read_bytes()
+        if len(data) >= 32:
+            return data[:32]
+    except OSError:
+        pass
+    key = secrets.token_bytes(32)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
+    except OSError:
+        try:
+            data = path.read_bytes()  # lost a creation race: use the winner's key
+            if len(data) >= 32:
+                return data[:32]
+        except OSError:
+            pass
+    return key
+
+
+class ReasoningCarrier:
+    """Opaque, integrity-protected carrier of sampled reasoning text.
+
+    Used as the Responses reasoning item's ``encrypted_content`` and the Anthropic
+    thinking block's ``signature``: a stateless client hands it back and the server
+    recovers the exact reasoning, so a replay renders the exact prefix the model
+    sampled. Format: ``ds4r1.`` + base64url(UTF-8 text) + ``.`` + base64url(HMAC-SHA256)
+    (not encrypted: the client already saw, or could have asked for, that reasoning).
+    """
+
+    PREFIX = "ds4r1."
+
+    def __init__(self, key: bytes):
+        self._key = key
+
+    def _mac(self, payload: bytes) -> str:
+        return (
+            base64.urlsafe_b64encode(hmac.new(self._key, payload, hashlib.sha256).digest())
+            .rstrip(b"=")
+            .decode()
+        )
+
+    def seal(self, text: str) -> str:
+        payload = text.encode("utf-8")
+        b = base64.urlsafe_b64encode(payload).rstrip(b"=").decode()
+        return f"{self.PREFIX}{b}.{self._mac(payload)}"
+
+    def open(self, token: str | None) -> str | None:
+        """The reasoning text, or None for a foreign, corrupted or forged carrier."""
+        if not token or not isinstance(token, str) or not token.startswith(self.PREFIX):
+            return None
+        try:
+            body, mac = token[len(self.PREFIX) :].rsplit(".", 1)
+            payload = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
+        except (ValueError, TypeError):
+            return None
+        if not hmac.compare_digest(mac, self._mac(payload)):
+            return None
+        try:
+            return payload.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+def failed_to_api(ev) -> APIError:
+    """A worker `JobFailed` as an `APIError` (400 for context overflow, else its status)."""
+    code = "context_length_exceeded" if ev.kind == "context_length_exceeded" else None
+    typ = "invalid_request_error" if ev.status < 500 else "server_error"
+    return APIError(ev.status, ev.message, type=typ, code=code)
+
+
+async def collect(job) -> tuple[list[Any], Any]:
+    """Drain a job for a non-streaming response: ``(events, JobDone)``.
+
+    Cancels the job if the handler is cancelled (client gone).
+
+    Raises:
+        APIError: the job failed.
+    """
+    from ds4mlx.server import JobDone, JobFailed
+
+    events: list[Any] = []
+    try:
+        async for ev in job.events():
+            if isinstance(ev, JobFailed):
+                raise failed_to_api(ev)
+            if isinstance(ev, JobDone):
+                return events, ev
+            events.append(ev)
+    finally:
+        if not job.done:
+            job.cancel.set()
+    raise APIError(500, "job ended without a result", type="server_error")  # pragma: no cover
+
+
+async def guard(job, gen: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Wrap a streaming generator so that a client disconnect cancels ``job``."""
+    try:
+        async for chunk in gen:
+            yield chunk
+    finally:
+        if not job.done:
+            job.cancel.set()

@@ -1,0 +1,156 @@
+"""Models, tokenizer utilities, health and the test-only script endpoint.
+
+- ``GET /v1/models``, ``GET /v1/models/{id}`` (ids may contain ``/``): each entry has
+  both OpenAI (``object``, ``owned_by``, ``created``) and Anthropic (``type``,
+  ``display_name``, ``created_at``) fields, so either SDK can read it
+  (https://platform.openai.com/docs/api-reference/models,
+  https://docs.anthropic.com/en/api/models).
+- ``POST /v1/tokenize``: ``{"text"|"prompt": str}`` or ``{"messages": [...]}`` (OpenAI
+  chat messages, rendered with the chat template) → ``{"tokens", "count"}``.
+- ``POST /v1/detokenize``: ``{"tokens": [int]}`` → ``{"text"}``.
+- ``GET /health``: ``{"status": "ok", ...}`` (no API key needed).
+- ``POST /debug/script`` (only with ``--enable-scripted-decoding``): ``{"texts": [str]}``
+  queues continuations; each following job decodes the next one (DESIGN.md §2).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from quart import Blueprint
+
+from ds4mlx.routes.common import APIError, json_response, parse_body, render, state, tokenize
+
+bp = Blueprint("models", __name__)
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+def _model_entry(model_id: str) -> dict[str, Any]:
+    st = state()
+    created = int(st.started)
+    thinking = st.config.thinking_default(model_id)
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": created,
+        "owned_by": "ds4mlx",
+        "type": "model",
+        "display_name": model_id,
+        "created_at": datetime.datetime.fromtimestamp(created, datetime.UTC)
+        .isoformat()
+        .replace("+00:00", "Z"),
+        "context_length": st.ctx_size,
+        "max_model_len": st.ctx_size,
+        "thinking": thinking,
+    }
+
+
+@bp.get("/v1/models")
+async def list_models():
+    ids = state().config.model_ids()
+    data = [_model_entry(i) for i in ids]
+    return json_response(
+        {"object": "list", "data": data, "has_more": False, "first_id": ids[0], "last_id": ids[-1]}
+    )
+
+
+@bp.get("/v1/models/<path:model_id>")
+async def get_model(model_id: str):
+    if model_id not in state().config.model_ids():
+        raise APIError(
+            404,
+            f"model {model_id!r} not found",
+            type="invalid_request_error",
+            code="model_not_found",
+            param="model",
+        )
+    return json_response(_model_entry(model_id))
+
+
+class TokenizeRequest(_Open):
+    model: str = ""
+    text: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+
+
+class DetokenizeRequest(_Open):
+    model: str = ""
+    tokens: list[int]
+
+
+@bp.post("/v1/tokenize")
+async def tokenize_route():
+    """Tokenize raw text (special tokens recognized) or chat ``messages`` (rendered)."""
+    from ds4mlx.dsml import wire
+    from ds4mlx.routes.common import validate
+    from ds4mlx.routes.openai import ChatRequest
+
+    req, body = await parse_body(TokenizeRequest)
+    if req.messages is not None:
+        _, chat = validate(ChatRequest, body)
+        try:
+            conv = wire.openai_chat_to_conversation(
+                chat, default_thinking=state().config.thinking_default(req.model)
+            )
+        except wire.WireError as e:
+            raise APIError(400, e.message, param=e.param) from None
+        text = render(conv)
+    else:
+        text = req.text if req.text is not None else req.prompt
+        if text is None:
+            raise APIError(400, "give text, prompt or messages", param="text")
+    toks = await tokenize(text)
+    return json_response({"tokens": toks, "count": len(toks), "max_model_len": state().ctx_size})
+
+
+@bp.post("/v1/detokenize")
+async def detokenize_route():
+    req, _ = await parse_body(DetokenizeRequest)
+    tok = state().tokenizer
+    bad = [t for t in req.tokens if not 0 <= t < tok.vocab_size]
+    if bad:
+        raise APIError(
+            400,
+            f"tokens: id {bad[0]} outside the vocabulary (0..{tok.vocab_size - 1})",
+            param="tokens",
+        )
+    return json_response({"text": tok.decode(req.tokens)})
+
+
+@bp.get("/health")
+async def health():
+    st = state()
+    return json_response(
+        {
+            "status": "ok",
+            "model": st.config.model_name,
+            "ctx": st.ctx_size,
+            "busy": st.worker.busy,
+            "queued": st.worker.queued,
+            "live_tokens": len(st.engine.session.tokens),
+        }
+    )
+
+
+class ScriptRequest(_Open):
+    texts: list[str] = Field(min_length=1)
+    reset: bool = False
+
+
+@bp.post("/debug/script")
+async def debug_script():
+    """Queue scripted continuations (tests only; 404 unless the server enabled it)."""
+    st = state()
+    if not st.config.scripted:
+        raise APIError(404, "no route POST /debug/script", type="not_found_error", code="not_found")
+    req, _ = await parse_body(ScriptRequest)
+    if req.reset:
+        st.scripts.clear()
+    st.scripts.extend(req.texts)
+    return json_response({"queued": len(st.scripts)})
