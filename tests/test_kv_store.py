@@ -508,3 +508,49 @@ def test_cli_ls_verify_flags_corrupt_data(tmp_path, capsys, monkeypatch):
     assert "BAD" not in out
     rc, out = run_cli(capsys, "ls", "--verify", str(store.dir))
     assert "BAD" in out and "digest" in out
+
+
+# --------------------------------------------------------------------------- engine
+
+
+def test_real_session_state_round_trip(tmp_path):
+    """A real Session snapshot (tiny DS4 network) through the store restores a session
+    that continues exactly like the original."""
+    tiny = pytest.importorskip("ds4mlx.model.tiny")
+    from ds4mlx.engine import Engine, SessionState
+
+    tiny.make_tiny(tmp_path / "tiny", seed=0)
+    eng = Engine.load(tmp_path / "tiny", ctx_size=1024)
+    store = DiskKVStore(
+        tmp_path / "kv",
+        budget_bytes=2**30,
+        model_identity=eng.identity,
+        ctx_size=eng.ctx_size,
+        expert_bits=4,
+    )
+    text = "<｜begin▁of▁sentence｜>You are terse. 你好 🤖<｜User｜>hi<｜Assistant｜>"
+    live = eng.new_session()
+    live.prefill(eng.tokenizer.encode(text))
+    snap = live.snapshot()
+    saved = store.save(
+        text=eng.tokenizer.decode(snap.tokens),
+        tokens=snap.tokens,
+        arrays=snap.arrays,
+        meta=snap.meta,
+        reason="cold",
+    )
+    assert saved is not None
+
+    def greedy(session, n):
+        out = []
+        for _ in range(n):
+            out.append(int(mx.argmax(session.logits).item()))
+            session.decode(out[-1])
+        return out
+
+    ref = greedy(live, 6)
+    got = store.lookup_and_load(text + "<think>")
+    assert got is not None and got.suffix(text + "<think>") == "<think>"
+    restored = eng.new_session()
+    restored.restore(SessionState(tokens=got.tokens, arrays=got.arrays, meta=got.meta))
+    assert greedy(restored, 6) == ref
