@@ -590,7 +590,8 @@ class DiskKVStore:
             for inspection from another process.
         clock: current time in Unix seconds (tests inject one).
 
-    Opening removes temp files left by dead writers. All methods are safe to call from
+    Opening removes temp files left by dead writers and evicts down to the budget. All
+    methods are safe to call from
     one thread while other processes add or remove files in ``dir`` (a file that
     vanishes is a miss; a new one is picked up by the next call).
 
@@ -629,10 +630,18 @@ class DiskKVStore:
         self._index: dict[str, dict] = {}
         self._index_sig: tuple | None = None
         self._reported: set[tuple[str, tuple]] = set()
-        self._failed: dict[str, tuple] = {}  # key -> signature that failed verification
+        # key -> (stat signature, reason) of a file that failed verification on load
+        self._failed: dict[str, tuple[tuple, str]] = {}
         if not read_only:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._remove_stale_temps()
+            self.evict()  # the budget may have been lowered since the last run
+            scan = self.scan()
+            log.info(
+                "kv cache: %s: %d snapshots (%d usable), %d bad, %.1f of %.1f MiB",
+                self.dir, len(scan.entries), len(self.entries()), len(scan.bad),
+                scan.total_bytes / 2**20, self.budget_bytes / 2**20,
+            )  # fmt: skip
 
     # ---------------------------------------------------------------- directory state
 
@@ -687,8 +696,9 @@ class DiskKVStore:
                     item = cached[1]
                 if isinstance(item, Entry):
                     key = item.key
-                    if self._failed.get(key) == sig:
-                        item = BadFile(item.path, "failed verification on load", item.size)
+                    failed = self._failed.get(key)
+                    if failed is not None and failed[0] == sig:
+                        item = BadFile(item.path, f"failed on load: {failed[1]}", item.size)
                     else:
                         item = _apply_index(item, self._index)
                 if isinstance(item, BadFile):
@@ -764,7 +774,7 @@ class DiskKVStore:
             except FileNotFoundError as e:
                 raise KVStoreError(f"{entry.path} vanished") from e
             except KVStoreError as e:
-                self._failed[entry.key] = sig
+                self._failed[entry.key] = (sig, str(e))
                 log.warning("kv cache: not loading %s: %s", entry.path, e)
                 raise
             if not self._compatible(loaded.entry):  # replaced since the scan: not ours now
