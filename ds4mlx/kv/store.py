@@ -591,9 +591,9 @@ class DiskKVStore:
         clock: current time in Unix seconds (tests inject one).
 
     Opening removes temp files left by dead writers and evicts down to the budget. All
-    methods are safe to call from
-    one thread while other processes add or remove files in ``dir`` (a file that
-    vanishes is a miss; a new one is picked up by the next call).
+    methods are safe to call from one thread while other processes add or remove files
+    in ``dir`` (a file that vanishes is a miss; a new one is picked up by the next
+    call).
 
     Raises:
         ValueError: bad arguments.
