@@ -21,8 +21,9 @@ cheap header scans, the ``safetensors`` package):
   ``{tool id: exact DSML}``) and every session array as ``session.<name>``.
   The text and the tool map live in tensors rather than metadata because they grow with
   the conversation (100s of KB): as tensors they are stored byte-exact with no JSON
-  escaping (CJK text would inflate ×2–6 as ``\\uXXXX``), and they keep the header small
-  so scans and ``kv ls`` never parse them.
+  escaping (prompts are full of quotes and newlines), a scan or ``kv ls`` never has to
+  parse them out of the JSON header, and the header stays far below the 100 MB cap
+  safetensors readers put on it.
 
 Hit counts and last-used times change on every hit; rewriting a multi-hundred-MB file
 for that is out of the question, and patching a JSON header in place is not crash-safe.
@@ -35,8 +36,10 @@ modified after their rename into place.
 Writes go to ``.<key>.<pid>.<random>.tmp`` in the same directory (same filesystem, so
 the rename is atomic), are fsynced, renamed over the final name, and the directory is
 fsynced. A reader therefore sees either no file or a complete one; a killed writer
-leaves only a temp file, removed by the next :class:`DiskKVStore` whose owner process
-is dead.
+leaves only a temp file, which the next :class:`DiskKVStore` opened after the writer's
+death removes. Room for a new file is made *before* it is written (from an upper bound
+on its size), so the directory stays within budget even if the writer dies between the
+rename and the eviction pass that follows it.
 
 Eviction score (lower is evicted first; ties: least recently used first)::
 
