@@ -283,6 +283,20 @@ def test_oversized_snapshot_is_not_written(tmp_path, caplog):
     assert [e.key for e in store.entries()] == [keep.key]  # nothing evicted for it
 
 
+def test_failed_write_leaves_nothing(tmp_path, monkeypatch, caplog):
+    store = make_store(tmp_path)
+    keep = save(store, "kept", seed=1)
+
+    def broken(f, tensors, metadata):
+        f.write(b"partial bytes")
+        raise RuntimeError("[write] disk full")
+
+    monkeypatch.setattr(kvs.mx, "save_safetensors", broken)
+    assert save(store, "lost", seed=2) is None
+    assert "save failed" in caplog.text
+    assert sorted(os.listdir(store.dir)) == [keep.path.name]
+
+
 def test_eviction_score_formula():
     now = 1_000_000.0
     base = dict(key="k", path=Path("k"), text_bytes=1, model_identity="m", expert_bits=None)

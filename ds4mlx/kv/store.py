@@ -852,7 +852,8 @@ class DiskKVStore:
             reason: ``cold``, ``continued``, ``evict`` or ``shutdown``.
             meta: ``SessionState.meta`` (str -> str), returned by :meth:`load`.
             tool_memory: tool id -> exact DSML (mapping or pairs); only entries whose
-                DSML occurs in ``text`` are stored.
+                DSML occurs in ``text`` are stored (one substring search per distinct
+                DSML block, so pass the conversation's ids rather than a huge map).
 
         Returns:
             The new (or identical existing) :class:`Entry`, or None when the snapshot
@@ -945,7 +946,7 @@ class DiskKVStore:
                     _fsync_file(f.fileno())
                 os.replace(tmp, final)
                 _fsync_dir(self.dir)
-            except OSError as e:
+            except (OSError, RuntimeError) as e:  # MLX reports write errors as RuntimeError
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
                 log.warning("kv cache: save failed tokens=%d reason=%s: %s", len(tokens), reason, e)
