@@ -141,3 +141,84 @@ def prompt_tokens(n: int, vocab: int, seed: int = 0) -> np.ndarray:
     """Seeded random token ids (int32, shape ``(n,)``), avoiding ids 0 and 1 (BOS/EOS)."""
     rng = np.random.default_rng(seed)
     return rng.integers(2, vocab, size=n).astype(np.int32)
+
+
+# transformers module-attribute name -> DeepSeek official name, written out by hand from
+# transformers' conversion_mapping.py (entry deepseek_v4) so the loader's own rename rules
+# are checked against an independent table.
+_OFFICIAL_LEAVES = {
+    "self_attn.sinks": "attn.attn_sink",
+    "self_attn.q_a_proj.weight": "attn.wq_a.weight",
+    "self_attn.q_a_norm.weight": "attn.q_norm.weight",
+    "self_attn.q_b_proj.weight": "attn.wq_b.weight",
+    "self_attn.kv_proj.weight": "attn.wkv.weight",
+    "self_attn.kv_norm.weight": "attn.kv_norm.weight",
+    "self_attn.o_a_proj.weight": "attn.wo_a.weight",
+    "self_attn.o_b_proj.weight": "attn.wo_b.weight",
+    "self_attn.compressor.position_bias": "attn.compressor.ape",
+    "self_attn.compressor.kv_proj.weight": "attn.compressor.wkv.weight",
+    "self_attn.compressor.gate_proj.weight": "attn.compressor.wgate.weight",
+    "self_attn.compressor.kv_norm.weight": "attn.compressor.norm.weight",
+    "self_attn.compressor.indexer.position_bias": "attn.indexer.compressor.ape",
+    "self_attn.compressor.indexer.kv_proj.weight": "attn.indexer.compressor.wkv.weight",
+    "self_attn.compressor.indexer.gate_proj.weight": "attn.indexer.compressor.wgate.weight",
+    "self_attn.compressor.indexer.kv_norm.weight": "attn.indexer.compressor.norm.weight",
+    "self_attn.compressor.indexer.q_b_proj.weight": "attn.indexer.wq_b.weight",
+    "self_attn.compressor.indexer.scorer.weights_proj.weight": "attn.indexer.weights_proj.weight",
+    "mlp.gate.weight": "ffn.gate.weight",
+    "mlp.gate.tid2eid": "ffn.gate.tid2eid",
+    "mlp.gate.e_score_correction_bias": "ffn.gate.bias",
+    "mlp.shared_experts.gate_proj.weight": "ffn.shared_experts.w1.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn.shared_experts.w3.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn.shared_experts.w2.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "attn_hc.fn": "hc_attn_fn",
+    "attn_hc.base": "hc_attn_base",
+    "attn_hc.scale": "hc_attn_scale",
+    "ffn_hc.fn": "hc_ffn_fn",
+    "ffn_hc.base": "hc_ffn_base",
+    "ffn_hc.scale": "hc_ffn_scale",
+}
+_OFFICIAL_TOP = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.norm.weight": "norm.weight",
+    "model.hc_head.hc_fn": "hc_head_fn",
+    "model.hc_head.hc_base": "hc_head_base",
+    "model.hc_head.hc_scale": "hc_head_scale",
+    "lm_head.weight": "head.weight",
+}
+
+
+def official_state(ref, *, stacked: bool = False) -> dict[str, np.ndarray]:
+    """The oracle's weights under DeepSeek's official names (layout b).
+
+    Experts are per-expert ``ffn.experts.E.w{1,2,3}.weight`` (as DeepSeek ships them) or,
+    with ``stacked``, ``ffn.experts.w{1,2,3}.weight`` of shape ``(E, out, in)``;
+    ``tid2eid`` is int32 as in the official checkpoint.
+    """
+    out: dict[str, np.ndarray] = {}
+    for name, t in ref.state_dict().items():
+        a = t.detach().cpu().numpy()
+        if name in _OFFICIAL_TOP:
+            out[_OFFICIAL_TOP[name]] = a
+            continue
+        _, _, idx, rest = name.split(".", 3)  # model.layers.N.rest
+        base = f"layers.{idx}."
+        if rest == "mlp.experts.gate_up_proj":
+            inter = a.shape[1] // 2
+            parts = {"w1": a[:, :inter], "w3": a[:, inter:]}
+        elif rest == "mlp.experts.down_proj":
+            parts = {"w2": a}
+        else:
+            if rest.endswith("tid2eid"):
+                a = a.astype(np.int32)
+            out[base + _OFFICIAL_LEAVES[rest]] = a
+            continue
+        for w, arr in parts.items():
+            if stacked:
+                out[f"{base}ffn.experts.{w}.weight"] = np.ascontiguousarray(arr)
+            else:
+                for e in range(arr.shape[0]):
+                    out[f"{base}ffn.experts.{e}.{w}.weight"] = np.ascontiguousarray(arr[e])
+    return out

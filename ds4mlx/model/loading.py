@@ -96,8 +96,13 @@ def _is_raw_fp8(cfg: dict, names: list[str]) -> bool:
     qc = cfg.get("quantization_config") or {}
     if "quantization" not in cfg and str(qc.get("quant_method", "")).lower() in ("fp8", "fp4"):
         return True
-    # Official FP8/FP4 shards carry a singular ".scale" tensor next to each weight.
-    return any(n.endswith(".scale") for n in names)
+    return _has_block_scales(names)
+
+
+def _has_block_scales(names) -> bool:
+    """Official FP8/FP4 shards carry a singular ``X.scale`` tensor next to each ``X.weight``."""
+    names = set(names)
+    return any(n.endswith(".scale") and n[: -len(".scale")] + ".weight" in names for n in names)
 
 
 def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
