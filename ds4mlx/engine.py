@@ -529,7 +529,9 @@ def describe_quant(model) -> str:
         if bits is not None and hasattr(mod, "scales"):
             mode = getattr(mod, "mode", "affine")
             buckets[bucket].add(f"q{bits}" if mode == "affine" else mode)
-        elif "weight" in mod and isinstance(mod["weight"], mx.array) and mod["weight"].ndim >= 2:
+        elif hasattr(mod, "to_quantized") and isinstance(mod.get("weight"), mx.array):
+            # Quantizable layers only: small float tables such as the router stay
+            # unquantized in every checkpoint and would only add noise here.
             buckets[bucket].add(_dtype_name(mod["weight"].dtype))
     # Expert weights may be raw parameters of a container module rather than Linear
     # layers: fall back to parameter dtypes under "experts".

@@ -274,3 +274,14 @@ def test_kv_bytes_and_reset(engine, prompt):
     assert s.tokens == [] and s.logits is None and s.kv_bytes() == 0
     with pytest.raises(RuntimeError):
         s.sample(SamplingParams())
+
+
+def test_quantized_tiny_loads_and_generates(tmp_path):
+    from ds4mlx.model.tiny import make_tiny
+
+    make_tiny(tmp_path, seed=0, expert_bits=2, other_bits=8)
+    e = Engine.load(tmp_path, ctx_size=256)
+    assert e.quant_desc == "experts=q2 other=q8"
+    ids = e.tokenizer.encode("<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜></think>")
+    out = list(e.session.generate(ids, SamplingParams(temperature=0), 5))
+    assert len(out) == 5 and all(0 <= t < e.args.vocab_size for t in out)
