@@ -74,6 +74,9 @@ _RENAMES = [
     (r"^(layers\.\d+)\.attn\.norm\.", r"\1.attn.kv_norm."),
 ]
 _RENAMES = [(re.compile(a), b) for a, b in _RENAMES]
+_KEEP_F32 = re.compile(
+    r"(norm\.weight|\.attn_sink|\.ape|\.gate\.(weight|bias)|hc_(attn|ffn|head)_(fn|base|scale))$"
+)
 _PER_EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scales|biases)$")
 _WO_A_SPLIT = re.compile(r"^(layers\.\d+\.attn\.wo_a)\.(\d+)\.(weight|scales|biases)$")
 
@@ -228,10 +231,16 @@ def load_model(path: str, *, dtype=mx.float32) -> tuple[Model, ModelArgs]:
             mode=q.get("mode", "affine"),
             class_predicate=_quant_predicate(q, weights),
         )
-    # Float parameters go to the compute dtype; packed weights and int tables stay.
+    # Float parameters go to the compute dtype; packed weights and int tables stay. The
+    # small precision-critical tensors stay float32 whatever the compute dtype, as in
+    # DeepSeek's reference (norms, router, mHC, sinks, compressor position bias).
     for k, v in list(weights.items()):
-        if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype:
-            weights[k] = v.astype(dtype)
+        if not mx.issubdtype(v.dtype, mx.floating):
+            continue
+        want = mx.float32 if _KEEP_F32.search(k) else dtype
+        if v.dtype != want:
+            weights[k] = v.astype(want)
+    model.compute_dtype = dtype
     expected = dict(_flatten(model.parameters()))
     missing = sorted(set(expected) - set(weights))
     extra = sorted(set(weights) - set(expected))

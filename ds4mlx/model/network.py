@@ -85,12 +85,17 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     pairs = rope.reshape(*rope.shape[:-1], half, 2)
     a, b = pairs[..., 0], pairs[..., 1]
     rot = mx.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(rope.shape)
-    return mx.concatenate([nope, rot], axis=-1)
+    # Rotation in float32 (cos/sin are float32), result back in the input dtype.
+    return mx.concatenate([nope, rot.astype(x.dtype)], axis=-1)
 
 
 # ----------------------------------------------------------------------------- basic layers
 class RMSNorm(nn.Module):
-    """RMSNorm with a weight: ``x * rsqrt(mean(x²) + eps) * weight`` (float32)."""
+    """RMSNorm with a weight: ``x * rsqrt(mean(x²) + eps) * weight``.
+
+    The weight is kept in float32; with a lower-precision input the norm runs in float32
+    and casts back once (as DeepSeek's reference does).
+    """
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -98,7 +103,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.fast.rms_norm(x, self.weight, self.eps)
+        if x.dtype == self.weight.dtype:
+            return mx.fast.rms_norm(x, self.weight, self.eps)
+        return mx.fast.rms_norm(
+            x.astype(mx.float32), self.weight.astype(mx.float32), self.eps
+        ).astype(x.dtype)
 
 
 class GroupedLinear(nn.Module):
@@ -208,7 +217,8 @@ class Compressor(nn.Module):
             rows = self.norm(rows)
             pos = (p0 // r + mx.arange(nb)) * r
             cos, sin = rope_cos_sin(inv_freq, pos)
-            st.rows.append(apply_rope(rows, cos, sin))
+            # Pooling runs in float32 (score + ape); rows are stored in the compute dtype.
+            st.rows.append(apply_rope(rows, cos, sin).astype(x.dtype))
         if rem:
             pad = r - rem
             tail_k, tail_s = kv[nb * r :], score[nb * r :]
@@ -557,10 +567,13 @@ class Block(nn.Module):
         self._hc_pre = _hc_pre_fn(args.hc_mult, args.hc_sinkhorn_iters, args.hc_eps, args.norm_eps)
 
     def __call__(self, x: mx.array, tokens: mx.array, c: LayerCache, ctx) -> mx.array:
+        dt = x.dtype  # mHC weights are float32; the streams stay in the compute dtype
         y, post, comb = self._hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
-        x = hc_post(self.attn(self.attn_norm(y), c, ctx), x, post, comb)
+        y = self.attn(self.attn_norm(y.astype(dt)), c, ctx)
+        x = hc_post(y, x, post, comb).astype(dt)
         y, post, comb = self._hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
-        return hc_post(self.ffn(self.ffn_norm(y), tokens), x, post, comb)
+        y = self.ffn(self.ffn_norm(y.astype(dt)), tokens)
+        return hc_post(y, x, post, comb).astype(dt)
 
 
 # ----------------------------------------------------------------------------- model
