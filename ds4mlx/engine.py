@@ -194,8 +194,8 @@ class SessionState:
         """
         try:
             if isinstance(file, str | os.PathLike):
-                with open(file, "rb") as f:
-                    arrays, meta = mx.load(f, format="safetensors", return_metadata=True)
+                # By path, so MLX reads the file itself (no Python-level buffering).
+                arrays, meta = mx.load(os.fspath(file), format="safetensors", return_metadata=True)
             else:
                 arrays, meta = mx.load(file, format="safetensors", return_metadata=True)
         except (OSError, RuntimeError, ValueError) as e:
@@ -505,6 +505,9 @@ class Session:
         logits = state.arrays.get(_LOGITS_KEY)
         if (logits is None) != (len(state.tokens) == 0):
             raise SnapshotError("snapshot logits do not match its token count")
+        vocab = self.engine.args.vocab_size
+        if logits is not None and tuple(logits.shape) != (vocab,):
+            raise SnapshotError(f"snapshot logits have shape {logits.shape}, expected ({vocab},)")
         self._cache = caches
         self.tokens = list(state.tokens)
         self.logits = None if logits is None else mx.array(logits)
