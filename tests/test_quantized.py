@@ -145,3 +145,26 @@ def test_wo_a_split_per_group_loads(tiny_dirs, tmp_path, prompt):
     m2, _ = load_model(str(d))
     toks = mx.array(prompt[None, :40])
     assert np.array_equal(np.array(m1(toks)), np.array(m2(toks)))
+
+
+def test_prefixed_names_and_quant_keys_load(tiny_dirs, tmp_path, prompt):
+    """A conversion that keeps a ``model.`` prefix (tensors and per-module quant keys)."""
+    src = tiny_dirs["q"]
+    d = tmp_path / "prefixed"
+    d.mkdir()
+    w = mx.load(os.path.join(src, "model.safetensors"))
+    renamed = {("head.weight" if k == "head.weight" else "model." + k): v for k, v in w.items()}
+    renamed = {k.replace("model.head.", "head."): v for k, v in renamed.items()}
+    mx.save_safetensors(str(d / "model.safetensors"), renamed)
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    q = {
+        k if k in ("group_size", "bits", "mode") else "model." + k: v
+        for k, v in cfg["quantization"].items()
+    }
+    cfg["quantization"] = cfg["quantization_config"] = q
+    json.dump(cfg, open(d / "config.json", "w"))
+    m1, _ = load_model(src)
+    m2, _ = load_model(str(d))
+    assert m2.layers[1].ffn.experts.w1.bits == 4
+    toks = mx.array(prompt[None, :40])
+    assert np.array_equal(np.array(m1(toks)), np.array(m2(toks)))

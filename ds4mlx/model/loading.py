@@ -70,6 +70,10 @@ _RENAMES = [
     (r"\.attn\.o_a_proj\.", ".attn.wo_a."),
     (r"\.attn\.o_b_proj\.", ".attn.wo_b."),
     (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
+    # mlx-lm's stacked-expert spelling (SwitchGLU) of the same tensors.
+    (r"\.ffn\.switch_mlp\.gate_proj\.", ".ffn.experts.w1."),
+    (r"\.ffn\.switch_mlp\.up_proj\.", ".ffn.experts.w3."),
+    (r"\.ffn\.switch_mlp\.down_proj\.", ".ffn.experts.w2."),
     # transformers 5 save_pretrained writes the attention's kv_norm as "attn.norm".
     (r"^(layers\.\d+)\.attn\.norm\.", r"\1.attn.kv_norm."),
 ]
@@ -156,6 +160,13 @@ def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.arra
 
 def _quant_predicate(qcfg: dict, weights: dict[str, mx.array]):
     """mlx-lm's rule: a per-module entry wins; else quantize where ``.scales`` exist."""
+
+    # Per-module entries may use checkpoint spellings ("model." prefix, transformers names).
+    qcfg = {
+        (official_name(k + ".weight") or k)[: -len(".weight")]: v
+        for k, v in qcfg.items()
+        if isinstance(v, (bool, dict))
+    }
 
     def pred(path: str, module: nn.Module):
         if path in qcfg:
