@@ -307,6 +307,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep Claude Code's x-anthropic-billing-header system line (stripped by default)",
     )
+    p.add_argument(
+        "--keepalive",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="keepalive interval of idle streams, e.g. during long prefills (10)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no per-request log lines")
     p.add_argument("--enable-scripted-decoding", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_serve)

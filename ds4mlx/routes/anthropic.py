@@ -237,7 +237,9 @@ async def messages():
     omitted = bool(req.thinking and req.thinking.display == "omitted")
     meta = {"id": new_id("msg_"), "model": req.model or st.config.model_name}
     if req.stream:
-        return sse_response(guard(job, _stream(job, meta, omitted, st.config.keepalive_s)))
+        return sse_response(
+            guard(job, _stream(job, meta, omitted, st.config.keepalive_s, st.carrier))
+        )
     events, done = await collect(job)
     if done.finish == "cancelled":
         raise APIError(503, "generation cancelled (server shutting down)", type="server_error")
@@ -283,8 +285,8 @@ async def messages():
     )
 
 
-async def _stream(job, meta: dict[str, Any], omitted: bool, keepalive_s: float):
-    carrier = state().carrier
+async def _stream(job, meta: dict[str, Any], omitted: bool, keepalive_s: float, carrier):
+    # Runs outside the app context (Quart streams bodies after the handler returned).
     ka = _Keepalive(keepalive_s)
     started = False
     index = -1

@@ -133,6 +133,8 @@ async def health():
             "ctx": st.ctx_size,
             "busy": st.worker.busy,
             "queued": st.worker.queued,
+            "submitted": st.worker.jobs_submitted,
+            "done": st.worker.jobs_done,
             "live_tokens": len(st.engine.session.tokens),
         }
     )

@@ -1,0 +1,217 @@
+"""Helpers for the server tests: a real ``ds4mlx serve`` subprocess on 127.0.0.1.
+
+Every end-to-end test talks to a real server process (the tiny float32 model, a free
+port, scripted decoding enabled) that the test module starts once and stops with
+SIGINT, checking that it shuts down cleanly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CLIENTS_BIN = REPO / "tests" / "clients" / "node_modules" / ".bin"
+EOS = "<｜end▁of▁sentence｜>"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The tiny float32 DS4 checkpoint (what ``serve --demo`` uses), made once per session."""
+    from ds4mlx.model.tiny import make_tiny
+    from ds4mlx.server import DEMO_TINY_KWARGS
+
+    d = tmp_path_factory.mktemp("tiny_serve")
+    make_tiny(d, **DEMO_TINY_KWARGS)
+    return d
+
+
+class Server:
+    """A ``ds4mlx serve`` subprocess.
+
+    Args:
+        model_dir: checkpoint directory (None with ``--demo`` in ``extra``).
+        ctx: context size.
+        extra: more CLI flags.
+        env: extra environment variables.
+        scripted: pass ``--enable-scripted-decoding``.
+    """
+
+    def __init__(
+        self,
+        model_dir,
+        *,
+        ctx: int = 8192,
+        extra=(),
+        env=None,
+        scripted: bool = True,
+        log_path=None,
+    ):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "ds4mlx.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            "--ctx",
+            str(ctx),
+        ]
+        if model_dir is not None:
+            self.cmd += ["-m", str(model_dir)]
+        if scripted:
+            self.cmd.append("--enable-scripted-decoding")
+        self.cmd += list(extra)
+        self.env = {**os.environ, "DS4MLX_REASONING_KEY": "tests", **(env or {})}
+        self.env.pop("DS4MLX_MODEL", None)
+        self.log_path = Path(log_path) if log_path else None
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    def start(self, timeout: float = 90.0) -> Server:
+        if self.log_path is None:
+            import tempfile
+
+            self.log_path = Path(tempfile.mkstemp(prefix="ds4mlx-serve-", suffix=".log")[1])
+        self._log = open(self.log_path, "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.kill()
+        raise RuntimeError(f"server did not start in {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace") if self.log_path else ""
+        except OSError:
+            return ""
+
+    def request_lines(self) -> list[str]:
+        """The per-request log lines (one per finished job)."""
+        return [ln for ln in self.log().splitlines() if " prompt=" in ln and " generated=" in ln]
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGINT (graceful shutdown) and wait; returns the exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise
+        if self._log:
+            self._log.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def script(self, *texts: str) -> None:
+        """Queue scripted continuations: the next jobs decode these texts, in order."""
+        r = httpx.post(self.url + "/debug/script", json={"texts": list(texts)}, timeout=10)
+        r.raise_for_status()
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=5).json()
+
+    def wait_idle(self, timeout: float = 30.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            h = self.health()
+            if not h["busy"] and h["queued"] == 0:
+                return h
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server still busy: {h}")
+            time.sleep(0.05)
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        try:
+            rc = self.stop()
+        finally:
+            self.kill()
+        if exc[0] is None:
+            assert rc == 0, f"server exited with {rc}:\n{self.log()[-3000:]}"
+
+
+@contextlib.contextmanager
+def running(model_dir, **kw) -> Iterator[Server]:
+    with Server(model_dir, **kw) as s:
+        yield s
+
+
+def require_cli(name: str) -> str:
+    """Path of a real client CLI from tests/clients; fail under CI when missing, else skip."""
+    path = CLIENTS_BIN / name
+    if path.exists():
+        return str(path)
+    found = shutil.which(name)
+    if found:
+        return found
+    msg = f"{name} CLI not installed (npm install --prefix tests/clients --no-audit --no-fund)"
+    if os.environ.get("CI"):
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[tuple[str | None, str | None]]:
+    """Parse SSE lines into ``(event, data)``; comments yield ``(None, None)``."""
+    event, data = None, []
+    for line in lines:
+        if line == "":
+            if data or event:
+                yield event, "\n".join(data)
+            event, data = None, []
+        elif line.startswith(":"):
+            yield None, None
+        elif line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].lstrip(" "))
+
+
+def tool_call_dsml(name: str, **params) -> str:
+    """A DSML tool-call block (string params as raw text, others as JSON) + EOS."""
+    body = ""
+    for k, v in params.items():
+        if isinstance(v, str):
+            body += f'<｜DSML｜parameter name="{k}" string="true">{v}</｜DSML｜parameter>\n'
+        else:
+            body += f'<｜DSML｜parameter name="{k}" string="false">{json.dumps(v)}</｜DSML｜parameter>\n'
+    return f'\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="{name}">\n{body}</｜DSML｜invoke>\n</｜DSML｜tool_calls>{EOS}'

@@ -1,0 +1,222 @@
+"""Issue 4, must-hold 4: bad input gets a 4xx in the protocol's error shape, never a
+5xx or a dead worker; after 200 such requests a normal request is still answered
+correctly. Also: context clamping, the API key, CORS.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import httpx
+import pytest
+from server_util import Server, tiny_model_dir  # noqa: F401
+
+KEY = "sekret"
+CTX = 1024
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):  # noqa: F811 (fixture from server_util)
+    with Server(tiny_model_dir, ctx=CTX, extra=["--api-key", KEY, "--cors"], scripted=False) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
+        yield c
+
+
+NORMAL = {
+    "model": "deepseek-chat",
+    "messages": [{"role": "user", "content": "Say something."}],
+    "max_tokens": 6,
+    "temperature": 0,
+}
+
+CHAT = "/v1/chat/completions"
+MSGS = "/v1/messages"
+RESP = "/v1/responses"
+COMP = "/v1/completions"
+OK_MSG = [{"role": "user", "content": "hi"}]
+
+
+def _bad_requests():
+    """(path, raw body bytes, expected status) for every kind of client mistake."""
+    j = lambda o: json.dumps(o).encode()  # noqa: E731
+    huge_prompt = "word " * (CTX * 2)
+    deep = b"[" * 100_000 + b"]" * 100_000
+    return [
+        (CHAT, b'{"model": "x", "messages": [', 400),  # malformed JSON
+        (MSGS, b'{"model": "x", max_tokens: 5}', 400),
+        (RESP, b"not json at all", 400),
+        (CHAT, b"", 400),  # empty body
+        (CHAT, b"[1, 2, 3]", 400),  # not an object
+        (CHAT, b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400),  # invalid UTF-8
+        (MSGS, b'{"max_tokens": 5, "messages": [{"role": "user", "content": "\xc3\x28"}]}', 400),
+        (CHAT, deep, 400),  # deeply nested
+        (MSGS, b'{"model":"m","max_tokens":5,"messages":' + deep + b"}", 400),
+        (CHAT, j({"messages": "hello"}), 400),  # wrong types
+        (CHAT, j({"messages": [{"role": "user", "content": 5}]}), 400),
+        (CHAT, j({"messages": OK_MSG, "max_tokens": "many"}), 400),
+        (CHAT, j({"messages": OK_MSG, "stream": {"yes": 1}}), 400),
+        (CHAT, j({"messages": OK_MSG, "tools": [{"type": "function"}]}), 400),
+        (
+            MSGS,
+            j(
+                {
+                    "model": "m",
+                    "max_tokens": 5,
+                    "messages": [{"role": "user", "content": [{"type": "text"}]}],
+                }
+            ),
+            400,
+        ),
+        (
+            MSGS,
+            j({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [5]}]}),
+            400,
+        ),
+        (RESP, j({"input": [{"type": "function_call_output"}]}), 400),
+        (RESP, j({"input": 42}), 400),
+        (CHAT, j({"messages": [{"role": "wizard", "content": "x"}]}), 400),  # unknown roles
+        (
+            MSGS,
+            j({"model": "m", "max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}),
+            400,
+        ),
+        (RESP, j({"input": [{"role": "narrator", "content": "x"}]}), 400),
+        (MSGS, j({"model": "m", "messages": OK_MSG}), 400),  # missing max_tokens
+        (CHAT, j({"messages": []}), 400),  # empty messages
+        (CHAT, j({"messages": OK_MSG, "max_tokens": -1}), 400),  # negative / huge numbers
+        (CHAT, j({"messages": OK_MSG, "max_tokens": 0}), 400),
+        (MSGS, j({"model": "m", "max_tokens": -5, "messages": OK_MSG}), 400),
+        (CHAT, j({"messages": OK_MSG, "temperature": 1e308}), 400),
+        (CHAT, j({"messages": OK_MSG, "temperature": -0.5}), 400),
+        (CHAT, j({"messages": OK_MSG, "top_p": 7}), 400),
+        (CHAT, j({"messages": OK_MSG, "top_k": -9}), 400),
+        (CHAT, j({"messages": OK_MSG, "n": 3}), 400),
+        (MSGS, j({"model": "m", "max_tokens": 5, "messages": OK_MSG, "temperature": 9}), 400),
+        (RESP, j({"input": "hi", "max_output_tokens": -3}), 400),
+        (COMP, j({"prompt": [0, 10**12]}), 400),  # token id outside the vocabulary
+        (COMP, j({"prompt": "x", "logprobs": 1000}), 400),
+        ("/v1/detokenize", j({"tokens": [-1]}), 400),
+        (RESP, j({"input": "hi", "previous_response_id": "resp_1"}), 400),  # no store
+        (RESP, j({"input": [{"type": "item_reference", "id": "msg_1"}]}), 400),
+        (RESP, j({"input": "hi", "conversation": "conv_1"}), 400),
+        (
+            CHAT,
+            j({"messages": [{"role": "user", "content": huge_prompt}]}),
+            400,
+        ),  # over the context
+        (
+            MSGS,
+            j(
+                {
+                    "model": "m",
+                    "max_tokens": 5,
+                    "messages": [{"role": "user", "content": huge_prompt}],
+                }
+            ),
+            400,
+        ),
+        (RESP, j({"input": huge_prompt}), 400),
+        (COMP, j({"prompt": huge_prompt}), 400),
+        (CHAT, b"{" + b'"a":' * 1 + b'"' + b"x" * (40 * 2**20) + b'"}', 413),  # 40 MB body
+    ]
+
+
+def _check_shape(path: str, r: httpx.Response) -> None:
+    body = r.json()
+    if path.startswith("/v1/messages"):
+        assert body["type"] == "error" and set(body["error"]) >= {"type", "message"}, body
+    else:
+        assert set(body["error"]) == {"message", "type", "param", "code"}, body
+
+
+def test_bad_input_gets_protocol_shaped_4xx_and_server_survives(client):
+    baseline = client.post(CHAT, json=NORMAL).json()["choices"][0]["message"]["content"]
+    cases = _bad_requests()
+    sent = 0
+    for path, raw, status in itertools.islice(itertools.cycle(cases), 200):
+        if len(raw) > 2**20 and sent >= len(cases):
+            raw, status = b'{"messages": 1}', 400  # send the 40 MB body once only
+        r = client.post(path, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == status, (path, raw[:80], r.status_code, r.text[:300])
+        _check_shape(path, r)
+        sent += 1
+    assert sent == 200
+    # Deeply nested tool schemas and odd-but-valid values do not crash the worker either.
+    odd = {**NORMAL, "seed": 2**80, "temperature": 1e-9, "stop": ["\x00"], "top_k": -1}
+    assert client.post(CHAT, json=odd).status_code == 200
+    again = client.post(CHAT, json=NORMAL).json()["choices"][0]["message"]["content"]
+    assert again == baseline
+
+
+def test_context_length_exceeded_names_the_counts(client):
+    r = client.post(CHAT, json={"messages": [{"role": "user", "content": "w " * 3000}]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded"
+    assert str(CTX) in err["message"] and "tokens" in err["message"]
+
+
+def test_max_tokens_beyond_context_clamps_and_stops_at_full_context(client):
+    prompt = "w " * (CTX - 40)
+    n_prompt = client.post(
+        "/v1/tokenize", json={"messages": [{"role": "user", "content": prompt}]}
+    ).json()["count"]
+    r = client.post(
+        MSGS,
+        json={
+            "model": "deepseek-chat",
+            "max_tokens": 32000,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": prompt}],
+        },
+        headers={"anthropic-version": "2023-06-01"},
+    )
+    body = r.json()
+    assert r.status_code == 200, body
+    used = body["usage"]["input_tokens"] + body["usage"]["cache_read_input_tokens"]
+    assert used == n_prompt
+    if body["stop_reason"] == "max_tokens":
+        assert used + body["usage"]["output_tokens"] == CTX
+    r = client.post(
+        CHAT,
+        json={**NORMAL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 10**9},
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= CTX - n_prompt
+
+
+def test_api_key_required_except_health(server):
+    r = httpx.post(server.url + CHAT, json=NORMAL)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.post(
+        server.url + MSGS,
+        json={"max_tokens": 1, "messages": OK_MSG},
+        headers={"x-api-key": "wrong"},
+    )
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/v1/models", headers={"x-api-key": KEY}).status_code == 200
+
+
+def test_unknown_routes_and_methods_are_shaped(client):
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    r = client.get(CHAT)
+    assert r.status_code == 405 and "error" in r.json()
+    r = client.get("/v1/messages")
+    assert r.status_code == 405 and r.json()["type"] == "error"
+    assert client.post("/debug/script", json={"texts": ["x"]}).status_code == 404  # not enabled
+
+
+def test_cors_preflight_and_headers(server):
+    r = httpx.options(
+        server.url + CHAT, headers={"Origin": "http://x", "Access-Control-Request-Method": "POST"}
+    )
+    assert r.status_code == 204 and r.headers["access-control-allow-origin"] == "*"
+    r = httpx.get(server.url + "/health", headers={"Origin": "http://x"})
+    assert r.headers["access-control-allow-origin"] == "*"

@@ -1,0 +1,398 @@
+"""Issue 4, must-hold 1: the official openai and anthropic SDKs against a real server.
+
+One ``ds4mlx serve`` process (tiny model, scripted decoding) for the module. Scripted
+decoding makes the model emit thinking, text and DSML tool calls (DESIGN.md §2) while
+the forward passes, KV state and usage stay real.
+"""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import openai
+import pytest
+from server_util import EOS, Server, sse_events, tiny_model_dir, tool_call_dsml  # noqa: F401
+
+MODEL = "deepseek-ai/DeepSeek-V4-Flash"  # a served id with a "/" in it
+
+WEATHER_OAI = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+WEATHER_ANT = {
+    "name": "get_weather",
+    "description": "Weather for a city",
+    "input_schema": WEATHER_OAI["function"]["parameters"],
+}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):  # noqa: F811 (fixture from server_util)
+    with Server(
+        tiny_model_dir, ctx=8192, extra=["--served-model-name", MODEL, "--keepalive", "0.2"]
+    ) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def ant(server):
+    return anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=120)
+
+
+# --------------------------------------------------------------------------- models, tokenize
+
+
+def test_models_list_and_retrieve_ids_with_slash(oai, ant, server):
+    ids = [m.id for m in oai.models.list()]
+    assert ids[0] == MODEL and "deepseek-chat" in ids
+    assert oai.models.retrieve(MODEL).id == MODEL
+    assert ant.models.retrieve("deepseek-chat").id == "deepseek-chat"
+    r = httpx.get(server.url + "/v1/models/no/such-model")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_tokenize_detokenize_roundtrip(server):
+    text = "<｜begin▁of▁sentence｜>Hello, wörld</think>"
+    toks = httpx.post(server.url + "/v1/tokenize", json={"text": text}).json()
+    assert toks["count"] == len(toks["tokens"]) and 128822 in toks["tokens"]
+    back = httpx.post(server.url + "/v1/detokenize", json={"tokens": toks["tokens"]}).json()
+    assert back["text"] == text
+    chat = httpx.post(
+        server.url + "/v1/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}
+    ).json()
+    assert chat["count"] > 2
+
+
+# --------------------------------------------------------------------------- OpenAI chat
+
+
+def test_chat_non_streaming_alias_is_non_thinking(oai):
+    r = oai.chat.completions.create(
+        model="deepseek-chat",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        temperature=0,
+    )
+    assert r.choices[0].finish_reason == "length"
+    assert isinstance(r.choices[0].message.content, str) and r.choices[0].message.content
+    assert r.usage.completion_tokens == 6 and r.usage.prompt_tokens > 3
+    assert getattr(r.choices[0].message, "reasoning_content", None) is None
+
+
+def test_chat_streaming_reasoning_and_usage(oai, server):
+    server.script("Think first.</think>Answer." + EOS)
+    chunks = list(
+        oai.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "q"}],
+            max_tokens=50,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    reasoning = "".join(
+        (c.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+        for c in chunks
+        if c.choices
+    )
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert reasoning == "Think first." and content == "Answer."
+    assert [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ] == ["stop"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 3
+
+
+def test_chat_tool_call_round_trip(oai, server):
+    server.script(tool_call_dsml("get_weather", city="Paris", days=3), "It is sunny." + EOS)
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    r = oai.chat.completions.create(
+        model="deepseek-chat", messages=msgs, tools=[WEATHER_OAI], max_tokens=100, temperature=0
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 3}
+    msgs += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21C"},
+    ]
+    r2 = oai.chat.completions.create(
+        model="deepseek-chat", messages=msgs, tools=[WEATHER_OAI], max_tokens=100, temperature=0
+    )
+    assert r2.choices[0].message.content == "It is sunny."
+    assert r2.choices[0].finish_reason == "stop"
+    # The live state held the sampled call: only the tool-result suffix was prefilled.
+    assert r2.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens
+
+
+def test_chat_streaming_tool_call_header_then_argument_deltas(oai, server):
+    server.script("Need weather.</think>" + tool_call_dsml("get_weather", city="Oslo"))
+    stream = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Oslo?"}],
+        tools=[WEATHER_OAI],
+        stream=True,
+    )
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    tc = [d.tool_calls[0] for d in deltas if d.tool_calls]
+    assert tc[0].id and tc[0].function.name == "get_weather" and tc[0].function.arguments == ""
+    assert len(tc) > 2, "arguments should stream in pieces"
+    assert json.loads("".join(t.function.arguments or "" for t in tc)) == {"city": "Oslo"}
+
+
+def test_stop_sequences(oai, server):
+    server.script("alpha beta STOP gamma" + EOS)
+    r = oai.chat.completions.create(
+        model="deepseek-chat",
+        messages=[{"role": "user", "content": "x"}],
+        stop=["STOP"],
+        max_tokens=50,
+    )
+    assert r.choices[0].message.content == "alpha beta " and r.choices[0].finish_reason == "stop"
+
+
+# --------------------------------------------------------------------------- OpenAI completions
+
+
+def test_completions_text_logprobs_echo(oai):
+    r = oai.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=4, temperature=0, logprobs=2, echo=True
+    )
+    c = r.choices[0]
+    assert c.text.startswith("The sky is") and len(c.text) > len("The sky is")
+    assert len(c.logprobs.tokens) == 4 and all(len(t) <= 2 for t in c.logprobs.top_logprobs)
+    assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+    assert r.usage.completion_tokens == 4
+
+
+def test_completions_token_ids_and_streaming(oai):
+    ids = httpx.post(
+        str(oai.base_url).rstrip("/").removesuffix("/v1") + "/v1/tokenize", json={"text": "Hello"}
+    ).json()
+    prompt = [0, *ids["tokens"]]
+    full = (
+        oai.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0)
+        .choices[0]
+        .text
+    )
+    parts = list(
+        oai.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, stream=True)
+    )
+    assert "".join(p.choices[0].text for p in parts if p.choices) == full
+    assert parts[-1].choices[0].finish_reason == "length"
+
+
+# --------------------------------------------------------------------------- Anthropic
+
+
+def test_messages_non_streaming_thinking_and_text(ant, server):
+    server.script("Pondering.</think>Hi!" + EOS)
+    m = ant.messages.create(
+        model=MODEL, max_tokens=100, messages=[{"role": "user", "content": "hello"}]
+    )
+    assert [b.type for b in m.content] == ["thinking", "text"]
+    assert m.content[0].thinking == "Pondering." and m.content[0].signature
+    assert m.content[1].text == "Hi!" and m.stop_reason == "end_turn"
+    n = ant.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hello"}])
+    assert n.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens
+
+
+def test_messages_streaming_tool_use_round_trip(ant, server):
+    server.script(
+        "Checking.</think>" + tool_call_dsml("get_weather", city="Rome", days=2),
+        "Ok.</think>Warm." + EOS,
+    )
+    msgs = [{"role": "user", "content": "Weather in Rome?"}]
+    with ant.messages.stream(
+        model=MODEL, max_tokens=32000, messages=msgs, tools=[WEATHER_ANT]
+    ) as s:
+        events = [e.type for e in s]
+        final = s.get_final_message()
+    assert "ping" not in events[:1] and events[0] == "message_start"
+    assert final.stop_reason == "tool_use"
+    tool = [b for b in final.content if b.type == "tool_use"][0]
+    assert tool.id.startswith("toolu_") and tool.input == {"city": "Rome", "days": 2}
+    msgs += [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in final.content]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": tool.id, "content": "25C"}],
+        },
+    ]
+    with ant.messages.stream(
+        model=MODEL, max_tokens=32000, messages=msgs, tools=[WEATHER_ANT]
+    ) as s:
+        final2 = s.get_final_message()
+    assert final2.stop_reason == "end_turn"
+    assert [b.text for b in final2.content if b.type == "text"] == ["Warm."]
+    assert final2.usage.cache_read_input_tokens > 0
+
+
+def test_messages_thinking_display_omitted_and_signature_replay(ant, server):
+    """Thinking sent without text still replays exactly: the signature carries it."""
+    server.script("Secret plan." + "</think>" + tool_call_dsml("get_weather", city="Lima"))
+    msgs = [{"role": "user", "content": "Lima?"}]
+    m = ant.messages.create(
+        model=MODEL,
+        max_tokens=200,
+        messages=msgs,
+        tools=[WEATHER_ANT],
+        extra_body={"thinking": {"type": "adaptive", "display": "omitted"}},
+    )
+    assert m.content[0].type == "thinking" and m.content[0].thinking == ""
+    tool = m.content[-1]
+    # Replay on a session that lost the live state: the rendered prefix must be exact.
+    httpx.post(server.url + "/v1/completions", json={"prompt": "unrelated", "max_tokens": 1})
+    msgs += [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": tool.id, "content": "20C"}],
+        },
+    ]
+    body = {"model": MODEL, "max_tokens": 10, "messages": msgs, "tools": [WEATHER_ANT]}
+    server.script("</think>Done." + EOS)
+    rendered = httpx.post(server.url + "/v1/messages/count_tokens", json=body).json()[
+        "input_tokens"
+    ]
+    unsigned = json.loads(json.dumps(body))
+    unsigned["messages"][1]["content"][0]["signature"] = ""
+    without = httpx.post(server.url + "/v1/messages/count_tokens", json=unsigned).json()[
+        "input_tokens"
+    ]
+    assert rendered - without == 3  # "Secret plan." came back through the signature
+    m2 = ant.messages.create(**body)
+    assert [b.text for b in m2.content if b.type == "text"] == ["Done."]
+    assert m2.usage.input_tokens + m2.usage.cache_read_input_tokens == rendered
+
+
+def test_messages_disabled_thinking_and_system_blocks(ant, server):
+    server.script("Plain." + EOS)
+    m = ant.messages.create(
+        model=MODEL,
+        max_tokens=20,
+        system=[{"type": "text", "text": "Be terse.", "cache_control": {"type": "ephemeral"}}],
+        thinking={"type": "disabled"},
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}],
+            }
+        ],
+        metadata={"user_id": "u"},
+    )
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == "Plain."
+
+
+def test_anthropic_keepalive_pings_during_long_prefill(server):
+    long = " ".join(f"word{i}" for i in range(1500))
+    body = {
+        "model": MODEL,
+        "max_tokens": 2,
+        "stream": True,
+        "messages": [{"role": "user", "content": long}],
+    }
+    with httpx.stream("POST", server.url + "/v1/messages", json=body, timeout=120) as r:
+        evs = [e for e, _ in sse_events(r.iter_lines())]
+    first_block = (
+        evs.index("content_block_start")
+        if "content_block_start" in evs
+        else evs.index("message_delta")
+    )
+    assert "ping" in evs[:first_block] or None in evs[:first_block], evs[:10]
+
+
+# --------------------------------------------------------------------------- Responses
+
+
+def test_responses_text_and_function_call_round_trip(oai, server):
+    tools = [
+        {
+            "type": "function",
+            "name": "get_weather",
+            "parameters": WEATHER_OAI["function"]["parameters"],
+        },
+        {"type": "web_search"},
+    ]
+    server.script("Let me look.</think>" + tool_call_dsml("get_weather", city="Kyiv"))
+    r = oai.responses.create(
+        model=MODEL,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Kyiv weather?"}]}],
+        tools=tools,
+        store=False,
+        include=["reasoning.encrypted_content"],
+    )
+    kinds = [o.type for o in r.output]
+    assert kinds == ["reasoning", "function_call"] and r.status == "completed"
+    reasoning, call = r.output
+    assert reasoning.encrypted_content and call.name == "get_weather"
+    assert json.loads(call.arguments) == {"city": "Kyiv"}
+    # Lose the live state, then replay statelessly: the carrier rebuilds the exact prefix.
+    oai.completions.create(model=MODEL, prompt="unrelated", max_tokens=1)
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Kyiv weather?"}]},
+        reasoning.model_dump(exclude_none=True),
+        call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "-5C"},
+    ]
+    server.script("Hm.</think>Cold." + EOS)
+    events = list(
+        oai.responses.create(model=MODEL, input=items, tools=tools, stream=True, store=False)
+    )
+    types = [e.type for e in events]
+    assert types[0] == "response.created" and types[-1] == "response.completed"
+    assert "response.output_text.delta" in types
+    done = events[-1].response
+    assert done.output_text == "Cold."
+    assert done.usage.input_tokens > 0 and done.usage.output_tokens > 0
+
+
+def test_responses_streaming_function_call_events(oai, server):
+    server.script("</think>" + tool_call_dsml("get_weather", city="Nice", days=1))
+    tools = [
+        {
+            "type": "function",
+            "name": "get_weather",
+            "parameters": WEATHER_OAI["function"]["parameters"],
+        }
+    ]
+    events = list(oai.responses.create(model=MODEL, input="Nice?", tools=tools, stream=True))
+    types = [e.type for e in events]
+    assert "response.function_call_arguments.delta" in types
+    assert "response.function_call_arguments.done" in types
+    done = [
+        e
+        for e in events
+        if e.type == "response.output_item.done" and e.item.type == "function_call"
+    ][0]
+    assert json.loads(done.item.arguments) == {"city": "Nice", "days": 1}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_previous_response_id_rejected_clearly(oai):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.responses.create(model=MODEL, input="hi", previous_response_id="resp_123")
+    assert "previous_response_id" in str(e.value) and "store" in str(e.value)
+
+
+def test_responses_max_output_tokens_incomplete(oai):
+    r = oai.responses.create(model="deepseek-chat", input="hi", max_output_tokens=3)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 3
