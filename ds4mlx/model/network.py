@@ -377,37 +377,46 @@ class Attention(nn.Module):
             if ring is not None and s < W - 1:
                 keys = mx.concatenate([ring, keys])
                 kpos = mx.concatenate([ring_pos, kpos])
-            qf = qb.reshape(B * H, D)
-            s_win = (qf @ keys.T).reshape(B, H, -1) * scale
             vis = (
                 (kpos[None, :] <= qp[:, None])
                 & (kpos[None, :] > qp[:, None] - W)
                 & (kpos[None, :] >= 0)
             )
-            parts = [mx.where(vis[:, None, :], s_win, -mx.inf)]
             visible = (qp + 1) // self.ratio if self.ratio else None
-            if n_comp and gathered:
-                idx = sel[s:e]  # (B, k)
-                ksel = comp[idx]  # (B, k, D)
-                s_c = (qb @ ksel.swapaxes(1, 2)) * scale  # (B, H, k)
-                ok = idx < visible[:, None]
-                parts.append(mx.where(ok[:, None, :], s_c, -mx.inf))
-            elif n_comp:
-                s_c = (qf @ comp.T).reshape(B, H, n_comp) * scale
-                ok = mx.arange(n_comp)[None, :] < visible[:, None]
-                parts.append(mx.where(ok[:, None, :], s_c, -mx.inf))
-            scores = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+            if not gathered:
+                # Window + every visible compressed row: one masked MQA with sinks, which
+                # mx.fast's attention supports directly (checked equal to the formula below).
+                if n_comp:
+                    keys = mx.concatenate([keys, comp])
+                    ok = mx.arange(n_comp)[None, :] < visible[:, None]
+                    vis = mx.concatenate([vis, ok], axis=1)
+                ob = mx.fast.scaled_dot_product_attention(
+                    qb.swapaxes(0, 1)[None],
+                    keys[None, None],
+                    keys[None, None],
+                    scale=scale,
+                    mask=vis[None, None],
+                    sinks=self.attn_sink.astype(qb.dtype),
+                )
+                outs.append(ob[0].swapaxes(0, 1))
+                continue
+            qf = qb.reshape(B * H, D)
+            s_win = (qf @ keys.T).reshape(B, H, -1) * scale
+            parts = [mx.where(vis[:, None, :], s_win, -mx.inf)]
+            # CSA with more rows than top-k: attend to the indexer's rows, gathered per query.
+            idx = sel[s:e]  # (B, k)
+            ksel = comp[idx]  # (B, k, D)
+            s_c = (qb @ ksel.swapaxes(1, 2)) * scale  # (B, H, k)
+            ok = idx < visible[:, None]
+            parts.append(mx.where(ok[:, None, :], s_c, -mx.inf))
+            scores = mx.concatenate(parts, axis=-1)
             # The sink logit joins only the denominator.
             m = mx.maximum(scores.max(axis=-1, keepdims=True), sink)
             ex = mx.exp(scores - m)
             p = ex / (ex.sum(axis=-1, keepdims=True) + mx.exp(sink - m))
             nw = keys.shape[0]
             ob = (p[..., :nw].reshape(B * H, nw) @ keys).reshape(B, H, D)
-            if n_comp and gathered:
-                ob = ob + p[..., nw:] @ ksel
-            elif n_comp:
-                ob = ob + (p[..., nw:].reshape(B * H, n_comp) @ comp).reshape(B, H, D)
-            outs.append(ob)
+            outs.append(ob + p[..., nw:] @ ksel)
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
 
 
