@@ -411,8 +411,12 @@ class Worker:
     def busy(self) -> bool:
         return self.current is not None
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Graceful stop: cancel the running job, fail queued ones, join the thread."""
+    def stop(self, timeout: float = 300.0) -> None:
+        """Graceful stop: cancel the running job, fail queued ones, join the thread.
+
+        Idempotent. ``timeout`` (seconds) bounds the wait for the thread, which runs the
+        ``on_shutdown`` hooks (e.g. a disk snapshot) before it exits.
+        """
         self._stopping.set()
         cur = self.current
         if cur is not None:
@@ -897,7 +901,14 @@ def serve(
             if ready:
                 ready(url)
 
-        await hyper_serve(app, hc, shutdown_trigger=stop.wait)
+        async def shutdown_trigger() -> None:
+            await stop.wait()
+            # Stop generating first: the running job is cancelled and queued ones fail,
+            # so their streams end with final events now and Hypercorn's graceful close
+            # has nothing left to wait for.
+            await asyncio.to_thread(worker.stop)
+
+        await hyper_serve(app, hc, shutdown_trigger=shutdown_trigger)
 
     asyncio.run(main())
     return 0

@@ -55,8 +55,22 @@ def test_tokenize(tiny):
 
 def test_bench_csv(tiny, tmp_path):
     out = tmp_path / "bench.csv"
-    r = _run("bench", "-m", tiny, "--frontiers", "32,64", "--decode-tokens", 3, "--csv", out)
+    png = tmp_path / "bench.png"
+    r = _run(
+        "bench",
+        "-m",
+        tiny,
+        "--frontiers",
+        "32,64",
+        "--decode-tokens",
+        3,
+        "--csv",
+        out,
+        "--plot",
+        png,
+    )
     assert r.returncode == 0, r.stderr
     lines = out.read_text().splitlines()
     assert lines[0].startswith("frontier,prefill_tokens,") and len(lines) == 3
     assert "roofline" in r.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
