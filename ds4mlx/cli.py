@@ -193,8 +193,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
-    print("ds4mlx agent: not yet", file=sys.stderr)
-    return 2
+    from ds4mlx.agent.app import run
+
+    return run(args)
 
 
 def _cmd_kv(args: argparse.Namespace) -> int:
@@ -319,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("agent", help="terminal coding agent")
+    from ds4mlx.agent.app import configure_parser as _agent_parser
+
+    _agent_parser(p)
     p.set_defaults(func=_cmd_agent)
 
     p = sub.add_parser("kv", help="inspect the disk KV cache")

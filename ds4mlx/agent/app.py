@@ -1,0 +1,279 @@
+"""``ds4mlx agent``: load the model, wire the loop, the UI and the stores; the REPL.
+
+Interactive mode reads messages and ``/commands`` at a prompt; ``-p TEXT`` sends one
+message, prints the transcript and exits with 0 when the model gave a final answer
+(1 when it was interrupted, ran out of context or of tool rounds, or failed; 2 for
+usage and load errors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+# Heavy imports (rich, MLX through the loop) happen inside the functions: building the
+# CLI parser must stay fast (``ds4mlx --help``).
+if TYPE_CHECKING:
+    from ds4mlx.agent.loop import Agent
+    from ds4mlx.agent.ui import RichUI
+
+HELP = """\
+commands:
+  /help          this help
+  /new           start a new session (the current one is saved)
+  /list          list the sessions of this workspace
+  /switch N      switch to session N (restored from the disk KV cache, no prefill)
+  /save          save the current session (KV snapshot + transcript)
+  /history       show the current session's transcript
+  /think         thinking mode on for the next turns
+  /nothink       thinking mode off for the next turns
+  /ctx           context usage and cache state
+  /quit          save and exit (also Ctrl+D)
+Ctrl+C stops the model (or a running tool) and returns to the prompt."""
+
+
+def default_kv_dir() -> Path:
+    """``$XDG_CACHE_HOME/ds4mlx/agent-kv`` (``~/.cache/…`` by default)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ds4mlx" / "agent-kv"
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    """Add the ``agent`` subcommand's arguments to ``p``."""
+    p.add_argument("-m", "--model", default=None, help="checkpoint directory ($DS4MLX_MODEL)")
+    p.add_argument(
+        "--demo", action="store_true", help="use the tiny demo model (random weights: noise)"
+    )
+    p.add_argument("-p", "--prompt", default=None, help="send one message, print, exit")
+    p.add_argument("--yes", action="store_true", help="allow write/edit/bash without asking")
+    p.add_argument("--ctx", type=int, default=None, help="context size in tokens")
+    p.add_argument("--workspace", default=None, help="directory the tools work in (cwd)")
+    p.add_argument(
+        "--kv-disk-dir",
+        default=None,
+        help=f"disk KV cache + sessions directory (default {default_kv_dir()})",
+    )
+    p.add_argument(
+        "--kv-disk-space-mb", type=int, default=4096, help="disk KV budget in MiB (4096)"
+    )
+    p.add_argument("--nothink", action="store_true", help="start with thinking mode off")
+    p.add_argument("--temp", type=float, default=1.0, help="temperature (1.0)")
+    p.add_argument("--min-p", type=float, default=0.05, help="min-p (0.05)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument(
+        "--max-tokens", type=int, default=None, help="most tokens per model turn (the context)"
+    )
+    p.add_argument("--max-steps", type=int, default=100, help="most tool rounds per message")
+    p.add_argument(
+        "--tool-output-tokens",
+        type=int,
+        default=None,
+        help="token budget of one tool result (ctx/8, at most 4096)",
+    )
+    p.add_argument(
+        "--bash-timeout", type=float, default=120.0, help="foreground command timeout, s (120)"
+    )
+    p.add_argument("--hide-thinking", action="store_true", help="do not stream the reasoning")
+    # Tests only: a JSON list of completion texts, one per model turn (scripted decoding).
+    p.add_argument("--script-file", default=None, help=argparse.SUPPRESS)
+
+
+def _load_script(path: str) -> list[str]:
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, list) or not all(isinstance(x, str) for x in data):
+        raise ValueError("script file must hold a JSON list of strings")
+    return data
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``ds4mlx agent`` with parsed ``args``; returns the exit code."""
+    from rich.console import Console
+
+    from ds4mlx.agent.loop import Agent
+    from ds4mlx.agent.ui import RichUI
+
+    err = Console(stderr=True, highlight=False)
+    model = args.model or os.environ.get("DS4MLX_MODEL")
+    if args.demo:
+        if args.model:
+            err.print("ds4mlx agent: give either --model or --demo, not both")
+            return 2
+        from ds4mlx.server import demo_model_dir, ensure_demo_model
+
+        if not (demo_model_dir() / "config.json").is_file():
+            err.print(f"making the tiny demo model in {demo_model_dir()} (once)…")
+        model = str(ensure_demo_model())
+    if not model:
+        err.print("ds4mlx agent: no model: give -m DIR (or $DS4MLX_MODEL) or --demo")
+        return 2
+    workspace = Path(args.workspace or os.getcwd()).resolve()
+    if not workspace.is_dir():
+        err.print(f"ds4mlx agent: workspace {workspace} is not a directory")
+        return 2
+    script = None
+    if args.script_file:
+        try:
+            script = _load_script(args.script_file)
+        except (OSError, ValueError) as e:
+            err.print(f"ds4mlx agent: bad --script-file: {e}")
+            return 2
+
+    from ds4mlx.agent.loop import expert_bits_of
+    from ds4mlx.agent.sessions import SessionBook
+    from ds4mlx.blas import active_blas
+    from ds4mlx.engine import Engine, SamplingParams
+    from ds4mlx.kv.store import DiskKVStore
+    from ds4mlx.model.loading import LoadError
+
+    try:
+        sampling = SamplingParams(temperature=args.temp, min_p=args.min_p, seed=args.seed)
+    except ValueError as e:
+        err.print(f"ds4mlx agent: {e}")
+        return 2
+    try:
+        engine = Engine.load(model, ctx_size=args.ctx)
+    except (LoadError, OSError, ValueError, RuntimeError) as e:
+        err.print(f"ds4mlx agent: cannot load model {model}: {e}")
+        return 2
+    kv_dir = Path(args.kv_disk_dir) if args.kv_disk_dir else default_kv_dir()
+    try:
+        store = DiskKVStore(
+            kv_dir,
+            budget_bytes=max(1, args.kv_disk_space_mb) << 20,
+            model_identity=engine.identity,
+            ctx_size=engine.ctx_size,
+            expert_bits=expert_bits_of(engine.quant_desc),
+        )
+        book = SessionBook(kv_dir / "agent-sessions")
+    except (OSError, ValueError) as e:
+        err.print(f"ds4mlx agent: disk KV cache off ({kv_dir}: {e})")
+        store, book = None, None
+
+    interactive = args.prompt is None
+    console = Console(highlight=False)
+    ui = RichUI(
+        console,
+        can_ask=sys.stdin.isatty() or interactive,
+        show_thinking=not args.hide_thinking,
+    )
+    try:
+        agent = Agent(
+            engine,
+            workspace,
+            ui=ui,
+            store=store,
+            book=book,
+            yes=args.yes,
+            thinking=not args.nothink,
+            sampling=sampling,
+            max_tokens=args.max_tokens,
+            max_steps=args.max_steps,
+            tool_output_tokens=args.tool_output_tokens,
+            bash_timeout=args.bash_timeout,
+            script=script,
+        )
+    except ValueError as e:
+        err.print(f"ds4mlx agent: {e}")
+        return 2
+    banner = (
+        f"ds4mlx agent · {engine.path.name} ({engine.quant_desc}) · ctx {engine.ctx_size} · "
+        f"BLAS {active_blas()} · workspace {workspace}"
+    )
+    if not interactive:
+        ui.line(banner, "dim")
+        try:
+            ui.line(f"› {args.prompt}", "bold green")
+            result = agent.send(args.prompt)
+        finally:
+            agent.close()
+        if not result.ok:
+            err.print(f"ds4mlx agent: stopped: {result.status} {result.message}".rstrip())
+        return 0 if result.ok else 1
+    ui.line(banner, "dim")
+    ui.line("type a message, /help for commands", "dim")
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    try:
+        return repl(agent, ui)
+    finally:
+        agent.close()
+
+
+def repl(agent: Agent, ui: RichUI) -> int:
+    """Read messages and commands until ``/quit`` or end of input; returns 0."""
+    while True:
+        try:
+            line = ui.read_line()
+        except EOFError:
+            ui.line("")
+            return 0
+        except KeyboardInterrupt:
+            ui.line("(Ctrl+C: /quit or Ctrl+D to exit)", "dim")
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            if command(agent, ui, text) == "quit":
+                return 0
+            continue
+        agent.send(line)
+
+
+def command(agent: Agent, ui: RichUI, text: str) -> str | None:
+    """Run one ``/command``; returns ``"quit"`` for ``/quit``."""
+    from ds4mlx.agent.loop import AgentError
+
+    name, _, arg = text.partition(" ")
+    arg = arg.strip()
+    try:
+        if name in ("/quit", "/exit", "/q"):
+            return "quit"
+        if name == "/help":
+            ui.line(HELP)
+        elif name == "/new":
+            agent.new_session()
+            ui.line("new session", "dim")
+        elif name == "/list":
+            ui.show_sessions(agent.sessions(), agent.record.id if agent.record else None)
+        elif name == "/switch":
+            if not arg.isdigit():
+                ui.notice("usage: /switch N (see /list)", "warn")
+            else:
+                ui.line(agent.switch(int(arg)), "green")
+        elif name == "/save":
+            rec = agent.save("continued")
+            if rec is None:
+                ui.notice("nothing to save yet", "warn")
+            else:
+                snap = f"{rec.kv_tokens} tokens" if rec.kv_key else "no KV snapshot"
+                ui.line(f"saved session {rec.id} ({snap})", "green")
+        elif name == "/history":
+            ui.show_history(agent.messages)
+        elif name == "/think":
+            agent.set_thinking(True)
+            ui.line("thinking on", "dim")
+        elif name == "/nothink":
+            agent.set_thinking(False)
+            ui.line("thinking off", "dim")
+        elif name == "/ctx":
+            st = agent.status()
+            pct = 100.0 * st.used / st.ctx
+            ui.line(
+                f"context {st.used}/{st.ctx} tokens ({pct:.1f}%), soft compaction at "
+                f"{agent.policy.soft_limit(st.ctx)}; KV {st.kv_bytes / 2**20:.2f} MiB; "
+                f"live state: {agent.state}; transcript re-renders exactly: "
+                f"{'yes' if agent.exact else 'no'}; compactions: {len(agent.compactions)}"
+            )
+        else:
+            ui.notice(f"unknown command {name}; /help lists them", "warn")
+    except AgentError as e:
+        ui.notice(str(e), "warn")
+    return None

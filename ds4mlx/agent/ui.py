@@ -1,0 +1,268 @@
+"""The agent's terminal UI with ``rich`` (DESIGN.md §7).
+
+:class:`RichUI` implements :class:`~ds4mlx.agent.loop.AgentUI`: thinking streams
+dimmed, answer text plain, tool calls are shown as they form (name, then the JSON
+arguments as they are sampled), tool results as a few lines under the call, a
+transient progress bar during long prefills, a status line after each message
+(context used, tokens/s, KV bytes), and permission questions (once / always / deny).
+
+On a non-terminal console (``-p`` output piped to a file) rich drops colours and the
+progress bar; the text is the transcript.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+from rich.markup import escape
+from rich.panel import Panel
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+from rich.text import Text
+
+from ds4mlx.agent.loop import AgentUI, CompactionInfo, Status, Step, describe_messages
+from ds4mlx.agent.sessions import SessionRecord
+from ds4mlx.agent.tools import ToolOutcome
+from ds4mlx.dsml import (
+    Event,
+    ParseError,
+    TextDelta,
+    ThinkingDelta,
+    ToolCall,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+)
+
+# Prefills shorter than this finish before a bar would be readable.
+PROGRESS_MIN_TOKENS = 256
+RESULT_PREVIEW_LINES = 6
+
+_ANSWERS = {
+    "o": "once",
+    "once": "once",
+    "y": "once",
+    "yes": "once",
+    "a": "always",
+    "always": "always",
+    "d": "deny",
+    "deny": "deny",
+    "n": "deny",
+    "no": "deny",
+}
+
+
+class RichUI(AgentUI):
+    """The agent UI on a ``rich`` console.
+
+    Args:
+        console: where everything is written (default: stdout).
+        can_ask: permission questions may be asked (a terminal is attached); when
+            False, asking tools are denied with a notice (use ``--yes``).
+        show_thinking: stream the reasoning (dimmed); when False only a marker shows.
+    """
+
+    def __init__(
+        self, console: Console | None = None, *, can_ask: bool = True, show_thinking: bool = True
+    ) -> None:
+        self.console = console or Console(highlight=False)
+        self.can_ask = can_ask
+        self.show_thinking = show_thinking
+        self._progress: Progress | None = None
+        self._task = None
+        self._mode: str | None = None
+        self._line_start = True
+        self._pending_call_end = False
+
+    # ---- plain output helpers
+
+    def _out(self, text: str, style: str | None = None) -> None:
+        if not text:
+            return
+        self.console.print(Text(text, style=style or ""), end="", soft_wrap=True, highlight=False)
+        self._line_start = text.endswith("\n")
+
+    def _newline(self) -> None:
+        if not self._line_start:
+            self.console.print()
+            self._line_start = True
+
+    def line(self, text: str, style: str | None = None) -> None:
+        """Print one line of plain (unmarked-up) text."""
+        self._newline()
+        self.console.print(Text(text, style=style or ""), soft_wrap=True)
+        self._line_start = True
+
+    # ---- AgentUI
+
+    def ask(self, tool: str, summary: str) -> str:
+        self.prefill_done()
+        self._newline()
+        if not self.can_ask:
+            self.line(f"{tool} denied: no terminal to ask (start with --yes to allow)", "yellow")
+            return "deny"
+        self.console.print(
+            Panel(Text(summary), title=f"allow {tool}?", title_align="left", border_style="yellow")
+        )
+        while True:
+            try:
+                ans = self.console.input("allow? [o]nce / [a]lways / [d]eny › ", markup=False)
+            except EOFError:
+                return "deny"
+            decision = _ANSWERS.get(ans.strip().lower())
+            if decision is not None:
+                return decision
+
+    def prefill_progress(self, done: int, total: int) -> None:
+        if total < PROGRESS_MIN_TOKENS or not self.console.is_terminal:
+            return
+        if self._progress is None:
+            self._newline()
+            self._progress = Progress(
+                TextColumn("[dim]prefill"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total} tokens"),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=True,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task("prefill", total=total)
+        self._progress.update(self._task, completed=done, total=total)
+
+    def prefill_done(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+            self._task = None
+
+    def turn_start(self, kind: str) -> None:
+        self._mode = None
+        if kind == "summary":
+            self.line("summarizing the conversation for compaction…", "yellow")
+
+    def event(self, ev: Event) -> None:
+        if isinstance(ev, ThinkingDelta):
+            if self._mode != "think":
+                self._newline()
+                self._mode = "think"
+                if not self.show_thinking:
+                    self._out("thinking…", "dim italic")
+            if self.show_thinking:
+                self._out(ev.text, "dim italic")
+        elif isinstance(ev, TextDelta):
+            if self._mode == "think":
+                self._newline()
+                self.console.print()
+            self._mode = "text"
+            self._out(ev.text)
+        elif isinstance(ev, ToolCallStart):
+            self._newline()
+            self._mode = "call"
+            self._out(f"⏺ {ev.name} ", "bold cyan")
+        elif isinstance(ev, ToolCallArgsDelta):
+            self._out(ev.text, "cyan")
+        elif isinstance(ev, ToolCallEnd):
+            if ev.error:
+                self._out(f"  (malformed: {ev.error})", "yellow")
+            self._newline()
+        elif isinstance(ev, ParseError):
+            self.line(f"[parse] {ev.message}", "yellow")
+
+    def turn_end(self, step: Step) -> None:
+        self._newline()
+        if step.stop == "length":
+            self.line("(turn token limit reached)", "yellow")
+        elif step.stop == "context":
+            self.line("(context full)", "yellow")
+
+    def tool_start(self, call: ToolCall, description: str) -> None:
+        pass  # the call was shown while it formed
+
+    def tool_result(self, call: ToolCall, outcome: ToolOutcome) -> None:
+        lines = outcome.text.splitlines() or [""]
+        shown = lines[:RESULT_PREVIEW_LINES]
+        if len(lines) > RESULT_PREVIEW_LINES:
+            shown.append(f"… ({len(lines) - RESULT_PREVIEW_LINES} more lines)")
+        style = "dim" if outcome.ok else "red"
+        mark = "⎿ " if outcome.ok else "⎿ ✗ "
+        self._newline()
+        for i, ln in enumerate(shown):
+            self.line(("  " + mark if i == 0 else "    ") + ln, style)
+
+    def notice(self, text: str, level: str = "info") -> None:
+        style = {"info": "dim", "warn": "yellow", "error": "bold red"}.get(level, "dim")
+        self.line(text, style)
+
+    def compaction(self, info: CompactionInfo) -> None:
+        if info.phase == "start":
+            self._newline()
+            self.console.rule(
+                f"[yellow]compacting context ({info.reason}: {info.before} tokens)", style="yellow"
+            )
+            return
+        how = "model" if info.by_model else "mechanical"
+        self.line(
+            f"compacted: {info.dropped} messages replaced by a {how} summary "
+            f"({len(info.summary)} chars), {info.kept} kept verbatim; "
+            f"{info.before} → {info.after} tokens",
+            "yellow",
+        )
+
+    def status(self, status: Status) -> None:
+        self._newline()
+        pct = 100.0 * status.used / status.ctx if status.ctx else 0.0
+        parts = [f"ctx {status.used}/{status.ctx} ({pct:.0f}%)"]
+        if status.prefilled:
+            parts.append(f"prefill {status.prefilled} tok ({status.prefill_tok_s:.0f} tok/s)")
+        if status.generated:
+            parts.append(f"gen {status.generated} tok ({status.tok_s:.1f} tok/s)")
+        parts.append(f"KV {status.kv_bytes / 2**20:.1f} MiB")
+        if status.session is not None:
+            parts.append(f"session {status.session}")
+        parts.append("thinking" if status.thinking else "no thinking")
+        self.line(" · ".join(parts), "dim")
+
+    # ---- REPL helpers
+
+    def read_line(self, prompt: str = "› ") -> str:
+        """One line from the user (``EOFError`` on Ctrl+D, ``KeyboardInterrupt`` on Ctrl+C)."""
+        self.prefill_done()
+        self._newline()
+        return self.console.input(f"[bold green]{escape(prompt)}[/]")
+
+    def show_sessions(self, records: list[SessionRecord], current: int | None) -> None:
+        if not records:
+            self.line("no sessions yet", "dim")
+            return
+        table = Table(box=None, show_header=True, header_style="bold", pad_edge=False)
+        for col in ("", "#", "title", "messages", "snapshot", "updated"):
+            table.add_column(col)
+        for r in records:
+            snap = f"{r.kv_tokens} tokens" if r.kv_key else "-"
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.updated))
+            table.add_row(
+                "*" if r.id == current else "",
+                str(r.id),
+                r.title or "(empty)",
+                str(sum(1 for m in r.messages if m.role != "system")),
+                snap,
+                when,
+            )
+        self.console.print(table)
+
+    def show_history(self, messages) -> None:
+        shown = False
+        for label, text in describe_messages(messages):
+            shown = True
+            body = text if len(text) <= 600 else text[:600] + f"… ({len(text)} chars)"
+            style = {
+                "thinking": "dim italic",
+                "tool call": "cyan",
+                "tool result": "dim",
+                "user": "bold green",
+            }.get(label, "")
+            self.line(f"[{label}] {body}", style)
+        if not shown:
+            self.line("(no messages yet)", "dim")
