@@ -168,6 +168,7 @@ class Server:
             self.kill()
         if exc[0] is None:
             assert rc == 0, f"server exited with {rc}:\n{self.log()[-3000:]}"
+            self.log_path.unlink(missing_ok=True)  # kept when something failed
 
 
 @contextlib.contextmanager
