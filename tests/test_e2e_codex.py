@@ -1,0 +1,86 @@
+"""Issue 4, must-hold 3: the real Codex CLI (``codex exec``) against ``/v1/responses``.
+
+Codex is configured the way ``examples/codex-config.toml`` says: a model provider
+with ``wire_api = "responses"``. Scripted decoding emits an ``exec_command`` function
+call; Codex runs it and sends the ``function_call_output`` back (with the reasoning
+item's ``encrypted_content``); the server completes the turn. Both transports Codex
+speaks are exercised: HTTP SSE, and the Responses WebSocket (``supports_websockets``),
+which must be served at once rather than costing seconds of failed upgrade attempts.
+Fails (not skips) under CI when the CLI is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+from server_util import EOS, Server, require_cli, tiny_model_dir, tool_call_dsml  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):  # noqa: F811 (fixture from server_util)
+    with Server(tiny_model_dir, ctx=32768) as s:
+        yield s
+
+
+def _codex(server: Server, tmp_path, prompt: str, *, websockets: bool, timeout: float = 240):
+    exe = require_cli("codex")
+    home = tmp_path / "home"
+    codex_home = tmp_path / "codex"
+    home.mkdir(exist_ok=True)
+    codex_home.mkdir(exist_ok=True)
+    (codex_home / "config.toml").write_text(
+        'model = "deepseek-v4-flash"\n'
+        'model_provider = "ds4mlx"\n\n'
+        "[model_providers.ds4mlx]\n"
+        'name = "ds4mlx"\n'
+        f'base_url = "{server.url}/v1"\n'
+        'wire_api = "responses"\n'
+        f"supports_websockets = {'true' if websockets else 'false'}\n"
+        "request_max_retries = 0\n"
+        "stream_max_retries = 0\n"
+    )
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "CODEX_HOME": str(codex_home),
+        "LD_PRELOAD": "",
+    }
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [exe, "exec", "--skip-git-repo-check", prompt],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return r, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("websockets", [False, True], ids=["sse", "websocket"])
+def test_codex_exec_function_call_round_trip(server, tmp_path, websockets):
+    word = "ws-hello" if websockets else "sse-hello"
+    server.script(
+        "Run it.</think>" + tool_call_dsml("exec_command", cmd=f"echo {word}"),
+        f"Done.</think>The command printed {word}." + EOS,
+    )
+    n0 = len(server.request_lines())
+    r, took = _codex(server, tmp_path, "run the echo", websockets=websockets)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout + r.stderr
+    assert f"The command printed {word}." in r.stdout
+    assert word in out  # the command's own output, shown by Codex
+    lines = [ln for ln in server.request_lines()[n0:] if "/v1/responses" in ln]
+    assert len(lines) == 2, server.log()[-3000:]
+    assert all(ln.split()[1] == ("ws" if websockets else "/v1/responses") for ln in lines), lines
+    # The function_call_output turn continued the live state.
+    assert "cold" not in lines[1], lines
+    if websockets:
+        # Served over the WebSocket: no fallback (five failed upgrades cost seconds each).
+        assert "falling back" not in out.lower() and "reconnecting" not in out.lower(), out[-2000:]
+        assert took < 120
