@@ -1,6 +1,7 @@
 """Issue 4, must-hold 2: the real Claude Code CLI against ``ds4mlx serve``.
 
-``claude -p`` with its full default system prompt and tools (about 19k tokens) runs a
+``claude -p`` (launched by ``examples/claude-code.sh``) with its full default system
+prompt and tools (about 19k tokens) runs a
 turn in which scripted decoding emits a ``Bash`` tool call: Claude Code must run the
 command, send the ``tool_result`` back, and the server must complete the turn. Fails
 (not skips) under CI when the CLI is missing (``npm install --prefix tests/clients``).
@@ -12,7 +13,9 @@ import os
 import subprocess
 
 import pytest
-from server_util import EOS, Server, require_cli, tiny_model_dir, tool_call_dsml  # noqa: F401
+from server_util import EOS, REPO, Server, require_cli, tiny_model_dir, tool_call_dsml  # noqa: F401
+
+WRAPPER = REPO / "examples" / "claude-code.sh"
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +33,18 @@ def _claude(
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": str(home),
-        "ANTHROPIC_BASE_URL": server.url,
-        "ANTHROPIC_AUTH_TOKEN": "local",
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DS4MLX_URL": server.url,
+        "CLAUDE": exe,
         "DISABLE_AUTOUPDATER": "1",
         "LD_PRELOAD": "",
     }
     return subprocess.run(
-        [exe, "-p", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
+        [str(WRAPPER), "-p", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 

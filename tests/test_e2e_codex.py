@@ -1,6 +1,7 @@
 """Issue 4, must-hold 3: the real Codex CLI (``codex exec``) against ``/v1/responses``.
 
-Codex is configured the way ``examples/codex-config.toml`` says: a model provider
+Codex is configured from ``examples/codex-config.toml`` (base URL pointed at the test
+server): a model provider
 with ``wire_api = "responses"``. Scripted decoding emits an ``exec_command`` function
 call; Codex runs it and sends the ``function_call_output`` back (with the reasoning
 item's ``encrypted_content``); the server completes the turn. Both transports Codex
@@ -11,12 +12,31 @@ Fails (not skips) under CI when the CLI is missing.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
+import tomllib
 
 import pytest
-from server_util import EOS, Server, require_cli, tiny_model_dir, tool_call_dsml  # noqa: F401
+from server_util import EOS, REPO, Server, require_cli, tiny_model_dir, tool_call_dsml  # noqa: F401
+
+EXAMPLE = REPO / "examples" / "codex-config.toml"
+
+
+def _toml(config: dict) -> str:
+    """A minimal TOML writer for the example's shape (top-level keys + provider tables)."""
+    out, tables = [], []
+    for k, v in config.items():
+        if isinstance(v, dict):
+            tables.append((k, v))
+        else:
+            out.append(f"{k} = {json.dumps(v)}")
+    for name, table in tables:
+        for sub, vals in table.items():
+            out.append(f"\n[{name}.{sub}]")
+            out += [f"{k} = {json.dumps(v)}" for k, v in vals.items()]
+    return "\n".join(out) + "\n"
 
 
 @pytest.fixture(scope="module")
@@ -31,17 +51,17 @@ def _codex(server: Server, tmp_path, prompt: str, *, websockets: bool, timeout: 
     codex_home = tmp_path / "codex"
     home.mkdir(exist_ok=True)
     codex_home.mkdir(exist_ok=True)
-    (codex_home / "config.toml").write_text(
-        'model = "deepseek-v4-flash"\n'
-        'model_provider = "ds4mlx"\n\n'
-        "[model_providers.ds4mlx]\n"
-        'name = "ds4mlx"\n'
-        f'base_url = "{server.url}/v1"\n'
-        'wire_api = "responses"\n'
-        f"supports_websockets = {'true' if websockets else 'false'}\n"
-        "request_max_retries = 0\n"
-        "stream_max_retries = 0\n"
+    # examples/codex-config.toml, pointed at this server.
+    config = tomllib.loads(EXAMPLE.read_text())
+    provider = config["model_providers"][config["model_provider"]]
+    assert provider["wire_api"] == "responses"
+    provider.update(
+        base_url=f"{server.url}/v1",
+        supports_websockets=websockets,
+        request_max_retries=0,
+        stream_max_retries=0,
     )
+    (codex_home / "config.toml").write_text(_toml(config))
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": str(home),
