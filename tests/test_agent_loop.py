@@ -68,6 +68,8 @@ def assert_suffix_only(agent: Agent, engine: Engine) -> list:
         assert s.text.endswith("</tool_result><｜Assistant｜><think>")
         assert "<｜begin▁of▁sentence｜>" not in s.text and agent.system_prompt not in s.text
         assert s.tokens == s.planned == len(tok.encode(s.text))
+        # ... and the next turn was sampled right after it.
+        assert steps[i + 1].kind == "answer" and steps[i + 1].before == s.before + s.tokens
     return [steps[i] for i in rounds]
 
 
@@ -280,3 +282,19 @@ def test_sessions_switch_restores_without_prefill(engine, workspace, tmp_path):
     assert {r.id for r in again.sessions()} == {sid1, sid2}
     again.switch(sid1)
     assert again.messages[-1].content == "First session again." and again.consistent()
+
+
+def test_nothink_switches_the_opener_and_keeps_the_live_state(engine, workspace):
+    script = [turn("Thinking first.", "Answer one."), turn(None, "Chat answer.")]
+    agent = Agent(engine, workspace, ui=RecordingUI(), script=script)
+    assert agent.send("one").ok and agent.exact
+    agent.set_thinking(False)
+    assert agent.send("two").ok
+    step = agent.steps[-2]
+    assert step.kind == "user" and step.text == EOS + "<｜User｜>two<｜Assistant｜></think>"
+    last = agent.messages[-1]
+    assert last.reasoning is None and last.content == "Chat answer."
+    # The renderer has one mode per conversation: the earlier thinking turn would now
+    # render without its reasoning, so the transcript is flagged as inexact.
+    assert not agent.exact and not agent.consistent()
+    assert agent.live_text().endswith("</think>Chat answer.")

@@ -36,6 +36,9 @@ commands:
 Ctrl+C stops the model (or a running tool) and returns to the prompt."""
 
 
+DEMO_MAX_TOKENS = 256
+
+
 def default_kv_dir() -> Path:
     """``$XDG_CACHE_HOME/ds4mlx/agent-kv`` (``~/.cache/…`` by default)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -171,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
             yes=args.yes,
             thinking=not args.nothink,
             sampling=sampling,
-            max_tokens=args.max_tokens,
+            # The demo model's text is noise that may never end a turn: keep turns short.
+            max_tokens=args.max_tokens or (DEMO_MAX_TOKENS if args.demo else None),
             max_steps=args.max_steps,
             tool_output_tokens=args.tool_output_tokens,
             bash_timeout=args.bash_timeout,

@@ -27,6 +27,9 @@ from ds4mlx.dsml.conversation import Message
 SUMMARY_HEADER = "[Context compacted. Summary of the conversation so far, written by you:]"
 TAIL_NOTE = "[The most recent messages follow verbatim.]"
 FIRST_REQUEST_CHARS = 2000
+# Delimit the carried first request so a later compaction can take it over verbatim.
+_REQUEST_OPEN = "\n<<<\n"
+_REQUEST_CLOSE = "\n>>>"
 
 
 @dataclass(frozen=True)
@@ -147,12 +150,20 @@ def tail_start(
 
 
 def first_request(messages: list[Message]) -> str | None:
-    """The first user message's text (truncated to ``FIRST_REQUEST_CHARS``), or None."""
+    """The user's first request (truncated to ``FIRST_REQUEST_CHARS``), or None.
+
+    The first user message's text; after an earlier compaction, the request that its
+    summary message carries.
+    """
     for m in messages:
         if m.role == "user" and m.content:
             text = m.content
             if text.startswith(SUMMARY_HEADER):
-                continue  # an earlier compaction's summary: it carries the request itself
+                start = text.find(_REQUEST_OPEN)
+                end = text.find(_REQUEST_CLOSE, start + len(_REQUEST_OPEN))
+                if start < 0 or end < 0:
+                    continue
+                return text[start + len(_REQUEST_OPEN) : end]
             if len(text) > FIRST_REQUEST_CHARS:
                 text = text[:FIRST_REQUEST_CHARS] + " […]"
             return text
@@ -163,7 +174,7 @@ def summary_message(summary: str, request: str | None) -> Message:
     """The user message that replaces the compacted part of the transcript."""
     parts = [SUMMARY_HEADER]
     if request:
-        parts.append(f"The user's first request was:\n{request}")
+        parts.append(f"The user's first request was:{_REQUEST_OPEN}{request}{_REQUEST_CLOSE}")
     parts.append(summary.strip() or "(no summary)")
     parts.append(TAIL_NOTE)
     return Message("user", "\n\n".join(parts))

@@ -770,7 +770,9 @@ class Agent:
         pn, ps = self._last_prefill
         self._last_prefill = (pn + n, ps + dt)
         if n < len(ids):
-            self.state = "dirty"
+            # Cancelled before the first chunk: nothing changed, the state still holds.
+            if n > 0:
+                self.state = "dirty"
             self.ui.notice("interrupted during prefill", "warn")
             return False
         if self.tok.decode(ids) != text:
@@ -956,6 +958,7 @@ class Agent:
         interrupted = False
         for call in calls:
             outcome: ToolOutcome | None = None
+            interrupted = interrupted or self._cancel  # Ctrl+C between two calls
             try:
                 if interrupted:
                     outcome = ToolOutcome(
@@ -1035,24 +1038,26 @@ class Agent:
                     self.ui.notice("tool calls in the summary were ignored (not run)", "warn")
                 summary = gen.result.content.strip()
                 by_model = bool(summary)
+                # The summary turn now sits in the live state; the rebuild replaces it.
+                self.state = "dirty"
         if not summary:
             summary = cmp.mechanical_summary(msgs[:keep_from])
         start = cmp.tail_start(
             msgs, keep_from, self._message_tokens, self.policy.tail_budget(self.ctx)
         )
-        request = cmp.first_request(msgs[:start])
-        new = cmp.rebuild(msgs, start, summary, request)
-        conv = Conversation(messages=new, tools=self.conv.tools, thinking=self.conv.thinking)
-        full = render_prompt(conv, context_size=self.ctx, tool_memory=self.tool_memory)
-        if (
-            start < keep_from
-            and len(self.tok.encode(full)) + self.policy.reserve(self.ctx) > self.ctx
-        ):
-            start = keep_from  # keep only the pending step verbatim
+        soft = self.policy.soft_limit(self.ctx)
+        while True:
             new = cmp.rebuild(msgs, start, summary, cmp.first_request(msgs[:start]))
             conv = Conversation(messages=new, tools=self.conv.tools, thinking=self.conv.thinking)
             full = render_prompt(conv, context_size=self.ctx, tool_memory=self.tool_memory)
-        n_full = len(self.tok.encode(full))
+            n_full = len(self.tok.encode(full))
+            over = n_full + self.policy.reserve(self.ctx) > self.ctx or n_full >= soft
+            if not over or start >= keep_from:
+                break
+            # Still too big (or would compact again at once): keep fewer old messages.
+            start += 1
+            while start < keep_from and msgs[start].role == "tool":
+                start += 1
         if n_full + self.policy.reserve(self.ctx) > self.ctx:
             self.ui.notice(
                 f"compaction cannot help: the kept messages alone need {n_full} tokens "

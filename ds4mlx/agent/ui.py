@@ -115,7 +115,7 @@ class RichUI(AgentUI):
                 return decision
 
     def prefill_progress(self, done: int, total: int) -> None:
-        if total < PROGRESS_MIN_TOKENS or not self.console.is_terminal:
+        if total < PROGRESS_MIN_TOKENS or not self.console.is_interactive:
             return
         if self._progress is None:
             self._newline()

@@ -1,0 +1,185 @@
+"""``ds4mlx agent`` in a real terminal (pexpect) and in ``-p`` mode (issue 6 item 3).
+
+The model is the tiny float32 checkpoint with scripted decoding (``--script-file``), so
+what the terminal shows is known in advance while every token still runs the network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pexpect
+import pytest
+
+from tests.agent_script import invoke, turn
+
+TIMEOUT = 60
+_ANSI = r"(?:\x1b\[[0-9;?]*[A-Za-z])*"
+
+
+def loose(text: str) -> str:
+    """A regex for ``text`` as rich streams it: style codes may sit between characters
+    (each streamed token is styled on its own)."""
+    return _ANSI.join(re.escape(ch) for ch in text)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from ds4mlx.model.tiny import make_tiny
+
+    d = tmp_path_factory.mktemp("tui_tiny")
+    make_tiny(d, seed=0, expert_bits=None, other_bits=None)
+    return d
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    # Plain text in the terminal: no colours to match through.
+    env.update(NO_COLOR="1", TERM="xterm", COLUMNS="120", LINES="40", PYTHONUNBUFFERED="1")
+    return env
+
+
+def _args(tiny: Path, tmp: Path, script: list[str], *extra: str) -> list[str]:
+    ws = tmp / "ws"
+    ws.mkdir(exist_ok=True)
+    sf = tmp / "script.json"
+    sf.write_text(json.dumps(script))
+    return [
+        "-m", "ds4mlx.cli", "agent", "-m", str(tiny), "--ctx", "8192",
+        "--workspace", str(ws), "--kv-disk-dir", str(tmp / "kv"), "--script-file", str(sf),
+        *extra,
+    ]  # fmt: skip
+
+
+def test_terminal_session(tiny, tmp_path):
+    script = [
+        turn(
+            "The user wants a file; I will write it.",
+            "Writing hello.txt now.",
+            invoke("write", path="hello.txt", content="hi there\n"),
+        ),
+        turn("It is written.", "Created hello.txt for you."),
+        turn("ponder " * 3000, "never shown"),
+        turn("Second.", "This is the second session."),
+        turn("Back.", "Back in the first session."),
+    ]
+    child = pexpect.spawn(
+        sys.executable,
+        _args(tiny, tmp_path, script),
+        env=_env(),
+        encoding="utf-8",
+        timeout=TIMEOUT,
+        dimensions=(40, 120),
+    )
+    child.logfile_read = open(tmp_path / "terminal.log", "w")  # noqa: SIM115 (for failures)
+    try:
+        child.expect("type a message")
+        child.expect("› ")
+        child.sendline("please create hello.txt")
+        # Streamed output, then the tool call as it forms and the permission question.
+        child.expect(loose("The user wants a file"))
+        child.expect("Writing hello.txt now.")
+        child.expect("write")
+        child.expect("allow write")
+        child.expect(r"\[o\]nce / \[a\]lways / \[d\]eny")
+        child.sendline("o")
+        child.expect("created hello.txt")
+        child.expect("Created hello.txt for you.")
+        child.expect(r"ctx \d+/8192")
+        child.expect("› ")
+        assert (tmp_path / "ws" / "hello.txt").read_text() == "hi there\n"
+
+        # A long generation, interrupted with Ctrl+C: back at the prompt.
+        child.sendline("think for a very long time")
+        child.expect(loose("ponder ponder ponder ponder"))
+        child.sendintr()
+        child.expect("interrupted")
+        child.expect("› ")
+
+        # A second session, then /list and /switch back to the first.
+        child.sendline("/new")
+        child.expect("new session")
+        child.expect("› ")
+        child.sendline("second session please")
+        child.expect("This is the second session.")
+        child.expect("› ")
+        child.sendline("/list")
+        child.expect("please create hello.txt")
+        child.expect("second session please")
+        child.expect("› ")
+        child.sendline("/switch 1")
+        child.expect("restored \\d+ tokens from the disk KV cache")
+        child.expect("no prefill")
+        child.expect("› ")
+        child.sendline("/history")
+        child.expect("Created hello.txt for you.")
+        child.expect("› ")
+        child.sendline("are you back?")
+        child.expect("Back in the first session.")
+        child.expect("› ")
+        child.sendline("/ctx")
+        child.expect("live state: turn_end")
+        child.expect("› ")
+        child.sendline("/quit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0, (tmp_path / "terminal.log").read_text()[-3000:]
+    sessions = sorted(p.name for p in (tmp_path / "kv" / "agent-sessions").glob("*.json"))
+    assert sessions == ["1.json", "2.json"]
+
+
+def test_print_mode_transcript_and_exit_codes(tiny, tmp_path):
+    script = [
+        turn("Check the workspace.", "Looking.", invoke("list", path=".")),
+        turn("Write.", "", invoke("write", path="out.txt", content="done\n")),
+        turn("Finished.", "Wrote out.txt."),
+    ]
+    r = subprocess.run(
+        [sys.executable, *_args(tiny, tmp_path, script, "-p", "make out.txt", "--yes")],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    for piece in ("› make out.txt", "Check the workspace.", "⏺ list", "⏺ write", "Wrote out.txt."):
+        assert piece in out, out
+    assert out.index("Check the workspace.") < out.index("⏺ write") < out.index("Wrote out.txt.")
+    assert (tmp_path / "ws" / "out.txt").read_text() == "done\n"
+
+    # Without --yes and without a terminal the write is denied; the model is told and
+    # answers; a turn cut by --max-tokens exits 1.
+    script = [
+        turn("Write.", "", invoke("write", path="no.txt", content="x")),
+        turn("Denied.", "I was not allowed to write."),
+        turn("long " * 200, "x"),
+    ]
+    r = subprocess.run(
+        [sys.executable, *_args(tiny, tmp_path, script, "-p", "write no.txt")],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        stdin=subprocess.DEVNULL,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "permission denied" in r.stdout and "I was not allowed to write." in r.stdout
+    assert not (tmp_path / "ws" / "no.txt").exists()
+    r = subprocess.run(
+        [
+            sys.executable,
+            *_args(tiny, tmp_path, script[2:], "-p", "go", "--max-tokens", "20"),
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert r.returncode == 1 and "length" in r.stderr, (r.stdout, r.stderr)
