@@ -298,3 +298,24 @@ def test_nothink_switches_the_opener_and_keeps_the_live_state(engine, workspace)
     # render without its reasoning, so the transcript is flagged as inexact.
     assert not agent.exact and not agent.consistent()
     assert agent.live_text().endswith("</think>Chat answer.")
+
+
+def test_stale_snapshot_after_a_crash_continues_by_text_prefix(engine, workspace, tmp_path):
+    store = make_store(engine, tmp_path / "kv")
+    book = SessionBook(tmp_path / "kv" / "agent-sessions")
+    script = [turn("A.", "One."), turn("B.", "Two."), turn("C.", "Three.")]
+    agent = Agent(engine, workspace, store=store, book=book, script=script)
+    assert agent.send("first").ok
+    rec = agent.save()
+    saved = rec.kv_tokens
+    assert agent.send("second").ok  # transcript written, no new snapshot; then "crash"
+    sid = agent.record.id
+    agent.toolbox.close()
+    again = Agent(engine, workspace, store=store, book=book, script=script[2:])
+    again.switch(sid)
+    assert len(again.session.tokens) == saved and again.state == "dirty"
+    assert again.send("third").ok
+    step = next(s for s in again.steps if s.kind == "user")
+    assert step.before == saved  # only the text after the snapshot was prefilled
+    assert step.text.startswith(EOS + "<｜User｜>second")
+    assert again.consistent() and again.messages[-1].content == "Three."

@@ -67,7 +67,7 @@ from typing import Any
 
 from ds4mlx.agent import compaction as cmp
 from ds4mlx.agent.permissions import Permissions
-from ds4mlx.agent.sessions import SessionBook, SessionRecord, title_of
+from ds4mlx.agent.sessions import SessionBook, SessionRecord, title_of, transcript_digest
 from ds4mlx.agent.tools import Toolbox, ToolOutcome
 from ds4mlx.dsml import (
     Conversation,
@@ -509,6 +509,7 @@ class Agent:
             rec.kv_key = entry.key if entry else None
             rec.kv_tokens = entry.tokens if entry else 0
             rec.state = self.state
+            rec.kv_digest = transcript_digest(self.messages)
         if self.book is not None:
             self.book.put(rec)
         return rec
@@ -560,7 +561,9 @@ class Agent:
                 f"switched to session {sid} ({len(rec.messages)} messages); its KV snapshot "
                 "is not on disk, the next message rebuilds it"
             )
-        self.state = rec.state
+        # A snapshot older than the transcript (no clean exit since): the live tokens
+        # end somewhere before it, so continue by rendered-text prefix.
+        self.state = rec.state if rec.snapshot_matches() else "dirty"
         n = len(self.session.tokens)
         self.steps.append(Step("restore", 0, n, n, time.monotonic() - t0))
         return (

@@ -13,6 +13,7 @@ version. Unreadable files are skipped by :meth:`SessionBook.list`.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -44,6 +45,9 @@ class SessionRecord:
         kv_tokens: token count of that snapshot (int).
         state: the loop's live-state marker when the snapshot was taken
             (``"turn_end"`` or ``"dirty"``; see :class:`ds4mlx.agent.loop.Agent`).
+        kv_digest: :func:`transcript_digest` of the messages when the snapshot was
+            taken; the transcript may have moved on since (it is written after every
+            message, the snapshot only at switch/save/quit).
         exact: the transcript renders to exactly the live text.
     """
 
@@ -58,6 +62,11 @@ class SessionRecord:
     kv_tokens: int = 0
     state: str = "dirty"
     exact: bool = True
+    kv_digest: str = ""
+
+    def snapshot_matches(self) -> bool:
+        """True if the KV snapshot was taken with exactly the current transcript."""
+        return bool(self.kv_key) and self.kv_digest == transcript_digest(self.messages)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -73,6 +82,7 @@ class SessionRecord:
             "kv_tokens": self.kv_tokens,
             "state": self.state,
             "exact": self.exact,
+            "kv_digest": self.kv_digest,
             "messages": [message_to_json(m) for m in self.messages],
         }
 
@@ -94,6 +104,7 @@ class SessionRecord:
                 kv_tokens=int(d.get("kv_tokens", 0)),
                 state=str(d.get("state", "dirty")),
                 exact=bool(d.get("exact", True)),
+                kv_digest=str(d.get("kv_digest", "")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed agent session: {e}") from e
@@ -126,6 +137,12 @@ def message_from_json(d: dict[str, Any]) -> Message:
         ],
         tool_call_id=d.get("tool_call_id"),
     )
+
+
+def transcript_digest(messages: list[Message]) -> str:
+    """SHA-1 (hex) of the transcript's JSON form."""
+    data = json.dumps([message_to_json(m) for m in messages], ensure_ascii=False, sort_keys=True)
+    return hashlib.sha1(data.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def title_of(text: str, n: int = 60) -> str:
