@@ -380,7 +380,15 @@ class Worker:
             self.session = engine.session
             self.tokenizer = engine.tokenizer
             ready.set()
-            self._run()
+            try:
+                self._run()
+            finally:
+                import mlx.core as mx
+
+                # Destroy this thread's MLX streams while the thread is alive: left to
+                # process exit, their destruction intermittently aborts the process
+                # ("terminate called without an active exception", mlx 0.32).
+                mx.clear_streams()
 
         self._thread = threading.Thread(target=main, name="ds4mlx-worker", daemon=True)
         self._thread.start()

@@ -37,10 +37,14 @@ WEATHER_ANT = {
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):  # noqa: F811 (fixture from server_util)
-    with Server(
-        tiny_model_dir, ctx=8192, extra=["--served-model-name", MODEL, "--keepalive", "0.2"]
-    ) as s:
+def trace_file(tmp_path_factory):
+    return tmp_path_factory.mktemp("trace") / "trace.jsonl"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, trace_file):  # noqa: F811 (fixture from server_util)
+    extra = ["--served-model-name", MODEL, "--keepalive", "0.2", "--trace", str(trace_file)]
+    with Server(tiny_model_dir, ctx=8192, extra=extra) as s:
         yield s
 
 
@@ -396,3 +400,21 @@ def test_responses_max_output_tokens_incomplete(oai):
     r = oai.responses.create(model="deepseek-chat", input="hi", max_output_tokens=3)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 3
+
+
+def test_trace_records_prompts_decisions_output_and_parser_events(oai, server, trace_file):
+    server.script("Trace me.</think>" + tool_call_dsml("get_weather", city="Bern"))
+    oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Bern?"}], tools=[WEATHER_OAI]
+    )
+    server.wait_idle()
+    recs = [json.loads(line) for line in trace_file.read_text().splitlines()]
+    job = recs[-1]["job"]
+    mine = [r for r in recs if r["job"] == job]
+    kinds = [r["kind"] for r in mine]
+    assert kinds[:2] == ["prompt", "plan"] and kinds[-2:] == ["output", "done"]
+    assert mine[0]["text"].startswith("<｜begin▁of▁sentence｜>") and "Bern?" in mine[0]["text"]
+    assert mine[1]["decision"] in ("cold", "exact-token-prefix", "text-prefix")
+    parser = [r["event"]["type"] for r in mine if r["kind"] == "parser"]
+    assert "ThinkingDelta" in parser and "ToolCallEnd" in parser
+    assert mine[-2]["text"].startswith("Trace me.</think>")

@@ -1,0 +1,127 @@
+"""Unit tests of server pieces that need no running server: the prefill planner's
+prefix rules (DESIGN.md §3 steps 4, 5, 7), the reasoning carrier, error shapes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from ds4mlx.kv.plan import plan_prefill
+from ds4mlx.routes.common import APIError, ReasoningCarrier, _loc_to_path, error_body
+from ds4mlx.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.load()
+
+
+class FakeSession:
+    """What the planner reads: live tokens, logits presence, decoded text."""
+
+    def __init__(self, tok: Tokenizer, tokens: list[int]):
+        self.tokenizer = tok
+        self.tokens = tokens
+        self.logits = object() if tokens else None
+
+    @property
+    def text(self) -> str:
+        return self.tokenizer.decode(self.tokens)
+
+
+def _job(tokens: list[int]):
+    return SimpleNamespace(
+        request=SimpleNamespace(prompt_tokens=tokens, conversation=None, protocol="chat")
+    )
+
+
+BOS = "<｜begin▁of▁sentence｜>"
+
+
+def test_exact_token_prefix_keeps_live_and_prefills_the_rest(tok):
+    prompt = (
+        BOS + "<｜User｜>hello<｜Assistant｜></think>Hi there.<｜end▁of▁sentence｜><｜User｜>more"
+    )
+    toks = tok.encode(prompt)
+    live = toks[:7]
+    p = plan_prefill(FakeSession(tok, live), tok, prompt, _job(toks))
+    assert (p.decision, p.keep, p.cached) == ("exact-token-prefix", 7, 7)
+    assert live + p.suffix_tokens == toks
+
+
+def test_text_prefix_tokenizes_only_the_remaining_bytes(tok):
+    # The model sampled "Hello wor" as ["Hello", " wor"]; the replayed prompt continues
+    # "ld", so tokenizing the whole prompt would merge " world" into one token.
+    head = BOS + "<｜User｜>say<｜Assistant｜></think>"
+    live = tok.encode(head) + tok.encode("Hello wor")
+    prompt = head + "Hello world and more"
+    full = tok.encode(prompt)
+    assert full[: len(live)] != live  # not a token prefix: BPE merged across the boundary
+    p = plan_prefill(FakeSession(tok, live), tok, prompt, _job(full))
+    assert p.decision == "text-prefix" and p.keep == len(live)
+    assert p.suffix_tokens == tok.encode("ld and more")
+    assert tok.decode(live + p.suffix_tokens) == prompt
+
+
+def test_cold_when_live_state_diverges_or_is_empty(tok):
+    prompt = BOS + "<｜User｜>new question<｜Assistant｜><think>"
+    toks = tok.encode(prompt)
+    other = tok.encode(BOS + "<｜User｜>old question<｜Assistant｜><think>x")
+    p = plan_prefill(FakeSession(tok, other), tok, prompt, _job(toks))
+    assert (p.decision, p.keep, p.suffix_tokens) == ("cold", 0, toks)
+    p = plan_prefill(FakeSession(tok, []), tok, prompt, _job(toks))
+    assert (p.decision, p.keep) == ("cold", 0)
+
+
+def test_token_id_prompts_never_match_by_text(tok):
+    head = tok.encode(BOS + "abc")
+    live = head + tok.encode("Hello wor")
+    prompt_ids = head + tok.encode("Hello world")
+    p = plan_prefill(FakeSession(tok, live), tok, None, _job(prompt_ids))
+    assert p.decision == "cold"
+
+
+def test_live_state_ending_mid_utf8_character_is_not_a_text_prefix(tok):
+    head = tok.encode(BOS + "x")
+    euro = "€".encode()
+    # A token sequence that ends inside the 3-byte "€": its text ends in U+FFFD.
+    byte_ids = [i for i in range(tok.vocab_size) if tok.token_bytes(i) == euro[:1]][:1]
+    if not byte_ids:
+        pytest.skip("no single-byte token for the lead byte")
+    live = head + byte_ids
+    prompt = BOS + "x€ rest"
+    p = plan_prefill(FakeSession(tok, live), tok, prompt, _job(tok.encode(prompt)))
+    assert p.decision == "cold"
+
+
+def test_reasoning_carrier_round_trip_and_forgery():
+    c = ReasoningCarrier(b"k" * 32)
+    token = c.seal("step 1… ünïcode\n</think> inside")
+    assert c.open(token) == "step 1… ünïcode\n</think> inside"
+    assert c.open(token[:-2] + "AA") is None  # tampered MAC
+    body = token.split(".")[1]
+    assert c.open(token.replace(body, body[:-1] + ("A" if body[-1] != "A" else "B"))) is None
+    assert ReasoningCarrier(b"x" * 32).open(token) is None  # another server's key
+    assert c.open("") is None and c.open("EqUKCk…openai-blob") is None and c.open(None) is None
+
+
+def test_error_shapes():
+    e = APIError(400, "bad", param="messages.0.role", code="x")
+    assert error_body("openai", e) == {
+        "error": {
+            "message": "bad",
+            "type": "invalid_request_error",
+            "param": "messages.0.role",
+            "code": "x",
+        }
+    }
+    assert error_body("anthropic", e) == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": "bad"},
+    }
+    assert error_body("anthropic", APIError(413, "big"))["error"]["type"] == "request_too_large"
+    assert (
+        _loc_to_path(("messages", 0, "content", "list[Block]", 1, "text", "text"))
+        == "messages.0.content.1.text.text"
+    )
