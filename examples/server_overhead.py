@@ -1,0 +1,134 @@
+"""Server overhead benchmark (DESIGN.md §8): decode tokens/s seen by a streaming HTTP
+client ÷ engine-only decode tokens/s, same model, same prompt, greedy.
+
+    python examples/server_overhead.py -m /path/to/model [--tokens 256]
+    python examples/server_overhead.py --demo
+
+Engine-only: the chat prompt is prefilled in process, then ``tokens`` greedy
+sample+decode steps are timed from the first sampled token to the last. HTTP: a
+``ds4mlx serve`` subprocess streams ``/v1/chat/completions`` (``deepseek-chat``,
+temperature 0) and the client times the same span, from the first content chunk to
+the last. Both runs must produce the same tokens; the script checks the text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+PROMPT = "Write a long story about a lighthouse keeper."
+
+
+def engine_only(model: str, n: int, ctx: int) -> tuple[float, str, int]:
+    from ds4mlx.dsml import render_prompt
+    from ds4mlx.dsml.conversation import Conversation, Message
+    from ds4mlx.engine import Engine, SamplingParams
+
+    e = Engine.load(model, ctx_size=ctx)
+    s = e.session
+    text = render_prompt(
+        Conversation(messages=[Message("user", PROMPT)], thinking=False), context_size=ctx
+    )
+    s.prefill(e.tokenizer.encode(text))
+    greedy = SamplingParams(temperature=0)
+    out: list[int] = []
+    t_first = None
+    for _ in range(n):
+        tok = s.sample(greedy)
+        if t_first is None:
+            t_first = time.perf_counter()
+        out.append(tok)
+        if tok == e.tokenizer.eos_id or len(out) == n:
+            break
+        s.decode(tok)
+    t_last = time.perf_counter()
+    return (len(out) - 1) / (t_last - t_first), e.tokenizer.decode(out), len(out)
+
+
+def http(model: str, n: int, ctx: int) -> tuple[float, str, int]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ds4mlx.cli",
+        "serve",
+        "-m",
+        model,
+        "--port",
+        str(port),
+        "--ctx",
+        str(ctx),
+        "-q",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        body = {
+            "model": "deepseek-chat",
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": n,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        text, times, usage = [], [], None
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=None) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                d = json.loads(line[6:])
+                if d.get("usage"):
+                    usage = d["usage"]
+                for c in d["choices"]:
+                    if c["delta"].get("content"):
+                        text.append(c["delta"]["content"])
+                        times.append(time.perf_counter())
+        k = usage["completion_tokens"]
+        return (k - 1) / (times[-1] - times[0]), "".join(text), k
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", default=os.environ.get("DS4MLX_MODEL"))
+    ap.add_argument("--demo", action="store_true", help="use the cached tiny demo model")
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--ctx", type=int, default=4096)
+    a = ap.parse_args()
+    if a.demo:
+        from ds4mlx.server import ensure_demo_model
+
+        a.model = str(ensure_demo_model())
+    if not a.model:
+        ap.error("give -m MODEL or --demo")
+    from ds4mlx.blas import ensure_openblas
+
+    ensure_openblas()
+    e_rate, e_text, e_n = engine_only(a.model, a.tokens, a.ctx)
+    h_rate, h_text, h_n = http(a.model, a.tokens, a.ctx)
+    same = e_text.removesuffix("<｜end▁of▁sentence｜>") == h_text
+    print(f"engine-only decode: {e_rate:8.1f} tok/s  ({e_n} tokens)")
+    print(f"HTTP streamed:      {h_rate:8.1f} tok/s  ({h_n} tokens)")
+    print(f"ratio HTTP/engine:  {h_rate / e_rate:8.3f}   same output: {same}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
