@@ -120,3 +120,24 @@ def test_opencode_example_names_models_the_server_serves(demo):
         r = httpx.get(f"{demo.url}/v1/models/{model}")
         assert r.status_code == 200, model
     assert cfg["model"].split("/", 1) == ["ds4mlx", next(iter(provider["models"]))]
+
+
+def test_serve_without_a_model_says_how_to_get_one(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "DS4MLX_MODEL"}
+    r = subprocess.run(
+        [sys.executable, "-m", "ds4mlx.cli", "serve"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "--demo" in r.stderr and "-m /path" in r.stderr, r.stderr
+    env["DS4MLX_MODEL"] = str(tmp_path / "nowhere")
+    r = subprocess.run(
+        [sys.executable, "-m", "ds4mlx.cli", "serve"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "cannot load model" in r.stderr and "nowhere" in r.stderr, r.stderr

@@ -265,13 +265,17 @@ def new_id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
 
 
-def check_auth() -> APIError | None:
-    """Check ``--api-key`` (``Authorization: Bearer`` or ``x-api-key``); None when ok."""
+def check_auth(headers=None) -> APIError | None:
+    """Check ``--api-key`` (``Authorization: Bearer`` or ``x-api-key``); None when ok.
+
+    ``headers``: the request's (default) or a WebSocket's headers.
+    """
     key = state().config.api_key
     if not key:
         return None
-    got = request.headers.get("x-api-key") or ""
-    auth = request.headers.get("authorization") or ""
+    headers = request.headers if headers is None else headers
+    got = headers.get("x-api-key") or ""
+    auth = headers.get("authorization") or ""
     if auth.lower().startswith("bearer "):
         got = got or auth[7:].strip()
     if got and hmac.compare_digest(got.encode(), key.encode()):

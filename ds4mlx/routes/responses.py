@@ -647,7 +647,7 @@ async def responses_ws():
     ``{"type": "error", "status": 4xx, "error": {...}}`` and the connection stays open.
     ``response.processed`` acknowledgements are ignored.
     """
-    err = check_auth()
+    err = check_auth(websocket.headers)
     if err is not None:
         await websocket.close(1008, "invalid or missing API key")
         return
