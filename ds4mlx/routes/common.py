@@ -359,7 +359,7 @@ def render(conv) -> str:
     st = state()
     try:
         return render_prompt(conv, context_size=st.ctx_size, tool_memory=st.tool_memory)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, RecursionError) as e:
         raise APIError(400, f"cannot render the conversation: {e}") from None
 
 
