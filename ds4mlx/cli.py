@@ -315,6 +315,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="keepalive interval of idle streams, e.g. during long prefills (10)",
     )
+    p.add_argument(
+        "--tool-memory-max-ids",
+        type=int,
+        default=100_000,
+        metavar="N",
+        help="tool-call ids whose exact sampled DSML is remembered for replay (100000)",
+    )
+    p.add_argument(
+        "--disable-exact-dsml-tool-replay",
+        action="store_true",
+        help="render replayed tool calls from the client's JSON, not the exact sampled DSML",
+    )
+    from ds4mlx.kv.policy import add_arguments as _kv_cache_flags
+
+    _kv_cache_flags(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no per-request log lines")
     p.add_argument("--enable-scripted-decoding", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_serve)

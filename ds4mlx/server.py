@@ -71,6 +71,12 @@ class ServerConfig:
         reasoning_key: HMAC key of the reasoning carrier (Responses ``encrypted_content``,
             Anthropic thinking ``signature``); None derives one (see
             ``ds4mlx.routes.common.load_reasoning_key``).
+        kv: ``ds4mlx.kv.policy.KVCacheSettings`` (``--kv-disk-dir``, ``--kv-cache-*``);
+            None: no disk cache.
+        tool_memory_max_ids: tool-call ids whose exact DSML is remembered
+            (``--tool-memory-max-ids``).
+        exact_dsml_replay: render replayed tool calls from the exact sampled DSML
+            (off with ``--disable-exact-dsml-tool-replay``).
     """
 
     model_name: str = DEFAULT_MODEL_NAME
@@ -86,6 +92,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     reasoning_key: bytes | None = None
+    kv: Any = None
+    tool_memory_max_ids: int = 100_000
+    exact_dsml_replay: bool = True
 
     def model_ids(self) -> list[str]:
         """Every model id the server answers to, the served name first."""
@@ -160,6 +169,8 @@ class JobDone:
         reasoning: the hidden reasoning text sampled (for carriers), or "".
         prefill_s, decode_s: seconds spent; prefill/decode rates derive from them.
         decision: the plan decision (also in `JobStarted`).
+        text: the visible text sent to the client (after stop sequences), for the
+            thinking live-continuation key.
     """
 
     finish: str
@@ -173,6 +184,7 @@ class JobDone:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     decision: str = ""
+    text: str = ""
 
 
 @dataclass
@@ -221,6 +233,20 @@ class GenRequest:
     logprobs: int | None = None
     conversation: Any = None
     protocol: str = "chat"
+
+
+@dataclass
+class Script:
+    """A scripted continuation for one job (``--enable-scripted-decoding``, tests only).
+
+    ``text`` is tokenized as a whole, or ``tokens`` (ids) are used as given (e.g. a
+    non-canonical split that re-tokenizes differently on replay). ``greedy``: once the
+    script runs out, decode greedily instead of with the request's sampling.
+    """
+
+    text: str = ""
+    tokens: list[int] | None = None
+    greedy: bool = False
 
 
 _job_ids = itertools.count(1)
@@ -322,13 +348,15 @@ class Worker:
     Args:
         tool_memory: ``ds4mlx.dsml.ToolMemory`` the sampled tool calls are stored in.
         tracer: a `Tracer` (may be disabled).
-        scripts: deque of scripted continuations (texts) for ``--enable-scripted-decoding``;
-            each job pops the next one.
+        scripts: deque of scripted continuations (texts or `Script`s) for
+            ``--enable-scripted-decoding``; each job pops the next one.
 
-    Hooks for extensions (issue 5): ``planner`` (default
-    ``ds4mlx.kv.plan.plan_prefill``), ``after_job`` (default
-    ``ds4mlx.kv.plan.after_generation``) and ``on_shutdown`` callables, all run on the
-    worker thread with the session.
+    Hooks, all run on the worker thread with the session: ``planner`` (default
+    ``ds4mlx.kv.plan.plan_prefill``; may raise ``ds4mlx.kv.plan.PlanRejected`` for a
+    client error), ``after_job`` (default ``ds4mlx.kv.plan.after_generation``),
+    ``after_token`` (after each generated token is fed, or None) and ``on_shutdown``.
+    ``ds4mlx.kv.plan.attach`` installs the full live-continuation / disk-cache planner
+    and sets ``kv`` to it.
     """
 
     def __init__(self, *, tool_memory, tracer: Tracer | None = None, scripts=None):
@@ -339,12 +367,14 @@ class Worker:
         self.tokenizer = None
         self.tool_memory = tool_memory
         self.tracer = tracer or Tracer(None)
-        self.scripts: collections.deque[str] = (
+        self.scripts: collections.deque[str | Script] = (
             scripts if scripts is not None else collections.deque()
         )
         self.planner: Callable[..., Any] = kvplan.plan_prefill
         self.after_job: Callable[..., Any] = kvplan.after_generation
+        self.after_token: Callable[[Any], Any] | None = None
         self.on_shutdown: list[Callable[[Any], Any]] = []
+        self.kv: Any = None
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._pending = 0
         self._lock = threading.Lock()
@@ -486,10 +516,16 @@ class Worker:
         req = job.request
         s, tok = self.session, self.tokenizer
         t_start = time.monotonic()
+        from ds4mlx.kv.plan import PlanRejected
+
+        try:
+            plan = self.planner(s, tok, req.prompt_text, job)
+        except PlanRejected as e:
+            job.emit(JobFailed(e.message, e.status, e.kind))
+            return
         script = None
         if self.scripts:
             script = self.scripts.popleft()
-        plan = self.planner(s, tok, req.prompt_text, job)
         if plan.restore is not None:
             s.restore(plan.restore)
         elif plan.keep == 0 and s.tokens:
@@ -532,7 +568,7 @@ class Worker:
         fed = 0
         if suffix:
             try:
-                fed = s.prefill(suffix, progress=progress, cancel=job.cancelled)
+                fed = plan.run_prefill(s, progress=progress, cancel=job.cancelled)
             except ContextOverflowError as e:
                 job.emit(JobFailed(str(e), 400, "context_length_exceeded"))
                 return
@@ -552,12 +588,15 @@ class Worker:
             return
 
         # ---- decode
+        greedy_after_script = False
         if script is not None:
-            s.set_script(tok.encode(script))
+            greedy_after_script = bool(getattr(script, "greedy", False))
+            ids = getattr(script, "tokens", None)
+            s.set_script(ids if ids is not None else tok.encode(getattr(script, "text", script)))
         if req.sampling.seed is not None:
             s.seed(req.sampling.seed)
         try:
-            outcome = self._generate(job, plan)
+            outcome = self._generate(job, plan, greedy_after_script=greedy_after_script)
         finally:
             if script is not None:
                 s.set_script(None)
@@ -602,8 +641,12 @@ class Worker:
             t_start - job.submitted,
         )
 
-    def _generate(self, job: Job, plan) -> JobDone:
-        """Sample, feed and stream tokens until EOS, a stop, max_tokens or a full context."""
+    def _generate(self, job: Job, plan, *, greedy_after_script: bool = False) -> JobDone:
+        """Sample, feed and stream tokens until EOS, a stop, max_tokens or a full context.
+
+        ``greedy_after_script``: argmax once a script runs out (scripted tests stay
+        deterministic whatever the request's sampling).
+        """
         from ds4mlx.dsml import StopMatcher, StreamDecoder, TextDelta, ThinkingDelta, ToolCallEnd
 
         req = job.request
@@ -628,8 +671,14 @@ class Worker:
         logprob_fn = _make_logprobs(tok) if req.logprobs is not None else None
         pending_lp: list[tuple[str, float, dict[str, float]]] = []
         pending_ids: list[int] = []
+        visible: list[str] = []
+        after_token = self.after_token
         t0 = time.monotonic()
         t_first = None
+
+        def emit_text(text: str) -> None:
+            visible.append(text)
+            job.emit(TextDelta(text))
 
         def out(events: list[Any]) -> bool:
             """Forward decoder events through the stop matcher; True once a stop matched."""
@@ -637,13 +686,13 @@ class Worker:
                 if isinstance(ev, TextDelta):
                     text, hit = stopper.feed(ev.text)
                     if text:
-                        job.emit(TextDelta(text))
+                        emit_text(text)
                     if hit:
                         return True
                     continue
                 held = stopper.flush()
                 if held:
-                    job.emit(TextDelta(held))
+                    emit_text(held)
                 if isinstance(ev, ThinkingDelta):
                     reasoning_parts.append(ev.text)
                 elif isinstance(ev, ToolCallEnd):
@@ -663,7 +712,7 @@ class Worker:
             if n >= budget:
                 finish = "length"
                 break
-            greedy = bool(decoder is not None and decoder.in_structure)
+            greedy = bool(decoder is not None and decoder.in_structure) or greedy_after_script
             if logprob_fn is not None:
                 lp = logprob_fn(s.logits, req.logprobs)
             t = s.sample(req.sampling, greedy=greedy)
@@ -699,6 +748,8 @@ class Worker:
                 finish = "length"
                 break
             s.decode(t)
+            if after_token is not None:
+                after_token(s)
 
         # Flush what the detokenizer, decoder and stop matcher still hold.
         if finish != "stop_sequence":
@@ -710,7 +761,7 @@ class Worker:
                     finish, stop_seq = "stop_sequence", stopper.matched
                 held = stopper.flush()
                 if held:
-                    job.emit(TextDelta(held))
+                    emit_text(held)
             else:
                 text, hit = stopper.feed(tail) if tail else ("", False)
                 text += stopper.flush() if not hit else ""
@@ -731,6 +782,7 @@ class Worker:
             tool_calls=tool_calls,
             reasoning="".join(reasoning_parts),
             decode_s=decode_s,
+            text="".join(visible),
         )
 
 
@@ -773,6 +825,7 @@ class ServerState:
         self.tool_memory = worker.tool_memory
         self.tracer = worker.tracer
         self.scripts = worker.scripts
+        self.kv = worker.kv  # ds4mlx.kv.plan.Planner (live bindings, disk cache)
         self.carrier = ReasoningCarrier(config.reasoning_key or load_reasoning_key())
         self.started = time.time()
 
@@ -783,12 +836,23 @@ class ServerState:
 def start_worker(load: Callable[[], Any], config: ServerConfig) -> tuple[Any, Worker]:
     """Start the inference thread, load the engine on it (``load()``), return both.
 
-    Raises whatever ``load`` raises.
+    Installs the live-continuation / disk-cache planner (``ds4mlx.kv.plan.attach``)
+    with ``config.kv``. Raises whatever ``load`` raises, or ``OSError`` when the disk
+    cache directory cannot be created.
     """
     from ds4mlx.dsml import ToolMemory
+    from ds4mlx.kv.plan import attach
 
-    worker = Worker(tool_memory=ToolMemory(), tracer=Tracer(config.trace_path))
-    engine = worker.start(load)
+    memory = ToolMemory(config.tool_memory_max_ids, enabled=config.exact_dsml_replay)
+    worker = Worker(tool_memory=memory, tracer=Tracer(config.trace_path))
+
+    def load_and_attach():
+        engine = load()
+        # On the inference thread too: the disk cache's arrays belong to it.
+        attach(worker, engine, config.kv)
+        return engine
+
+    engine = worker.start(load_and_attach)
     return engine, worker
 
 
@@ -1034,7 +1098,16 @@ def run_serve(args) -> int:
         print(NO_MODEL_MESSAGE, file=sys.stderr, end="")
         return 2
     from ds4mlx.engine import Engine
+    from ds4mlx.kv.policy import KVCacheSettings
 
+    try:
+        kv = KVCacheSettings.from_args(args)
+    except ValueError as e:
+        print(f"ds4mlx serve: {e}", file=sys.stderr)
+        return 2
+    if args.tool_memory_max_ids < 1:
+        print("ds4mlx serve: --tool-memory-max-ids must be >= 1", file=sys.stderr)
+        return 2
     config = ServerConfig(
         model_name=args.served_model_name,
         default_max_tokens=args.tokens,
@@ -1046,6 +1119,9 @@ def run_serve(args) -> int:
         keepalive_s=args.keepalive,
         host=args.host,
         port=args.port,
+        kv=kv,
+        tool_memory_max_ids=args.tool_memory_max_ids,
+        exact_dsml_replay=not args.disable_exact_dsml_tool_replay,
     )
     try:
         engine, worker = start_worker(lambda: Engine.load(model, ctx_size=args.ctx), config)

@@ -1,32 +1,67 @@
-"""What to reuse from the live session for a job (DESIGN.md §3, "matching order").
+"""What to reuse for a job, and how to prefill it (DESIGN.md §3, "matching order").
 
-`plan_prefill` is the one place that decides how a job's prompt is put into the live
-`Session`: keep every live token and prefill only a suffix, or reset and prefill the
-whole prompt. The worker (``ds4mlx.server.Worker``) calls it on the inference thread
-right before prefill, and calls `after_generation` when the job is done, so that
-state a later job can continue from (tool-call ids, the visible key of a thinking
-turn) is remembered in one module.
+The worker (``ds4mlx.server.Worker``) asks a planner, on the inference thread, how to put
+a job's prompt into the one live ``Session``; the answer is a `Plan`: keep every live
+token and prefill a suffix, or start from a disk snapshot, or reset and prefill all.
+`Plan.run_prefill` then feeds the suffix, pausing at disk-save checkpoints. After the
+job, the planner's ``after_generation`` remembers what a later job may continue from.
 
-Implemented here (steps 4, 5 and 7 of DESIGN.md §3):
+`Planner` implements the whole matching order; the first rule that fits wins:
 
-- ``exact-token-prefix``: the live tokens are a prefix of the prompt's tokens.
-- ``text-prefix``: the live tokens' decoded text is a byte prefix of the rendered
-  prompt. The live tokens are kept and only the remaining text is tokenized, on its
-  own: tokens of the whole prompt are never reused across that byte boundary, since
-  BPE may merge across it.
-- ``cold``: reset and prefill everything.
+1. ``live-responses`` — Responses ``function_call_output.call_id``s are exactly the
+   call ids the live state just sampled (`ds4mlx.kv.live.ToolBinding`);
+2. ``live-anthropic`` / ``live-chat`` — the same for Anthropic ``tool_use_id`` and
+   OpenAI chat ``tool_call_id``. Rules 1–2 append only the tool-results suffix,
+   tokenized on its own; the sampled turn (hidden thinking, exact DSML) stays as is;
+3. ``live-thinking`` — the prompt starts with the visible key of the thinking turn the
+   live state just sampled (`ds4mlx.kv.live.ThinkingBinding`);
+4. ``exact-token-prefix`` — the live tokens are a prefix of the prompt's tokens;
+5. ``text-prefix`` — the live tokens' text is a byte prefix of the rendered prompt:
+   keep them and tokenize only the remaining text, on its own (tokens of the whole
+   prompt are never reused across that boundary: BPE may merge across it);
+6. ``disk`` — the longest stored rendered-text prefix (`ds4mlx.kv.disk.DiskCache`):
+   restore it, tokenize and prefill the rest;
+7. ``cold`` — reset and prefill everything.
 
-The live continuations by tool ids (steps 1–3) and the disk KV cache (step 6) extend
-this module (issue 5); the `Plan` fields and the two function signatures are the seam.
+A binding a job does not use is cleared. A tool result that neither the live binding
+nor a replayed assistant call explains rejects the job (`PlanRejected`, HTTP 400);
+routes check the same before queueing (`ds4mlx.kv.live.unexplained_tool_ids`).
 
-DeepSeek V4 caches cannot be trimmed backwards past the compressed frontier, so a
-plan keeps either all live tokens or none.
+DeepSeek V4 caches cannot be trimmed backwards past the compressed frontier, so a plan
+keeps either all live tokens or none, and a snapshot at ``n`` tokens is taken while the
+session holds exactly ``n``: the prefill pauses at each checkpoint.
+
+`plan_prefill` / `after_generation` are the planner-less defaults (rules 4, 5, 7, no
+bindings), kept for callers that run a bare ``Worker``.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from ds4mlx.kv.live import (
+    ID_FIELD,
+    LiveBindings,
+    ThinkingBinding,
+    ToolBinding,
+    thinking_suffix,
+    tool_results_suffix,
+    unexplained_tool_ids,
+    unknown_id_message,
+)
+
+log = logging.getLogger("ds4mlx.kv")
+
+# Prefill chunk (tokens per forward pass); the engine's DEFAULT_CHUNK. Chunks end at
+# absolute multiples of it, so a prompt restored from disk at an aligned point and
+# continued is prefilled in the same chunks as a cold prefill of the whole prompt.
+CHUNK = 512
+
+_LIVE_DECISION = {"responses": "live-responses", "anthropic": "live-anthropic"}
 
 
 class _Session(Protocol):
@@ -41,6 +76,22 @@ class _Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
 
+class PlanRejected(Exception):
+    """The job cannot be served as sent (a client error: HTTP 400).
+
+    Attributes:
+        message: the text for the client.
+        status: HTTP status (400).
+        kind: the error type (``invalid_request_error``).
+    """
+
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.kind = kind
+
+
 @dataclass
 class Plan:
     """How to bring the live session to a job's prompt.
@@ -48,14 +99,18 @@ class Plan:
     Attributes:
         keep: live tokens kept (``len(session.tokens)`` or 0; 0 means reset first).
         suffix_tokens: token ids to prefill after the kept ones.
-        decision: name of the matching rule that fired (``"exact-token-prefix"``,
-            ``"text-prefix"``, ``"cold"``; issue 5 adds the live continuations and
-            ``"disk"``), used in the per-request log line and the trace.
-        cached: prompt tokens served from existing state (== ``keep`` unless a disk
-            restore supplied them).
-        detail: extra ``key=value`` words for the log line (e.g. ``"ids=2"``).
-        restore: an opaque object the worker passes to ``session.restore`` before
-            prefilling (disk hits, issue 5); None here.
+        decision: the matching rule that fired (``live-responses``, ``live-anthropic``,
+            ``live-chat``, ``live-thinking``, ``exact-token-prefix``, ``text-prefix``,
+            ``disk``, ``cold``); in the per-request log line and the trace.
+        cached: prompt tokens served from existing state (== ``keep``; a disk restore
+            is done by the planner before it returns, so it counts as kept).
+        detail: extra ``key=value`` words for the log line (``ids=2`` …).
+        restore: an object the worker passes to ``session.restore`` before prefilling,
+            or None (the `Planner` restores disk hits itself and leaves this None).
+        checkpoints: absolute live token counts (ascending, in ``(keep, prompt_tokens]``)
+            at which `run_prefill` pauses and calls ``on_checkpoint``.
+        on_checkpoint: ``f(session, n_tokens)``, called at each checkpoint.
+        extra: free-form details for the trace.
     """
 
     keep: int
@@ -64,6 +119,8 @@ class Plan:
     cached: int
     detail: str = ""
     restore: Any = None
+    checkpoints: list[int] = field(default_factory=list)
+    on_checkpoint: Callable[[Any, int], Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -71,54 +128,380 @@ class Plan:
         """Tokens of the prompt as the session will hold it after prefill."""
         return self.keep + len(self.suffix_tokens)
 
+    def run_prefill(
+        self,
+        session,
+        *,
+        progress: Callable[[int, int], Any] | None = None,
+        cancel: Callable[[], bool] | None = None,
+        chunk_size: int = CHUNK,
+    ) -> int:
+        """Feed ``suffix_tokens`` to ``session`` (which holds the kept tokens).
+
+        Chunks end at absolute multiples of ``chunk_size`` and at every checkpoint;
+        after a chunk that ends at a checkpoint ``on_checkpoint(session, n)`` runs
+        (snapshots need the session at exactly ``n`` tokens: caches cannot be trimmed
+        backwards).
+
+        Args:
+            session: the live ``Session``.
+            progress: ``progress(done, total)`` in suffix tokens, before the first chunk
+                and after each one.
+            cancel: polled before each chunk; True stops the prefill (the session then
+                holds the chunks fed so far, consistently).
+            chunk_size: tokens per forward pass (>= 1).
+        Returns:
+            Suffix tokens fed (``len(suffix_tokens)`` unless cancelled).
+        Raises:
+            ds4mlx.engine.ContextOverflowError: the suffix does not fit; nothing is fed.
+        """
+        from ds4mlx.engine import ContextOverflowError
+        from ds4mlx.kv.policy import prefill_chunks
+
+        suffix = self.suffix_tokens
+        start = len(session.tokens)
+        total = len(suffix)
+        if start + total > session.ctx_size:
+            raise ContextOverflowError(start, total, session.ctx_size)
+        marks = set(self.checkpoints)
+        if progress is not None:
+            progress(0, total)
+        done = 0
+        for end in prefill_chunks(start, start + total, chunk_size, self.checkpoints):
+            if cancel is not None and cancel():
+                break
+            seg = suffix[done : end - start]
+            session.prefill(seg, chunk_size=len(seg))
+            done = end - start
+            if progress is not None:
+                progress(done, total)
+            if end in marks and self.on_checkpoint is not None:
+                self.on_checkpoint(session, end)
+        return done
+
+
+def _prefix_plan(
+    session: _Session, tokenizer: _Tokenizer, rendered_text: str | None, prompt: list[int]
+) -> Plan | None:
+    """Rules 4 and 5: the live state is a token or text prefix of the prompt."""
+    live = session.tokens
+    n = len(live)
+    if not n or session.logits is None:
+        return None
+    if n <= len(prompt) and prompt[:n] == live:
+        return Plan(keep=n, suffix_tokens=list(prompt[n:]), decision="exact-token-prefix", cached=n)
+    if rendered_text is not None:
+        live_text = session.text
+        # "\ufffd" means the live tokens end inside a UTF-8 sequence: their text is not a
+        # faithful byte prefix of anything, so do not match on it.
+        if (
+            live_text
+            and not live_text.endswith("\ufffd")
+            and len(live_text) <= len(rendered_text)
+            and rendered_text.startswith(live_text)
+        ):
+            rest = rendered_text[len(live_text) :]
+            return Plan(
+                keep=n, suffix_tokens=tokenizer.encode(rest), decision="text-prefix", cached=n
+            )
+    return None
+
 
 def plan_prefill(
     session: _Session, tokenizer: _Tokenizer, rendered_text: str | None, job: Any
 ) -> Plan:
-    """Decide what to keep of the live session for ``job``'s prompt.
+    """Planner-less default: exact token prefix, text prefix, else cold.
 
     Args:
         session: the live ``ds4mlx.engine.Session`` (read only here).
         tokenizer: the engine's ``ds4mlx.tokenizer.Tokenizer``.
-        rendered_text: the job's whole prompt text, or None when the client sent
-            token ids (then only exact token prefixes match).
-        job: the ``ds4mlx.server.Job``; ``job.request.prompt_tokens`` (list of int, the
-            tokenization of the whole prompt) is read; issue 5 also reads the
-            request's conversation and protocol for id-based continuation.
+        rendered_text: the job's whole prompt text, or None when the client sent token
+            ids (then only exact token prefixes match).
+        job: the ``ds4mlx.server.Job``; ``job.request.prompt_tokens`` (the tokenization
+            of the whole prompt) is read.
     Returns:
         A `Plan`. Never raises for a mismatch: the fallback is ``cold``.
     """
-    live = session.tokens
     prompt = job.request.prompt_tokens
-    n = len(live)
-    if n and session.logits is not None:
-        if n <= len(prompt) and prompt[:n] == live:
-            return Plan(
-                keep=n, suffix_tokens=list(prompt[n:]), decision="exact-token-prefix", cached=n
-            )
-        if rendered_text is not None:
-            live_text = session.text
-            # "\ufffd" means the live tokens end inside a UTF-8 sequence: their text is
-            # not a faithful byte prefix of anything, so do not match on it.
-            if (
-                live_text
-                and not live_text.endswith("\ufffd")
-                and len(live_text) <= len(rendered_text)
-                and rendered_text.startswith(live_text)
-            ):
-                rest = rendered_text[len(live_text) :]
-                return Plan(
-                    keep=n, suffix_tokens=tokenizer.encode(rest), decision="text-prefix", cached=n
-                )
+    p = _prefix_plan(session, tokenizer, rendered_text, prompt)
+    if p is not None:
+        return p
     return Plan(keep=0, suffix_tokens=list(prompt), decision="cold", cached=0)
 
 
 def after_generation(session: _Session, tokenizer: _Tokenizer, job: Any, outcome: Any) -> None:
-    """Hook called on the inference thread after every job (finished, stopped or cancelled).
-
-    ``outcome`` is the job's ``ds4mlx.server.JobDone`` (finish reason, tool calls
-    sampled with their ids, token counts). Nothing is remembered yet; issue 5 records
-    here the live tool-call id set with the live token count (Anthropic / Responses /
-    chat live continuation) and the visible key of a thinking turn.
-    """
+    """Planner-less default of the after-job hook: remembers nothing."""
     return None
+
+
+# --------------------------------------------------------------------------- planner
+
+
+class Planner:
+    """The full matching order of DESIGN.md §3 for one engine's live session.
+
+    Args:
+        engine: the ``ds4mlx.engine.Engine`` (tokenizer, context size).
+        tool_memory: the server's ``ds4mlx.dsml.ToolMemory`` (exact sampled DSML).
+        disk: a `ds4mlx.kv.disk.DiskCache`, or None when the disk cache is off.
+
+    Attributes:
+        bindings: the `LiveBindings` (routes read ``bindings.bound_tool_ids()``).
+        live_tool_ids: ids whose exact DSML may be inside the live text (sampled or
+            replayed in this live session, or restored with it); persisted with its
+            snapshots.
+
+    Hooks for ``ds4mlx.server.Worker`` (all on the inference thread): `plan`
+    (``planner``), `after_generation` (``after_job``), `after_token`, `on_shutdown`.
+    """
+
+    def __init__(self, engine, tool_memory=None, disk=None):
+        self.engine = engine
+        self.tool_memory = tool_memory
+        self.disk = disk
+        self.bindings = LiveBindings()
+        self.live_tool_ids: dict[str, None] = {}
+
+    # ---------------------------------------------------------------- helpers
+
+    def bound_tool_ids(self) -> frozenset[str]:
+        """Ids of the live tool binding (thread-safe; for the routes' pre-queue check)."""
+        return self.bindings.bound_tool_ids()
+
+    def _replaced(self) -> None:
+        """The live state is about to be replaced: nothing of it is on disk or bound."""
+        self.live_tool_ids.clear()
+        if self.disk is not None:
+            self.disk.tracker.reset()
+
+    def _note_replayed(self, conv) -> None:
+        """Remember the replayed calls whose exact DSML the kept prompt now holds."""
+        if conv is None or self.tool_memory is None:
+            return
+        for m in conv.messages:
+            for c in m.tool_calls:
+                if c.id and c.id in self.tool_memory:
+                    self.live_tool_ids[c.id] = None
+
+    def _with_checkpoints(self, plan: Plan, session, rendered: str | None) -> Plan:
+        """Attach the disk-save checkpoints of ``plan`` (cold point, continued frontiers).
+
+        ``rendered`` (the prompt text, or None to skip the check) must start with a
+        checkpoint's text for that checkpoint to be kept: a snapshot no lookup can find
+        is not worth its disk space.
+        """
+        if self.disk is None:
+            return plan
+        prompt_ids = list(session.tokens[: plan.keep]) + list(plan.suffix_tokens)
+        points = self.disk.checkpoints(
+            cached=plan.cached, prompt_tokens=prompt_ids, rendered_text=rendered
+        )
+        if points:
+            reasons = {p.tokens: p.reason for p in points}
+            plan.checkpoints = [p.tokens for p in points]
+            plan.extra["checkpoint_reasons"] = reasons
+
+            def save(session, n: int) -> None:
+                self.disk.save_live(
+                    session, reasons.get(n, "continued"), self.tool_memory, self.live_tool_ids
+                )
+
+            plan.on_checkpoint = save
+        return plan
+
+    def _evict_live(self, session) -> None:
+        """Save the live state (``evict``) before an unrelated request replaces it."""
+        if self.disk is not None and self.disk.worth_saving(len(session.tokens)):
+            self.disk.save_live(session, "evict", self.tool_memory, self.live_tool_ids)
+
+    # ---------------------------------------------------------------- the hooks
+
+    def plan(self, session, tokenizer, rendered_text: str | None, job) -> Plan:
+        """Decide (and, for a disk hit, restore) how to serve ``job``; see the module doc.
+
+        Args:
+            session: the live ``Session``. Changed only for a disk hit (restored) and
+                by an ``evict`` save (read only); otherwise the worker applies the plan.
+            tokenizer: the engine's tokenizer.
+            rendered_text: the job's rendered prompt, or None for token-id prompts.
+            job: the ``ds4mlx.server.Job`` (``request.prompt_tokens``,
+                ``request.conversation``, ``request.protocol``).
+        Returns:
+            A `Plan` (``restore`` is always None).
+        Raises:
+            PlanRejected: a tool result that nothing explains (client error).
+        """
+        req = job.request
+        conv = getattr(req, "conversation", None)
+        protocol = getattr(req, "protocol", "chat")
+        n = len(session.tokens)
+        live_ok = n > 0 and session.logits is not None
+        tool_b, think_b = self.bindings.tool, self.bindings.thinking
+        # Whatever this job does, the bindings describe the state before it: a later
+        # job can only continue from what *this* job leaves (after_generation).
+        self.bindings.clear()
+        ctx = self.engine.ctx_size
+
+        # 1-2: live tool continuation by ids.
+        if conv is not None and tool_b is not None and live_ok and tool_b.n_tokens == n:
+            suffix = tool_results_suffix(conv, tool_b, context_size=ctx)
+            if suffix is not None:
+                self._note_replayed(conv)
+                field_ = ID_FIELD.get(protocol, "tool_call_id").replace("_", "-")
+                plan = Plan(
+                    keep=n,
+                    suffix_tokens=tokenizer.encode(suffix),
+                    decision=_LIVE_DECISION.get(protocol, "live-chat"),
+                    cached=n,
+                    detail=f"match={field_}s ids={len(tool_b.ids)}",
+                )
+                return self._with_checkpoints(plan, session, None)
+
+        # Tool results must be live (above) or replayed with their calls.
+        if conv is not None:
+            bad = unexplained_tool_ids(conv)
+            if bad:
+                # A rejected request changes nothing: the client may still send the
+                # right results and continue live.
+                self.bindings.tool, self.bindings.thinking = tool_b, think_b
+                raise PlanRejected(unknown_id_message(protocol, bad[0]))
+
+        # 3: thinking live continuation by the visible key.
+        if rendered_text is not None and think_b is not None and live_ok and think_b.n_tokens == n:
+            rest = thinking_suffix(rendered_text, think_b)
+            if rest is not None:
+                self._note_replayed(conv)
+                plan = Plan(
+                    keep=n,
+                    suffix_tokens=tokenizer.encode(rest),
+                    decision="live-thinking",
+                    cached=n,
+                    detail="match=visible-key ids=0",
+                )
+                return self._with_checkpoints(plan, session, None)
+
+        # 4-5: token or text prefix of the live state.
+        prompt = req.prompt_tokens
+        plan = _prefix_plan(session, tokenizer, rendered_text, prompt)
+        if plan is not None:
+            plan.detail = "ids=0"
+            self._note_replayed(conv)
+            return self._with_checkpoints(plan, session, rendered_text)
+
+        # 6: disk. Load first, then save the live state (evict) it replaces: saving first
+        # could evict, within the byte budget, the very snapshot about to be loaded.
+        if self.disk is not None and rendered_text is not None:
+            t0 = time.perf_counter()
+            loaded = self.disk.lookup(rendered_text)
+            if loaded is not None:
+                plan = self._restore(session, tokenizer, rendered_text, loaded, t0)
+                if plan is not None:
+                    self._note_replayed(conv)
+                    return self._with_checkpoints(plan, session, rendered_text)
+
+        # 7: cold.
+        self._evict_live(session)
+        self._replaced()
+        self._note_replayed(conv)
+        plan = Plan(keep=0, suffix_tokens=list(prompt), decision="cold", cached=0, detail="ids=0")
+        return self._with_checkpoints(plan, session, rendered_text)
+
+    def _restore(self, session, tokenizer, rendered_text: str, loaded, t0: float) -> Plan | None:
+        from ds4mlx.engine import SessionState, SnapshotError
+
+        self._evict_live(session)
+        state = SessionState(tokens=loaded.tokens, arrays=loaded.arrays, meta=loaded.meta)
+        try:
+            session.restore(state)
+        except (SnapshotError, ValueError) as e:
+            # Verified by digest but not for this model's caches: treat as a miss.
+            log.warning("kv cache: cannot restore %s: %s", loaded.entry.path.name, e)
+            return None
+        self._replaced()
+        self.disk.tracker.loaded(len(loaded.tokens))
+        if self.tool_memory is not None and loaded.tool_memory:
+            self.tool_memory.load(loaded.tool_memory.items())
+        self.live_tool_ids.update(dict.fromkeys(loaded.tool_memory))
+        rest = rendered_text[len(loaded.text) :]
+        n = len(loaded.tokens)
+        ms = (time.perf_counter() - t0) * 1e3
+        return Plan(
+            keep=n,
+            suffix_tokens=tokenizer.encode(rest),
+            decision="disk",
+            cached=n,
+            detail=f"ids=0 key={loaded.entry.key[:12]} reason={loaded.entry.reason} load={ms:.0f}ms",
+        )
+
+    def after_generation(self, session, tokenizer, job, outcome) -> None:
+        """Remember what the next job may continue from (on the inference thread).
+
+        After a turn that ended with EOS: the sampled tool-call ids with the live token
+        count (`ToolBinding`), and in thinking mode the turn's visible key
+        (`ThinkingBinding`). Any other ending (max tokens, stop sequence, cancel) leaves
+        no binding: the live state then holds tokens the client never saw as a turn.
+        """
+        from ds4mlx.dsml import Message, ToolCall, thinking_visible_key
+        from ds4mlx.dsml.tokens import THINK_START
+
+        req = job.request
+        self.bindings.clear()
+        for c in outcome.tool_calls:
+            if c.id:
+                self.live_tool_ids[c.id] = None
+        if outcome.finish != "stop" or not req.parse:
+            return
+        n = len(session.tokens)
+        calls = [ToolCall(c.id, c.name, c.arguments, c.dsml) for c in outcome.tool_calls]
+        if calls and all(c.id for c in calls):
+            self.bindings.tool = ToolBinding(tuple(c.id for c in calls), n, req.protocol)
+        prompt = req.prompt_text
+        if req.thinking and prompt and prompt.endswith(THINK_START):
+            turn = Message(role="assistant", content=getattr(outcome, "text", ""), tool_calls=calls)
+            key = thinking_visible_key(prompt, turn, tool_memory=self.tool_memory)
+            self.bindings.thinking = ThinkingBinding(key, n)
+
+    def after_token(self, session) -> None:
+        """Called after each generated token is fed: a ``continued`` save when the live
+        state reaches an unsaved frontier."""
+        if self.disk is not None and self.disk.continued_due(len(session.tokens)):
+            self.disk.save_live(session, "continued", self.tool_memory, self.live_tool_ids)
+
+    def on_shutdown(self, session) -> None:
+        """Clean exit: save the live state (``shutdown``) when worth it."""
+        if self.disk is not None and self.disk.worth_saving(len(session.tokens)):
+            self.disk.save_live(session, "shutdown", self.tool_memory, self.live_tool_ids)
+
+
+def attach(worker, engine, settings=None, *, tool_memory=None) -> Planner:
+    """Install a `Planner` on ``worker`` (planner, after_job, after_token, on_shutdown).
+
+    Args:
+        worker: the ``ds4mlx.server.Worker`` (its hooks are replaced; ``worker.kv`` is
+            set to the planner).
+        engine: the loaded engine.
+        settings: ``ds4mlx.kv.policy.KVCacheSettings``; a disk cache is opened when its
+            ``disk_dir`` is set, and the tool-memory entries persisted there are reloaded.
+        tool_memory: defaults to ``worker.tool_memory``.
+    Returns:
+        The planner.
+    Raises:
+        OSError: the disk directory cannot be created.
+    """
+    tool_memory = tool_memory if tool_memory is not None else worker.tool_memory
+    disk = None
+    if settings is not None and settings.enabled:
+        from ds4mlx.kv.disk import DiskCache
+
+        disk = DiskCache(engine, settings)
+        if tool_memory is not None and tool_memory.enabled:
+            n = disk.reload_tool_memory(tool_memory)
+            if n:
+                log.info("kv cache: reloaded %d tool-memory entries", n)
+    planner = Planner(engine, tool_memory, disk)
+    worker.planner = planner.plan
+    worker.after_job = planner.after_generation
+    worker.after_token = planner.after_token
+    worker.on_shutdown.append(planner.on_shutdown)
+    worker.kv = planner
+    return planner

@@ -36,6 +36,7 @@ from ds4mlx.dsml import (
 from ds4mlx.routes.common import (
     SSE_COMMENT,
     APIError,
+    check_tool_results,
     clamp_max_tokens,
     collect,
     context_check,
@@ -215,6 +216,7 @@ async def messages():
     req, body = await parse_body(MessagesRequest)
     st = state()
     conv = _conversation(body, req.model)
+    check_tool_results(conv, "anthropic")
     text = render(conv)
     toks = await tokenize(text)
     context_check(len(toks))

@@ -352,6 +352,31 @@ async def tokenize(text: str) -> list[int]:
     return await asyncio.to_thread(state().tokenizer.encode, text)
 
 
+def check_tool_results(conv, protocol: str) -> None:
+    """Reject tool results whose ids nothing explains, before the job is queued.
+
+    A tool result must answer a call the request replays (an assistant turn with that
+    id) or one of the calls the live state just sampled (DESIGN.md §3). The worker
+    checks again when the job runs (the live state may change while it waits) and then
+    fails it with the same 400.
+
+    Args:
+        conv: the request's ``Conversation``.
+        protocol: ``"anthropic"``, ``"chat"`` or ``"responses"`` (names the id field).
+    Raises:
+        APIError: 400 ``unknown tool_use_id …; replay the full messages history`` (or
+            the protocol's equivalent).
+    """
+    from ds4mlx.kv.live import unexplained_tool_ids, unknown_id_message
+
+    kv = getattr(state(), "kv", None)
+    bound = kv.bound_tool_ids() if kv is not None else frozenset()
+    bad = unexplained_tool_ids(conv, bound)
+    if bad:
+        param = {"anthropic": "messages", "chat": "messages", "responses": "input"}[protocol]
+        raise APIError(400, unknown_id_message(protocol, bad[0]), param=param)
+
+
 def render(conv) -> str:
     """Render ``conv`` with the server's context size and tool memory (400 on errors)."""
     from ds4mlx.dsml import render_prompt

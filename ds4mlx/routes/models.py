@@ -10,7 +10,9 @@
 - ``POST /v1/detokenize``: ``{"tokens": [int]}`` → ``{"text"}``.
 - ``GET /health``: ``{"status": "ok", ...}`` (no API key needed).
 - ``POST /debug/script`` (only with ``--enable-scripted-decoding``): ``{"texts": [str]}``
-  queues continuations; each following job decodes the next one (DESIGN.md §2).
+  and/or ``{"tokens": [[int]]}`` queue continuations (texts first); each following job
+  decodes the next one (DESIGN.md §2). ``"greedy": true`` makes those jobs decode
+  greedily once their script runs out; ``"reset": true`` drops what was queued.
 """
 
 from __future__ import annotations
@@ -141,7 +143,9 @@ async def health():
 
 
 class ScriptRequest(_Open):
-    texts: list[str] = Field(min_length=1)
+    texts: list[str] = Field(default_factory=list)
+    tokens: list[list[int]] = Field(default_factory=list)
+    greedy: bool = False
     reset: bool = False
 
 
@@ -151,8 +155,19 @@ async def debug_script():
     st = state()
     if not st.config.scripted:
         raise APIError(404, "no route POST /debug/script", type="not_found_error", code="not_found")
+    from ds4mlx.server import Script
+
     req, _ = await parse_body(ScriptRequest)
+    if not req.texts and not req.tokens:
+        raise APIError(400, "give texts or tokens", param="texts")
+    vocab = st.tokenizer.vocab_size
+    if any(not 0 <= t < vocab for ids in req.tokens for t in ids):
+        raise APIError(400, f"tokens: ids must be in 0..{vocab - 1}", param="tokens")
     if req.reset:
         st.scripts.clear()
-    st.scripts.extend(req.texts)
+    if req.greedy or req.tokens:
+        st.scripts.extend(Script(text=t, greedy=req.greedy) for t in req.texts)
+        st.scripts.extend(Script(tokens=ids, greedy=req.greedy) for ids in req.tokens)
+    else:
+        st.scripts.extend(req.texts)
     return json_response({"queued": len(st.scripts)})

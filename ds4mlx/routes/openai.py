@@ -31,6 +31,7 @@ from ds4mlx.dsml import (
 from ds4mlx.routes.common import (
     SSE_COMMENT,
     APIError,
+    check_tool_results,
     clamp_max_tokens,
     collect,
     context_check,
@@ -194,6 +195,7 @@ async def chat_completions():
         )
     except wire.WireError as e:
         raise APIError(400, e.message, param=e.param) from None
+    check_tool_results(conv, "chat")
     text = render(conv)
     toks = await tokenize(text)
     context_check(len(toks))

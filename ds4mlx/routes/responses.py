@@ -48,6 +48,7 @@ from ds4mlx.routes.common import (
     SSE_COMMENT,
     APIError,
     check_auth,
+    check_tool_results,
     clamp_max_tokens,
     collect,
     context_check,
@@ -251,6 +252,7 @@ async def _prepare(
         raise APIError(400, e.message, param=e.param) from None
     if not any(m.role in ("user", "tool") for m in conv.messages):
         raise APIError(400, "input: needs at least one user message or tool output", param="input")
+    check_tool_results(conv, "responses")
     text = render(conv)
     toks = await tokenize(text)
     context_check(len(toks))

@@ -1,0 +1,218 @@
+"""The disk KV cache as the server uses it: store + save policy + the live session.
+
+`DiskCache` ties `ds4mlx.kv.store.DiskKVStore` (files, lookup, eviction) and
+`ds4mlx.kv.policy` (when to save) to one engine's live ``Session``:
+
+- `checkpoints` lists the token counts at which a prefill must pause for a ``cold`` or
+  ``continued`` snapshot; the caches cannot be trimmed backwards, so a snapshot at
+  ``n`` tokens is taken while the session holds exactly ``n`` (`save_live`).
+- `save_live` writes the live state (``evict`` before an unrelated request replaces it,
+  ``shutdown`` on clean exit, and the checkpoints), with the tool-memory entries whose
+  exact DSML is inside its text.
+- `lookup` finds and verifies the longest stored rendered-text prefix of a prompt.
+- `reload_tool_memory` puts the persisted tool-memory entries back at startup, so exact
+  DSML replay survives a restart.
+
+Every method runs on the inference thread (MLX arrays belong to the thread that made
+them). Disk errors never fail a request: they are logged and the cache is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Iterable, Sequence
+
+from ds4mlx.kv import policy
+from ds4mlx.kv.store import TOOLS_KEY, DiskKVStore, Loaded
+
+log = logging.getLogger("ds4mlx.kv")
+
+__all__ = ["DiskCache", "expert_bits_of"]
+
+
+def expert_bits_of(quant_desc: str) -> int | None:
+    """Routed-expert bits from an engine's ``quant_desc`` (``"experts=q2 other=q8"`` → 2,
+    ``"q4"`` → 4); None for unquantized or non-integer (mxfp4) experts."""
+    m = re.search(r"(?:^|experts=)q(\d+)(?:\s|$)", quant_desc)
+    return int(m.group(1)) if m else None
+
+
+class DiskCache:
+    """Disk snapshots of one engine's live session.
+
+    Args:
+        engine: the ``ds4mlx.engine.Engine`` (identity, context size, tokenizer).
+        settings: ``ds4mlx.kv.policy.KVCacheSettings`` with ``disk_dir`` set.
+
+    Attributes:
+        store: the `DiskKVStore`.
+        settings: the settings.
+        tracker: the largest token count saved for the current live session
+            (``policy.SaveTracker``); reset by the caller when the live state is replaced.
+
+    Raises:
+        ValueError: ``settings.disk_dir`` is None.
+        OSError: the directory cannot be created.
+    """
+
+    def __init__(self, engine, settings: policy.KVCacheSettings):
+        if settings.disk_dir is None:
+            raise ValueError("DiskCache needs settings.disk_dir")
+        self.engine = engine
+        self.settings = settings
+        self.tracker = policy.SaveTracker()
+        self.store = DiskKVStore(
+            settings.disk_dir,
+            budget_bytes=settings.budget_bytes,
+            model_identity=engine.identity,
+            ctx_size=engine.ctx_size,
+            expert_bits=expert_bits_of(engine.quant_desc),
+            reject_different_quant=settings.reject_different_quant,
+        )
+
+    # ---------------------------------------------------------------- save points
+
+    def checkpoints(
+        self, *, cached: int, prompt_tokens: Sequence[int], rendered_text: str | None
+    ) -> list[policy.SavePoint]:
+        """Snapshots to take while prefilling ``prompt_tokens`` from ``cached`` tokens.
+
+        ``prompt_tokens`` are the ids the session will hold after prefill (kept live
+        tokens + suffix). A point whose tokens end inside a UTF-8 character, or whose
+        text is not a prefix of ``rendered_text``, could never be found by a text
+        lookup: it moves back (at most 8 tokens) to a clean boundary, or is dropped.
+        """
+        tok = self.engine.tokenizer
+        points = policy.prefill_save_points(
+            self.settings,
+            cached=cached,
+            prompt_tokens=prompt_tokens,
+            last_saved=self.tracker.last_saved,
+            user_token_id=tok.user_id,
+            assistant_token_id=tok.assistant_id,
+        )
+        out: list[policy.SavePoint] = []
+        for p in points:
+            n = p.tokens
+            while n > max(cached, p.tokens - 8):
+                text = tok.decode(prompt_tokens[:n])
+                if not text.endswith("\ufffd") and (
+                    rendered_text is None or rendered_text.startswith(text)
+                ):
+                    break
+                n -= 1
+            else:
+                continue
+            if n >= self.settings.min_tokens and (not out or out[-1].tokens < n):
+                out.append(policy.SavePoint(n, p.reason))
+        return out
+
+    def continued_due(self, n_tokens: int) -> bool:
+        """Whether the live state at ``n_tokens`` (during generation) is an unsaved
+        continued frontier."""
+        step = self.settings.continued_step
+        return (
+            step > 0
+            and n_tokens % step == 0
+            and n_tokens >= self.settings.min_tokens
+            and n_tokens > self.tracker.last_saved
+        )
+
+    def worth_saving(self, n_tokens: int) -> bool:
+        """Whether an ``evict``/``shutdown`` save of ``n_tokens`` live tokens is due:
+        long enough, and not already saved at exactly this length."""
+        return policy.should_save_live(self.settings, n_tokens) and (
+            self.tracker.last_saved != n_tokens
+        )
+
+    # ---------------------------------------------------------------- save / load
+
+    def save_live(self, session, reason: str, tool_memory=None, tool_ids: Iterable[str] = ()):
+        """Snapshot the live session to disk now (on the inference thread).
+
+        Args:
+            session: the live ``Session``.
+            reason: ``cold``, ``continued``, ``evict`` or ``shutdown``.
+            tool_memory: the ``ToolMemory`` to take entries from, or None.
+            tool_ids: ids whose DSML may be inside the live text; the store keeps those
+                whose DSML really occurs in it.
+        Returns:
+            The written ``Entry``, or None when nothing was written (empty or
+            mid-character text, over budget, disk error — logged).
+        """
+        n = len(session.tokens)
+        if n == 0 or session.logits is None:
+            return None
+        text = session.text
+        if not text or text.endswith("\ufffd"):
+            log.info("kv cache: not saving tokens=%d reason=%s: text ends mid-character", n, reason)
+            return None
+        tools: dict[str, str] = {}
+        if tool_memory is not None:
+            for tid in tool_ids:
+                dsml = tool_memory.get(tid)
+                if dsml is not None:
+                    tools[tid] = dsml
+        t0 = time.perf_counter()
+        try:
+            state = session.snapshot()
+            entry = self.store.save(
+                text=text,
+                tokens=state.tokens,
+                arrays=state.arrays,
+                reason=reason,
+                meta=state.meta,
+                tool_memory=tools,
+            )
+        except Exception:  # a full disk or a bad directory must not fail the request
+            log.exception("kv cache: save failed tokens=%d reason=%s", n, reason)
+            return None
+        if entry is not None:
+            self.tracker.saved(n)
+            log.debug(
+                "kv cache: %s save of %d tokens in %.1f ms",
+                reason,
+                n,
+                (time.perf_counter() - t0) * 1e3,
+            )
+        return entry
+
+    def lookup(self, rendered_text: str) -> Loaded | None:
+        """The verified snapshot with the longest text that is a prefix of
+        ``rendered_text`` (same model identity and context size), or None.
+
+        Corrupt or foreign files are skipped (and reported by the store), never loaded.
+        """
+        try:
+            return self.store.lookup_and_load(rendered_text)
+        except Exception:
+            log.exception("kv cache: lookup failed")
+            return None
+
+    def reload_tool_memory(self, tool_memory) -> int:
+        """Load the tool-memory entries of every usable snapshot into ``tool_memory``,
+        oldest snapshot first (so the newest entries are the most recently used).
+
+        Returns the number of entries loaded. Unreadable files are skipped.
+        """
+        from safetensors import safe_open
+
+        n = 0
+        for e in sorted(self.store.entries(), key=lambda e: e.created):
+            if not e.tool_count:
+                continue
+            try:
+                with safe_open(str(e.path), framework="numpy") as f:
+                    raw = f.get_tensor(TOOLS_KEY).tobytes()
+                tools = json.loads(raw.decode("utf-8", "surrogatepass"))
+            except Exception as exc:  # vanished or corrupt: the store reports it on load
+                log.debug("kv cache: tool map of %s unreadable: %s", e.path, exc)
+                continue
+            if isinstance(tools, dict):
+                pairs = [(k, v) for k, v in tools.items() if isinstance(v, str)]
+                tool_memory.load(pairs)
+                n += len(pairs)
+        return n

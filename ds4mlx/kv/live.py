@@ -1,0 +1,209 @@
+"""Live-continuation bindings: what the live state just sampled, selected by ids or text.
+
+DESIGN.md §3: the sampled state is the truth. After a turn, the worker remembers how a
+following request may refer to that state without re-rendering it:
+
+- `ToolBinding` — the tool-call ids the turn sampled (all of them, in call order) and
+  the live token count right after the turn. A request whose trailing tool results
+  carry exactly that id set continues the live state: only the suffix
+  ``<｜end▁of▁sentence｜><｜User｜><tool_result>…</tool_result>…<｜Assistant｜>`` +
+  ``<think>``/``</think>`` is tokenized (on its own) and prefilled
+  (`tool_results_suffix`). Anthropic ``tool_use_id``, OpenAI chat ``tool_call_id`` and
+  Responses ``call_id`` all arrive as ``tool`` messages of the neutral conversation.
+- `ThinkingBinding` — the *visible key* of a thinking-mode turn
+  (``ds4mlx.dsml.thinking_visible_key``): the next prompt renders that turn without its
+  reasoning, so a prompt starting with the key keeps the live tokens, real reasoning
+  included, and only the bytes after the key are tokenized.
+
+`LiveBindings` holds at most one of each. It is written by the inference thread and
+read by routes on the event loop (`bound_tool_ids`, for the unknown-id check before a
+job is queued); bindings are immutable and replaced whole, so a reader sees either
+the old or the new one.
+
+Stdlib and ``ds4mlx.dsml`` only: no MLX, no tokenizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ds4mlx.dsml import Conversation, Message, ToolCall, render_tool_results_suffix
+from ds4mlx.dsml.tokens import EOS
+
+__all__ = [
+    "LiveBindings",
+    "ThinkingBinding",
+    "ToolBinding",
+    "tool_results_suffix",
+    "thinking_suffix",
+    "trailing_tool_ids",
+    "unexplained_tool_ids",
+    "unknown_id_message",
+    "ID_FIELD",
+]
+
+# What each protocol calls a tool-result id (for error messages and log lines).
+ID_FIELD = {"anthropic": "tool_use_id", "chat": "tool_call_id", "responses": "call_id"}
+_HISTORY = {"anthropic": "messages", "chat": "messages", "responses": "input"}
+
+
+@dataclass(frozen=True)
+class ToolBinding:
+    """The tool calls the live state just sampled.
+
+    Attributes:
+        ids: the call ids in sampled order (tuple of str, non-empty).
+        n_tokens: live token count right after the turn (int tokens); the binding is
+            valid only while the session still holds exactly that many.
+        protocol: protocol of the request that sampled them (``anthropic``, ``chat``,
+            ``responses``), for logging.
+    """
+
+    ids: tuple[str, ...]
+    n_tokens: int
+    protocol: str = ""
+
+
+@dataclass(frozen=True)
+class ThinkingBinding:
+    """The visible key of the turn the live state just sampled (thinking mode).
+
+    Attributes:
+        key: the rendered prompt of that turn without its trailing ``<think>``, then
+            ``</think>`` + content + tool calls + ``<｜end▁of▁sentence｜>`` (str).
+        n_tokens: live token count right after the turn (the EOS was sampled, not fed).
+    """
+
+    key: str
+    n_tokens: int
+
+
+class LiveBindings:
+    """The current bindings of the one live session (at most one of each kind).
+
+    Written only on the inference thread; `bound_tool_ids` may be read from any thread.
+    """
+
+    def __init__(self) -> None:
+        self.tool: ToolBinding | None = None
+        self.thinking: ThinkingBinding | None = None
+
+    def clear(self) -> None:
+        """Forget both bindings (a request that does not use them clears them)."""
+        self.tool = None
+        self.thinking = None
+
+    def bound_tool_ids(self) -> frozenset[str]:
+        """Ids of the live tool binding, or an empty set (thread-safe read)."""
+        b = self.tool
+        return frozenset(b.ids) if b is not None else frozenset()
+
+
+# --------------------------------------------------------------------------- matching
+
+
+def _trailing_start(conv: Conversation) -> int:
+    """Index of the first message after the last assistant turn.
+
+    Without any assistant turn (a client that does not replay the call), the trailing
+    part starts at the first tool result of the final run of tool/user messages.
+    """
+    msgs = conv.messages
+    for i in range(len(msgs) - 1, -1, -1):
+        if msgs[i].role == "assistant":
+            return i + 1
+    start = len(msgs)
+    for i in range(len(msgs) - 1, -1, -1):
+        if msgs[i].role not in ("tool", "user"):
+            break
+        if msgs[i].role == "tool":
+            start = i
+    return start
+
+
+def trailing_tool_ids(conv: Conversation) -> list[str]:
+    """Ids of the tool results after the last assistant turn, in request order."""
+    return [
+        m.tool_call_id or "" for m in conv.messages[_trailing_start(conv) :] if m.role == "tool"
+    ]
+
+
+def tool_results_suffix(
+    conv: Conversation, binding: ToolBinding, *, context_size: int | None = None
+) -> str | None:
+    """The text to append to the live state if ``conv`` answers ``binding``'s calls.
+
+    Matches when the tool results after the last assistant turn carry exactly the bound
+    id set (each once; a partial set does not match) and, when the request replays that
+    assistant turn, its calls are those same ids. Returns
+    ``<｜end▁of▁sentence｜><｜User｜><tool_result>…</tool_result>…<｜Assistant｜><think>``
+    (or ``</think>``): the trailing turns rendered exactly as `render_prompt` would
+    render them after the sampled turn, results ordered by the *sampled* call order.
+    The assistant turn itself is never re-rendered (its bytes are the live tokens).
+    Returns None when ``conv`` does not match.
+    """
+    start = _trailing_start(conv)
+    trailing = conv.messages[start:]
+    ids = [m.tool_call_id or "" for m in trailing if m.role == "tool"]
+    if not ids or len(set(ids)) != len(ids) or set(ids) != set(binding.ids):
+        return None
+    if start > 0 and conv.messages[start - 1].role == "assistant":
+        replayed = {c.id for c in conv.messages[start - 1].tool_calls}
+        if replayed != set(binding.ids):
+            return None
+    if any(m.role not in ("tool", "user") for m in trailing):
+        return None
+    # A stand-in for the sampled turn: only its call order matters (results are sorted
+    # by it); its own text is not part of the suffix.
+    sampled = Message(
+        role="assistant", tool_calls=[ToolCall(id=i, name="", arguments={}) for i in binding.ids]
+    )
+    synth = Conversation(
+        messages=[sampled, *trailing],
+        tools=conv.tools,
+        thinking=conv.thinking,
+        reasoning_effort=conv.reasoning_effort,
+    )
+    try:
+        return render_tool_results_suffix(synth, context_size=context_size)
+    except ValueError:
+        return None
+
+
+def thinking_suffix(rendered_prompt: str, binding: ThinkingBinding) -> str | None:
+    """The text after the live state if ``rendered_prompt`` starts with the visible key.
+
+    The key ends with ``<｜end▁of▁sentence｜>``, which the live state sampled but never
+    fed, so the returned suffix starts with it. None when the prompt does not start
+    with the key.
+    """
+    if not rendered_prompt.startswith(binding.key):
+        return None
+    return rendered_prompt[len(binding.key) - len(EOS) :]
+
+
+def unexplained_tool_ids(conv: Conversation, bound: frozenset[str] = frozenset()) -> list[str]:
+    """Tool-result ids that neither a replayed assistant call nor ``bound`` explains.
+
+    A result is accepted when some assistant turn of ``conv`` made the call (then it is
+    rendered, with exact DSML from tool memory when known) or when its id is in the live
+    binding ``bound``. Returns the offending ids in request order (empty when fine).
+    """
+    called = {c.id for m in conv.messages if m.role == "assistant" for c in m.tool_calls}
+    out = []
+    for m in conv.messages:
+        if m.role == "tool":
+            tid = m.tool_call_id or ""
+            if tid not in called and tid not in bound and tid not in out:
+                out.append(tid)
+    return out
+
+
+def unknown_id_message(protocol: str, tool_id: str) -> str:
+    """The HTTP 400 text for a tool result nothing explains (DESIGN.md §3).
+
+    E.g. ``unknown tool_use_id toolu_…; replay the full messages history``.
+    """
+    field = ID_FIELD.get(protocol, "tool_call_id")
+    history = _HISTORY.get(protocol, "messages")
+    return f"unknown {field} {tool_id}; replay the full {history} history"
