@@ -1,0 +1,235 @@
+"""Unit tests of the live-continuation pieces (no server): id matching, the suffix
+text, the unknown-id rule, the planner's matching order on a real tiny engine, and
+checkpointed prefill. The end-to-end behaviour is in test_continuation_live.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from ds4mlx.dsml import Conversation, Message, ToolCall, ToolSpec, render_prompt
+from ds4mlx.dsml.tokens import ASSISTANT, EOS, USER
+from ds4mlx.kv.live import (
+    ThinkingBinding,
+    ToolBinding,
+    thinking_suffix,
+    tool_results_suffix,
+    trailing_tool_ids,
+    unexplained_tool_ids,
+    unknown_id_message,
+)
+
+TOOLS = [ToolSpec("read", "Read", {"type": "object", "properties": {"p": {"type": "string"}}})]
+
+
+def _conv(*msgs, thinking=True):
+    return Conversation(messages=list(msgs), tools=TOOLS, thinking=thinking)
+
+
+def _calls(*ids):
+    return [ToolCall(i, "read", {"p": i}) for i in ids]
+
+
+def test_suffix_for_exactly_the_bound_ids_in_sampled_order():
+    b = ToolBinding(("t1", "t2"), 100, "anthropic")
+    conv = _conv(
+        Message("user", "go"),
+        Message("assistant", tool_calls=_calls("t1", "t2")),
+        Message("tool", "R2", tool_call_id="t2"),
+        Message("tool", "R1", tool_call_id="t1"),
+        Message("user", "and hurry"),
+    )
+    s = tool_results_suffix(conv, b)
+    assert s == (
+        f"{EOS}{USER}<tool_result>R1</tool_result>\n\n<tool_result>R2</tool_result>"
+        f"\n\nand hurry{ASSISTANT}<think>"
+    )
+    # The same as the tail of the full render (the live text ends before that EOS).
+    assert render_prompt(conv).endswith(s)
+    chat = _conv(*conv.messages, thinking=False)
+    assert tool_results_suffix(chat, b).endswith(f"{ASSISTANT}</think>")
+
+
+def test_partial_extra_duplicate_or_foreign_ids_do_not_match():
+    b = ToolBinding(("t1", "t2"), 100)
+    head = [Message("user", "go"), Message("assistant", tool_calls=_calls("t1", "t2"))]
+    partial = _conv(*head, Message("tool", "R1", tool_call_id="t1"))
+    extra = _conv(
+        *head,
+        Message("tool", "R1", tool_call_id="t1"),
+        Message("tool", "R2", tool_call_id="t2"),
+        Message("tool", "R3", tool_call_id="t3"),
+    )
+    dup = _conv(
+        *head,
+        Message("tool", "R1", tool_call_id="t1"),
+        Message("tool", "R1", tool_call_id="t1"),
+        Message("tool", "R2", tool_call_id="t2"),
+    )
+    other_turn = _conv(
+        Message("user", "go"),
+        Message("assistant", tool_calls=_calls("t1", "t9")),
+        Message("tool", "R1", tool_call_id="t1"),
+        Message("tool", "R2", tool_call_id="t2"),
+    )
+    for conv in (partial, extra, dup, other_turn):
+        assert tool_results_suffix(conv, b) is None
+    no_results = _conv(*head, Message("user", "what?"))
+    assert tool_results_suffix(no_results, b) is None
+
+
+def test_client_that_does_not_replay_the_call_still_matches():
+    b = ToolBinding(("t1",), 10)
+    conv = _conv(Message("user", "go"), Message("tool", "R", tool_call_id="t1"))
+    assert trailing_tool_ids(conv) == ["t1"]
+    assert tool_results_suffix(conv, b) == (
+        f"{EOS}{USER}<tool_result>R</tool_result>{ASSISTANT}<think>"
+    )
+    # ...but the id must be live or replayed, else it is unexplained.
+    assert unexplained_tool_ids(conv) == ["t1"]
+    assert unexplained_tool_ids(conv, frozenset({"t1"})) == []
+
+
+def test_unexplained_ids_and_messages():
+    conv = _conv(
+        Message("user", "go"),
+        Message("assistant", tool_calls=_calls("a")),
+        Message("tool", "1", tool_call_id="a"),
+        Message("tool", "2", tool_call_id="b"),
+        Message("tool", "3", tool_call_id="b"),
+    )
+    assert unexplained_tool_ids(conv) == ["b"]
+    assert unknown_id_message("anthropic", "toolu_x") == (
+        "unknown tool_use_id toolu_x; replay the full messages history"
+    )
+    assert unknown_id_message("chat", "call_x") == (
+        "unknown tool_call_id call_x; replay the full messages history"
+    )
+    assert unknown_id_message("responses", "call_y") == (
+        "unknown call_id call_y; replay the full input history"
+    )
+
+
+def test_thinking_suffix_starts_at_the_unfed_eos():
+    key = f"<bos>{USER}q{ASSISTANT}</think>answer{EOS}"
+    b = ThinkingBinding(key, 42)
+    prompt = key + f"{USER}q2{ASSISTANT}<think>"
+    assert thinking_suffix(prompt, b) == f"{EOS}{USER}q2{ASSISTANT}<think>"
+    assert thinking_suffix(prompt.replace("answer", "answer!"), b) is None
+
+
+# --------------------------------------------------------------------------- planner
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from ds4mlx.blas import needs_reexec
+    from ds4mlx.engine import Engine
+    from ds4mlx.model.tiny import make_tiny
+
+    assert not needs_reexec()  # conftest re-executes pytest with OpenBLAS
+    d = tmp_path_factory.mktemp("tiny_units")
+    make_tiny(d, expert_bits=None, other_bits=None)
+    return Engine.load(d, ctx_size=4096)
+
+
+def _job(engine, conv, protocol="anthropic", text=None):
+    text = text if text is not None else render_prompt(conv, context_size=engine.ctx_size)
+    req = SimpleNamespace(
+        prompt_tokens=engine.tokenizer.encode(text),
+        prompt_text=text,
+        conversation=conv,
+        protocol=protocol,
+        parse=True,
+        thinking=conv.thinking,
+    )
+    return SimpleNamespace(request=req)
+
+
+def _run(engine, planner, job, sampled: str | None = None, calls=()):
+    """Plan + prefill like the worker; then feed ``sampled`` as if generated."""
+    from ds4mlx.server import JobDone, ToolCallDone
+
+    s = engine.session
+    plan = planner.plan(s, engine.tokenizer, job.request.prompt_text, job)
+    if plan.keep == 0 and s.tokens:
+        s.reset()
+    plan.run_prefill(s)
+    if sampled is not None:
+        for t in engine.tokenizer.encode(sampled):
+            s.decode(t)
+    done = JobDone(
+        "stop",
+        None,
+        plan.prompt_tokens,
+        plan.cached,
+        0,
+        tool_calls=[ToolCallDone(c.id, c.name, c.arguments, None) for c in calls],
+        text="",
+    )
+    planner.after_generation(s, engine.tokenizer, job, done)
+    return plan
+
+
+def test_planner_order_live_then_prefix_then_cold(engine):
+    from ds4mlx.dsml import ToolMemory
+    from ds4mlx.kv.plan import Planner, PlanRejected
+
+    engine.session.reset()
+    planner = Planner(engine, ToolMemory())
+    user = Message("user", "go")
+    conv1 = _conv(Message("system", "sys " * 50), user)
+    calls = _calls("toolu_1", "toolu_2")
+    dsml = "\n\n<｜DSML｜tool_calls>\n" + "\n".join(
+        f'<｜DSML｜invoke name="read">\n<｜DSML｜parameter name="p" string="true">{c.id}'
+        "</｜DSML｜parameter>\n</｜DSML｜invoke>"
+        for c in calls
+    )
+    dsml += "\n</｜DSML｜tool_calls>"
+    p = _run(engine, planner, _job(engine, conv1), "hmm</think>" + dsml, calls)
+    assert p.decision == "cold"
+    live = len(engine.session.tokens)
+    assert planner.bound_tool_ids() == {"toolu_1", "toolu_2"}
+
+    # A request with an unexplained id is rejected and keeps the binding.
+    bad = _conv(Message("system", "sys " * 50), user, Message("tool", "x", tool_call_id="nope"))
+    with pytest.raises(PlanRejected, match="unknown tool_use_id nope"):
+        planner.plan(engine.session, engine.tokenizer, None, _job(engine, bad))
+    assert planner.bound_tool_ids() == {"toolu_1", "toolu_2"}
+
+    conv2 = _conv(
+        *conv1.messages,
+        Message("assistant", reasoning="hmm", tool_calls=calls),
+        Message("tool", "A", tool_call_id="toolu_1"),
+        Message("tool", "B", tool_call_id="toolu_2"),
+    )
+    p = _run(engine, planner, _job(engine, conv2))
+    assert (p.decision, p.cached) == ("live-anthropic", live)
+    suffix = (
+        f"{EOS}{USER}<tool_result>A</tool_result>\n\n<tool_result>B</tool_result>{ASSISTANT}<think>"
+    )
+    assert p.suffix_tokens == engine.tokenizer.encode(suffix)
+    assert p.detail == "match=tool-use-ids ids=2"
+    # The binding was used up: the same request again is no live match.
+    assert planner.bound_tool_ids() == frozenset()
+    p = planner.plan(engine.session, engine.tokenizer, None, _job(engine, conv2, text=None))
+    assert not p.decision.startswith("live-")
+
+
+def test_checkpointed_prefill_pauses_at_each_point(engine):
+    from ds4mlx.kv.plan import Plan
+
+    s = engine.session
+    s.reset()
+    toks = engine.tokenizer.encode("word " * 1500)[:1200]
+    seen = []
+    plan = Plan(keep=0, suffix_tokens=toks, decision="cold", cached=0)
+    plan.checkpoints = [100, 700, 1200]
+    plan.on_checkpoint = lambda sess, n: seen.append((n, len(sess.tokens)))
+    progress = []
+    fed = plan.run_prefill(s, progress=lambda d, t: progress.append(d))
+    assert fed == 1200 and len(s.tokens) == 1200
+    assert seen == [(100, 100), (700, 700), (1200, 1200)]
+    # Chunks end at absolute multiples of 512 and at the checkpoints.
+    assert progress == [0, 100, 512, 700, 1024, 1200]
