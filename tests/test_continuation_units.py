@@ -89,6 +89,8 @@ def test_client_that_does_not_replay_the_call_still_matches():
     # ...but the id must be live or replayed, else it is unexplained.
     assert unexplained_tool_ids(conv) == ["t1"]
     assert unexplained_tool_ids(conv, frozenset({"t1"})) == []
+    # A partial answer to the live calls cannot continue live: rejected up front.
+    assert unexplained_tool_ids(conv, frozenset({"t1", "t2"})) == ["t1"]
 
 
 def test_unexplained_ids_and_messages():

@@ -183,20 +183,26 @@ def thinking_suffix(rendered_prompt: str, binding: ThinkingBinding) -> str | Non
 
 
 def unexplained_tool_ids(conv: Conversation, bound: frozenset[str] = frozenset()) -> list[str]:
-    """Tool-result ids that neither a replayed assistant call nor ``bound`` explains.
+    """Tool-result ids that neither a replayed assistant call nor the live binding explains.
 
     A result is accepted when some assistant turn of ``conv`` made the call (then it is
-    rendered, with exact DSML from tool memory when known) or when its id is in the live
-    binding ``bound``. Returns the offending ids in request order (empty when fine).
+    rendered, with exact DSML from tool memory when known). Results whose calls are not
+    replayed are accepted only as a live continuation: the trailing results answer
+    exactly the bound ids ``bound`` (all of them; a partial set cannot continue live).
+    Returns the offending ids in request order (empty when fine).
     """
     called = {c.id for m in conv.messages if m.role == "assistant" for c in m.tool_calls}
-    out = []
+    missing: list[str] = []
     for m in conv.messages:
         if m.role == "tool":
             tid = m.tool_call_id or ""
-            if tid not in called and tid not in bound and tid not in out:
-                out.append(tid)
-    return out
+            if tid not in called and tid not in missing:
+                missing.append(tid)
+    if missing and bound and set(missing) <= bound:
+        trailing = trailing_tool_ids(conv)
+        if len(trailing) == len(bound) and set(trailing) == bound:
+            return []
+    return missing
 
 
 def unknown_id_message(protocol: str, tool_id: str) -> str:

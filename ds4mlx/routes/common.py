@@ -356,9 +356,9 @@ def check_tool_results(conv, protocol: str) -> None:
     """Reject tool results whose ids nothing explains, before the job is queued.
 
     A tool result must answer a call the request replays (an assistant turn with that
-    id) or one of the calls the live state just sampled (DESIGN.md §3). The worker
-    checks again when the job runs (the live state may change while it waits) and then
-    fails it with the same 400.
+    id), or the trailing results must answer exactly the calls the live state just
+    sampled (DESIGN.md §3). The worker checks again when the job runs (the live state
+    may change while it waits) and then fails it with the same 400.
 
     Args:
         conv: the request's ``Conversation``.
