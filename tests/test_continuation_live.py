@@ -451,3 +451,17 @@ def test_openai_chat_tool_loop_by_tool_call_id(server):
             {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": call["id"], "content": f"content {turn}"},
         ]
+    # The final answer's reasoning is dropped too; with tools its slot renders empty
+    # (``<think></think>All done.``) and still selects the live turn.
+    msgs = msgs + [
+        {"role": "assistant", "content": "All done."},
+        {"role": "user", "content": "Thanks."},
+    ]
+    script(server, "ok</think>Bye." + EOS)
+    r = post(
+        server,
+        "/v1/chat/completions",
+        {"model": "deepseek-v4-flash", "messages": msgs, "tools": [READ_OAI]},
+    )
+    assert server.trace.last()["decision"] == "live-thinking"
+    assert chat_usage(r)[1] == prev

@@ -8,7 +8,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from ds4mlx.dsml import Conversation, Message, ToolCall, ToolSpec, render_prompt
+from ds4mlx.dsml import (
+    Conversation,
+    Message,
+    ToolCall,
+    ToolSpec,
+    render_prompt,
+    thinking_visible_key,
+)
 from ds4mlx.dsml.tokens import ASSISTANT, EOS, USER
 from ds4mlx.kv.live import (
     ThinkingBinding,
@@ -18,6 +25,7 @@ from ds4mlx.kv.live import (
     trailing_tool_ids,
     unexplained_tool_ids,
     unknown_id_message,
+    visible_keys,
 )
 
 TOOLS = [ToolSpec("read", "Read", {"type": "object", "properties": {"p": {"type": "string"}}})]
@@ -115,10 +123,27 @@ def test_unexplained_ids_and_messages():
 
 def test_thinking_suffix_starts_at_the_unfed_eos():
     key = f"<bos>{USER}q{ASSISTANT}</think>answer{EOS}"
-    b = ThinkingBinding(key, 42)
+    b = ThinkingBinding((key,), 42)
     prompt = key + f"{USER}q2{ASSISTANT}<think>"
     assert thinking_suffix(prompt, b) == f"{EOS}{USER}q2{ASSISTANT}<think>"
     assert thinking_suffix(prompt.replace("answer", "answer!"), b) is None
+
+
+def test_visible_keys_match_both_ways_of_dropping_reasoning():
+    """No tools: the format drops old reasoning. Tools: it keeps the slot, and a client
+    that does not send the reasoning back renders it empty. Both select the live turn."""
+    turn = Message("assistant", reasoning="secret", content="Hi.")
+    for tools in ([], TOOLS):
+        first = Conversation([Message("user", "q")], tools=tools)
+        prompt = render_prompt(first)
+        keys = visible_keys(prompt, "Hi.", "")
+        assert keys[0] == thinking_visible_key(prompt, turn)
+        dropped = Message("assistant", content="Hi.")  # the client sent no reasoning
+        nxt = render_prompt(
+            Conversation([*first.messages, dropped, Message("user", "q2")], tools=tools)
+        )
+        rest = thinking_suffix(nxt, ThinkingBinding(keys, 1))
+        assert rest == f"{EOS}{USER}q2{ASSISTANT}<think>", tools
 
 
 # --------------------------------------------------------------------------- planner

@@ -10,10 +10,14 @@ following request may refer to that state without re-rendering it:
   ``<think>``/``</think>`` is tokenized (on its own) and prefilled
   (`tool_results_suffix`). Anthropic ``tool_use_id``, OpenAI chat ``tool_call_id`` and
   Responses ``call_id`` all arrive as ``tool`` messages of the neutral conversation.
-- `ThinkingBinding` — the *visible key* of a thinking-mode turn
+- `ThinkingBinding` — the *visible keys* of a thinking-mode turn
   (``ds4mlx.dsml.thinking_visible_key``): the next prompt renders that turn without its
-  reasoning, so a prompt starting with the key keeps the live tokens, real reasoning
-  included, and only the bytes after the key are tokenized.
+  reasoning, so a prompt starting with a key keeps the live tokens, real reasoning
+  included, and only the bytes after the key are tokenized. Two renderings qualify:
+  reasoning dropped by the format (no tools: ``…<｜Assistant｜></think>content``) and
+  reasoning dropped by the client while tools keep the slot
+  (``…<｜Assistant｜><think></think>content``, an OpenAI client that does not send
+  ``reasoning_content`` back).
 
 `LiveBindings` holds at most one of each. It is written by the inference thread and
 read by routes on the event loop (`bound_tool_ids`, for the unknown-id check before a
@@ -36,6 +40,7 @@ __all__ = [
     "ToolBinding",
     "tool_results_suffix",
     "thinking_suffix",
+    "visible_keys",
     "trailing_tool_ids",
     "unexplained_tool_ids",
     "unknown_id_message",
@@ -66,15 +71,16 @@ class ToolBinding:
 
 @dataclass(frozen=True)
 class ThinkingBinding:
-    """The visible key of the turn the live state just sampled (thinking mode).
+    """The visible keys of the turn the live state just sampled (thinking mode).
 
     Attributes:
-        key: the rendered prompt of that turn without its trailing ``<think>``, then
-            ``</think>`` + content + tool calls + ``<｜end▁of▁sentence｜>`` (str).
+        keys: renderings of the turn's prompt + the turn with its reasoning left out,
+            each ending ``</think>`` + content + tool calls + ``<｜end▁of▁sentence｜>``
+            (tuple of str; see `visible_keys`).
         n_tokens: live token count right after the turn (the EOS was sampled, not fed).
     """
 
-    key: str
+    keys: tuple[str, ...]
     n_tokens: int
 
 
@@ -170,16 +176,33 @@ def tool_results_suffix(
         return None
 
 
-def thinking_suffix(rendered_prompt: str, binding: ThinkingBinding) -> str | None:
-    """The text after the live state if ``rendered_prompt`` starts with the visible key.
+def visible_keys(prompt: str, content: str, tool_calls_text: str) -> tuple[str, ...]:
+    """The texts a following request renders for a thinking turn without its reasoning.
 
-    The key ends with ``<｜end▁of▁sentence｜>``, which the live state sampled but never
-    fed, so the returned suffix starts with it. None when the prompt does not start
-    with the key.
+    ``prompt`` is the turn's rendered prompt (ending ``<think>``); ``tool_calls_text``
+    the turn's DSML tool calls (``render_tool_calls``, "" without calls). Returns, in
+    order: the format's drop (``prompt`` without ``<think>`` + ``</think>`` + content +
+    calls + EOS, i.e. ``thinking_visible_key``) and the client's drop (``prompt`` +
+    ``</think>`` + content + calls + EOS: empty reasoning in a kept slot).
     """
-    if not rendered_prompt.startswith(binding.key):
-        return None
-    return rendered_prompt[len(binding.key) - len(EOS) :]
+    from ds4mlx.dsml.tokens import THINK_END, THINK_START
+
+    tail = THINK_END + content + tool_calls_text + EOS
+    if not prompt.endswith(THINK_START):
+        return ()
+    return (prompt[: -len(THINK_START)] + tail, prompt + tail)
+
+
+def thinking_suffix(rendered_prompt: str, binding: ThinkingBinding) -> str | None:
+    """The text after the live state if ``rendered_prompt`` starts with a visible key.
+
+    Keys end with ``<｜end▁of▁sentence｜>``, which the live state sampled but never fed,
+    so the returned suffix starts with it. None when the prompt starts with no key.
+    """
+    for key in binding.keys:
+        if rendered_prompt.startswith(key):
+            return rendered_prompt[len(key) - len(EOS) :]
+    return None
 
 
 def unexplained_tool_ids(conv: Conversation, bound: frozenset[str] = frozenset()) -> list[str]:

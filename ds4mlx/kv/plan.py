@@ -52,6 +52,7 @@ from ds4mlx.kv.live import (
     tool_results_suffix,
     unexplained_tool_ids,
     unknown_id_message,
+    visible_keys,
 )
 
 log = logging.getLogger("ds4mlx.kv")
@@ -441,7 +442,7 @@ class Planner:
         (`ThinkingBinding`). Any other ending (max tokens, stop sequence, cancel) leaves
         no binding: the live state then holds tokens the client never saw as a turn.
         """
-        from ds4mlx.dsml import Message, ToolCall, thinking_visible_key
+        from ds4mlx.dsml import ToolCall, render_tool_calls
         from ds4mlx.dsml.tokens import THINK_START
 
         req = job.request
@@ -457,9 +458,10 @@ class Planner:
             self.bindings.tool = ToolBinding(tuple(c.id for c in calls), n, req.protocol)
         prompt = req.prompt_text
         if req.thinking and prompt and prompt.endswith(THINK_START):
-            turn = Message(role="assistant", content=getattr(outcome, "text", ""), tool_calls=calls)
-            key = thinking_visible_key(prompt, turn, tool_memory=self.tool_memory)
-            self.bindings.thinking = ThinkingBinding(key, n)
+            keys = visible_keys(
+                prompt, getattr(outcome, "text", ""), render_tool_calls(calls, self.tool_memory)
+            )
+            self.bindings.thinking = ThinkingBinding(keys, n)
 
     def after_token(self, session) -> None:
         """Called after each generated token is fed: a ``continued`` save when the live
