@@ -18,7 +18,7 @@ from model_fixtures import REF_CONFIG, build_reference, official_state, prompt_t
 from ds4mlx.model.config import ModelArgs  # noqa: E402
 from ds4mlx.model.loading import LoadError, load_model, official_name  # noqa: E402
 
-PROMPT = 160  # crosses the window (16), CSA blocks (4) and HCA blocks (32)
+PROMPT = 300  # crosses the window (16), CSA blocks (4) and two HCA blocks (128)
 ATOL = 2e-4
 
 
@@ -70,7 +70,7 @@ def test_every_layout_gives_oracle_logits(ref_dirs, layout):
     ours = np.array(model(mx.array(ref_dirs["tokens"][None]))[0])
     err = np.abs(ours - ref_dirs["logits"]).max()
     assert err < ATOL, f"{layout}: max abs diff {err:.2e}"
-    assert args.compress_ratios == (0, 4, 32, 4, 32)
+    assert args.compress_ratios == (0, 4, 128, 4, 128)
     assert args.hash_layers == (True, True, False, False, False)
 
 
@@ -186,7 +186,7 @@ def test_transformers_config_and_round_trip():
 
     cfg = DeepseekV4Config(**REF_CONFIG).to_dict()
     a = ModelArgs.from_dict(cfg)
-    assert a.compress_ratios == (0, 4, 32, 4, 32) and a.csa_ratio == 4
+    assert a.compress_ratios == (0, 4, 128, 4, 128) and a.csa_ratio == 4
     assert a.rope_head_dim == 8 and a.original_seq_len == 65536 and a.rope_factor == 16
     assert a.rope_theta == 10000 and a.compress_rope_theta == 160000
     b = ModelArgs.from_dict(json.loads(json.dumps(a.to_dict())))
@@ -198,7 +198,7 @@ def test_transformers_config_and_round_trip():
         num_hash_layers=2,
     ).to_dict()
     c = ModelArgs.from_dict(legacy)
-    assert c.compress_ratios == (0, 4, 32, 4, 32)  # compress_rates override the HCA rate
+    assert c.compress_ratios == (0, 4, 128, 4, 128)
     assert c.hash_layers == (True, True, False, False, False)
 
 

@@ -21,7 +21,7 @@ PROMPT_LEN = 600
 GEN_LEN = 32
 ATOL = 2e-4
 # Seed chosen so no indexer score ties within 2e-5 at the top-k cut (float error is ~1e-7).
-SEED = 3
+SEED = 4
 MIN_INDEX_GAP = 2e-5
 
 
