@@ -68,7 +68,7 @@ class ServerConfig:
         keepalive_s: seconds between SSE keepalives while a stream has nothing to send.
         max_body_bytes: larger request bodies get 413.
         host, port: where Hypercorn binds.
-        reasoning_key: HMAC key of the reasoning carrier (Responses ``encrypted_content``,
+        reasoning_key: key of the reasoning carrier (AES-GCM) (Responses ``encrypted_content``,
             Anthropic thinking ``signature``); None derives one (see
             ``ds4mlx.routes.common.load_reasoning_key``).
         kv: ``ds4mlx.kv.policy.KVCacheSettings`` (``--kv-disk-dir``, ``--kv-cache-*``);
@@ -147,6 +147,21 @@ class RawText:
 
 
 @dataclass
+class TokenLogprob:
+    """Chat ``logprobs``: one token sampled in the visible reply (not in thinking).
+
+    ``token``: its text (U+FFFD for part of a UTF-8 character); ``bytes``: its raw
+    bytes; ``top``: the ``top_logprobs`` most likely tokens as ``(text, logprob, bytes)``.
+    Emitted just before the events of the text that token completes.
+    """
+
+    token: str
+    logprob: float
+    bytes: bytes
+    top: list[tuple[str, float, bytes]] = field(default_factory=list)
+
+
+@dataclass
 class ToolCallDone:
     """A complete tool call the model sampled (id, name, JSON arguments, exact DSML)."""
 
@@ -218,6 +233,13 @@ class GenRequest:
         logprobs: top-N logprobs per token for completions, or None.
         conversation: the ``Conversation`` (for the prefill planner; issue 5), or None.
         protocol: ``"anthropic"``, ``"chat"``, ``"responses"``, ``"completions"``.
+        tool_required: the client forced a tool call (``tool_choice`` required / any /
+            a named tool): the worker opens the DSML tool-call block itself as soon as
+            the visible reply starts.
+        tool_name: with ``tool_required``, the tool it must call (its name is forced
+            too), or None for any tool.
+        top_logprobs: chat ``logprobs``: None (off) or how many alternatives per token
+            (0..20); the worker attaches `TokenLogprob`s to the events it emits.
     """
 
     path: str
@@ -233,6 +255,9 @@ class GenRequest:
     logprobs: int | None = None
     conversation: Any = None
     protocol: str = "chat"
+    tool_required: bool = False
+    tool_name: str | None = None
+    top_logprobs: int | None = None
 
 
 @dataclass
@@ -648,6 +673,7 @@ class Worker:
         deterministic whatever the request's sampling).
         """
         from ds4mlx.dsml import StopMatcher, StreamDecoder, TextDelta, ThinkingDelta, ToolCallEnd
+        from ds4mlx.dsml.tokens import INVOKE_OPEN, TOOL_CALLS_OPEN, TOOL_CALLS_SEP
 
         req = job.request
         s, tok = self.session, self.tokenizer
@@ -672,9 +698,23 @@ class Worker:
         pending_lp: list[tuple[str, float, dict[str, float]]] = []
         pending_ids: list[int] = []
         visible: list[str] = []
+        chat_lp = _make_chat_logprobs(tok) if req.parse and req.top_logprobs is not None else None
         after_token = self.after_token
         t0 = time.monotonic()
         t_first = None
+        # Forced tool_choice: once the visible reply starts (now in chat mode, after
+        # </think> in thinking mode) the tool-call block's opening is fed as if sampled;
+        # it is part of the live state and of the sampled DSML, and the model continues
+        # from it (the tool name too, unless one was named).
+        forced: collections.deque[int] = collections.deque()
+        force_text = None
+        if req.parse and req.tool_required and req.tools:
+            force_text = f'{TOOL_CALLS_SEP}{TOOL_CALLS_OPEN}\n{INVOKE_OPEN} name="'
+            if req.tool_name:
+                force_text += f'{req.tool_name}">\n'
+            if not in_thinking:
+                forced.extend(tok.encode(force_text))
+                force_text = None
 
         def emit_text(text: str) -> None:
             visible.append(text)
@@ -715,7 +755,10 @@ class Worker:
             greedy = bool(decoder is not None and decoder.in_structure) or greedy_after_script
             if logprob_fn is not None:
                 lp = logprob_fn(s.logits, req.logprobs)
-            t = s.sample(req.sampling, greedy=greedy)
+            visible_token = not in_thinking
+            if chat_lp is not None and visible_token:
+                clp = chat_lp(s.logits, req.top_logprobs)
+            t = forced.popleft() if forced else s.sample(req.sampling, greedy=greedy)
             if t_first is None:
                 t_first = time.monotonic()
             n += 1
@@ -723,11 +766,16 @@ class Worker:
                 reasoning_tokens += 1
                 if t == think_end:
                     in_thinking = False
+                    if force_text is not None:
+                        forced.extend(tok.encode(force_text))
+                        force_text = None
             if t == eos:
                 finish = "stop"
                 break
             piece = detok.add(t)
             raw.append(piece)
+            if chat_lp is not None and visible_token:
+                job.emit(clp(t))
             if decoder is not None:
                 if out(decoder.feed(piece)):
                     finish, stop_seq = "stop_sequence", stopper.matched
@@ -802,6 +850,35 @@ def _make_logprobs(tokenizer):
 
         def g(token: int):
             return tokenizer.decode([token]), float(lps[token].item()), top
+
+        return g
+
+    return f
+
+
+def _make_chat_logprobs(tokenizer):
+    """Return ``f(logits, top_n) -> g(token) -> TokenLogprob`` (log-softmax of the
+    logits the session already holds; nothing is recomputed)."""
+    import mlx.core as mx
+
+    def f(logits, top_n: int):
+        lps = logits.astype(mx.float32)
+        lps = lps - mx.logsumexp(lps, keepdims=True)
+        top: list[tuple[str, float, bytes]] = []
+        if top_n > 0:
+            idx = mx.argpartition(-lps, top_n - 1)[:top_n]
+            vals = lps[idx]
+            mx.eval(idx, vals)
+            pairs = sorted(zip(idx.tolist(), vals.tolist(), strict=True), key=lambda p: -p[1])
+            top = [(tokenizer.decode([i]), float(v), tokenizer.token_bytes(i)) for i, v in pairs]
+
+        def g(token: int) -> TokenLogprob:
+            return TokenLogprob(
+                tokenizer.decode([token]),
+                float(lps[token].item()),
+                tokenizer.token_bytes(token),
+                top,
+            )
 
         return g
 

@@ -172,6 +172,116 @@ def test_stop_sequences(oai, server):
     assert r.choices[0].message.content == "alpha beta " and r.choices[0].finish_reason == "stop"
 
 
+def _after_invoke_name(name: str | None, **params) -> str:
+    """What the model samples after a forced tool-call opening (``invoke name="``)."""
+    full = tool_call_dsml(name or "get_weather", **params)
+    rest = full.split('<｜DSML｜invoke name="', 1)[1]
+    return rest if name is None else rest.split('">\n', 1)[1]
+
+
+def test_chat_tool_choice_required_forces_the_call_block(oai, server):
+    """tool_choice=required: the worker opens the DSML block; the model only continues
+    it (without the fix, the scripted continuation is plain text and no call comes back).
+    The forced bytes are in the live state: the tool result continues it."""
+    server.script(_after_invoke_name(None, city="Bern"), "Mild." + EOS)
+    msgs = [{"role": "user", "content": "Bern?"}]
+    kw = {"model": "deepseek-chat", "tools": [WEATHER_OAI], "max_tokens": 100}
+    r = oai.chat.completions.create(messages=msgs, tool_choice="required", **kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Bern"}
+    msgs += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "mild"},
+    ]
+    r2 = oai.chat.completions.create(messages=msgs, **kw)
+    assert r2.choices[0].message.content == "Mild."
+    assert r2.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens
+
+
+def test_messages_tool_choice_named_tool_after_thinking(ant, server):
+    """Anthropic {"type":"tool","name":…} in thinking mode: forced after </think>."""
+    server.script("Must call it.</think>" + _after_invoke_name("get_weather", city="Riga"))
+    m = ant.messages.create(
+        model=MODEL,
+        max_tokens=200,
+        messages=[{"role": "user", "content": "Riga?"}],
+        tools=[WEATHER_ANT],
+        tool_choice={"type": "tool", "name": "get_weather"},
+    )
+    assert [b.type for b in m.content] == ["thinking", "tool_use"], m.content
+    assert m.content[0].thinking == "Must call it."
+    assert m.content[1].input == {"city": "Riga"} and m.stop_reason == "tool_use"
+    server.script("</think>" + _after_invoke_name(None, city="Oslo"))
+    m = ant.messages.create(
+        model=MODEL,
+        max_tokens=200,
+        messages=[{"role": "user", "content": "Oslo?"}],
+        tools=[WEATHER_ANT],
+        tool_choice={"type": "any"},
+    )
+    assert [b.type for b in m.content] == ["tool_use"], m.content  # empty thinking: no block
+    assert m.content[0].input == {"city": "Oslo"}
+
+
+def test_responses_tool_choice_function_streams_the_forced_call(oai, server):
+    server.script("Hm.</think>" + _after_invoke_name("get_weather", city="Nice"))
+    tools = [
+        {
+            "type": "function",
+            "name": "get_weather",
+            "parameters": WEATHER_OAI["function"]["parameters"],
+        }
+    ]
+    events = list(
+        oai.responses.create(
+            model=MODEL,
+            input="Nice?",
+            tools=tools,
+            tool_choice={"type": "function", "name": "get_weather"},
+            stream=True,
+        )
+    )
+    done = events[-1].response
+    assert [o.type for o in done.output] == ["reasoning", "function_call"], done.output
+    assert json.loads(done.output[1].arguments) == {"city": "Nice"}
+
+
+def test_chat_logprobs_top_n_streaming_and_not(oai):
+    kw = {
+        "model": "deepseek-chat",
+        "messages": [{"role": "user", "content": "Count."}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    r = oai.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens - (r.choices[0].finish_reason == "stop")
+    for e in content:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        lps = [t.logprob for t in e.top_logprobs]
+        assert lps == sorted(lps, reverse=True)
+        assert e.token == e.top_logprobs[0].token  # greedy picks the most likely token
+        assert abs(e.logprob - lps[0]) < 1e-4 and bytes(e.bytes).decode("utf-8", "replace")
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    chunks = list(oai.chat.completions.create(**kw, stream=True))
+    streamed = [
+        e
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [
+        (e.token, round(e.logprob, 4)) for e in content
+    ]
+    r = oai.chat.completions.create(**{**kw, "logprobs": False})
+    assert r.choices[0].logprobs is None
+
+
 # --------------------------------------------------------------------------- OpenAI completions
 
 

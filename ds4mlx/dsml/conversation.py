@@ -77,9 +77,15 @@ class Conversation:
     ``thinking`` selects thinking mode (``<think>`` opens the reply) versus chat mode
     (``</think>``). ``reasoning_effort`` is ``"max"``, ``"high"`` or None; "max"
     adds DeepSeek's Think-Max preamble when the context is large enough.
+
+    ``tool_required`` / ``tool_name``: the client's forced ``tool_choice`` (any tool /
+    that tool). It does not change the rendered prompt; the generation loop opens the
+    tool-call block itself once the visible reply starts.
     """
 
     messages: list[Message] = field(default_factory=list)
     tools: list[ToolSpec] = field(default_factory=list)
     thinking: bool = True
     reasoning_effort: str | None = None
+    tool_required: bool = False
+    tool_name: str | None = None

@@ -59,6 +59,80 @@ class WireError(ValueError):
 
 
 # ---------------------------------------------------------------------------
+# tool_choice
+
+
+def _forced_tool(choice: Any, protocol: str, tools: list[ToolSpec]) -> tuple[bool, str | None]:
+    """``tool_choice`` → ``(tool_required, tool_name)`` (``none`` is handled by callers).
+
+    OpenAI chat: ``"auto"``, ``"required"``, ``{"type": "function", "function": {"name"}}``,
+    ``{"type": "allowed_tools", "allowed_tools": {"mode"}}``. Anthropic: ``{"type": "auto" |
+    "any" | "tool", "name"}``. Responses: ``"auto"``, ``"required"``, ``{"type": "function" |
+    "custom", "name"}``, ``{"type": "allowed_tools", "mode"}``.
+
+    Raises:
+        WireError: an unknown value, a forced choice without tools, or a named tool that
+            is not offered (param ``tool_choice``).
+    """
+    required, name = False, None
+    if choice is None or choice == "auto" or choice == "none":
+        return False, None
+    if choice == "required" and protocol != "anthropic":
+        required = True
+    elif isinstance(choice, dict):
+        typ = choice.get("type")
+        if protocol == "anthropic":
+            if typ in ("auto", "none"):
+                return False, None
+            if typ == "any":
+                required = True
+            elif typ == "tool":
+                required, name = True, choice.get("name")
+                if not isinstance(name, str) or not name:
+                    raise WireError(
+                        "tool_choice.name: required for type 'tool'", "tool_choice.name"
+                    )
+            else:
+                raise WireError(
+                    f"tool_choice.type: {typ!r} is not one of 'auto', 'any', 'tool', 'none'",
+                    "tool_choice.type",
+                )
+        elif typ == "allowed_tools":
+            mode = choice.get("mode")
+            if protocol == "chat":
+                mode = (choice.get("allowed_tools") or {}).get("mode", mode)
+            if mode not in ("auto", "required"):
+                raise WireError(
+                    f"tool_choice: allowed_tools mode {mode!r} is not 'auto' or 'required'",
+                    "tool_choice",
+                )
+            required = mode == "required"
+        elif typ == "function" or (typ == "custom" and protocol == "responses"):
+            fn = choice.get("function") if protocol == "chat" else choice
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if not isinstance(name, str) or not name:
+                field = "tool_choice.function.name" if protocol == "chat" else "tool_choice.name"
+                raise WireError(f"{field}: required for a named tool choice", field)
+            required = True
+        else:
+            raise WireError(
+                f"tool_choice: type {typ!r} is not supported by this server "
+                "(use auto, none, required or a named function)",
+                "tool_choice",
+            )
+    else:
+        allowed = "'auto', 'none', 'required'" if protocol != "anthropic" else "an object"
+        raise WireError(f"tool_choice: {choice!r} is not {allowed} or a named tool", "tool_choice")
+    if required and not tools:
+        raise WireError(
+            "tool_choice forces a tool call but no callable tools were given", "tool_choice"
+        )
+    if name is not None and name not in {t.name for t in tools}:
+        raise WireError(f"tool_choice names tool {name!r}, which is not in tools", "tool_choice")
+    return required, name
+
+
+# ---------------------------------------------------------------------------
 # shared helpers
 
 
@@ -272,11 +346,14 @@ def anthropic_to_conversation(
         thinking = th.get("type") != "disabled"
     effort = (body.get("output_config") or {}).get("effort")
     _, reasoning_effort = effort_to_reasoning(effort)
+    required, name = _forced_tool(body.get("tool_choice"), "anthropic", tools)
     return Conversation(
         messages=_hoisted_system(msgs, system_parts),
         tools=tools,
         thinking=thinking,
         reasoning_effort=reasoning_effort if thinking else None,
+        tool_required=required,
+        tool_name=name,
     )
 
 
@@ -395,11 +472,14 @@ def openai_chat_to_conversation(
                 )
             )
     thinking, effort = openai_chat_thinking(body, default_thinking)
+    required, name = _forced_tool(body.get("tool_choice"), "chat", tools)
     return Conversation(
         messages=_hoisted_system(msgs, system_parts),
         tools=tools,
         thinking=thinking,
         reasoning_effort=effort,
+        tool_required=required,
+        tool_name=name,
     )
 
 
@@ -446,8 +526,10 @@ def responses_tool_kinds(tools: list[dict[str, Any]] | None) -> dict[str, Respon
 
 def _responses_tool_specs(tools: list[dict[str, Any]] | None) -> list[ToolSpec]:
     specs = []
-    for t in tools or []:
+    for i, t in enumerate(tools or []):
         typ = t.get("type")
+        if typ in ("function", "custom") and not t.get("name"):
+            raise WireError(f"tools[{i}].name: required for a {typ} tool", f"tools.{i}.name")
         if typ == "function":
             specs.append(
                 ToolSpec(
@@ -606,9 +688,12 @@ def responses_to_conversation(
     if forced is not None:
         thinking = forced
     tools = [] if body.get("tool_choice") == "none" else _responses_tool_specs(body.get("tools"))
+    required, name = _forced_tool(body.get("tool_choice"), "responses", tools)
     return Conversation(
         messages=_hoisted_system(msgs, system_parts),
         tools=tools,
         thinking=thinking,
         reasoning_effort=effort if thinking else None,
+        tool_required=required,
+        tool_name=name,
     )

@@ -234,6 +234,8 @@ async def messages():
         id_prefix="toolu_",
         conversation=conv,
         protocol="anthropic",
+        tool_required=conv.tool_required,
+        tool_name=conv.tool_name,
     )
     job = st.submit(gen)
     omitted = bool(req.thinking and req.thinking.display == "omitted")

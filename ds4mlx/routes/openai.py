@@ -49,7 +49,15 @@ from ds4mlx.routes.common import (
     state,
     tokenize,
 )
-from ds4mlx.server import GenRequest, JobDone, JobFailed, JobStarted, PrefillProgress, RawText
+from ds4mlx.server import (
+    GenRequest,
+    JobDone,
+    JobFailed,
+    JobStarted,
+    PrefillProgress,
+    RawText,
+    TokenLogprob,
+)
 
 bp = Blueprint("openai", __name__)
 
@@ -127,6 +135,8 @@ class ChatRequest(SamplingFields):
     reasoning_effort: str | None = None
     thinking: dict[str, Any] | bool | None = None
     think: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class CompletionRequest(SamplingFields):
@@ -219,6 +229,9 @@ async def chat_completions():
         id_prefix="call_",
         conversation=conv,
         protocol="chat",
+        tool_required=conv.tool_required,
+        tool_name=conv.tool_name,
+        top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
     )
     job = st.submit(gen)
     meta = {
@@ -230,12 +243,16 @@ async def chat_completions():
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return sse_response(
-            guard(job, _chat_stream(job, meta, include_usage, st.config.keepalive_s))
+            guard(
+                job,
+                _chat_stream(job, meta, include_usage, st.config.keepalive_s, bool(req.logprobs)),
+            )
         )
     events, done = await collect(job)
     if done.finish == "cancelled":
         raise APIError(503, "generation cancelled (server shutting down)", type="server_error")
     reasoning, content, calls = [], [], []
+    lps = [ev for ev in events if isinstance(ev, TokenLogprob)]
     for ev in events:
         if isinstance(ev, ThinkingDelta):
             reasoning.append(ev.text)
@@ -268,7 +285,7 @@ async def chat_completions():
                 {
                     "index": 0,
                     "message": message,
-                    "logprobs": None,
+                    "logprobs": _chat_logprobs(lps) if req.logprobs else None,
                     "finish_reason": _finish(done, bool(calls)),
                 }
             ],
@@ -277,16 +294,41 @@ async def chat_completions():
     )
 
 
-async def _chat_stream(job, meta: dict[str, Any], include_usage: bool, keepalive_s: float):
+def _chat_logprobs(lps: list[TokenLogprob]) -> dict[str, Any]:
+    """OpenAI chat ``logprobs`` object of the visible reply's tokens."""
+    return {
+        "content": [
+            {
+                "token": e.token,
+                "logprob": e.logprob,
+                "bytes": list(e.bytes),
+                "top_logprobs": [
+                    {"token": t, "logprob": lp, "bytes": list(b)} for t, lp, b in e.top
+                ],
+            }
+            for e in lps
+        ],
+        "refusal": None,
+    }
+
+
+async def _chat_stream(
+    job, meta: dict[str, Any], include_usage: bool, keepalive_s: float, logprobs: bool = False
+):
     base = {**meta, "object": "chat.completion.chunk"}
+    pending_lp: list[TokenLogprob] = []
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        lp = None
+        if logprobs and (pending_lp or finish) and "reasoning_content" not in delta:
+            # A token's entry rides on the next visible chunk (its text may be held
+            # back across tokens); what is left goes out with the finish chunk.
+            lp = _chat_logprobs(pending_lp)
+            pending_lp.clear()
         return sse(
             {
                 **base,
-                "choices": [
-                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-                ],
+                "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}],
             }
         )
 
@@ -320,6 +362,9 @@ async def _chat_stream(job, meta: dict[str, Any], include_usage: bool, keepalive
             )
         elif isinstance(ev, ToolCallArgsDelta):
             out = chunk({"tool_calls": [{"index": ev.index, "function": {"arguments": ev.text}}]})
+        elif isinstance(ev, TokenLogprob):
+            pending_lp.append(ev)
+            continue
         elif isinstance(ev, ToolCallEnd | ParseError):
             continue
         elif isinstance(ev, JobFailed):
@@ -389,7 +434,7 @@ async def completions():
             raise APIError(400, "prompt: empty", param="prompt")
         text = None
         echo_text = tok.decode(toks)
-    context_check(len(toks))
+    context_check(len(toks), "prompt")
     gen = GenRequest(
         path=request.path,
         prompt_tokens=toks,

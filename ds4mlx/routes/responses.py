@@ -164,6 +164,8 @@ class ResponsesTool(_Open):
     name: str | None = None
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    format: dict[str, Any] | None = None  # custom tools
+    tools: list[dict[str, Any]] | None = None  # namespace groups
 
 
 class ReasoningConfig(_Open):
@@ -255,7 +257,7 @@ async def _prepare(
     check_tool_results(conv, "responses")
     text = render(conv)
     toks = await tokenize(text)
-    context_check(len(toks))
+    context_check(len(toks), "input")
     gen = GenRequest(
         path=path,
         prompt_tokens=toks,
@@ -274,6 +276,8 @@ async def _prepare(
         id_prefix="call_",
         conversation=conv,
         protocol="responses",
+        tool_required=conv.tool_required,
+        tool_name=conv.tool_name,
     )
     return _Prepared(req, body, gen, conv)
 
