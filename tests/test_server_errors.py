@@ -124,8 +124,62 @@ def _bad_requests():
         ),
         (RESP, j({"input": huge_prompt}), 400),
         (COMP, j({"prompt": huge_prompt}), 400),
+        (CHAT, b"null", 400),
+        # tool_choice values that cannot be honoured
+        (CHAT, j({"messages": OK_MSG, "tool_choice": "banana"}), 400),
+        (CHAT, j({"messages": OK_MSG, "tool_choice": "required"}), 400),  # no tools
+        (
+            CHAT,
+            j(
+                {
+                    "messages": OK_MSG,
+                    "tools": [TOOL_OAI],
+                    "tool_choice": {"type": "function", "function": {"name": "nope"}},
+                }
+            ),
+            400,
+        ),
+        (MSGS, j({"max_tokens": 5, "messages": OK_MSG, "tool_choice": {"type": "any"}}), 400),
+        (
+            MSGS,
+            j(
+                {
+                    "max_tokens": 5,
+                    "messages": OK_MSG,
+                    "tools": [TOOL_ANT],
+                    "tool_choice": {"type": "banana"},
+                }
+            ),
+            400,
+        ),
+        (
+            MSGS,
+            j(
+                {
+                    "max_tokens": 5,
+                    "messages": OK_MSG,
+                    "tools": [TOOL_ANT],
+                    "tool_choice": {"type": "tool", "name": "nope"},
+                }
+            ),
+            400,
+        ),
+        (RESP, j({"input": "hi", "tools": [TOOL_RESP], "tool_choice": "banana"}), 400),
+        (RESP, j({"input": "hi", "tool_choice": {"type": "function", "name": "f"}}), 400),
+        (
+            RESP,
+            j({"input": "hi", "tools": [{"type": "namespace", "name": "n", "tools": [5]}]}),
+            400,
+        ),
+        (RESP, j({"input": "hi", "tools": [{"type": "custom", "name": "c", "format": "x"}]}), 400),
+        (RESP, j({"input": "hi", "tools": [{"type": "function"}], "tool_choice": "required"}), 400),
         (CHAT, b"{" + b'"a":' * 1 + b'"' + b"x" * (40 * 2**20) + b'"}', 413),  # 40 MB body
     ]
+
+
+TOOL_OAI = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+TOOL_ANT = {"name": "f", "input_schema": {"type": "object"}}
+TOOL_RESP = {"type": "function", "name": "f", "parameters": {"type": "object"}}
 
 
 def _check_shape(path: str, r: httpx.Response) -> None:
@@ -153,6 +207,51 @@ def test_bad_input_gets_protocol_shaped_4xx_and_server_survives(client):
     assert client.post(CHAT, json=odd).status_code == 200
     again = client.post(CHAT, json=NORMAL).json()["choices"][0]["message"]["content"]
     assert again == baseline
+
+
+def test_lone_surrogate_is_a_400_naming_the_field_on_every_endpoint(client):
+    """``"\\ud800"`` is valid JSON but no Unicode character: a 400 naming the field,
+    never the tokenizer's TypeError as a 500."""
+    bad = '"hi \\ud800 x"'
+    msgs = '[{"role":"user","content":' + bad + "}]"
+    cases = [
+        (CHAT, '{"messages":' + msgs + ',"max_tokens":3}', "messages.0.content"),
+        (MSGS, '{"max_tokens":3,"messages":' + msgs + "}", None),
+        ("/v1/messages/count_tokens", '{"messages":' + msgs + "}", None),
+        (COMP, '{"prompt":' + bad + ',"max_tokens":3}', "prompt"),
+        (RESP, '{"input":' + bad + "}", "input"),
+        ("/v1/tokenize", '{"text":' + bad + "}", "text"),
+        ("/v1/tokenize", '{"messages":' + msgs + "}", "messages.0.content"),
+        (CHAT, '{"messages":[{"role":"user","content":"ok"}],"stop":["\\udc00"]}', "stop.0"),
+    ]
+    for path, raw, param in cases:
+        r = client.post(path, content=raw.encode(), headers={"content-type": "application/json"})
+        assert r.status_code == 400, (path, r.status_code, r.text)
+        _check_shape(path, r)
+        err = r.json()["error"]
+        assert "surrogate" in err["message"], err
+        if param:
+            assert err["param"] == param, err
+    # A proper surrogate pair is an ordinary character.
+    ok = '{"messages":[{"role":"user","content":"\\ud83d\\ude00"}],"max_tokens":2}'
+    r = client.post(CHAT, content=ok.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+
+
+def test_error_params_point_at_the_real_field(client):
+    r = client.post(RESP, json={"input": [{"role": "wizard", "content": "x"}]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "input.0.role", err
+    assert "'user'" in err["message"]
+    for path, body, param in [
+        (RESP, {"input": "w " * 3000}, "input"),
+        (COMP, {"prompt": "w " * 3000}, "prompt"),
+        (CHAT, {"messages": [{"role": "user", "content": "w " * 3000}]}, "messages"),
+    ]:
+        err = client.post(path, json=body).json()["error"]
+        assert err["code"] == "context_length_exceeded" and err["param"] == param, err
+    r = client.post(CHAT, content=b"null", headers={"content-type": "application/json"})
+    assert r.json()["error"]["message"] == "request body must be a JSON object, got null"
 
 
 def test_context_length_exceeded_names_the_counts(client):
@@ -218,6 +317,18 @@ def test_cors_preflight_and_headers(server):
         server.url + CHAT, headers={"Origin": "http://x", "Access-Control-Request-Method": "POST"}
     )
     assert r.status_code == 204 and r.headers["access-control-allow-origin"] == "*"
+    # The SDKs' own headers (x-stainless-*) must pass the preflight.
+    asked = "x-stainless-os, x-stainless-retry-count, content-type"
+    r = httpx.options(
+        server.url + CHAT,
+        headers={
+            "Origin": "http://x",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": asked,
+        },
+    )
+    allowed = {h.strip().lower() for h in r.headers["access-control-allow-headers"].split(",")}
+    assert r.status_code == 204 and {"x-stainless-os", "x-stainless-retry-count"} <= allowed
     r = httpx.get(server.url + "/health", headers={"Origin": "http://x"})
     assert r.headers["access-control-allow-origin"] == "*"
 

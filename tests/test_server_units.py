@@ -3,6 +3,7 @@ prefix rules (DESIGN.md §3 steps 4, 5, 7), the reasoning carrier, error shapes.
 
 from __future__ import annotations
 
+import base64
 from types import SimpleNamespace
 
 import pytest
@@ -97,13 +98,20 @@ def test_live_state_ending_mid_utf8_character_is_not_a_text_prefix(tok):
 
 def test_reasoning_carrier_round_trip_and_forgery():
     c = ReasoningCarrier(b"k" * 32)
-    token = c.seal("step 1… ünïcode\n</think> inside")
-    assert c.open(token) == "step 1… ünïcode\n</think> inside"
-    assert c.open(token[:-2] + "AA") is None  # tampered MAC
-    body = token.split(".")[1]
-    assert c.open(token.replace(body, body[:-1] + ("A" if body[-1] != "A" else "B"))) is None
+    secret = "step 1… ünïcode\n</think> inside"
+    token = c.seal(secret)
+    assert c.open(token) == secret
+    # Opaque: encrypted, not a readable encoding of the reasoning.
+    body = token.removeprefix(ReasoningCarrier.PREFIX)
+    raw = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
+    assert "step 1" not in token and secret.encode() not in raw and b"step" not in raw
+    assert c.seal(secret) != token  # fresh nonce each time
+    flipped = body[:20] + ("A" if body[20] != "A" else "B") + body[21:]
+    assert c.open(ReasoningCarrier.PREFIX + flipped) is None  # tampered
+    assert c.open(token[:-3]) is None  # truncated
     assert ReasoningCarrier(b"x" * 32).open(token) is None  # another server's key
     assert c.open("") is None and c.open("EqUKCk…openai-blob") is None and c.open(None) is None
+    assert c.open("ds4r1.c3RlcA.bWFj") is None  # the old HMAC format
 
 
 def test_error_shapes():
@@ -125,3 +133,42 @@ def test_error_shapes():
         _loc_to_path(("messages", 0, "content", "list[Block]", 1, "text", "text"))
         == "messages.0.content.1.text.text"
     )
+
+
+def test_validation_errors_name_the_real_field():
+    """Union members (``input.str``) and discriminator tags are not field names; a
+    non-object body names its JSON type; a lone surrogate names its field."""
+    from ds4mlx.routes.common import validate
+    from ds4mlx.routes.openai import ChatRequest
+    from ds4mlx.routes.responses import ResponsesRequest
+
+    cases = [
+        (ResponsesRequest, {"input": [{"role": "wizard", "content": "x"}]}, "input.0.role"),
+        (ResponsesRequest, {"input": [{"type": "function_call_output"}]}, "input.0.call_id"),
+        (ResponsesRequest, {"input": 42}, "input"),
+        (
+            ChatRequest,
+            {"messages": [{"role": "user", "content": "a\ud800b"}]},
+            "messages.0.content",
+        ),
+        (ChatRequest, None, None),
+    ]
+    for model, data, param in cases:
+        with pytest.raises(APIError) as e:
+            validate(model, data)
+        assert e.value.status == 400 and e.value.param == param, e.value.message
+    assert "'user'" in _message(ResponsesRequest, {"input": [{"role": "wizard", "content": "x"}]})
+    assert _message(ChatRequest, None) == "request body must be a JSON object, got null"
+    assert "surrogate" in _message(
+        ChatRequest, {"messages": [{"role": "user", "content": "\udfff"}]}
+    )
+
+
+def _message(model, data) -> str:
+    from ds4mlx.routes.common import validate
+
+    try:
+        validate(model, data)
+    except APIError as e:
+        return e.message
+    raise AssertionError("no error")

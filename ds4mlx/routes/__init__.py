@@ -66,9 +66,14 @@ def register(app) -> None:
         if state().config.cors:
             resp.headers["Access-Control-Allow-Origin"] = "*"
             resp.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
-            resp.headers["Access-Control-Allow-Headers"] = (
+            allowed = (
                 "Authorization, Content-Type, x-api-key, anthropic-version, anthropic-beta, "
                 "anthropic-dangerous-direct-browser-access, openai-beta"
+            )
+            # SDKs send their own headers (x-stainless-*, …): allow what the preflight asks.
+            asked = request.headers.get("Access-Control-Request-Headers", "").strip()
+            resp.headers["Access-Control-Allow-Headers"] = (
+                f"{allowed}, {asked}" if asked else allowed
             )
             resp.headers["Access-Control-Max-Age"] = "600"
         return resp

@@ -135,27 +135,61 @@ def http_exception_to_api(e: HTTPException) -> APIError:
     )
 
 
-def _loc_to_path(loc: tuple[Any, ...]) -> str:
-    """Pydantic error location → ``messages.0.content`` style path (union tags skipped)."""
+_TYPE_LABELS = {"str", "int", "float", "bool", "dict", "list", "none", "bytes", "any"}
+
+
+def _is_label(p: str) -> bool:
+    """A pydantic union-member / tag label in an error location, not a field name."""
+    return (
+        any(c in p for c in "[]()'\",")
+        or p.startswith("function-")
+        or p.lower() in _TYPE_LABELS
+        or p[:1].isupper()
+    )
+
+
+def _loc_to_path(loc: tuple[Any, ...], data: Any = None, missing: bool = False) -> str:
+    """Pydantic error location → ``messages.0.content`` style path.
+
+    Union member labels (``str``, ``list[…]``) and discriminator tags (``message``,
+    ``text``…) are not field names: with ``data`` (the validated input) a word is kept
+    only where the input has that key (or, last in a ``missing`` error, names the field).
+    """
     parts: list[str] = []
-    for p in loc:
+    node = data
+    for i, p in enumerate(loc):
+        last = i == len(loc) - 1
         if isinstance(p, int):
             parts.append(str(p))
+            node = node[p] if isinstance(node, list) and -len(node) <= p < len(node) else None
         elif isinstance(p, str):
-            # Union member / tagged-union labels are not field names.
-            if any(c in p for c in "[]()'\",") or p.startswith("function-"):
+            if _is_label(p):
                 continue
+            keep_missing = last and (missing or data is None)
+            if data is not None and not keep_missing and not (isinstance(node, dict) and p in node):
+                continue  # a discriminator tag
             parts.append(p)
+            node = node.get(p) if isinstance(node, dict) else None
     return ".".join(parts)
 
 
-def validation_error_to_api(e: ValidationError) -> APIError:
-    """The first pydantic error as a 400 naming the field path (``param``)."""
+def validation_error_to_api(e: ValidationError, data: Any = None) -> APIError:
+    """The most specific pydantic error as a 400 naming the field path (``param``).
+
+    A union field reports one error per member (``input`` as ``str`` and as a list of
+    items); the deepest location is the branch the client meant.
+    """
     errs = e.errors(include_url=False)
-    first = errs[0] if errs else {"loc": (), "msg": str(e)}
-    path = _loc_to_path(tuple(first.get("loc", ())))
-    msg = first.get("msg", "invalid value")
-    more = f" (and {len(errs) - 1} more errors)" if len(errs) > 1 else ""
+    if not errs:
+        return APIError(400, str(e))
+    paths = [
+        _loc_to_path(tuple(err.get("loc", ())), data, err.get("type") == "missing") for err in errs
+    ]
+    best = max(range(len(errs)), key=lambda i: (len(errs[i].get("loc", ())), -i))
+    path = paths[best]
+    msg = errs[best].get("msg", "invalid value")
+    others = {p.split(".", 1)[0] for p in paths} - {path.split(".", 1)[0]}
+    more = f" (and errors in {len(others)} more fields)" if others else ""
     text = f"{path}: {msg}{more}" if path else f"{msg}{more}"
     return APIError(400, text, param=path or None)
 
@@ -196,14 +230,71 @@ async def parse_body(model: type[M]) -> tuple[M, dict[str, Any]]:
     return validate(model, data)
 
 
+def _json_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    return {dict: "object", list: "array", str: "string", bool: "boolean"}.get(
+        type(v), "number" if isinstance(v, int | float) else type(v).__name__
+    )
+
+
+def _lone_surrogate_path(data: Any) -> str | None:
+    """Path (``messages.0.content``) of the first string holding a lone UTF-16 surrogate.
+
+    JSON allows ``"\\ud800"`` escapes that decode to no Unicode character; the tokenizer
+    (and UTF-8 output) cannot take them. Fast path: one C-level encode of the whole
+    body; the walk only runs when that fails.
+    """
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+        return None
+    except UnicodeEncodeError:
+        pass
+    except (RecursionError, ValueError, TypeError):
+        return None
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        v, path = stack.pop()
+        items: Any = ()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(v, dict):
+            items = reversed(list(v.items()))
+        elif isinstance(v, list):
+            items = reversed(list(enumerate(v)))
+        for k, sub in items:
+            if isinstance(k, str):
+                try:
+                    k.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path or "(key)"
+            stack.append((sub, f"{path}.{k}" if path else str(k)))
+    return None
+
+
 def validate(model: type[M], data: Any) -> tuple[M, dict[str, Any]]:
-    """Validate ``data`` with ``model``; 400 `APIError` with the field path on failure."""
+    """Validate ``data`` with ``model``; 400 `APIError` with the field path on failure.
+
+    Also rejects a body that is not an object and strings holding a lone UTF-16
+    surrogate (``"\\ud800"``), naming the field.
+    """
     if not isinstance(data, dict):
-        raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
+        raise APIError(400, f"request body must be a JSON object, got {_json_type(data)}")
+    bad = _lone_surrogate_path(data)
+    if bad is not None:
+        raise APIError(
+            400,
+            f"{bad}: string contains a lone UTF-16 surrogate escape (\\uD800-\\uDFFF "
+            "without its pair), which is not a Unicode character",
+            param=bad,
+        )
     try:
         obj = model.model_validate(data)
     except ValidationError as e:
-        raise validation_error_to_api(e) from None
+        raise validation_error_to_api(e, data) from None
     except RecursionError:
         raise APIError(400, "request JSON is nested too deeply") from None
     return obj, obj.model_dump()
@@ -285,8 +376,10 @@ def check_auth(headers=None) -> APIError | None:
     )
 
 
-def context_check(n_prompt: int) -> None:
+def context_check(n_prompt: int, param: str = "messages") -> None:
     """Reject a prompt that leaves no room to generate (before queueing).
+
+    ``param``: the request field holding the prompt (``messages``, ``input``, ``prompt``).
 
     Raises:
         APIError: 400 ``context_length_exceeded`` with the counts.
@@ -299,7 +392,7 @@ def context_check(n_prompt: int) -> None:
             f"resulted in {n_prompt} tokens, leaving no room for output. Shorten the "
             "conversation or restart the server with a larger --ctx.",
             code="context_length_exceeded",
-            param="messages",
+            param=param,
         )
 
 
@@ -392,7 +485,7 @@ def render(conv) -> str:
 
 
 def load_reasoning_key() -> bytes:
-    """HMAC key for reasoning carriers.
+    """AES-256-GCM key for reasoning carriers (`ReasoningCarrier`).
 
     ``DS4MLX_REASONING_KEY`` when set; else a random key kept in
     ``$XDG_CACHE_HOME/ds4mlx/reasoning.key`` (created 0600) so carriers handed out
@@ -426,46 +519,49 @@ def load_reasoning_key() -> bytes:
 
 
 class ReasoningCarrier:
-    """Opaque, integrity-protected carrier of sampled reasoning text.
+    """Opaque, authenticated-encrypted carrier of sampled reasoning text.
 
     Used as the Responses reasoning item's ``encrypted_content`` and the Anthropic
     thinking block's ``signature``: a stateless client hands it back and the server
     recovers the exact reasoning, so a replay renders the exact prefix the model
-    sampled. Format: ``ds4r1.`` + base64url(UTF-8 text) + ``.`` + base64url(HMAC-SHA256)
-    (not encrypted: the client already saw, or could have asked for, that reasoning).
+    sampled (DESIGN.md §6: opaque, integrity-protected). Format: ``ds4r2.`` +
+    base64url(12-byte nonce + AES-256-GCM ciphertext and tag of the UTF-8 text), the
+    prefix as associated data. A tampered, foreign-key or foreign-format carrier opens
+    to None.
     """
 
-    PREFIX = "ds4r1."
+    PREFIX = "ds4r2."
+    _AAD = b"ds4r2"
 
     def __init__(self, key: bytes):
-        self._key = key
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-    def _mac(self, payload: bytes) -> str:
-        return (
-            base64.urlsafe_b64encode(hmac.new(self._key, payload, hashlib.sha256).digest())
-            .rstrip(b"=")
-            .decode()
-        )
+        if len(key) != 32:
+            key = hashlib.sha256(key).digest()
+        self._aead = AESGCM(key)
 
     def seal(self, text: str) -> str:
-        payload = text.encode("utf-8")
-        b = base64.urlsafe_b64encode(payload).rstrip(b"=").decode()
-        return f"{self.PREFIX}{b}.{self._mac(payload)}"
+        nonce = secrets.token_bytes(12)
+        blob = nonce + self._aead.encrypt(nonce, text.encode("utf-8"), self._AAD)
+        return self.PREFIX + base64.urlsafe_b64encode(blob).rstrip(b"=").decode()
 
     def open(self, token: str | None) -> str | None:
         """The reasoning text, or None for a foreign, corrupted or forged carrier."""
+        from cryptography.exceptions import InvalidTag
+
         if not token or not isinstance(token, str) or not token.startswith(self.PREFIX):
             return None
+        body = token[len(self.PREFIX) :]
         try:
-            body, mac = token[len(self.PREFIX) :].rsplit(".", 1)
-            payload = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
+            blob = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
         except (ValueError, TypeError):
             return None
-        if not hmac.compare_digest(mac, self._mac(payload)):
+        if len(blob) < 12 + 16:
             return None
         try:
-            return payload.decode("utf-8")
-        except UnicodeDecodeError:
+            plain = self._aead.decrypt(blob[:12], blob[12:], self._AAD)
+            return plain.decode("utf-8")
+        except (InvalidTag, UnicodeDecodeError, ValueError):
             return None
 
 
