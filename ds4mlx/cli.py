@@ -137,6 +137,23 @@ def _cmd_tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _output_path_error(path: str | None) -> str | None:
+    """Why ``path`` cannot be written (missing/unwritable directory, a directory), or None."""
+    import os
+
+    if not path:
+        return None
+    p = Path(path)
+    if p.is_dir():
+        return "is a directory"
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        return f"directory {parent} does not exist"
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        return "not writable"
+    return None
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from ds4mlx.bench import plot, run_bench, to_csv
     from ds4mlx.blas import active_blas
@@ -149,6 +166,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if not frontiers:
         print("ds4mlx bench: no frontiers", file=sys.stderr)
         return 2
+    # Check where the results go before spending minutes measuring.
+    for flag, path in (("--csv", args.csv), ("--plot", args.plot)):
+        err = _output_path_error(path)
+        if err:
+            print(f"ds4mlx bench: {flag} {path}: {err}", file=sys.stderr)
+            return 2
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("ds4mlx bench: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+            return 2
     ctx = args.ctx or max(frontiers) + args.decode_tokens + 1
     engine = _load_engine(args.model, ctx)
     if engine is None:
@@ -289,7 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokens",
         type=int,
         default=None,
-        help="default max output tokens when a request sets none (default: the context left)",
+        help="output tokens for a request that sets no max_tokens (default: until the "
+        "context is full); with --demo also the cap on every request (default 256)",
     )
     p.add_argument(
         "--api-key",

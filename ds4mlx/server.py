@@ -59,6 +59,9 @@ class ServerConfig:
         aliases: extra model ids → thinking default (``deepseek-chat`` = non-thinking).
         default_max_tokens: output tokens when a request sets none (``--tokens``);
             None means "until the context is full".
+        max_tokens_cap: every request's output limit is capped to this (``--demo``:
+            ``--tokens`` or `DEMO_MAX_TOKENS`), or None. The demo model is noise and
+            never samples EOS; clients that ask for 32000 tokens would wait minutes.
         api_key: required bearer / ``x-api-key`` value, or None (``--api-key``).
         cors: answer CORS preflights and add ``Access-Control-Allow-Origin: *``.
         trace_path: JSON-lines trace file (``--trace``), or None.
@@ -82,6 +85,7 @@ class ServerConfig:
     model_name: str = DEFAULT_MODEL_NAME
     aliases: dict[str, bool] = field(default_factory=lambda: dict(DEFAULT_ALIASES))
     default_max_tokens: int | None = None
+    max_tokens_cap: int | None = None
     api_key: str | None = None
     cors: bool = False
     trace_path: str | None = None
@@ -606,6 +610,7 @@ class Worker:
                 prefill_s,
                 0.0,
                 t_start,
+                prefilled=fed,
             )
             return
         if s.logits is None:
@@ -629,8 +634,21 @@ class Worker:
         self._done(job, plan, outcome, prefill_s, outcome.decode_s, t_start)
 
     def _done(
-        self, job: Job, plan, outcome: JobDone, prefill_s: float, decode_s: float, t_start: float
+        self,
+        job: Job,
+        plan,
+        outcome: JobDone,
+        prefill_s: float,
+        decode_s: float,
+        t_start: float,
+        *,
+        prefilled: int | None = None,
     ) -> None:
+        """Report ``outcome`` (hooks, event, trace, log line).
+
+        ``prefilled``: suffix tokens actually fed when the prefill was cut short
+        (cancelled); None means the whole suffix was.
+        """
         outcome.prefill_s = prefill_s
         outcome.decode_s = decode_s
         outcome.decision = plan.decision
@@ -644,8 +662,15 @@ class Worker:
             "done",
             **{k: v for k, v in dataclasses.asdict(outcome).items() if k != "reasoning"},
         )
-        n_pre = len(plan.suffix_tokens)
+        n_suffix = len(plan.suffix_tokens)
+        n_pre = n_suffix if prefilled is None else prefilled
         pre_rate = n_pre / prefill_s if prefill_s > 0 else 0.0
+        if n_pre < n_suffix:
+            # Cut short: only what was fed counts; a rate over a partial chunk or none
+            # at all would be noise.
+            prefill = f"cancelled after {n_pre}/{n_suffix} tokens in {prefill_s:.2f}s"
+        else:
+            prefill = f"{pre_rate:.1f} tok/s"
         dec_rate = (
             (outcome.completion_tokens - 1) / decode_s
             if decode_s > 0 and outcome.completion_tokens > 1
@@ -653,14 +678,14 @@ class Worker:
         )
         extra = f" {plan.detail}" if plan.detail else ""
         log.info(
-            "%s %s%s prompt=%d cached=%d generated=%d prefill=%.1f tok/s decode=%.1f tok/s finish=%s wait=%.2fs",
+            "%s %s%s prompt=%d cached=%d generated=%d prefill=%s decode=%.1f tok/s finish=%s wait=%.2fs",
             job.request.path,
             plan.decision,
             extra,
             outcome.prompt_tokens,
             outcome.cached_tokens,
             outcome.completion_tokens,
-            pre_rate,
+            prefill,
             dec_rate,
             outcome.finish,
             t_start - job.submitted,
@@ -986,6 +1011,13 @@ def banner(engine, config: ServerConfig, url: str) -> None:
     )
     t.add_row("[bold]quant[/]", engine.quant_desc)
     t.add_row("[bold]context[/]", f"{engine.ctx_size} tokens")
+    if config.max_tokens_cap is not None:
+        t.add_row(
+            "[bold]output[/]",
+            f"at most {config.max_tokens_cap} tokens per request (demo cap; change with --tokens)",
+        )
+    elif config.default_max_tokens is not None:
+        t.add_row("[bold]output[/]", f"{config.default_max_tokens} tokens when a request sets none")
     if kv:
         t.add_row("[bold]KV cache[/]", kv)
     t.add_row("[bold]device[/]", f"{device}, BLAS {active_blas()}")
@@ -1129,6 +1161,10 @@ def ensure_demo_model(path: Path | None = None) -> Path:
     return path
 
 
+# ``serve --demo``: output tokens per request unless --tokens says otherwise. The demo
+# model's text is noise and it practically never samples EOS.
+DEMO_MAX_TOKENS = 256
+
 # make_tiny options for the demo model: float32, unquantized. Measured on the CPU
 # (mlx[cpu] + OpenBLAS, 2 cores): decode 45 tok/s float32 vs 30 tok/s with the default
 # q4 experts / q8 rest (MLX's CPU quantized matmuls cost more than they save at toy
@@ -1182,12 +1218,17 @@ def run_serve(args) -> int:
     except ValueError as e:
         print(f"ds4mlx serve: {e}", file=sys.stderr)
         return 2
+    if args.tokens is not None and args.tokens < 1:
+        print("ds4mlx serve: --tokens must be >= 1", file=sys.stderr)
+        return 2
+    cap = (args.tokens or DEMO_MAX_TOKENS) if args.demo else None
     if args.tool_memory_max_ids < 1:
         print("ds4mlx serve: --tool-memory-max-ids must be >= 1", file=sys.stderr)
         return 2
     config = ServerConfig(
         model_name=args.served_model_name,
-        default_max_tokens=args.tokens,
+        default_max_tokens=cap if args.demo else args.tokens,
+        max_tokens_cap=cap,
         api_key=args.api_key or os.environ.get("DS4MLX_API_KEY") or None,
         cors=args.cors,
         trace_path=args.trace,

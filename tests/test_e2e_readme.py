@@ -97,6 +97,27 @@ def test_readme_curl_examples_work_against_the_demo_server(demo):
             assert not body.get("error"), body
 
 
+def test_demo_caps_every_request_output(demo):
+    """The demo model never samples EOS: Claude Code's max_tokens=32000 (or a request
+    with no limit) must still end quickly, at the cap the banner shows."""
+    from ds4mlx.server import DEMO_MAX_TOKENS
+
+    assert f"at most {DEMO_MAX_TOKENS} tokens per request" in demo.log()
+    r = httpx.post(
+        f"{demo.url}/v1/messages",
+        json={"model": "m", "max_tokens": 32000, "messages": [{"role": "user", "content": "hi"}]},
+        timeout=120,
+    )
+    body = r.json()
+    assert r.status_code == 200 and body["usage"]["output_tokens"] <= DEMO_MAX_TOKENS, body
+    r = httpx.post(
+        f"{demo.url}/v1/chat/completions",
+        json={"model": "deepseek-chat", "messages": [{"role": "user", "content": "hi"}]},
+        timeout=120,
+    )
+    assert r.json()["usage"]["completion_tokens"] <= DEMO_MAX_TOKENS
+
+
 @pytest.mark.parametrize("script", ["openai_sdk.py", "anthropic_sdk.py"])
 def test_sdk_example_scripts_run(demo, script):
     env = {**os.environ, "DS4MLX_URL": demo.url}
@@ -120,6 +141,17 @@ def test_opencode_example_names_models_the_server_serves(demo):
         r = httpx.get(f"{demo.url}/v1/models/{model}")
         assert r.status_code == 200, model
     assert cfg["model"].split("/", 1) == ["ds4mlx", next(iter(provider["models"]))]
+    # The declared context is the demo/CPU server's (what GET /v1/models reports there),
+    # with room left for input after the output reservation; Codex's config agrees.
+    import tomllib
+
+    from ds4mlx.engine import DEFAULT_CTX_CPU
+
+    for m in provider["models"].values():
+        assert m["limit"]["context"] == DEFAULT_CTX_CPU
+        assert m["limit"]["output"] <= m["limit"]["context"] // 2
+    codex = tomllib.loads((REPO / "examples" / "codex-config.toml").read_text())
+    assert codex["model_context_window"] == DEFAULT_CTX_CPU
 
 
 def test_serve_without_a_model_says_how_to_get_one(tmp_path):

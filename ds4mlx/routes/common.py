@@ -397,7 +397,8 @@ def context_check(n_prompt: int, param: str = "messages") -> None:
 
 
 def clamp_max_tokens(requested: int | None, n_prompt: int) -> int:
-    """Output limit: the request's (or ``--tokens``) capped by the context left.
+    """Output limit: the request's (or ``--tokens``) capped by the context left
+    (and by ``--demo``'s per-request cap).
 
     A limit beyond the context is not an error (DESIGN.md §6): generation stops when
     the context is full and reports ``length`` / ``max_tokens``.
@@ -405,6 +406,9 @@ def clamp_max_tokens(requested: int | None, n_prompt: int) -> int:
     st = state()
     room = st.ctx_size - n_prompt
     want = requested if requested is not None else st.config.default_max_tokens
+    cap = st.config.max_tokens_cap
+    if cap is not None:
+        want = cap if want is None else min(int(want), cap)
     if want is None:
         return max(1, room)
     return max(1, min(int(want), room))
