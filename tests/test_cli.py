@@ -74,3 +74,16 @@ def test_bench_csv(tiny, tmp_path):
     assert lines[0].startswith("frontier,prefill_tokens,") and len(lines) == 3
     assert "roofline" in r.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_checks_output_paths_before_measuring(tiny, tmp_path):
+    """A bad --csv/--plot path is a usage error up front, not a traceback after the run."""
+    for flag, path in (
+        ("--plot", tmp_path / "nonexistent-dir" / "x.png"),
+        ("--csv", tmp_path / "nonexistent-dir" / "x.csv"),
+        ("--csv", tmp_path),
+    ):
+        r = _run("bench", "-m", tiny, "--frontiers", "32", "--decode-tokens", 1, flag, path)
+        assert r.returncode == 2, (flag, r.stderr)
+        assert flag in r.stderr and "Traceback" not in r.stderr
+        assert "roofline" not in r.stderr  # nothing was measured

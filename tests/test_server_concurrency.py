@@ -176,3 +176,32 @@ def test_graceful_shutdown_cancels_running_and_queued_jobs(tiny_model_dir):  # n
         assert "Traceback" not in s.log(), s.log()[-3000:]
     finally:
         s.kill()
+
+
+def test_cancelled_prefill_logs_what_was_prefilled_not_a_rate(tiny_model_dir):  # noqa: F811
+    """A job cancelled during a long prefill (here by SIGTERM) logs how far the prefill
+    got, not a tok/s of the whole suffix over the time until the cancel."""
+    s = Server(tiny_model_dir, ctx=8192).start()
+    try:
+        body = {
+            "model": "deepseek-chat",
+            "messages": [{"role": "user", "content": "the " * 7800}],
+            "max_tokens": 4,
+        }
+        t = threading.Thread(
+            target=lambda: httpx.post(s.url + "/v1/chat/completions", json=body, timeout=60)
+        )
+        t.start()
+        deadline = time.monotonic() + 30
+        while not s.health()["busy"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.2)
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(20) == 0
+        t.join(20)
+        (line,) = [ln for ln in s.request_lines() if "finish=cancelled" in ln]
+        m = re.search(r"prefill=cancelled after (\d+)/(\d+) tokens in [\d.]+s", line)
+        assert m and int(m.group(1)) < int(m.group(2)), line
+    finally:
+        s.kill()
