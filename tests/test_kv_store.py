@@ -509,6 +509,18 @@ def test_cli_ls_show_rm(tmp_path, capsys, monkeypatch):
     rc, out = run_cli(capsys, "rm", d, "--all")
     assert rc == 0 and not any(p.name.endswith(".safetensors") for p in store.dir.iterdir())
     assert not (store.dir / "index.json").exists()
+    # A missing directory is the same usage error for every subcommand (rm --all used
+    # to print "removed 0" and exit 0 while ls exited 2).
+    missing = tmp_path / "no-such-dir"
+    for argv in (
+        ("ls", missing),
+        ("rm", missing, "--all"),
+        ("rm", missing, "ab"),
+        ("show", missing, "ab"),
+    ):
+        rc, _ = run_cli(capsys, *map(str, argv))
+        assert rc == 2, argv
+    assert not missing.exists()
 
 
 def test_cli_ls_verify_flags_corrupt_data(tmp_path, capsys, monkeypatch):

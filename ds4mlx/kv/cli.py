@@ -60,6 +60,14 @@ def _age(seconds: float) -> str:
     return f"{s / 86400:.1f}d"
 
 
+def _no_dir(dir: Path) -> bool:
+    """True (with the message every subcommand prints) when ``dir`` is not a directory."""
+    if dir.is_dir():
+        return False
+    print(f"ds4mlx kv: {dir} is not a directory", file=sys.stderr)
+    return True
+
+
 def _resolve(dir: Path, key: str) -> Path | None:
     """The snapshot file whose key starts with ``key``; None (with a message) if none or
     ambiguous."""
@@ -80,8 +88,7 @@ def _cmd_ls(args: argparse.Namespace, con: Console) -> int:
     from ds4mlx.kv import store as kvs
 
     dir = Path(args.dir)
-    if not dir.is_dir():
-        print(f"ds4mlx kv: {dir} is not a directory", file=sys.stderr)
+    if _no_dir(dir):
         return 2
     scan = kvs.scan_dir(dir)
     bad = list(scan.bad)
@@ -155,6 +162,8 @@ def _cmd_show(args: argparse.Namespace, con: Console) -> int:
 
     from ds4mlx.kv import store as kvs
 
+    if _no_dir(Path(args.dir)):
+        return 2
     path = _resolve(Path(args.dir), args.key)
     if path is None:
         return 1
@@ -203,6 +212,8 @@ def _cmd_rm(args: argparse.Namespace, con: Console) -> int:
     if args.all == bool(args.key):
         print("ds4mlx kv rm: give a KEY or --all (not both)", file=sys.stderr)
         return 2
+    if _no_dir(dir):
+        return 2
     if args.all:
         n = kvs.clear_dir(dir)
         con.print(f"removed {n} snapshots from {dir}")
@@ -223,7 +234,8 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
     """Run ``ds4mlx kv`` for parsed ``args``; returns the exit status.
 
     ``ls`` lists bad files in red (exit 0); ``show``/``rm`` exit 1 when the key matches
-    no single snapshot or the file is bad; 2 on usage errors.
+    no single snapshot or the file is bad; 2 on usage errors and (every subcommand)
+    when the directory does not exist.
     """
     from rich.console import Console
 
