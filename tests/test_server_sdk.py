@@ -291,8 +291,14 @@ def test_completions_text_logprobs_echo(oai):
     )
     c = r.choices[0]
     assert c.text.startswith("The sky is") and len(c.text) > len("The sky is")
-    assert len(c.logprobs.tokens) == 4 and all(len(t) <= 2 for t in c.logprobs.top_logprobs)
-    assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+    # Echoed prompt tokens come first, with null logprobs (not scored); then the 4 sampled.
+    n_prompt = r.usage.prompt_tokens - 1  # the BOS the server prepended is not echoed
+    assert len(c.logprobs.tokens) == n_prompt + 4
+    assert "".join(c.logprobs.tokens[:n_prompt]) == "The sky is"
+    assert c.logprobs.token_logprobs[:n_prompt] == [None] * n_prompt
+    assert all(len(t) <= 2 for t in c.logprobs.top_logprobs[n_prompt:])
+    assert all(lp <= 0 for lp in c.logprobs.token_logprobs[n_prompt:])
+    assert c.logprobs.text_offset[n_prompt] == len("The sky is")
     assert r.usage.completion_tokens == 4
 
 

@@ -405,7 +405,9 @@ async def completions():
 
     A text prompt gets BOS prepended unless it starts with it; token-id prompts are
     used as given. ``echo`` prepends the prompt text; ``logprobs`` (0–20) returns the
-    sampled tokens' logprobs with that many alternatives.
+    sampled tokens' logprobs with that many alternatives. With ``echo`` the prompt's
+    tokens are listed too, with null logprobs (scoring them would need a prefill that
+    keeps every position's logits; OpenAI itself gives null for the first token).
     """
     from ds4mlx.dsml.tokens import BOS
 
@@ -421,6 +423,7 @@ async def completions():
         text = p if p.startswith(BOS) else BOS + p
         toks = await tokenize(text)
         echo_text = p
+        echo_ids = toks if p.startswith(BOS) else toks[1:]
     else:
         toks = list(p)
         bad = [t for t in toks if not 0 <= t < tok.vocab_size]
@@ -434,6 +437,7 @@ async def completions():
             raise APIError(400, "prompt: empty", param="prompt")
         text = None
         echo_text = tok.decode(toks)
+        echo_ids = toks
     context_check(len(toks), "prompt")
     gen = GenRequest(
         path=request.path,
@@ -473,6 +477,9 @@ async def completions():
                     meta,
                     echo_text if req.echo else "",
                     req.logprobs,
+                    _echo_logprobs(tok, echo_ids)
+                    if req.echo and req.logprobs is not None
+                    else None,
                     include_usage,
                     st.config.keepalive_s,
                 ),
@@ -488,6 +495,9 @@ async def completions():
         if req.logprobs is not None
         else None
     )
+    if lp is not None and req.echo:
+        head = _echo_logprobs(tok, echo_ids)
+        lp = {k: head[k] + lp[k] for k in lp}
     return json_response(
         {
             **meta,
@@ -497,6 +507,23 @@ async def completions():
             "usage": _usage(done),
         }
     )
+
+
+def _echo_logprobs(tok, ids: list[int]) -> dict[str, Any]:
+    """``logprobs`` entries of echoed prompt tokens: their texts, null logprobs."""
+    tokens, offsets, offset = [], [], 0
+    for t in ids:
+        piece = tok.decode([t])
+        tokens.append(piece)
+        offsets.append(offset)
+        offset += len(piece)
+    n = len(tokens)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None] * n,
+        "top_logprobs": [None] * n,
+        "text_offset": offsets,
+    }
 
 
 def _logprobs_obj(pieces: list[RawText], offset: int) -> dict[str, Any]:
@@ -517,7 +544,13 @@ def _logprobs_obj(pieces: list[RawText], offset: int) -> dict[str, Any]:
 
 
 async def _completion_stream(
-    job, meta, echo: str, logprobs: int | None, include_usage: bool, keepalive_s: float
+    job,
+    meta,
+    echo: str,
+    logprobs: int | None,
+    echo_lp: dict[str, Any] | None,
+    include_usage: bool,
+    keepalive_s: float,
 ):
     ka = _Keepalive(keepalive_s)
     offset = len(echo)
@@ -531,7 +564,7 @@ async def _completion_stream(
         )
 
     if echo:
-        yield chunk(echo)
+        yield chunk(echo, echo_lp)
         ka.sent()
     async for ev in job.events(keepalive_s):
         if ev is None or isinstance(ev, PrefillProgress | JobStarted):
