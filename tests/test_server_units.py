@@ -105,7 +105,8 @@ def test_reasoning_carrier_round_trip_and_forgery():
     body = token.removeprefix(ReasoningCarrier.PREFIX)
     raw = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
     assert "step 1" not in token and secret.encode() not in raw and b"step" not in raw
-    assert c.seal(secret) != token  # fresh nonce each time
+    assert c.seal(secret) == token  # synthetic nonce: deterministic per text
+    assert c.seal(secret + ".") != token
     flipped = body[:20] + ("A" if body[20] != "A" else "B") + body[21:]
     assert c.open(ReasoningCarrier.PREFIX + flipped) is None  # tampered
     assert c.open(token[:-3]) is None  # truncated

@@ -532,6 +532,10 @@ class ReasoningCarrier:
     base64url(12-byte nonce + AES-256-GCM ciphertext and tag of the UTF-8 text), the
     prefix as associated data. A tampered, foreign-key or foreign-format carrier opens
     to None.
+
+    The nonce is synthetic (HMAC of the text under a separate subkey), so the same
+    reasoning always seals to the same carrier: replies stay reproducible, and a
+    nonce repeats only with its own plaintext (which reveals only that equality).
     """
 
     PREFIX = "ds4r2."
@@ -540,13 +544,13 @@ class ReasoningCarrier:
     def __init__(self, key: bytes):
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-        if len(key) != 32:
-            key = hashlib.sha256(key).digest()
-        self._aead = AESGCM(key)
+        self._aead = AESGCM(hmac.new(key, b"ds4r2 enc", hashlib.sha256).digest())
+        self._nonce_key = hmac.new(key, b"ds4r2 nonce", hashlib.sha256).digest()
 
     def seal(self, text: str) -> str:
-        nonce = secrets.token_bytes(12)
-        blob = nonce + self._aead.encrypt(nonce, text.encode("utf-8"), self._AAD)
+        plain = text.encode("utf-8")
+        nonce = hmac.new(self._nonce_key, plain, hashlib.sha256).digest()[:12]
+        blob = nonce + self._aead.encrypt(nonce, plain, self._AAD)
         return self.PREFIX + base64.urlsafe_b64encode(blob).rstrip(b"=").decode()
 
     def open(self, token: str | None) -> str | None:
