@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag
 from quart import Blueprint, request
 
 from ds4mlx.dsml import (
@@ -36,6 +36,8 @@ from ds4mlx.dsml import (
 from ds4mlx.routes.common import (
     SSE_COMMENT,
     APIError,
+    Keepalive,
+    OpenModel,
     check_tool_results,
     clamp_max_tokens,
     collect,
@@ -53,45 +55,40 @@ from ds4mlx.routes.common import (
     state,
     tokenize,
 )
-from ds4mlx.routes.openai import _Keepalive
 from ds4mlx.server import GenRequest, JobDone, JobFailed, JobStarted, PrefillProgress
 
 bp = Blueprint("anthropic", __name__)
 
 
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
 # --------------------------------------------------------------------------- schemas
 
 
-class TextBlock(_Open):
+class TextBlock(OpenModel):
     type: Literal["text"]
     text: str
 
 
-class ToolUseBlock(_Open):
+class ToolUseBlock(OpenModel):
     type: Literal["tool_use", "server_tool_use"]
     id: str
     name: str
     input: dict[str, Any] = Field(default_factory=dict)
 
 
-class ToolResultBlock(_Open):
+class ToolResultBlock(OpenModel):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[dict[str, Any]] | None = None
     is_error: bool | None = None
 
 
-class ThinkingBlock(_Open):
+class ThinkingBlock(OpenModel):
     type: Literal["thinking"]
     thinking: str = ""
     signature: str | None = None
 
 
-class OtherBlock(_Open):
+class OtherBlock(OpenModel):
     """Images, documents, redacted thinking, server-tool results…: rendered as placeholders."""
 
     type: str
@@ -117,30 +114,30 @@ Block = Annotated[
 ]
 
 
-class AnthropicMessage(_Open):
+class AnthropicMessage(OpenModel):
     role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
-class SystemBlock(_Open):
+class SystemBlock(OpenModel):
     type: str = "text"
     text: str
 
 
-class AnthropicTool(_Open):
+class AnthropicTool(OpenModel):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     input_schema: dict[str, Any] | None = None
     type: str | None = None
 
 
-class ThinkingConfig(_Open):
+class ThinkingConfig(OpenModel):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = None
     display: str | None = None
 
 
-class CountTokensRequest(_Open):
+class CountTokensRequest(OpenModel):
     """Body of ``POST /v1/messages/count_tokens``."""
 
     model: str = ""
@@ -291,7 +288,7 @@ async def messages():
 
 async def _stream(job, meta: dict[str, Any], omitted: bool, keepalive_s: float, carrier):
     # Runs outside the app context (Quart streams bodies after the handler returned).
-    ka = _Keepalive(keepalive_s)
+    ka = Keepalive(keepalive_s)
     started = False
     index = -1
     open_kind: str | None = None

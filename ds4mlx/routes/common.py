@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 from quart import Response, current_app, request
 from werkzeug.exceptions import HTTPException
 
@@ -301,6 +301,30 @@ def validate(model: type[M], data: Any) -> tuple[M, dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------- SSE
+
+
+class OpenModel(BaseModel):
+    """Base of every wire schema: unknown fields are kept, not rejected.
+
+    Clients send beta and vendor fields (DESIGN.md §6); only what a route reads is
+    declared and validated.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+
+class Keepalive:
+    """Decides when a streaming route sends a keepalive (idle for ``every`` seconds)."""
+
+    def __init__(self, every: float):
+        self.every = every
+        self.last = time.monotonic()
+
+    def sent(self) -> None:
+        self.last = time.monotonic()
+
+    def due(self) -> bool:
+        return time.monotonic() - self.last >= self.every
 
 
 def sse(data: Any, event: str | None = None) -> bytes:

@@ -20,16 +20,20 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from quart import Blueprint
 
-from ds4mlx.routes.common import APIError, json_response, parse_body, render, state, tokenize
+from ds4mlx.routes.common import (
+    APIError,
+    OpenModel,
+    json_response,
+    parse_body,
+    render,
+    state,
+    tokenize,
+)
 
 bp = Blueprint("models", __name__)
-
-
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
 
 
 def _model_entry(model_id: str) -> dict[str, Any]:
@@ -74,14 +78,14 @@ async def get_model(model_id: str):
     return json_response(_model_entry(model_id))
 
 
-class TokenizeRequest(_Open):
+class TokenizeRequest(OpenModel):
     model: str = ""
     text: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
 
 
-class DetokenizeRequest(_Open):
+class DetokenizeRequest(OpenModel):
     model: str = ""
     tokens: list[int]
 
@@ -142,7 +146,7 @@ async def health():
     )
 
 
-class ScriptRequest(_Open):
+class ScriptRequest(OpenModel):
     texts: list[str] = Field(default_factory=list)
     tokens: list[list[int]] = Field(default_factory=list)
     greedy: bool = False

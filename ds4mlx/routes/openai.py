@@ -13,10 +13,9 @@ as a header (id, name) then argument deltas as soon as the DSML is recognized.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from quart import Blueprint, request
 
 from ds4mlx.dsml import (
@@ -31,6 +30,8 @@ from ds4mlx.dsml import (
 from ds4mlx.routes.common import (
     SSE_COMMENT,
     APIError,
+    Keepalive,
+    OpenModel,
     check_tool_results,
     clamp_max_tokens,
     collect,
@@ -64,30 +65,26 @@ bp = Blueprint("openai", __name__)
 SYSTEM_FINGERPRINT = "ds4mlx"
 
 
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
 # --------------------------------------------------------------------------- schemas
 
 
-class ContentPart(_Open):
+class ContentPart(OpenModel):
     type: str
     text: str | None = None
 
 
-class FunctionCall(_Open):
+class FunctionCall(OpenModel):
     name: str
     arguments: str | dict[str, Any] = ""
 
 
-class ChatToolCall(_Open):
+class ChatToolCall(OpenModel):
     id: str
     type: str = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Open):
+class ChatMessage(OpenModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -96,22 +93,22 @@ class ChatMessage(_Open):
     reasoning_content: str | None = None
 
 
-class FunctionDef(_Open):
+class FunctionDef(OpenModel):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     parameters: dict[str, Any] | None = None
 
 
-class ChatTool(_Open):
+class ChatTool(OpenModel):
     type: str = "function"
     function: FunctionDef
 
 
-class StreamOptions(_Open):
+class StreamOptions(OpenModel):
     include_usage: bool | None = None
 
 
-class SamplingFields(_Open):
+class SamplingFields(OpenModel):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
@@ -175,20 +172,6 @@ def _finish(d: JobDone, tools: bool) -> str:
     if tools:
         return "tool_calls"
     return "stop"
-
-
-class _Keepalive:
-    """Decides when a streaming route sends a keepalive (idle for ``every`` seconds)."""
-
-    def __init__(self, every: float):
-        self.every = every
-        self.last = time.monotonic()
-
-    def sent(self) -> None:
-        self.last = time.monotonic()
-
-    def due(self) -> bool:
-        return time.monotonic() - self.last >= self.every
 
 
 # --------------------------------------------------------------------------- chat
@@ -332,7 +315,7 @@ async def _chat_stream(
             }
         )
 
-    ka = _Keepalive(keepalive_s)
+    ka = Keepalive(keepalive_s)
     yield chunk({"role": "assistant", "content": ""})
     ka.sent()
     saw_tools = False
@@ -552,7 +535,7 @@ async def _completion_stream(
     include_usage: bool,
     keepalive_s: float,
 ):
-    ka = _Keepalive(keepalive_s)
+    ka = Keepalive(keepalive_s)
     offset = len(echo)
 
     def chunk(text: str, lp=None, finish=None) -> bytes:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag
 from quart import Blueprint, request, websocket
 
 from ds4mlx.dsml import (
@@ -47,6 +47,8 @@ from ds4mlx.dsml import (
 from ds4mlx.routes.common import (
     SSE_COMMENT,
     APIError,
+    Keepalive,
+    OpenModel,
     check_auth,
     check_tool_results,
     clamp_max_tokens,
@@ -66,64 +68,59 @@ from ds4mlx.routes.common import (
     tokenize,
     validate,
 )
-from ds4mlx.routes.openai import _Keepalive
 from ds4mlx.server import GenRequest, JobDone, JobFailed, JobStarted, PrefillProgress
 
 bp = Blueprint("responses", __name__)
 
 
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
 # --------------------------------------------------------------------------- schemas
 
 
-class InputPart(_Open):
+class InputPart(OpenModel):
     type: str
     text: str | None = None
 
 
-class MessageItem(_Open):
+class MessageItem(OpenModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[InputPart]
 
 
-class FunctionCallItem(_Open):
+class FunctionCallItem(OpenModel):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str = ""
 
 
-class FunctionCallOutputItem(_Open):
+class FunctionCallOutputItem(OpenModel):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[dict[str, Any]] | None = None
 
 
-class CustomToolCallItem(_Open):
+class CustomToolCallItem(OpenModel):
     type: Literal["custom_tool_call"]
     call_id: str
     name: str
     input: str = ""
 
 
-class CustomToolCallOutputItem(_Open):
+class CustomToolCallOutputItem(OpenModel):
     type: Literal["custom_tool_call_output"]
     call_id: str
     output: str | list[dict[str, Any]] | None = None
 
 
-class ReasoningItem(_Open):
+class ReasoningItem(OpenModel):
     type: Literal["reasoning"]
     summary: list[dict[str, Any]] = Field(default_factory=list)
     content: list[dict[str, Any]] | None = None
     encrypted_content: str | None = None
 
 
-class OtherItem(_Open):
+class OtherItem(OpenModel):
     """Hosted-tool call records, compaction items, item references…"""
 
     type: str
@@ -159,7 +156,7 @@ Item = Annotated[
 ]
 
 
-class ResponsesTool(_Open):
+class ResponsesTool(OpenModel):
     type: str
     name: str | None = None
     description: str | None = None
@@ -168,12 +165,12 @@ class ResponsesTool(_Open):
     tools: list[dict[str, Any]] | None = None  # namespace groups
 
 
-class ReasoningConfig(_Open):
+class ReasoningConfig(OpenModel):
     effort: str | None = None
     summary: str | None = None
 
 
-class ResponsesRequest(_Open):
+class ResponsesRequest(OpenModel):
     """Body of ``POST /v1/responses`` (unknown fields tolerated)."""
 
     model: str = ""
@@ -573,7 +570,7 @@ class _Builder:
 
 async def _events(job, builder: _Builder, keepalive_s: float, *, comments: bool):
     """Yield Responses stream events (dicts) for ``job``; None means an SSE comment."""
-    ka = _Keepalive(keepalive_s)
+    ka = Keepalive(keepalive_s)
     for d in builder.created():
         yield d
     ka.sent()
