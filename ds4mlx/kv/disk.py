@@ -19,14 +19,13 @@ them). Disk errors never fail a request: they are logged and the cache is skippe
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
 from collections.abc import Iterable, Sequence
 
 from ds4mlx.kv import policy
-from ds4mlx.kv.store import TOOLS_KEY, DiskKVStore, Loaded
+from ds4mlx.kv.store import DiskKVStore, Loaded
 
 log = logging.getLogger("ds4mlx.kv")
 
@@ -198,21 +197,8 @@ class DiskCache:
 
         Returns the number of entries loaded. Unreadable files are skipped.
         """
-        from safetensors import safe_open
-
         n = 0
-        for e in sorted(self.store.entries(), key=lambda e: e.created):
-            if not e.tool_count:
-                continue
-            try:
-                with safe_open(str(e.path), framework="numpy") as f:
-                    raw = f.get_tensor(TOOLS_KEY).tobytes()
-                tools = json.loads(raw.decode("utf-8", "surrogatepass"))
-            except Exception as exc:  # vanished or corrupt: the store reports it on load
-                log.debug("kv cache: tool map of %s unreadable: %s", e.path, exc)
-                continue
-            if isinstance(tools, dict):
-                pairs = [(k, v) for k, v in tools.items() if isinstance(v, str)]
-                tool_memory.load(pairs)
-                n += len(pairs)
+        for _, tools in self.store.tool_maps():
+            tool_memory.load(list(tools.items()))
+            n += len(tools)
         return n

@@ -67,7 +67,7 @@ import secrets
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -803,18 +803,14 @@ class DiskKVStore:
             except KVStoreError:
                 failed.append(e.key)
 
-    def tool_memory_for(self, ids: Iterable[str]) -> dict[str, str]:
-        """Tool-memory entries for ``ids`` found in any compatible snapshot.
+    def tool_maps(self, *, newest_first: bool = False) -> Iterator[tuple[Entry, dict[str, str]]]:
+        """Yield ``(entry, {tool id: exact DSML})`` for each compatible snapshot with tools.
 
-        For exact DSML replay after a restart when the snapshot that holds a call is not
-        the one a prompt hits. Reads only the small tool-map tensors; unreadable files
-        are skipped.
+        Reads only the small tool-map tensor of each file (not the KV payload).
+        Vanished or corrupt files are skipped (their load reports them). Order is by
+        creation time, oldest first unless ``newest_first``.
         """
-        want = set(ids)
-        found: dict[str, str] = {}
-        for e in sorted(self.entries(), key=lambda e: e.created, reverse=True):
-            if not want - found.keys():
-                break
+        for e in sorted(self.entries(), key=lambda e: e.created, reverse=newest_first):
             if not e.tool_count:
                 continue
             try:
@@ -825,9 +821,21 @@ class DiskKVStore:
                 log.debug("kv cache: tool map of %s unreadable: %s", e.path, exc)
                 continue
             if isinstance(tools, dict):
-                for k in want & tools.keys():
-                    if isinstance(tools[k], str):
-                        found.setdefault(k, tools[k])
+                yield e, {k: v for k, v in tools.items() if isinstance(v, str)}
+
+    def tool_memory_for(self, ids: Iterable[str]) -> dict[str, str]:
+        """Tool-memory entries for ``ids`` found in any compatible snapshot.
+
+        For exact DSML replay after a restart when the snapshot that holds a call is not
+        the one a prompt hits; the newest snapshot holding an id wins.
+        """
+        want = set(ids)
+        found: dict[str, str] = {}
+        for _, tools in self.tool_maps(newest_first=True):
+            if not want - found.keys():
+                break
+            for k in want & tools.keys():
+                found.setdefault(k, tools[k])
         return found
 
     # ---------------------------------------------------------------- saving
