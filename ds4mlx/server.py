@@ -244,6 +244,9 @@ class GenRequest:
             too), or None for any tool.
         top_logprobs: chat ``logprobs``: None (off) or how many alternatives per token
             (0..20); the worker attaches `TokenLogprob`s to the events it emits.
+        cap_is_eos: ``max_tokens`` is ``--demo``'s cap (see
+            ``ds4mlx.routes.common.demo_cap_ends_turn``): reaching it ends the job as
+            ``"stop"`` (the noise model never samples EOS), not ``"length"``.
     """
 
     path: str
@@ -262,6 +265,7 @@ class GenRequest:
     tool_required: bool = False
     tool_name: str | None = None
     top_logprobs: int | None = None
+    cap_is_eos: bool = False
 
 
 @dataclass
@@ -842,6 +846,8 @@ class Worker:
                     job.emit(RawText(text, pending_ids, pending_lp))
                 if hit:
                     finish, stop_seq = "stop_sequence", stopper.matched
+        if finish == "length" and req.cap_is_eos and n >= req.max_tokens:
+            finish = "stop"  # --demo: the cap stands in for the noise model's EOS
         if self.tracer.enabled:
             self.tracer.write(job.id, "output", text="".join(raw), finish=finish)
         decode_s = time.monotonic() - (t_first or t0)
@@ -1014,7 +1020,8 @@ def banner(engine, config: ServerConfig, url: str) -> None:
     if config.max_tokens_cap is not None:
         t.add_row(
             "[bold]output[/]",
-            f"at most {config.max_tokens_cap} tokens per request (demo cap; change with --tokens)",
+            f"at most {config.max_tokens_cap} tokens per request (demo cap, reported as a "
+            "natural end of turn: the noise model never samples EOS; change with --tokens)",
         )
     elif config.default_max_tokens is not None:
         t.add_row("[bold]output[/]", f"{config.default_max_tokens} tokens when a request sets none")

@@ -465,3 +465,14 @@ def test_openai_chat_tool_loop_by_tool_call_id(server):
     )
     assert server.trace.last()["decision"] == "live-thinking"
     assert chat_usage(r)[1] == prev
+
+
+def test_debug_script_reset_alone_drops_the_queue(server):
+    import httpx
+
+    url = server.url + "/debug/script"
+    script(server, "a", "b")
+    r = httpx.post(url, json={"reset": True}, timeout=10)
+    assert r.status_code == 200 and r.json() == {"queued": 0}, r.text
+    r = httpx.post(url, json={}, timeout=10)
+    assert r.status_code == 400 and "give texts or tokens" in r.json()["error"]["message"]

@@ -260,3 +260,18 @@ def test_checkpointed_prefill_pauses_at_each_point(engine):
     assert seen == [(100, 100), (700, 700), (1200, 1200)]
     # Chunks end at absolute multiples of 512 and at the checkpoints.
     assert progress == [0, 100, 512, 700, 1024, 1200]
+
+
+def test_live_thinking_detail_names_a_tool_conversation():
+    """A thinking-key match over tool results (e.g. a partial set with the assistant
+    turn replayed, which rules 1-2 do not take) says so in the log, not ``ids=0``."""
+    from ds4mlx.kv.plan import _thinking_detail
+
+    head = (Message("user", "go"), Message("assistant", tool_calls=_calls("t1", "t2")))
+    partial = _conv(*head, Message("tool", "R1", tool_call_id="t1"))
+    b = ToolBinding(("t1", "t2"), 10)
+    assert _thinking_detail(partial, b) == "match=visible-key tool-results=1/2"
+    assert _thinking_detail(partial, None) == "match=visible-key tool-results=1"
+    plain = _conv(Message("user", "go"), Message("assistant", "hi"), Message("user", "more"))
+    assert _thinking_detail(plain, None) == "match=visible-key ids=0"
+    assert _thinking_detail(None, b) == "match=visible-key ids=0"

@@ -110,12 +110,37 @@ def test_demo_caps_every_request_output(demo):
     )
     body = r.json()
     assert r.status_code == 200 and body["usage"]["output_tokens"] <= DEMO_MAX_TOKENS, body
+    # The cap stands in for the noise model's EOS: a natural end of turn, never
+    # max_tokens (Claude Code retries those and then exits 1).
+    assert body["stop_reason"] in ("end_turn", "tool_use"), body
     r = httpx.post(
         f"{demo.url}/v1/chat/completions",
         json={"model": "deepseek-chat", "messages": [{"role": "user", "content": "hi"}]},
         timeout=120,
     )
-    assert r.json()["usage"]["completion_tokens"] <= DEMO_MAX_TOKENS
+    body = r.json()
+    assert body["usage"]["completion_tokens"] <= DEMO_MAX_TOKENS
+    assert body["choices"][0]["finish_reason"] in ("stop", "tool_calls"), body
+    r = httpx.post(
+        f"{demo.url}/v1/responses",
+        json={"model": "deepseek-chat", "input": "hi", "max_output_tokens": 32000},
+        timeout=120,
+    )
+    assert r.json()["status"] == "completed", r.json()
+    # The client's own smaller limit is still reported as such.
+    r = httpx.post(
+        f"{demo.url}/v1/chat/completions",
+        json={
+            "model": "deepseek-chat",
+            "max_tokens": 3,
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+        timeout=120,
+    )
+    body = r.json()
+    if body["usage"]["completion_tokens"] == 3:
+        assert body["choices"][0]["finish_reason"] == "length", body
+    assert "natural end of turn" in " ".join(demo.log().split())  # the banner says so
 
 
 @pytest.mark.parametrize("script", ["openai_sdk.py", "anthropic_sdk.py"])

@@ -50,6 +50,7 @@ from ds4mlx.kv.live import (
     ToolBinding,
     thinking_suffix,
     tool_results_suffix,
+    trailing_tool_ids,
     unexplained_tool_ids,
     unknown_id_message,
     visible_keys,
@@ -63,6 +64,20 @@ log = logging.getLogger("ds4mlx.kv")
 CHUNK = 512
 
 _LIVE_DECISION = {"responses": "live-responses", "anthropic": "live-anthropic"}
+
+
+def _thinking_detail(conv, tool_b: ToolBinding | None) -> str:
+    """Log detail of a ``live-thinking`` plan.
+
+    A tool conversation (tool results after the replayed assistant turn, e.g. a partial
+    set that rules 1-2 do not take) names its results, and how many calls the live tool
+    binding held: ``match=visible-key tool-results=1/2``; otherwise ``ids=0``.
+    """
+    results = trailing_tool_ids(conv) if conv is not None else []
+    if not results:
+        return "match=visible-key ids=0"
+    live = f"/{len(tool_b.ids)}" if tool_b is not None else ""
+    return f"match=visible-key tool-results={len(results)}{live}"
 
 
 class _Session(Protocol):
@@ -377,7 +392,7 @@ class Planner:
                     suffix_tokens=tokenizer.encode(rest),
                     decision="live-thinking",
                     cached=n,
-                    detail="match=visible-key ids=0",
+                    detail=_thinking_detail(conv, tool_b),
                 )
                 return self._with_checkpoints(plan, session, None)
 

@@ -42,6 +42,7 @@ from ds4mlx.routes.common import (
     clamp_max_tokens,
     collect,
     context_check,
+    demo_cap_ends_turn,
     error_body,
     failed_to_api,
     guard,
@@ -225,6 +226,7 @@ async def messages():
             conv.thinking, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k
         ),
         max_tokens=clamp_max_tokens(req.max_tokens, len(toks)),
+        cap_is_eos=demo_cap_ends_turn(req.max_tokens, len(toks)),
         stops=list(req.stop_sequences or []),
         thinking=conv.thinking,
         tools=conv.tools,

@@ -438,6 +438,26 @@ def clamp_max_tokens(requested: int | None, n_prompt: int) -> int:
     return max(1, min(int(want), room))
 
 
+def demo_cap_ends_turn(requested: int | None, n_prompt: int) -> bool:
+    """True when ``--demo``'s per-request cap, not the request's own limit (nor
+    ``--tokens`` for a request that sets none, nor the context), bounds the output.
+
+    The demo model is noise and never samples EOS: the cap stands in for its EOS, so a
+    turn that reaches it ends as a natural end of turn (``end_turn`` / ``stop`` /
+    ``completed``), not ``max_tokens`` (Claude Code retries those and then fails).
+    Real models (no cap) are unaffected.
+    """
+    st = state()
+    cap = st.config.max_tokens_cap
+    if cap is None:
+        return False
+    room = st.ctx_size - n_prompt
+    if requested is not None:
+        return cap < min(int(requested), room)
+    default = st.config.default_max_tokens
+    return cap < room and (default is None or cap <= default)
+
+
 def sampling_params(
     thinking: bool, *, temperature=None, top_p=None, top_k=None, min_p=None, seed=None
 ):

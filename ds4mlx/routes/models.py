@@ -12,7 +12,8 @@
 - ``POST /debug/script`` (only with ``--enable-scripted-decoding``): ``{"texts": [str]}``
   and/or ``{"tokens": [[int]]}`` queue continuations (texts first); each following job
   decodes the next one (DESIGN.md §2). ``"greedy": true`` makes those jobs decode
-  greedily once their script runs out; ``"reset": true`` drops what was queued.
+  greedily once their script runs out; ``"reset": true`` drops what was queued
+  (alone, or before queueing the texts/tokens of the same request).
 """
 
 from __future__ import annotations
@@ -162,8 +163,8 @@ async def debug_script():
     from ds4mlx.server import Script
 
     req, _ = await parse_body(ScriptRequest)
-    if not req.texts and not req.tokens:
-        raise APIError(400, "give texts or tokens", param="texts")
+    if not req.texts and not req.tokens and not req.reset:
+        raise APIError(400, "give texts or tokens (or reset)", param="texts")
     vocab = st.tokenizer.vocab_size
     if any(not 0 <= t < vocab for ids in req.tokens for t in ids):
         raise APIError(400, f"tokens: ids must be in 0..{vocab - 1}", param="tokens")

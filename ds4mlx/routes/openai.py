@@ -36,6 +36,7 @@ from ds4mlx.routes.common import (
     clamp_max_tokens,
     collect,
     context_check,
+    demo_cap_ends_turn,
     error_body,
     failed_to_api,
     guard,
@@ -192,7 +193,8 @@ async def chat_completions():
     text = render(conv)
     toks = await tokenize(text)
     context_check(len(toks))
-    max_tokens = clamp_max_tokens(req.max_completion_tokens or req.max_tokens, len(toks))
+    requested = req.max_completion_tokens or req.max_tokens
+    max_tokens = clamp_max_tokens(requested, len(toks))
     gen = GenRequest(
         path=request.path,
         prompt_tokens=toks,
@@ -206,6 +208,7 @@ async def chat_completions():
             seed=req.seed,
         ),
         max_tokens=max_tokens,
+        cap_is_eos=demo_cap_ends_turn(requested, len(toks)),
         stops=_stops(req.stop),
         thinking=conv.thinking,
         tools=conv.tools,
@@ -435,6 +438,9 @@ async def completions():
             seed=req.seed,
         ),
         max_tokens=clamp_max_tokens(
+            req.max_tokens if req.max_tokens is not None else 16, len(toks)
+        ),
+        cap_is_eos=demo_cap_ends_turn(
             req.max_tokens if req.max_tokens is not None else 16, len(toks)
         ),
         stops=_stops(req.stop),
