@@ -182,6 +182,8 @@ def test_denied_tools_have_no_effect(ws: Path) -> None:
         assert not out.ok and out.error == PERMISSION_DENIED
         assert out.text.startswith("error: permission denied")
         assert "Do not retry" in out.text
+        if tool == "bash":  # the model is told which command was refused
+            assert "touch ran.txt" in out.text, out.text
     assert not (ws / "new.txt").exists()
     assert (ws / "inside.txt").read_text() == "hello\n"
     assert not (ws / "ran.txt").exists()
@@ -196,6 +198,10 @@ def test_denied_tools_have_no_effect(ws: Path) -> None:
     # Reads never asked.
     assert tb.run("read", {"path": "inside.txt"}).ok
     assert len(rec.calls) == 4
+    long_cmd = "echo first\n" + "echo x; " * 100
+    out = tb.run("bash", {"command": long_cmd})
+    assert "foreground: echo first ⏎ echo x;" in out.text and "…" in out.text, out.text
+    assert len(out.text) < 500
 
 
 def test_failing_calls_do_not_ask(ws: Path) -> None:

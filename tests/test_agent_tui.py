@@ -6,11 +6,14 @@ what the terminal shows is known in advance while every token still runs the net
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pexpect
@@ -183,3 +186,110 @@ def test_print_mode_transcript_and_exit_codes(tiny, tmp_path):
         timeout=TIMEOUT,
     )
     assert r.returncode == 1 and "length" in r.stderr, (r.stdout, r.stderr)
+
+
+def _spawn(tiny: Path, tmp: Path, script: list[str], *extra: str) -> pexpect.spawn:
+    child = pexpect.spawn(
+        sys.executable,
+        _args(tiny, tmp, script, *extra),
+        env=_env(),
+        encoding="utf-8",
+        timeout=TIMEOUT,
+        dimensions=(40, 120),
+    )
+    child.logfile_read = open(tmp / "terminal.log", "w")  # noqa: SIM115 (for failures)
+    return child
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped) counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def test_ctrl_c_at_prompt_with_background_job(tiny, tmp_path):
+    """Ctrl+C at the prompt while a background job runs: a notice, not a crash."""
+    script = [
+        turn("Start it.", "Started.", invoke("bash", command="sleep 300; echo done",
+                                              background=True)),
+        turn("Done.", "All done."),
+        turn("Ok.", "Still here."),
+    ]  # fmt: skip
+    child = _spawn(tiny, tmp_path, script, "--yes")
+    try:
+        child.expect("type a message")
+        child.expect("› ")
+        child.sendline("start a background job")
+        child.expect("All done.")
+        child.expect("› ")
+        child.sendintr()
+        child.expect(re.escape("(Ctrl+C: /quit or Ctrl+D to exit)"))
+        child.expect("› ")
+        # A burst: the terminal's SIGINT plus forwarded copies (as `timeout CMD` sends
+        # its child and its process group); a copy may land while the notice prints.
+        for i in range(40):
+            child.sendintr()
+            time.sleep(0.001 * (i % 7))
+            os.kill(child.pid, signal.SIGINT)
+            time.sleep(0.002 * (i % 5))
+            os.kill(child.pid, signal.SIGINT)
+        child.expect(re.escape("(Ctrl+C: /quit or Ctrl+D to exit)"))
+        # A late copy may still cancel the next line being typed (that is Ctrl+C's job at
+        # the prompt): wait for quiet output, and retype if a line got lost.
+        for _ in range(5):
+            time.sleep(1)
+            with contextlib.suppress(pexpect.TIMEOUT):
+                child.read_nonblocking(1 << 20, timeout=0.5)
+            child.sendline("/ctx")
+            if child.expect(["live state", pexpect.TIMEOUT], timeout=5) == 0:
+                break
+        else:
+            raise AssertionError("the agent stopped answering after the Ctrl+C burst")
+        child.expect("› ")
+        child.sendline("still alive?")
+        child.expect("Still here.")
+        child.expect("› ")
+        child.sendline("/quit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    log = (tmp_path / "terminal.log").read_text()
+    assert child.exitstatus == 0, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP"])
+def test_sigterm_sighup_stop_jobs_and_save(tiny, tmp_path, signame):
+    """SIGTERM/SIGHUP work like /quit: background jobs stopped, session saved with KV."""
+    script = [
+        turn("Start it.", "Started.", invoke("bash", command="sleep 311; echo done",
+                                              background=True)),
+        turn("Done.", "All done."),
+    ]  # fmt: skip
+    child = _spawn(tiny, tmp_path, script, "--yes")
+    try:
+        child.expect("type a message")
+        child.expect("› ")
+        child.sendline("start a background job")
+        child.expect(r"started background job job_1 \(pid (\d+)")
+        pid = int(child.match.group(1))
+        child.expect("All done.")
+        child.expect("› ")
+        assert _alive(pid)
+        child.kill(getattr(signal, signame))
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    log = (tmp_path / "terminal.log").read_text()
+    assert child.exitstatus == 128 + getattr(signal, signame), log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    assert not _alive(pid), "background job left running"
+    rec = json.loads((tmp_path / "kv" / "agent-sessions" / "1.json").read_text())
+    assert rec["kv_key"], rec

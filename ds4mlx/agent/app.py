@@ -9,9 +9,12 @@ usage and load errors).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,7 +35,7 @@ commands:
   /think         thinking mode on for the next turns
   /nothink       thinking mode off for the next turns
   /ctx           context usage and cache state
-  /quit          save and exit (also Ctrl+D)
+  /quit          save and exit (also Ctrl+D; SIGTERM and SIGHUP do the same)
 Ctrl+C stops the model (or a running tool) and returns to the prompt."""
 
 
@@ -190,11 +193,14 @@ def run(args: argparse.Namespace) -> int:
     )
     if not interactive:
         ui.line(banner, "dim")
-        try:
-            ui.line(f"› {args.prompt}", "bold green")
-            result = agent.send(args.prompt)
-        finally:
-            agent.close()
+        with _signals(interactive=False) as sig:
+            try:
+                ui.line(f"› {args.prompt}", "bold green")
+                result = agent.send(args.prompt)
+            finally:
+                agent.close()
+        if sig.terminating:
+            return 128 + sig.terminating
         if not result.ok:
             err.print(f"ds4mlx agent: stopped: {result.status} {result.message}".rstrip())
         return 0 if result.ok else 1
@@ -204,22 +210,110 @@ def run(args: argparse.Namespace) -> int:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
         pass
-    try:
-        return repl(agent, ui)
-    finally:
-        agent.close()
-
-
-def repl(agent: Agent, ui: RichUI) -> int:
-    """Read messages and commands until ``/quit`` or end of input; returns 0."""
-    while True:
+    with _signals(interactive=True) as sig:
         try:
-            line = ui.read_line()
+            return repl(agent, ui, sig)
+        finally:
+            agent.close()
+
+
+class SignalState:
+    """What the agent's signal handlers saw (see :func:`_signals`).
+
+    Attributes:
+        reading: the prompt is reading a line (only then does SIGINT raise).
+        terminating: SIGTERM or SIGHUP arrived (its number); 0 if not.
+    """
+
+    def __init__(self) -> None:
+        self.reading = False
+        self.terminating = 0
+
+
+@contextlib.contextmanager
+def _signals(*, interactive: bool):
+    """Install the REPL's SIGINT handler and a SIGTERM/SIGHUP handler; yield their state.
+
+    SIGINT at the prompt interrupts only the line being read. Anywhere else outside a
+    model turn (printing, ``/commands``, the final save) it is dropped: a second or
+    forwarded SIGINT (a wrapper such as ``timeout`` re-sends the terminal's to its child
+    and its process group) must not kill the agent mid-print or mid-save. During a turn
+    the agent installs its own handler (stop generation / stop the running tool).
+
+    SIGTERM and SIGHUP work like ``/quit``: they interrupt what runs (as Ctrl+C would),
+    then the REPL returns and the caller saves the session and stops background jobs.
+    After SIGHUP the terminal is gone; output goes to ``/dev/null`` from then on.
+    """
+    state = SignalState()
+    if threading.current_thread() is not threading.main_thread():
+        yield state
+        return
+
+    def on_int(signum, frame):
+        if state.reading:
+            raise KeyboardInterrupt
+
+    def on_term(signum, frame):
+        first = not state.terminating
+        state.terminating = state.terminating or signum
+        if signum == signal.SIGHUP:
+            _detach_terminal()
+        if not first:
+            return
+        handler = signal.getsignal(signal.SIGINT)  # the agent's during a turn, else ours
+        if callable(handler):
+            handler(signal.SIGINT, frame)
+        else:
+            raise KeyboardInterrupt
+
+    prev = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    if interactive:
+        signal.signal(signal.SIGINT, on_int)
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGHUP, on_term)
+    try:
+        yield state
+    finally:
+        for s, h in prev.items():
+            signal.signal(s, h)
+
+
+def _detach_terminal() -> None:
+    """Point stdin/stdout/stderr at ``/dev/null`` (the terminal hung up)."""
+    try:
+        fd = os.open(os.devnull, os.O_RDWR)
+    except OSError:
+        return
+    for target in (0, 1, 2):
+        with contextlib.suppress(OSError):
+            os.dup2(fd, target)
+    os.close(fd)
+
+
+def repl(agent: Agent, ui: RichUI, sig: SignalState | None = None) -> int:
+    """Read messages and commands until ``/quit`` or end of input; returns 0.
+
+    With ``sig`` (see :func:`_signals`): returns ``128 + N`` once signal N (SIGTERM,
+    SIGHUP) asked the agent to exit.
+    """
+    sig = sig or SignalState()
+    while True:
+        if sig.terminating:
+            name = signal.Signals(sig.terminating).name
+            ui.line(f"({name}: saving the session and exiting)", "yellow")
+            return 128 + sig.terminating
+        try:
+            sig.reading = True
+            try:
+                line = ui.read_line()
+            finally:
+                sig.reading = False
         except EOFError:
             ui.line("")
             return 0
         except KeyboardInterrupt:
-            ui.line("(Ctrl+C: /quit or Ctrl+D to exit)", "dim")
+            if not sig.terminating:
+                ui.line("(Ctrl+C: /quit or Ctrl+D to exit)", "dim")
             continue
         text = line.strip()
         if not text:
@@ -252,6 +346,8 @@ def command(agent: Agent, ui: RichUI, text: str) -> str | None:
                 ui.notice("usage: /switch N (see /list)", "warn")
             else:
                 ui.line(agent.switch(int(arg)), "green")
+                # The session keeps the thinking mode it was recorded with.
+                ui.line(f"thinking {'on' if agent.thinking else 'off'} for this session", "dim")
         elif name == "/save":
             rec = agent.save("continued")
             if rec is None:

@@ -51,6 +51,8 @@ MAX_LIST_ENTRIES = 5000
 MAX_SEARCH_FILE_BYTES = 10 << 20
 MAX_MATCH_LINE_CHARS = 300
 MAX_RUNNING_JOBS = 16
+# How much of a denied command the model is told (the denial names the call).
+DENIED_COMMAND_CHARS = 200
 MAX_SUMMARY_CHARS = 8000  # permission prompts: enough to judge, bounded for the terminal
 _BINARY_SNIFF_BYTES = 8192
 _SKIP_DIRS = frozenset({".git"})
@@ -620,16 +622,19 @@ class Toolbox:
         except (ValueError, OSError):
             return os.fsdecode(filename)
 
-    def _ask(self, tool: str, summary: str) -> None:
+    def _ask(self, tool: str, summary: str, what: str | None = None) -> None:
+        """Ask permission; ``what`` names the call in the denial text (default: the
+        summary's first line)."""
         try:
             allowed = self.permissions.request(tool, summary)
         except Exception as exc:  # the UI's problem, not the model's: re-raised by run()
             raise _CallbackError() from exc
         if not allowed:
-            first = summary.splitlines()[0] if summary else tool
+            if what is None:
+                what = summary.splitlines()[0] if summary else tool
             raise ToolError(
                 PERMISSION_DENIED,
-                f"permission denied: the user did not allow this {tool} call ({first}). "
+                f"permission denied: the user did not allow this {tool} call ({what}). "
                 "Do not retry it unchanged; ask the user or take another approach.",
             )
 
@@ -915,7 +920,14 @@ class Toolbox:
             timeout = self.bash_timeout
         limit = f"timeout {timeout:g} s" if timeout is not None else "no timeout"
         mode = "background job" if background else "foreground"
-        self._ask("bash", f"run ({mode}, {limit}) in {self.workspace}:\n{_cap(command)}")
+        short = " ⏎ ".join(ln.strip() for ln in command.strip().splitlines() if ln.strip())
+        if len(short) > DENIED_COMMAND_CHARS:
+            short = short[: DENIED_COMMAND_CHARS - 1] + "…"
+        self._ask(
+            "bash",
+            f"run ({mode}, {limit}) in {self.workspace}:\n{_cap(command)}",
+            what=f"{mode}: {short}",
+        )
         if background:
             running = [j.handle for j in self.jobs.jobs if j.running]
             if len(running) >= MAX_RUNNING_JOBS:
