@@ -4,6 +4,10 @@ OpenBLAS must be preloaded at process start for MLX's CPU GEMMs to be usable
 (see ds4mlx/blas.py), so the test process re-executes itself once with it.
 """
 
+from pathlib import Path
+
+import pytest
+
 from ds4mlx.blas import ensure_openblas, needs_reexec
 
 
@@ -15,3 +19,22 @@ def pytest_configure(config):
         if capman is not None:
             capman.stop_global_capturing()
         ensure_openblas()
+
+
+@pytest.fixture(scope="session")
+def tiny_f32_dir(tmp_path_factory) -> Path:
+    """The seeded tiny DS4 checkpoint, unquantized float32 (quantized matmuls are slow on
+    the CPU). Shared read-only by every test module that needs a real engine."""
+    from ds4mlx.model.tiny import make_tiny
+
+    d = tmp_path_factory.mktemp("tiny_f32")
+    make_tiny(d, seed=0, expert_bits=None, other_bits=None)
+    return d
+
+
+@pytest.fixture
+def workspace(tmp_path) -> Path:
+    """An empty agent workspace directory."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    return ws

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from ds4mlx.agent import compaction as cmp
@@ -16,19 +14,8 @@ CTX = 4096
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory) -> Engine:
-    from ds4mlx.model.tiny import make_tiny
-
-    d = tmp_path_factory.mktemp("compaction_tiny")
-    make_tiny(d, seed=0, expert_bits=None, other_bits=None)
-    return Engine.load(d, ctx_size=CTX)
-
-
-@pytest.fixture
-def workspace(tmp_path) -> Path:
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    return ws
+def engine(tiny_f32_dir) -> Engine:
+    return Engine.load(tiny_f32_dir, ctx_size=CTX)
 
 
 LONG = "Thanks. Now " + "please continue with more numbers and explain them, " * 40

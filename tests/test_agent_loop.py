@@ -22,19 +22,8 @@ CTX = 8192
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory) -> Engine:
-    from ds4mlx.model.tiny import make_tiny
-
-    d = tmp_path_factory.mktemp("agent_tiny")
-    make_tiny(d, seed=0, expert_bits=None, other_bits=None)
-    return Engine.load(d, ctx_size=CTX)
-
-
-@pytest.fixture
-def workspace(tmp_path) -> Path:
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    return ws
+def engine(tiny_f32_dir) -> Engine:
+    return Engine.load(tiny_f32_dir, ctx_size=CTX)
 
 
 def make_store(engine, path: Path) -> DiskKVStore:

@@ -32,12 +32,8 @@ def loose(text: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    from ds4mlx.model.tiny import make_tiny
-
-    d = tmp_path_factory.mktemp("tui_tiny")
-    make_tiny(d, seed=0, expert_bits=None, other_bits=None)
-    return d
+def tiny(tiny_f32_dir) -> Path:
+    return tiny_f32_dir
 
 
 def _env() -> dict[str, str]:

@@ -23,12 +23,8 @@ ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from ds4mlx.model.tiny import make_tiny
-
-    d = tmp_path_factory.mktemp("tiny_f32")
-    make_tiny(d, seed=0, expert_bits=None, other_bits=None)
-    return d
+def tiny_dir(tiny_f32_dir):
+    return tiny_f32_dir
 
 
 @pytest.fixture(scope="module")
