@@ -216,7 +216,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from ds4mlx.server import run_serve
+    from ds4mlx.server.cli import run_serve
 
     return run_serve(args)
 

@@ -106,7 +106,7 @@ def main() -> int:
     )
     a = ap.parse_args()
     if a.demo:
-        from ds4mlx.server import ensure_demo_model
+        from ds4mlx.model.demo import ensure_demo_model
 
         a.model = str(ensure_demo_model())
     if not a.model:

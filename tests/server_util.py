@@ -36,8 +36,8 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The tiny float32 DS4 checkpoint (what ``serve --demo`` uses), made once per session."""
+    from ds4mlx.model.demo import DEMO_TINY_KWARGS
     from ds4mlx.model.tiny import make_tiny
-    from ds4mlx.server import DEMO_TINY_KWARGS
 
     d = tmp_path_factory.mktemp("tiny_serve")
     make_tiny(d, **DEMO_TINY_KWARGS)

@@ -176,7 +176,7 @@ def _job(engine, conv, protocol="anthropic", text=None):
 
 def _run(engine, planner, job, sampled: str | None = None, calls=()):
     """Plan + prefill like the worker; then feed ``sampled`` as if generated."""
-    from ds4mlx.server import JobDone, ToolCallDone
+    from ds4mlx.server.jobs import JobDone, ToolCallDone
 
     s = engine.session
     plan = planner.plan(s, engine.tokenizer, job.request.prompt_text, job)

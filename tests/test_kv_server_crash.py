@@ -57,7 +57,8 @@ def zygote() -> None:
     import ds4mlx.routes.models  # noqa: F401
     import ds4mlx.routes.openai  # noqa: F401
     import ds4mlx.routes.responses  # noqa: F401
-    import ds4mlx.server  # noqa: F401
+    import ds4mlx.server.app  # noqa: F401
+    import ds4mlx.server.cli  # noqa: F401
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped automatically
     print("ready", flush=True)

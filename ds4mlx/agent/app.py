@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         if args.model:
             err.print("ds4mlx agent: give either --model or --demo, not both")
             return 2
-        from ds4mlx.server import demo_model_dir, ensure_demo_model
+        from ds4mlx.model.demo import demo_model_dir, ensure_demo_model
 
         if not (demo_model_dir() / "config.json").is_file():
             err.print(f"making the tiny demo model in {demo_model_dir()} (once)…")

@@ -56,7 +56,7 @@ from ds4mlx.routes.common import (
     state,
     tokenize,
 )
-from ds4mlx.server import GenRequest, JobDone, JobFailed, JobStarted, PrefillProgress
+from ds4mlx.server.jobs import GenRequest, JobDone, JobFailed, JobStarted, PrefillProgress
 
 bp = Blueprint("anthropic", __name__)
 

@@ -469,7 +469,7 @@ def sampling_params(
     int (taken modulo 2**64).
     """
     from ds4mlx.engine import SamplingParams
-    from ds4mlx.server import DEFAULT_MIN_P, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+    from ds4mlx.server.jobs import DEFAULT_MIN_P, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 
     if seed is not None:
         seed = int(seed) % 2**64  # MLX keys take an unsigned 64-bit seed
@@ -635,7 +635,7 @@ async def collect(job) -> tuple[list[Any], Any]:
     Raises:
         APIError: the job failed.
     """
-    from ds4mlx.server import JobDone, JobFailed
+    from ds4mlx.server.jobs import JobDone, JobFailed
 
     events: list[Any] = []
     try:

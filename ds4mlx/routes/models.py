@@ -160,7 +160,7 @@ async def debug_script():
     st = state()
     if not st.config.scripted:
         raise APIError(404, "no route POST /debug/script", type="not_found_error", code="not_found")
-    from ds4mlx.server import Script
+    from ds4mlx.server.jobs import Script
 
     req, _ = await parse_body(ScriptRequest)
     if not req.texts and not req.tokens and not req.reset:

@@ -51,7 +51,7 @@ from ds4mlx.routes.common import (
     state,
     tokenize,
 )
-from ds4mlx.server import (
+from ds4mlx.server.jobs import (
     GenRequest,
     JobDone,
     JobFailed,

@@ -69,7 +69,7 @@ from ds4mlx.routes.common import (
     tokenize,
     validate,
 )
-from ds4mlx.server import GenRequest, JobDone, JobFailed, JobStarted, PrefillProgress
+from ds4mlx.server.jobs import GenRequest, JobDone, JobFailed, JobStarted, PrefillProgress
 
 bp = Blueprint("responses", __name__)
 

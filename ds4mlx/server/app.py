@@ -1,0 +1,231 @@
+"""The Quart app, its lifecycle, the startup banner and Hypercorn serving."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ds4mlx.server.config import ServerConfig
+from ds4mlx.server.jobs import GenRequest, Job
+from ds4mlx.server.trace import Tracer
+from ds4mlx.server.worker import Worker
+
+# --------------------------------------------------------------------------- state + app
+
+
+class ServerState:
+    """Everything the routes share: engine, worker, config, tool memory, carrier key."""
+
+    def __init__(self, engine, config: ServerConfig, worker: Worker):
+        from ds4mlx.routes.common import ReasoningCarrier, load_reasoning_key
+
+        self.engine = engine
+        self.config = config
+        self.tokenizer = engine.tokenizer
+        self.ctx_size: int = engine.ctx_size
+        self.worker = worker
+        self.tool_memory = worker.tool_memory
+        self.tracer = worker.tracer
+        self.scripts = worker.scripts
+        self.kv = worker.kv  # ds4mlx.kv.plan.Planner (live bindings, disk cache)
+        self.carrier = ReasoningCarrier(config.reasoning_key or load_reasoning_key())
+        self.started = time.time()
+
+    def submit(self, request: GenRequest) -> Job:
+        return self.worker.submit(request)
+
+
+def start_worker(load: Callable[[], Any], config: ServerConfig) -> tuple[Any, Worker]:
+    """Start the inference thread, load the engine on it (``load()``), return both.
+
+    Installs the live-continuation / disk-cache planner (``ds4mlx.kv.plan.attach``)
+    with ``config.kv``. Raises whatever ``load`` raises, or ``OSError`` when the disk
+    cache directory cannot be created.
+    """
+    from ds4mlx.dsml import ToolMemory
+    from ds4mlx.kv.plan import attach
+
+    memory = ToolMemory(config.tool_memory_max_ids, enabled=config.exact_dsml_replay)
+    worker = Worker(tool_memory=memory, tracer=Tracer(config.trace_path))
+
+    def load_and_attach():
+        engine = load()
+        # On the inference thread too: the disk cache's arrays belong to it.
+        attach(worker, engine, config.kv)
+        return engine
+
+    engine = worker.start(load_and_attach)
+    return engine, worker
+
+
+def create_app(engine, config: ServerConfig, worker: Worker):
+    """Build the Quart app serving ``engine`` through the running ``worker``.
+
+    ``engine`` and ``worker`` come from `start_worker`. The worker is stopped
+    gracefully in ``after_serving``. Routes: see ``ds4mlx.routes``.
+    """
+    from quart import Quart
+
+    from ds4mlx.routes import register
+
+    app = Quart("ds4mlx")
+    # Generation can take minutes: no response timeout from Quart itself.
+    app.config["RESPONSE_TIMEOUT"] = None
+    app.config["BODY_TIMEOUT"] = 120
+    app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
+    state = ServerState(engine, config, worker)
+    app.extensions["ds4mlx"] = state
+    register(app)
+
+    @app.after_serving
+    async def _stop() -> None:
+        await asyncio.to_thread(state.worker.stop)
+
+    return app
+
+
+# --------------------------------------------------------------------------- serving
+
+
+def banner(engine, config: ServerConfig, url: str) -> None:
+    """Print the startup banner (model, quant, context, KV bytes, BLAS, URL) with rich."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from ds4mlx.blas import active_blas
+
+    try:
+        import mlx.core as mx
+
+        device = str(mx.default_device())
+    except Exception:  # pragma: no cover
+        device = "?"
+    kv = _kv_estimate(engine)
+    t = Table(show_header=False, box=None, padding=(0, 1))
+    t.add_row("[bold]model[/]", f"{config.model_name}  ({engine.path})")
+    t.add_row(
+        "[bold]aliases[/]",
+        ", ".join(
+            f"{a} ({'thinking' if th else 'non-thinking'})" for a, th in config.aliases.items()
+        ),
+    )
+    t.add_row("[bold]quant[/]", engine.quant_desc)
+    t.add_row("[bold]context[/]", f"{engine.ctx_size} tokens")
+    if config.max_tokens_cap is not None:
+        t.add_row(
+            "[bold]output[/]",
+            f"at most {config.max_tokens_cap} tokens per request (demo cap, reported as a "
+            "natural end of turn: the noise model never samples EOS; change with --tokens)",
+        )
+    elif config.default_max_tokens is not None:
+        t.add_row("[bold]output[/]", f"{config.default_max_tokens} tokens when a request sets none")
+    if kv:
+        t.add_row("[bold]KV cache[/]", kv)
+    t.add_row("[bold]device[/]", f"{device}, BLAS {active_blas()}")
+    t.add_row(
+        "[bold]url[/]",
+        f"[cyan]{url}[/]  (OpenAI /v1/chat/completions, /v1/completions, /v1/responses; Anthropic /v1/messages)",
+    )
+    if config.api_key:
+        t.add_row("[bold]auth[/]", "API key required (Authorization: Bearer / x-api-key)")
+    if config.scripted:
+        t.add_row("[bold red]scripted[/]", "POST /debug/script enabled (tests only)")
+    if config.trace_path:
+        t.add_row("[bold]trace[/]", config.trace_path)
+    Console(stderr=True).print(t)
+
+
+def kv_bytes_at(args, n_tokens: int, dtype_bytes: int) -> int:
+    """KV-cache bytes of a session holding ``n_tokens`` (DESIGN.md §3 layout).
+
+    Per layer: the raw ring of ``window_size`` rows, plus for compressed layers one row
+    per ``ratio`` tokens, plus (ratio-``csa_ratio`` layers) the Lightning Indexer's rows.
+    The compressor frontiers (a few rows) are left out.
+    """
+    total = 0
+    ratios = list(args.compress_ratios) or [0] * args.n_layers
+    for ratio in ratios[: args.n_layers]:
+        rows = min(n_tokens, args.window_size) * args.head_dim
+        if ratio:
+            rows += (n_tokens // ratio) * args.head_dim
+            if ratio == args.csa_ratio:
+                rows += (n_tokens // ratio) * args.index_head_dim
+        total += rows * dtype_bytes
+    return total
+
+
+def _kv_estimate(engine) -> str:
+    """KV bytes at a full context, in the compute dtype (bf16 on GPU, float32 on CPU)."""
+    try:
+        import mlx.core as mx
+
+        dtype_bytes = 2 if mx.default_device() == mx.gpu else 4
+        n = kv_bytes_at(engine.args, engine.ctx_size, dtype_bytes)
+    except Exception:  # pragma: no cover - an args object without the layout fields
+        return ""
+    return f"≈{n / 2**20:.1f} MiB at {engine.ctx_size} tokens (window ring + compressed rows)"
+
+
+def serve(
+    engine, config: ServerConfig, worker: Worker, *, ready: Callable[[str], Any] | None = None
+) -> int:
+    """Run the server until SIGINT/SIGTERM; return the exit code.
+
+    ``engine``/``worker`` come from `start_worker`.
+
+    Binds ``config.host:config.port``; the URL is printed in the banner and passed to
+    ``ready`` once the sockets listen.
+    """
+    from hypercorn.asyncio import serve as hyper_serve
+    from hypercorn.config import Config as HyperConfig
+
+    app = create_app(engine, config, worker)
+    hc = HyperConfig()
+    hc.bind = [f"{_host_for_bind(config.host)}:{config.port}"]
+    hc.accesslog = None
+    hc.errorlog = logging.getLogger("hypercorn.error")
+    hc.graceful_timeout = 5.0
+    hc.keep_alive_timeout = 75.0
+    hc.h11_max_incomplete_size = 64 * 1024
+    hc.websocket_max_message_size = config.max_body_bytes
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError):  # pragma: no cover - Windows
+                pass
+
+        @app.before_serving
+        async def _announce() -> None:
+            url = _bound_url(hc, config)
+            banner(engine, config, url)
+            if ready:
+                ready(url)
+
+        async def shutdown_trigger() -> None:
+            await stop.wait()
+            # Stop generating first: the running job is cancelled and queued ones fail,
+            # so their streams end with final events now and Hypercorn's graceful close
+            # has nothing left to wait for.
+            await asyncio.to_thread(worker.stop)
+
+        await hyper_serve(app, hc, shutdown_trigger=shutdown_trigger)
+
+    asyncio.run(main())
+    return 0
+
+
+def _host_for_bind(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _bound_url(hc, config: ServerConfig) -> str:
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
+    return f"http://{_host_for_bind(host)}:{config.port}"

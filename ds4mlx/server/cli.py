@@ -1,0 +1,90 @@
+"""``ds4mlx serve``: flags → `ServerConfig`, load the model, serve until stopped."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from ds4mlx.model.demo import demo_model_dir, ensure_demo_model
+from ds4mlx.server.app import serve, start_worker
+from ds4mlx.server.config import DEMO_MAX_TOKENS, ServerConfig
+
+NO_MODEL_MESSAGE = """\
+ds4mlx serve: no model given.
+
+  Serve a DeepSeek V4 Flash checkpoint directory (config.json + *.safetensors):
+      ds4mlx serve -m /path/to/DeepSeek-V4-Flash-4bit      (or set DS4MLX_MODEL)
+  MLX conversions such as mlx-community/DeepSeek-V4-Flash-4bit load directly, e.g.
+      huggingface-cli download mlx-community/DeepSeek-V4-Flash-4bit --local-dir ~/models/ds4-flash
+
+  Or try the server right now on the tiny demo model (random weights, real tokenizer
+  and protocols; its text is noise):
+      ds4mlx serve --demo
+"""
+
+
+def run_serve(args) -> int:
+    """``ds4mlx serve``: load the model (or make the demo one) and serve until stopped."""
+    import sys
+
+    logging.basicConfig(
+        level=logging.WARNING if getattr(args, "quiet", False) else logging.INFO,
+        format="%(asctime)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
+    model = args.model or os.environ.get("DS4MLX_MODEL")
+    if args.demo:
+        if model:
+            print("ds4mlx serve: give either --model or --demo, not both", file=sys.stderr)
+            return 2
+        from rich.console import Console
+
+        path = demo_model_dir()
+        if not (path / "config.json").is_file():
+            Console(stderr=True).print(f"making the tiny demo model in {path} (once)…")
+        model = str(ensure_demo_model(path))
+    if not model:
+        print(NO_MODEL_MESSAGE, file=sys.stderr, end="")
+        return 2
+    from ds4mlx.engine import Engine
+    from ds4mlx.kv.policy import KVCacheSettings
+
+    try:
+        kv = KVCacheSettings.from_args(args)
+    except ValueError as e:
+        print(f"ds4mlx serve: {e}", file=sys.stderr)
+        return 2
+    if args.tokens is not None and args.tokens < 1:
+        print("ds4mlx serve: --tokens must be >= 1", file=sys.stderr)
+        return 2
+    cap = (args.tokens or DEMO_MAX_TOKENS) if args.demo else None
+    if args.tool_memory_max_ids < 1:
+        print("ds4mlx serve: --tool-memory-max-ids must be >= 1", file=sys.stderr)
+        return 2
+    config = ServerConfig(
+        model_name=args.served_model_name,
+        default_max_tokens=cap if args.demo else args.tokens,
+        max_tokens_cap=cap,
+        api_key=args.api_key or os.environ.get("DS4MLX_API_KEY") or None,
+        cors=args.cors,
+        trace_path=args.trace,
+        scripted=args.enable_scripted_decoding,
+        keep_billing_header=args.keep_billing_header,
+        keepalive_s=args.keepalive,
+        host=args.host,
+        port=args.port,
+        kv=kv,
+        tool_memory_max_ids=args.tool_memory_max_ids,
+        exact_dsml_replay=not args.disable_exact_dsml_tool_replay,
+    )
+    try:
+        engine, worker = start_worker(lambda: Engine.load(model, ctx_size=args.ctx), config)
+    except Exception as e:  # LoadError, TokenizerError, OSError, ValueError…
+        print(f"ds4mlx serve: cannot load model {model}: {e}", file=sys.stderr)
+        return 2
+    try:
+        return serve(engine, config, worker)
+    except OSError as e:
+        print(f"ds4mlx serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,78 @@
+"""Settings of one ``ds4mlx serve`` process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_MODEL_NAME = "deepseek-v4-flash"
+# Alias → thinking default. "deepseek-chat" is DeepSeek's own name for non-thinking mode.
+DEFAULT_ALIASES = {"deepseek-chat": False, "deepseek-reasoner": True}
+
+# ``serve --demo``: output tokens per request unless --tokens says otherwise. The demo
+# model's text is noise and it practically never samples EOS.
+DEMO_MAX_TOKENS = 256
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass
+class ServerConfig:
+    """Settings of one server (CLI flags of ``ds4mlx serve``).
+
+    Attributes:
+        model_name: the served model id (``--served-model-name``).
+        aliases: extra model ids → thinking default (``deepseek-chat`` = non-thinking).
+        default_max_tokens: output tokens when a request sets none (``--tokens``);
+            None means "until the context is full".
+        max_tokens_cap: every request's output limit is capped to this (``--demo``:
+            ``--tokens`` or `DEMO_MAX_TOKENS`), or None. The demo model is noise and
+            never samples EOS; clients that ask for 32000 tokens would wait minutes.
+        api_key: required bearer / ``x-api-key`` value, or None (``--api-key``).
+        cors: answer CORS preflights and add ``Access-Control-Allow-Origin: *``.
+        trace_path: JSON-lines trace file (``--trace``), or None.
+        scripted: enable ``POST /debug/script`` (``--enable-scripted-decoding``; tests).
+        keep_billing_header: keep Claude Code's ``x-anthropic-billing-header`` system
+            line (DESIGN.md §3).
+        keepalive_s: seconds between SSE keepalives while a stream has nothing to send.
+        max_body_bytes: larger request bodies get 413.
+        host, port: where Hypercorn binds.
+        reasoning_key: key of the reasoning carrier (AES-GCM) (Responses ``encrypted_content``,
+            Anthropic thinking ``signature``); None derives one (see
+            ``ds4mlx.routes.common.load_reasoning_key``).
+        kv: ``ds4mlx.kv.policy.KVCacheSettings`` (``--kv-disk-dir``, ``--kv-cache-*``);
+            None: no disk cache.
+        tool_memory_max_ids: tool-call ids whose exact DSML is remembered
+            (``--tool-memory-max-ids``).
+        exact_dsml_replay: render replayed tool calls from the exact sampled DSML
+            (off with ``--disable-exact-dsml-tool-replay``).
+    """
+
+    model_name: str = DEFAULT_MODEL_NAME
+    aliases: dict[str, bool] = field(default_factory=lambda: dict(DEFAULT_ALIASES))
+    default_max_tokens: int | None = None
+    max_tokens_cap: int | None = None
+    api_key: str | None = None
+    cors: bool = False
+    trace_path: str | None = None
+    scripted: bool = False
+    keep_billing_header: bool = False
+    keepalive_s: float = 10.0
+    max_body_bytes: int = 32 * 1024 * 1024
+    host: str = "127.0.0.1"
+    port: int = 8000
+    reasoning_key: bytes | None = None
+    kv: Any = None
+    tool_memory_max_ids: int = 100_000
+    exact_dsml_replay: bool = True
+
+    def model_ids(self) -> list[str]:
+        """Every model id the server answers to, the served name first."""
+        return [self.model_name, *[a for a in self.aliases if a != self.model_name]]
+
+    def thinking_default(self, model: str | None) -> bool:
+        """Thinking mode for a request naming ``model`` (unknown names: thinking on)."""
+        if model and model in self.aliases and model != self.model_name:
+            return self.aliases[model]
+        return True

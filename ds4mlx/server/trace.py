@@ -1,0 +1,47 @@
+"""``--trace FILE``: a JSON-lines record of a whole server session."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+from typing import Any
+
+
+class Tracer:
+    """``--trace FILE``: JSON lines of prompts, cache decisions, output, parser events.
+
+    One object per line: ``{"t": unix time, "job": id, "kind": ..., ...}``. Thread-safe;
+    writes are flushed per job so a crash loses at most the running one.
+    """
+
+    def __init__(self, path: str | os.PathLike | None):
+        self._lock = threading.Lock()
+        self._f = open(path, "a", encoding="utf-8") if path else None  # noqa: SIM115
+
+    @property
+    def enabled(self) -> bool:
+        return self._f is not None
+
+    def write(self, job_id: int, kind: str, **fields: Any) -> None:
+        if self._f is None:
+            return
+        rec = {"t": round(time.time(), 3), "job": job_id, "kind": kind, **fields}
+        line = json.dumps(rec, ensure_ascii=False, default=_json_default)
+        with self._lock:
+            self._f.write(line + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._f is not None:
+                self._f.close()
+                self._f = None
+
+
+def _json_default(o: Any) -> Any:
+    if dataclasses.is_dataclass(o):
+        return {"type": type(o).__name__, **dataclasses.asdict(o)}
+    return repr(o)
