@@ -82,34 +82,32 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             f"BLAS {active_blas()}, prompt {len(ids)} tokens",
             file=sys.stderr,
         )
-    det = tok.detokenizer()
-    session = engine.session
-    t0 = time.perf_counter()
-    t_first = None
-    n = 0
-    try:
-        for t in session.generate(ids, params, args.max_tokens, stop_ids={tok.eos_id}):
-            if t_first is None:
-                t_first = time.perf_counter()
-            n += 1
-            if t == tok.eos_id:
-                break
-            sys.stdout.write(det.add(t))
+    from ds4mlx.engine import RawText, TurnSpec, run_turn
+
+    def show(ev) -> None:
+        if isinstance(ev, RawText) and ev.text:
+            sys.stdout.write(ev.text)
             sys.stdout.flush()
+
+    session = engine.session
+    spec = TurnSpec(params, max_tokens=args.max_tokens, parse=False)
+    t0 = time.perf_counter()
+    try:
+        result = run_turn(session, tok, spec, prefill=ids, emit=show)
     except ContextOverflowError as e:
         print(f"ds4mlx generate: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        pass
-    sys.stdout.write(det.flush() + "\n")
+        result = None
+    sys.stdout.write("\n")
     sys.stdout.flush()
-    if args.verbose and t_first is not None:
-        t_end = time.perf_counter()
-        pre = t_first - t0
-        dec = (n - 1) / (t_end - t_first) if n > 1 and t_end > t_first else float("nan")
+    if args.verbose and result is not None:
+        pre = result.prefill_s or (time.perf_counter() - t0)
+        n = result.completion_tokens
+        dec = (n - 1) / result.decode_s if n > 1 and result.decode_s > 0 else float("nan")
         print(
             f"prompt {len(ids)} tokens in {pre:.2f}s ({len(ids) / pre:.1f} tok/s); "
-            f"generated {n} tokens, {dec:.2f} tok/s; stop={session.last_stop_reason}; "
+            f"generated {n} tokens, {dec:.2f} tok/s; stop={result.finish}; "
             f"KV {session.kv_bytes() / 1e6:.2f} MB",
             file=sys.stderr,
         )

@@ -174,28 +174,38 @@ def _job(engine, conv, protocol="anthropic", text=None):
     return SimpleNamespace(request=req)
 
 
-def _run(engine, planner, job, sampled: str | None = None, calls=()):
-    """Plan + prefill like the worker; then feed ``sampled`` as if generated."""
-    from ds4mlx.server.jobs import JobDone, ToolCallDone
-
-    s = engine.session
-    plan = planner.plan(s, engine.tokenizer, job.request.prompt_text, job)
-    if plan.keep == 0 and s.tokens:
-        s.reset()
-    plan.run_prefill(s)
-    if sampled is not None:
-        for t in engine.tokenizer.encode(sampled):
-            s.decode(t)
-    done = JobDone(
-        "stop",
-        None,
-        plan.prompt_tokens,
-        plan.cached,
-        0,
-        tool_calls=[ToolCallDone(c.id, c.name, c.arguments, None) for c in calls],
-        text="",
+def _plan(engine, planner, job, rendered_text=""):
+    """``planner.plan`` for ``job`` (``rendered_text`` defaults to the job's text)."""
+    r = job.request
+    return planner.plan(
+        engine.session,
+        prompt_tokens=r.prompt_tokens,
+        rendered_text=r.prompt_text if rendered_text == "" else rendered_text,
+        conversation=r.conversation,
+        protocol=r.protocol,
     )
-    planner.after_generation(s, engine.tokenizer, job, done)
+
+
+def _run(engine, planner, job, sampled: str | None = None, calls=()):
+    """Plan + prefill like the worker; then feed ``sampled`` as if generated (scripted,
+    through the turn loop, with an EOS that ends the turn)."""
+    from ds4mlx.engine import SamplingParams, TurnSpec, run_turn
+
+    s, tok = engine.session, engine.tokenizer
+    plan = _plan(engine, planner, job)
+    script = (tok.encode(sampled) if sampled is not None else []) + [tok.eos_id]
+    spec = TurnSpec(SamplingParams(temperature=0), max_tokens=len(script), parse=False)
+    res = run_turn(s, tok, spec, prefill=plan, script=script)
+    assert res.finish == "stop"
+    planner.after_generation(
+        s,
+        finish="stop",
+        tool_calls=list(calls),
+        prompt_text=job.request.prompt_text,
+        thinking=job.request.thinking,
+        text="",
+        protocol=job.request.protocol,
+    )
     return plan
 
 
@@ -222,7 +232,7 @@ def test_planner_order_live_then_prefix_then_cold(engine):
     # A request with an unexplained id is rejected and keeps the binding.
     bad = _conv(Message("system", "sys " * 50), user, Message("tool", "x", tool_call_id="nope"))
     with pytest.raises(PlanRejected, match="unknown tool_use_id nope"):
-        planner.plan(engine.session, engine.tokenizer, None, _job(engine, bad))
+        _plan(engine, planner, _job(engine, bad), None)
     assert planner.bound_tool_ids() == {"toolu_1", "toolu_2"}
 
     conv2 = _conv(
@@ -240,22 +250,22 @@ def test_planner_order_live_then_prefix_then_cold(engine):
     assert p.detail == "match=tool-use-ids ids=2"
     # The binding was used up: the same request again is no live match.
     assert planner.bound_tool_ids() == frozenset()
-    p = planner.plan(engine.session, engine.tokenizer, None, _job(engine, conv2, text=None))
+    p = _plan(engine, planner, _job(engine, conv2), None)
     assert not p.decision.startswith("live-")
 
 
 def test_checkpointed_prefill_pauses_at_each_point(engine):
-    from ds4mlx.kv.plan import Plan
-
     s = engine.session
     s.reset()
     toks = engine.tokenizer.encode("word " * 1500)[:1200]
     seen = []
-    plan = Plan(keep=0, suffix_tokens=toks, decision="cold", cached=0)
-    plan.checkpoints = [100, 700, 1200]
-    plan.on_checkpoint = lambda sess, n: seen.append((n, len(sess.tokens)))
     progress = []
-    fed = plan.run_prefill(s, progress=lambda d, t: progress.append(d))
+    fed = s.prefill(
+        toks,
+        progress=lambda d, t: progress.append(d),
+        checkpoints=[100, 700, 1200],
+        on_checkpoint=lambda sess, n: seen.append((n, len(sess.tokens))),
+    )
     assert fed == 1200 and len(s.tokens) == 1200
     assert seen == [(100, 100), (700, 700), (1200, 1200)]
     # Chunks end at absolute multiples of 512 and at the checkpoints.

@@ -17,6 +17,8 @@ from ds4mlx.engine import (
     SamplingParams,
     SessionState,
     SnapshotError,
+    TurnSpec,
+    run_turn,
 )
 
 ATOL = 1e-4
@@ -186,10 +188,16 @@ def test_seeded_sampling_reproducible(engine, prompt):
 
     def run(p):
         s.reset()
-        return list(s.generate(prompt[:40], p, 12))
+        out: list[int] = []
+        spec = TurnSpec(p, max_tokens=12, parse=False, ignore_eos=True)
+        res = run_turn(
+            s, engine.tokenizer, spec, prefill=prompt[:40], emit=lambda ev: out.extend(ev.tokens)
+        )
+        assert res.finish == "length" and res.completion_tokens == 12
+        return out
 
     a, b = run(params), run(params)
-    assert a == b and len(a) == 12 and s.last_stop_reason == "length"
+    assert a == b and len(a) == 12
     c = run(SamplingParams(temperature=1.0, top_p=0.95, min_p=0.01, top_k=200, seed=99))
     assert c != a
     # Degenerate filters reduce to argmax, through mlx-lm's filter functions.
@@ -203,14 +211,15 @@ def test_seeded_sampling_reproducible(engine, prompt):
     s.reset()
 
 
-def test_generate_stops_and_feeds(engine, prompt):
+def test_turn_stop_token_not_fed(engine, prompt):
+    """The feeding rule: the EOS that ends a turn is sampled but not fed (the next
+    rendered turn starts with it). Was: ``Session.generate`` fed the stop token."""
     s = engine.new_session()
-    first = list(s.generate(prompt[:30], SamplingParams(temperature=0), 1))
-    stop = first[0]
-    s.reset()
-    out = list(s.generate(prompt[:30], SamplingParams(temperature=0), 10, stop_ids={stop}))
-    assert out == [stop] and s.last_stop_reason == "stop"
-    assert s.tokens == prompt[:30] + [stop]  # the stop token was fed too
+    eos = engine.tokenizer.eos_id
+    spec = TurnSpec(SamplingParams(temperature=0), max_tokens=10, parse=False)
+    res = run_turn(s, engine.tokenizer, spec, prefill=prompt[:30], script=[11, 12, eos])
+    assert res.finish == "stop" and res.completion_tokens == 3 and res.fed == 2
+    assert s.tokens == prompt[:30] + [11, 12]
 
 
 def test_sampling_params_validated():
@@ -246,9 +255,10 @@ def test_context_overflow(engine, tiny_dir, prompt):
     with pytest.raises(ContextOverflowError):
         s.decode(1)
     s.reset()
-    out = list(s.generate(prompt[:30], SamplingParams(temperature=0), 10))
+    spec = TurnSpec(SamplingParams(temperature=0), max_tokens=10, parse=False, ignore_eos=True)
+    res = run_turn(s, small.tokenizer, spec, prefill=prompt[:30])
     # Two tokens fit; the third is sampled from the last logits but cannot be fed.
-    assert len(out) == 3 and s.last_stop_reason == "context" and len(s.tokens) == 32
+    assert res.completion_tokens == 3 and res.finish == "context" and len(s.tokens) == 32
     with pytest.raises(ValueError):
         Engine(
             engine.model,
@@ -279,5 +289,7 @@ def test_quantized_tiny_loads_and_generates(tmp_path):
     e = Engine.load(tmp_path, ctx_size=256)
     assert e.quant_desc == "experts=q2 other=q8"
     ids = e.tokenizer.encode("<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜></think>")
-    out = list(e.session.generate(ids, SamplingParams(temperature=0), 5))
+    out: list[int] = []
+    spec = TurnSpec(SamplingParams(temperature=0), max_tokens=5, parse=False, ignore_eos=True)
+    run_turn(e.session, e.tokenizer, spec, prefill=ids, emit=lambda ev: out.extend(ev.tokens))
     assert len(out) == 5 and all(0 <= t < e.args.vocab_size for t in out)

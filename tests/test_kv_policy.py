@@ -10,6 +10,7 @@ import argparse
 
 import pytest
 
+from ds4mlx.engine import prefill_chunks
 from ds4mlx.kv.policy import (
     KVCacheSettings,
     SavePoint,
@@ -18,7 +19,6 @@ from ds4mlx.kv.policy import (
     chat_anchor,
     cold_save_point,
     continued_save_points,
-    prefill_chunks,
     prefill_save_points,
     should_save_live,
     store_len,

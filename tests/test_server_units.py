@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ds4mlx.kv.plan import plan_prefill
+from ds4mlx.kv.plan import Planner
 from ds4mlx.routes.common import APIError, ReasoningCarrier, _loc_to_path, error_body
 from ds4mlx.tokenizer import Tokenizer
 
@@ -30,11 +30,14 @@ class FakeSession:
     def text(self) -> str:
         return self.tokenizer.decode(self.tokens)
 
+    def reset(self) -> None:
+        self.tokens, self.logits = [], None
 
-def _job(tokens: list[int]):
-    return SimpleNamespace(
-        request=SimpleNamespace(prompt_tokens=tokens, conversation=None, protocol="chat")
-    )
+
+def plan_prefill(session: FakeSession, tok: Tokenizer, rendered: str | None, prompt: list[int]):
+    """The planner without a disk tier or live bindings (rules 4, 5, 7)."""
+    planner = Planner(SimpleNamespace(tokenizer=tok, ctx_size=1 << 20))
+    return planner.plan(session, prompt_tokens=prompt, rendered_text=rendered)
 
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -46,7 +49,7 @@ def test_exact_token_prefix_keeps_live_and_prefills_the_rest(tok):
     )
     toks = tok.encode(prompt)
     live = toks[:7]
-    p = plan_prefill(FakeSession(tok, live), tok, prompt, _job(toks))
+    p = plan_prefill(FakeSession(tok, live), tok, prompt, toks)
     assert (p.decision, p.keep, p.cached) == ("exact-token-prefix", 7, 7)
     assert live + p.suffix_tokens == toks
 
@@ -59,7 +62,7 @@ def test_text_prefix_tokenizes_only_the_remaining_bytes(tok):
     prompt = head + "Hello world and more"
     full = tok.encode(prompt)
     assert full[: len(live)] != live  # not a token prefix: BPE merged across the boundary
-    p = plan_prefill(FakeSession(tok, live), tok, prompt, _job(full))
+    p = plan_prefill(FakeSession(tok, live), tok, prompt, full)
     assert p.decision == "text-prefix" and p.keep == len(live)
     assert p.suffix_tokens == tok.encode("ld and more")
     assert tok.decode(live + p.suffix_tokens) == prompt
@@ -69,9 +72,9 @@ def test_cold_when_live_state_diverges_or_is_empty(tok):
     prompt = BOS + "<｜User｜>new question<｜Assistant｜><think>"
     toks = tok.encode(prompt)
     other = tok.encode(BOS + "<｜User｜>old question<｜Assistant｜><think>x")
-    p = plan_prefill(FakeSession(tok, other), tok, prompt, _job(toks))
+    p = plan_prefill(FakeSession(tok, other), tok, prompt, toks)
     assert (p.decision, p.keep, p.suffix_tokens) == ("cold", 0, toks)
-    p = plan_prefill(FakeSession(tok, []), tok, prompt, _job(toks))
+    p = plan_prefill(FakeSession(tok, []), tok, prompt, toks)
     assert (p.decision, p.keep) == ("cold", 0)
 
 
@@ -79,7 +82,7 @@ def test_token_id_prompts_never_match_by_text(tok):
     head = tok.encode(BOS + "abc")
     live = head + tok.encode("Hello wor")
     prompt_ids = head + tok.encode("Hello world")
-    p = plan_prefill(FakeSession(tok, live), tok, None, _job(prompt_ids))
+    p = plan_prefill(FakeSession(tok, live), tok, None, prompt_ids)
     assert p.decision == "cold"
 
 
@@ -92,7 +95,7 @@ def test_live_state_ending_mid_utf8_character_is_not_a_text_prefix(tok):
         pytest.skip("no single-byte token for the lead byte")
     live = head + byte_ids
     prompt = BOS + "x€ rest"
-    p = plan_prefill(FakeSession(tok, live), tok, prompt, _job(tok.encode(prompt)))
+    p = plan_prefill(FakeSession(tok, live), tok, prompt, tok.encode(prompt))
     assert p.decision == "cold"
 
 

@@ -129,7 +129,6 @@ def run(args: argparse.Namespace) -> int:
             err.print(f"ds4mlx agent: bad --script-file: {e}")
             return 2
 
-    from ds4mlx.agent.loop import expert_bits_of
     from ds4mlx.agent.sessions import SessionBook
     from ds4mlx.blas import active_blas
     from ds4mlx.engine import Engine, SamplingParams
@@ -153,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
             budget_bytes=max(1, args.kv_disk_space_mb) << 20,
             model_identity=engine.identity,
             ctx_size=engine.ctx_size,
-            expert_bits=expert_bits_of(engine.quant_desc),
+            expert_bits=engine.quant.expert_bits,
         )
         book = SessionBook(kv_dir / "agent-sessions")
     except (OSError, ValueError) as e:

@@ -55,7 +55,7 @@ and rebuilds the session from ``system + summary + verbatim tail``.
 from __future__ import annotations
 
 import contextlib
-import re
+import dataclasses
 import signal
 import threading
 import time
@@ -74,13 +74,9 @@ from ds4mlx.dsml import (
     DecodeResult,
     Event,
     Message,
-    ParseError,
-    StreamDecoder,
     TextDelta,
     ThinkingDelta,
     ToolCall,
-    ToolCallEnd,
-    ToolCallStart,
     ToolMemory,
     render_assistant_turn,
     render_prompt,
@@ -90,11 +86,18 @@ from ds4mlx.dsml import (
 from ds4mlx.dsml.tokens import DSML, EOS, THINK_END
 from ds4mlx.engine import (
     DEFAULT_CHUNK,
+    FINISH_CANCELLED,
+    FINISH_STOP,
     ContextOverflowError,
     SamplingParams,
     SessionState,
     SnapshotError,
+    TurnSpec,
+    run_turn,
 )
+
+# The turn loop's finish reasons as the agent's steps name them.
+_AGENT_STOP = {FINISH_STOP: "eos", FINISH_CANCELLED: "interrupted"}
 
 # Error kind of tool results for calls the user interrupted (ToolOutcome.error).
 INTERRUPTED = "interrupted"
@@ -267,12 +270,6 @@ class AgentUI:
 # --------------------------------------------------------------------------- agent
 
 
-def expert_bits_of(quant_desc: str) -> int | None:
-    """Routed-expert bits from an engine's ``quant_desc`` (``experts=q4 other=q8`` → 4)."""
-    m = re.search(r"(?:experts=)?\bq(\d+)", quant_desc)
-    return int(m.group(1)) if m else None
-
-
 class Agent:
     """The terminal agent's loop on an engine's live session.
 
@@ -361,8 +358,10 @@ class Agent:
         self._last_prefill = (0, 0.0)
         self._fresh(thinking)
         self.session.reset()
-        if sampling is not None and sampling.seed is not None:
-            self.session.seed(sampling.seed)
+        if self.sampling.seed is not None:
+            # Seed once per agent: the turn loop reseeds whenever its params carry a seed.
+            self.session.seed(self.sampling.seed)
+            self.sampling = dataclasses.replace(self.sampling, seed=None)
 
     # ----------------------------------------------------------------- public API
 
@@ -837,87 +836,46 @@ class Agent:
         except (OSError, ValueError) as e:
             self.ui.notice(f"could not save the prompt prefix: {e}", "warn")
 
-    def _load_script(self) -> None:
-        if self.script:
-            text = self.script.popleft()
-            ids = self.tok.encode(text)
-            if not ids or ids[-1] != self.tok.eos_id:
-                ids.append(self.tok.eos_id)
-            self.session.set_script(ids)
+    def _next_script(self) -> list[int] | None:
+        """The next scripted completion's ids (tests only), EOS-terminated, or None."""
+        if not self.script:
+            return None
+        ids = self.tok.encode(self.script.popleft())
+        if not ids or ids[-1] != self.tok.eos_id:
+            ids.append(self.tok.eos_id)
+        return ids
 
     def _generate(self, *, thinking: bool, tools: bool, max_tokens: int, kind: str) -> _Generated:
-        """Sample and feed one assistant turn; the EOS is sampled but not fed."""
-        s, tok = self.session, self.tok
-        self._load_script()
-        decoder = StreamDecoder(thinking, self.conv.tools if tools else [])
-        detok = tok.detokenizer()
+        """Sample and feed one assistant turn with the engine's turn loop (the EOS is
+        sampled but not fed)."""
+        s = self.session
         start = len(s.tokens)
-        call_errors: dict[str, str] = {}
         self._phase = "model"
         self.ui.turn_start(kind)
-        t0 = time.monotonic()
-        n = 0
-        stop = "length"
 
-        open_errors: list[str] = []
-        in_call = False
+        def show(ev: Event) -> None:
+            if kind == "summary" and not isinstance(ev, ThinkingDelta | TextDelta):
+                return  # tools are off while summarizing: calls are not shown or run
+            self.ui.event(ev)
 
-        def emit(events: list[Event]) -> None:
-            nonlocal in_call
-            for ev in events:
-                # A call whose DSML needed any repair is not run: the decoder's best
-                # guess at what was meant must not touch files (DESIGN.md §4).
-                if isinstance(ev, ToolCallStart):
-                    in_call = True
-                    open_errors.clear()
-                elif isinstance(ev, ParseError) and in_call:
-                    open_errors.append(ev.message)
-                elif isinstance(ev, ToolCallEnd):
-                    in_call = False
-                    errs = ([ev.error] if ev.error else []) + [
-                        e for e in open_errors if e != ev.error
-                    ]
-                    if errs:
-                        call_errors[ev.call.id] = "; ".join(errs)
-                if kind == "summary" and not isinstance(ev, ThinkingDelta | TextDelta):
-                    continue  # tools are off while summarizing: calls are not shown or run
-                self.ui.event(ev)
-
-        try:
-            while True:
-                if self._cancel:
-                    stop = "interrupted"
-                    break
-                if n >= max_tokens:
-                    stop = "length"
-                    break
-                t = s.sample(self.sampling, greedy=decoder.in_structure)
-                n += 1
-                if t == tok.eos_id:
-                    stop = "eos"
-                    break
-                if s.room() < 1:
-                    stop = "context"
-                    break
-                s.decode(t)
-                piece = detok.add(t)
-                if piece:
-                    emit(decoder.feed(piece))
-            tail = detok.flush()
-            if tail:
-                emit(decoder.feed(tail))
-            emit(decoder.finish())
-        finally:
-            s.set_script(None)
-        dt = time.monotonic() - t0
+        spec = TurnSpec(
+            self.sampling,
+            max_tokens=max_tokens,
+            thinking=thinking,
+            tools=tuple(self.conv.tools) if tools else (),
+        )
+        res = run_turn(
+            s, self.tok, spec, emit=show, cancel=lambda: self._cancel, script=self._next_script()
+        )
+        stop = _AGENT_STOP.get(res.finish, res.finish)
         fed = len(s.tokens) - start
-        step = Step(kind, start, fed, fed, dt, stop=stop)
+        step = Step(kind, start, fed, fed, res.decode_s, stop=stop)
         self.steps.append(step)
         if kind == "answer":
             self._last_gen = step
         self.ui.turn_end(step)
-        raw = tok.decode(s.tokens[start:])
-        return _Generated(stop, decoder.result, raw, start, fed, dt, call_errors)
+        raw = self.tok.decode(s.tokens[start:])
+        return _Generated(stop, res.decoded, raw, start, fed, res.decode_s, res.call_errors)
 
     def _close_turn(self, gen: _Generated, thinking: bool) -> Message:
         """The transcript message for a generated turn; make the live state end on it.
@@ -1123,5 +1081,4 @@ __all__ = [
     "Status",
     "Step",
     "describe_messages",
-    "expert_bits_of",
 ]

@@ -20,7 +20,6 @@ them). Disk errors never fail a request: they are logged and the cache is skippe
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Iterable, Sequence
 
@@ -29,14 +28,7 @@ from ds4mlx.kv.store import DiskKVStore, Loaded
 
 log = logging.getLogger("ds4mlx.kv")
 
-__all__ = ["DiskCache", "expert_bits_of"]
-
-
-def expert_bits_of(quant_desc: str) -> int | None:
-    """Routed-expert bits from an engine's ``quant_desc`` (``"experts=q2 other=q8"`` → 2,
-    ``"q4"`` → 4); None for unquantized or non-integer (mxfp4) experts."""
-    m = re.search(r"(?:^|experts=)q(\d+)(?:\s|$)", quant_desc)
-    return int(m.group(1)) if m else None
+__all__ = ["DiskCache"]
 
 
 class DiskCache:
@@ -68,7 +60,7 @@ class DiskCache:
             budget_bytes=settings.budget_bytes,
             model_identity=engine.identity,
             ctx_size=engine.ctx_size,
-            expert_bits=expert_bits_of(engine.quant_desc),
+            expert_bits=engine.quant.expert_bits,
             reject_different_quant=settings.reject_different_quant,
         )
 

@@ -1,10 +1,11 @@
-"""What to reuse for a job, and how to prefill it (DESIGN.md §3, "matching order").
+"""What to reuse for a prompt, and how to prefill it (the prompt cache's matching order).
 
-The worker (``ds4mlx.server.Worker``) asks a planner, on the inference thread, how to put
-a job's prompt into the one live ``Session``; the answer is a `Plan`: keep every live
-token and prefill a suffix, or start from a disk snapshot, or reset and prefill all.
-`Plan.run_prefill` then feeds the suffix, pausing at disk-save checkpoints. After the
-job, the planner's ``after_generation`` remembers what a later job may continue from.
+The server's worker and the agent ask the one `Planner`, on the inference thread, how to
+put a prompt into the live ``Session``; the planner brings the session to the state to
+extend (keeps it, restores a disk snapshot, or resets it) and answers with a `Plan`: the
+suffix to prefill and the disk-save checkpoints on the way. The engine's turn loop
+(``ds4mlx.engine.run_turn``) feeds the plan. After the turn, `Planner.after_generation`
+remembers what a later prompt may continue from.
 
 `Planner` implements the whole matching order; the first rule that fits wins:
 
@@ -31,8 +32,6 @@ DeepSeek V4 caches cannot be trimmed backwards past the compressed frontier, so 
 keeps either all live tokens or none, and a snapshot at ``n`` tokens is taken while the
 session holds exactly ``n``: the prefill pauses at each checkpoint.
 
-`plan_prefill` / `after_generation` are the planner-less defaults (rules 4, 5, 7, no
-bindings), kept for callers that run a bare ``Worker``.
 """
 
 from __future__ import annotations
@@ -93,27 +92,19 @@ class _Tokenizer(Protocol):
 
 
 class PlanRejected(Exception):
-    """The job cannot be served as sent (a client error: HTTP 400).
+    """The prompt cannot be served as sent (a client mistake): ``message`` says why."""
 
-    Attributes:
-        message: the text for the client.
-        status: HTTP status (400).
-        kind: the error type (``invalid_request_error``).
-    """
-
-    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error"):
+    def __init__(self, message: str):
         super().__init__(message)
         self.message = message
-        self.status = status
-        self.kind = kind
 
 
 @dataclass
 class Plan:
-    """How to bring the live session to a job's prompt.
+    """How to bring the live session to a prompt (the session already holds ``keep``).
 
     Attributes:
-        keep: live tokens kept (``len(session.tokens)`` or 0; 0 means reset first).
+        keep: live tokens kept (the planner reset the session when 0).
         suffix_tokens: token ids to prefill after the kept ones.
         decision: the matching rule that fired (``live-responses``, ``live-anthropic``,
             ``live-chat``, ``live-thinking``, ``exact-token-prefix``, ``text-prefix``,
@@ -121,10 +112,8 @@ class Plan:
         cached: prompt tokens served from existing state (== ``keep``; a disk restore
             is done by the planner before it returns, so it counts as kept).
         detail: extra ``key=value`` words for the log line (``ids=2`` …).
-        restore: an object the worker passes to ``session.restore`` before prefilling,
-            or None (the `Planner` restores disk hits itself and leaves this None).
         checkpoints: absolute live token counts (ascending, in ``(keep, prompt_tokens]``)
-            at which `run_prefill` pauses and calls ``on_checkpoint``.
+            at which the prefill pauses and calls ``on_checkpoint``.
         on_checkpoint: ``f(session, n_tokens)``, called at each checkpoint.
         extra: free-form details for the trace.
     """
@@ -134,7 +123,6 @@ class Plan:
     decision: str
     cached: int
     detail: str = ""
-    restore: Any = None
     checkpoints: list[int] = field(default_factory=list)
     on_checkpoint: Callable[[Any, int], Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -143,57 +131,6 @@ class Plan:
     def prompt_tokens(self) -> int:
         """Tokens of the prompt as the session will hold it after prefill."""
         return self.keep + len(self.suffix_tokens)
-
-    def run_prefill(
-        self,
-        session,
-        *,
-        progress: Callable[[int, int], Any] | None = None,
-        cancel: Callable[[], bool] | None = None,
-        chunk_size: int = CHUNK,
-    ) -> int:
-        """Feed ``suffix_tokens`` to ``session`` (which holds the kept tokens).
-
-        Chunks end at absolute multiples of ``chunk_size`` and at every checkpoint;
-        after a chunk that ends at a checkpoint ``on_checkpoint(session, n)`` runs
-        (snapshots need the session at exactly ``n`` tokens: caches cannot be trimmed
-        backwards).
-
-        Args:
-            session: the live ``Session``.
-            progress: ``progress(done, total)`` in suffix tokens, before the first chunk
-                and after each one.
-            cancel: polled before each chunk; True stops the prefill (the session then
-                holds the chunks fed so far, consistently).
-            chunk_size: tokens per forward pass (>= 1).
-        Returns:
-            Suffix tokens fed (``len(suffix_tokens)`` unless cancelled).
-        Raises:
-            ds4mlx.engine.ContextOverflowError: the suffix does not fit; nothing is fed.
-        """
-        from ds4mlx.engine import ContextOverflowError
-        from ds4mlx.kv.policy import prefill_chunks
-
-        suffix = self.suffix_tokens
-        start = len(session.tokens)
-        total = len(suffix)
-        if start + total > session.ctx_size:
-            raise ContextOverflowError(start, total, session.ctx_size)
-        marks = set(self.checkpoints)
-        if progress is not None:
-            progress(0, total)
-        done = 0
-        for end in prefill_chunks(start, start + total, chunk_size, self.checkpoints):
-            if cancel is not None and cancel():
-                break
-            seg = suffix[done : end - start]
-            session.prefill(seg, chunk_size=len(seg))
-            done = end - start
-            if progress is not None:
-                progress(done, total)
-            if end in marks and self.on_checkpoint is not None:
-                self.on_checkpoint(session, end)
-        return done
 
 
 def _prefix_plan(
@@ -223,33 +160,6 @@ def _prefix_plan(
     return None
 
 
-def plan_prefill(
-    session: _Session, tokenizer: _Tokenizer, rendered_text: str | None, job: Any
-) -> Plan:
-    """Planner-less default: exact token prefix, text prefix, else cold.
-
-    Args:
-        session: the live ``ds4mlx.engine.Session`` (read only here).
-        tokenizer: the engine's ``ds4mlx.tokenizer.Tokenizer``.
-        rendered_text: the job's whole prompt text, or None when the client sent token
-            ids (then only exact token prefixes match).
-        job: the ``ds4mlx.server.Job``; ``job.request.prompt_tokens`` (the tokenization
-            of the whole prompt) is read.
-    Returns:
-        A `Plan`. Never raises for a mismatch: the fallback is ``cold``.
-    """
-    prompt = job.request.prompt_tokens
-    p = _prefix_plan(session, tokenizer, rendered_text, prompt)
-    if p is not None:
-        return p
-    return Plan(keep=0, suffix_tokens=list(prompt), decision="cold", cached=0)
-
-
-def after_generation(session: _Session, tokenizer: _Tokenizer, job: Any, outcome: Any) -> None:
-    """Planner-less default of the after-job hook: remembers nothing."""
-    return None
-
-
 # --------------------------------------------------------------------------- planner
 
 
@@ -267,9 +177,33 @@ class Planner:
             replayed in this live session, or restored with it); persisted with its
             snapshots.
 
-    Hooks for ``ds4mlx.server.Worker`` (all on the inference thread): `plan`
-    (``planner``), `after_generation` (``after_job``), `after_token`, `on_shutdown`.
+    Called on the inference thread: `plan` before a turn, `after_token` after each
+    generated token is fed, `after_generation` after the turn, `on_shutdown` at exit.
     """
+
+    @classmethod
+    def open(cls, engine, settings=None, tool_memory=None) -> Planner:
+        """A planner for ``engine``, with a disk cache when ``settings`` enable one.
+
+        Args:
+            engine: the loaded engine (on the inference thread: the disk cache's arrays
+                belong to it).
+            settings: ``ds4mlx.kv.policy.KVCacheSettings``, or None for no disk cache.
+                The tool-memory entries persisted in the cache are reloaded.
+            tool_memory: the ``ds4mlx.dsml.ToolMemory`` of sampled calls, or None.
+        Raises:
+            OSError: the disk directory cannot be created.
+        """
+        disk = None
+        if settings is not None and settings.enabled:
+            from ds4mlx.kv.disk import DiskCache
+
+            disk = DiskCache(engine, settings)
+            if tool_memory is not None and tool_memory.enabled:
+                n = disk.reload_tool_memory(tool_memory)
+                if n:
+                    log.info("kv cache: reloaded %d tool-memory entries", n)
+        return cls(engine, tool_memory, disk)
 
     def __init__(self, engine, tool_memory=None, disk=None):
         self.engine = engine
@@ -332,24 +266,33 @@ class Planner:
 
     # ---------------------------------------------------------------- the hooks
 
-    def plan(self, session, tokenizer, rendered_text: str | None, job) -> Plan:
-        """Decide (and, for a disk hit, restore) how to serve ``job``; see the module doc.
+    def plan(
+        self,
+        session,
+        *,
+        prompt_tokens: list[int],
+        rendered_text: str | None,
+        conversation=None,
+        protocol: str = "chat",
+    ) -> Plan:
+        """Decide how to serve a prompt and bring ``session`` to the state to extend.
 
         Args:
-            session: the live ``Session``. Changed only for a disk hit (restored) and
-                by an ``evict`` save (read only); otherwise the worker applies the plan.
-            tokenizer: the engine's tokenizer.
-            rendered_text: the job's rendered prompt, or None for token-id prompts.
-            job: the ``ds4mlx.server.Job`` (``request.prompt_tokens``,
-                ``request.conversation``, ``request.protocol``).
+            session: the live ``Session``: kept, restored from a disk hit, or reset (after
+                an ``evict`` save) — the returned plan's suffix goes on top of it.
+            prompt_tokens: the tokenization of the whole prompt.
+            rendered_text: the rendered prompt, or None for token-id prompts.
+            conversation: the ``ds4mlx.dsml.Conversation`` it was rendered from, or None.
+            protocol: ``anthropic``, ``chat``, ``responses``, ``completions``, ``agent``
+                (names the id field in decisions and errors).
         Returns:
-            A `Plan` (``restore`` is always None).
+            A `Plan`.
         Raises:
-            PlanRejected: a tool result that nothing explains (client error).
+            PlanRejected: a tool result that nothing explains (client error); the
+                session and the bindings are unchanged.
         """
-        req = job.request
-        conv = getattr(req, "conversation", None)
-        protocol = getattr(req, "protocol", "chat")
+        tokenizer = self.engine.tokenizer
+        conv = conversation
         n = len(session.tokens)
         live_ok = n > 0 and session.logits is not None
         tool_b, think_b = self.bindings.tool, self.bindings.thinking
@@ -397,7 +340,7 @@ class Planner:
                 return self._with_checkpoints(plan, session, None)
 
         # 4-5: token or text prefix of the live state.
-        prompt = req.prompt_tokens
+        prompt = prompt_tokens
         plan = _prefix_plan(session, tokenizer, rendered_text, prompt)
         if plan is not None:
             plan.detail = "ids=0"
@@ -417,6 +360,7 @@ class Planner:
 
         # 7: cold.
         self._evict_live(session)
+        session.reset()
         self._replaced()
         self._note_replayed(conv)
         plan = Plan(keep=0, suffix_tokens=list(prompt), decision="cold", cached=0, detail="ids=0")
@@ -449,33 +393,48 @@ class Planner:
             detail=f"ids=0 key={loaded.entry.key[:12]} reason={loaded.entry.reason} load={ms:.0f}ms",
         )
 
-    def after_generation(self, session, tokenizer, job, outcome) -> None:
-        """Remember what the next job may continue from (on the inference thread).
+    def after_generation(
+        self,
+        session,
+        *,
+        finish: str,
+        tool_calls: list = (),
+        prompt_text: str | None = None,
+        thinking: bool = False,
+        text: str = "",
+        protocol: str = "chat",
+    ) -> None:
+        """Remember what the next prompt may continue from (on the inference thread).
+
+        Args:
+            session: the live session after the turn.
+            finish: the turn's finish reason (``stop`` is an end of turn).
+            tool_calls: the ``ds4mlx.dsml.ToolCall``s the turn sampled, in order.
+            prompt_text: the rendered prompt of the turn, or None for a raw turn.
+            thinking: the prompt opened ``<think>``.
+            text: the visible text the client saw (after stop strings).
+            protocol: as in `plan`.
 
         After a turn that ended with EOS: the sampled tool-call ids with the live token
         count (`ToolBinding`), and in thinking mode the turn's visible key
         (`ThinkingBinding`). Any other ending (max tokens, stop sequence, cancel) leaves
         no binding: the live state then holds tokens the client never saw as a turn.
         """
-        from ds4mlx.dsml import ToolCall, render_tool_calls
+        from ds4mlx.dsml import render_tool_calls
         from ds4mlx.dsml.tokens import THINK_START
 
-        req = job.request
         self.bindings.clear()
-        for c in outcome.tool_calls:
+        for c in tool_calls:
             if c.id:
                 self.live_tool_ids[c.id] = None
-        if outcome.finish != "stop" or not req.parse:
+        if finish != "stop" or prompt_text is None:
             return
         n = len(session.tokens)
-        calls = [ToolCall(c.id, c.name, c.arguments, c.dsml) for c in outcome.tool_calls]
+        calls = list(tool_calls)
         if calls and all(c.id for c in calls):
-            self.bindings.tool = ToolBinding(tuple(c.id for c in calls), n, req.protocol)
-        prompt = req.prompt_text
-        if req.thinking and prompt and prompt.endswith(THINK_START):
-            keys = visible_keys(
-                prompt, getattr(outcome, "text", ""), render_tool_calls(calls, self.tool_memory)
-            )
+            self.bindings.tool = ToolBinding(tuple(c.id for c in calls), n, protocol)
+        if thinking and prompt_text.endswith(THINK_START):
+            keys = visible_keys(prompt_text, text, render_tool_calls(calls, self.tool_memory))
             self.bindings.thinking = ThinkingBinding(keys, n)
 
     def after_token(self, session) -> None:
@@ -488,37 +447,3 @@ class Planner:
         """Clean exit: save the live state (``shutdown``) when worth it."""
         if self.disk is not None and self.disk.worth_saving(len(session.tokens)):
             self.disk.save_live(session, "shutdown", self.tool_memory, self.live_tool_ids)
-
-
-def attach(worker, engine, settings=None, *, tool_memory=None) -> Planner:
-    """Install a `Planner` on ``worker`` (planner, after_job, after_token, on_shutdown).
-
-    Args:
-        worker: the ``ds4mlx.server.Worker`` (its hooks are replaced; ``worker.kv`` is
-            set to the planner).
-        engine: the loaded engine.
-        settings: ``ds4mlx.kv.policy.KVCacheSettings``; a disk cache is opened when its
-            ``disk_dir`` is set, and the tool-memory entries persisted there are reloaded.
-        tool_memory: defaults to ``worker.tool_memory``.
-    Returns:
-        The planner.
-    Raises:
-        OSError: the disk directory cannot be created.
-    """
-    tool_memory = tool_memory if tool_memory is not None else worker.tool_memory
-    disk = None
-    if settings is not None and settings.enabled:
-        from ds4mlx.kv.disk import DiskCache
-
-        disk = DiskCache(engine, settings)
-        if tool_memory is not None and tool_memory.enabled:
-            n = disk.reload_tool_memory(tool_memory)
-            if n:
-                log.info("kv cache: reloaded %d tool-memory entries", n)
-    planner = Planner(engine, tool_memory, disk)
-    worker.planner = planner.plan
-    worker.after_job = planner.after_generation
-    worker.after_token = planner.after_token
-    worker.on_shutdown.append(planner.on_shutdown)
-    worker.kv = planner
-    return planner

@@ -31,7 +31,7 @@ class ServerState:
         self.tool_memory = worker.tool_memory
         self.tracer = worker.tracer
         self.scripts = worker.scripts
-        self.kv = worker.kv  # ds4mlx.kv.plan.Planner (live bindings, disk cache)
+        self.kv = worker.planner  # ds4mlx.kv.plan.Planner (live bindings, disk cache)
         self.carrier = ReasoningCarrier(config.reasoning_key or load_reasoning_key())
         self.started = time.time()
 
@@ -42,23 +42,15 @@ class ServerState:
 def start_worker(load: Callable[[], Any], config: ServerConfig) -> tuple[Any, Worker]:
     """Start the inference thread, load the engine on it (``load()``), return both.
 
-    Installs the live-continuation / disk-cache planner (``ds4mlx.kv.plan.attach``)
-    with ``config.kv``. Raises whatever ``load`` raises, or ``OSError`` when the disk
-    cache directory cannot be created.
+    The worker opens the prompt cache (``ds4mlx.kv.plan.Planner``) with ``config.kv``.
+    Raises whatever ``load`` raises, or ``OSError`` when the disk cache directory cannot
+    be created.
     """
     from ds4mlx.dsml import ToolMemory
-    from ds4mlx.kv.plan import attach
 
     memory = ToolMemory(config.tool_memory_max_ids, enabled=config.exact_dsml_replay)
-    worker = Worker(tool_memory=memory, tracer=Tracer(config.trace_path))
-
-    def load_and_attach():
-        engine = load()
-        # On the inference thread too: the disk cache's arrays belong to it.
-        attach(worker, engine, config.kv)
-        return engine
-
-    engine = worker.start(load_and_attach)
+    worker = Worker(tool_memory=memory, tracer=Tracer(config.trace_path), kv_settings=config.kv)
+    engine = worker.start(load)
     return engine, worker
 
 

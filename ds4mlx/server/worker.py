@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ds4mlx.dsml import TextDelta
 from ds4mlx.server.jobs import (
     GenRequest,
     Job,
@@ -40,31 +41,31 @@ class Worker:
         tracer: a `Tracer` (may be disabled).
         scripts: deque of scripted continuations (texts or `Script`s) for
             ``--enable-scripted-decoding``; each job pops the next one.
+        kv_settings: ``ds4mlx.kv.policy.KVCacheSettings`` of the prompt cache's disk
+            tier, or None.
 
-    Hooks, all run on the worker thread with the session: ``planner`` (default
-    ``ds4mlx.kv.plan.plan_prefill``; may raise ``ds4mlx.kv.plan.PlanRejected`` for a
-    client error), ``after_job`` (default ``ds4mlx.kv.plan.after_generation``),
-    ``after_token`` (after each generated token is fed, or None) and ``on_shutdown``.
-    ``ds4mlx.kv.plan.attach`` installs the full live-continuation / disk-cache planner
-    and sets ``kv`` to it.
+    Attributes:
+        planner: the ``ds4mlx.kv.plan.Planner`` (set once the engine is loaded): what
+            each job reuses, live bindings, disk snapshots.
+
+    A job: plan (the planner brings the session to the state to extend) → the engine's
+    turn loop (``ds4mlx.engine.run_turn``: prefill, sample, feed) with the job's
+    events mapped to `ds4mlx.server.jobs` events → the planner remembers the bindings.
     """
 
-    def __init__(self, *, tool_memory, tracer: Tracer | None = None, scripts=None):
-        from ds4mlx.kv import plan as kvplan
-
+    def __init__(
+        self, *, tool_memory, tracer: Tracer | None = None, scripts=None, kv_settings=None
+    ):
         self.engine = None
         self.session = None
         self.tokenizer = None
+        self.planner: Any = None
+        self.kv_settings = kv_settings
         self.tool_memory = tool_memory
         self.tracer = tracer or Tracer(None)
         self.scripts: collections.deque[str | Script] = (
             scripts if scripts is not None else collections.deque()
         )
-        self.planner: Callable[..., Any] = kvplan.plan_prefill
-        self.after_job: Callable[..., Any] = kvplan.after_generation
-        self.after_token: Callable[[Any], Any] | None = None
-        self.on_shutdown: list[Callable[[Any], Any]] = []
-        self.kv: Any = None
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._pending = 0
         self._lock = threading.Lock()
@@ -96,9 +97,18 @@ class Worker:
                 box["error"] = e
                 ready.set()
                 return
+            from ds4mlx.kv.plan import Planner
+
             self.engine = engine
             self.session = engine.session
             self.tokenizer = engine.tokenizer
+            try:
+                # On this thread: the disk cache's arrays belong to it.
+                self.planner = Planner.open(engine, self.kv_settings, self.tool_memory)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box["error"] = e
+                ready.set()
+                return
             ready.set()
             try:
                 self._run()
@@ -189,11 +199,10 @@ class Worker:
             finally:
                 self.current = None
                 self._finish(job)
-        for hook in self.on_shutdown:
-            try:
-                hook(self.session)
-            except Exception:
-                log.exception("shutdown hook failed")
+        try:
+            self.planner.on_shutdown(self.session)
+        except Exception:
+            log.exception("shutdown save failed")
 
     def _finish(self, job: Job) -> None:
         with self._lock:
@@ -201,35 +210,28 @@ class Worker:
         self.jobs_done += 1
 
     def _run_job(self, job: Job) -> None:
-        from ds4mlx.engine import ContextOverflowError
+        from ds4mlx.engine import ContextOverflowError, run_turn
+        from ds4mlx.kv.plan import PlanRejected
 
         req = job.request
         s, tok = self.session, self.tokenizer
         t_start = time.monotonic()
-        from ds4mlx.kv.plan import PlanRejected
-
         try:
-            plan = self.planner(s, tok, req.prompt_text, job)
+            plan = self.planner.plan(
+                s,
+                prompt_tokens=req.prompt_tokens,
+                rendered_text=req.prompt_text,
+                conversation=req.conversation,
+                protocol=req.protocol,
+            )
         except PlanRejected as e:
-            job.emit(JobFailed(e.message, e.status, e.kind))
+            job.emit(JobFailed(e.message, 400, "invalid_request_error"))
             return
-        script = None
-        if self.scripts:
-            script = self.scripts.popleft()
-        if plan.restore is not None:
-            s.restore(plan.restore)
-        elif plan.keep == 0 and s.tokens:
-            s.reset()
-        if plan.prompt_tokens >= s.ctx_size:
+        script = self.scripts.popleft() if self.scripts else None
+        if plan.prompt_tokens >= s.ctx_size or plan.prompt_tokens == 0:
             # The route checked the full tokenization; a text-prefix plan may differ by a
             # few tokens. Refuse rather than overflow.
-            job.emit(
-                JobFailed(
-                    f"prompt is {plan.prompt_tokens} tokens; the context is {s.ctx_size}",
-                    400,
-                    "context_length_exceeded",
-                )
-            )
+            job.emit(_prompt_error(plan.prompt_tokens, s.ctx_size))
             return
         self.tracer.write(
             job.id, "prompt", path=req.path, text=req.prompt_text, tokens=len(req.prompt_tokens)
@@ -243,331 +245,169 @@ class Worker:
             detail=plan.detail,
         )
         job.emit(JobStarted(plan.prompt_tokens, plan.cached, plan.decision))
-
-        # ---- prefill
-        t0 = time.monotonic()
-        suffix = plan.suffix_tokens
-        last = [0.0]
-
-        def progress(done: int, total: int) -> None:
-            now = time.monotonic()
-            if now - last[0] > 0.5 or done == total:
-                last[0] = now
-                job.emit(PrefillProgress(done, total))
-
-        fed = 0
-        if suffix:
-            try:
-                fed = plan.run_prefill(s, progress=progress, cancel=job.cancelled)
-            except ContextOverflowError as e:
-                job.emit(JobFailed(str(e), 400, "context_length_exceeded"))
-                return
-        prefill_s = time.monotonic() - t0
-        if fed < len(suffix) or job.cancelled():
-            self._done(
-                job,
-                plan,
-                JobDone("cancelled", None, plan.prompt_tokens, plan.cached, 0),
-                prefill_s,
-                0.0,
-                t_start,
-                prefilled=fed,
+        try:
+            result = run_turn(
+                s,
+                tok,
+                _turn_spec(req, script),
+                prefill=plan,
+                emit=self._emitter(job),
+                cancel=job.cancelled,
+                progress=_throttled_progress(job),
+                tool_memory=self.tool_memory,
+                after_token=self.planner.after_token,
+                script=_script_ids(script, tok),
             )
+        except ContextOverflowError as e:
+            job.emit(JobFailed(str(e), 400, "context_length_exceeded"))
             return
-        if s.logits is None:
-            job.emit(JobFailed("empty prompt", 400, "invalid_request_error"))
-            return
+        if self.tracer.enabled:
+            self.tracer.write(job.id, "output", text=result.raw, finish=result.finish)
+        self._done(job, plan, result, t_start)
 
-        # ---- decode
-        greedy_after_script = False
-        if script is not None:
-            greedy_after_script = bool(getattr(script, "greedy", False))
-            ids = getattr(script, "tokens", None)
-            s.set_script(ids if ids is not None else tok.encode(getattr(script, "text", script)))
-        if req.sampling.seed is not None:
-            s.seed(req.sampling.seed)
+    def _emitter(self, job: Job) -> Callable[[Any], None]:
+        """``emit`` for the turn loop: engine events → job events (+ the trace)."""
+        from ds4mlx.engine import RawText as EngineRawText
+        from ds4mlx.engine import TokenLogprob as EngineLogprob
+
+        tok = self.tokenizer
+
+        def emit(ev: Any) -> None:
+            if isinstance(ev, EngineLogprob):
+                job.emit(_chat_logprob(tok, ev))
+            elif isinstance(ev, EngineRawText):
+                lps = [_raw_logprob(tok, lp) for lp in ev.logprobs]
+                job.emit(RawText(ev.text, ev.tokens, lps))
+            else:
+                if self.tracer.enabled and not isinstance(ev, TextDelta):
+                    self.tracer.write(job.id, "parser", event=ev)
+                job.emit(ev)
+
+        return emit
+
+    def _done(self, job: Job, plan, result, t_start: float) -> None:
+        """Report the turn (bindings, event, trace, log line)."""
+        from ds4mlx.engine import FINISH_CONTEXT
+
+        req = job.request
+        finish = "length" if result.finish == FINISH_CONTEXT else result.finish
+        calls = list(result.tool_calls)
+        outcome = JobDone(
+            finish=finish,
+            stop_sequence=result.stop_sequence,
+            prompt_tokens=plan.prompt_tokens,
+            cached_tokens=plan.cached,
+            completion_tokens=result.completion_tokens,
+            reasoning_tokens=result.reasoning_tokens,
+            tool_calls=[ToolCallDone(c.id, c.name, c.arguments, c.dsml) for c in calls],
+            reasoning=result.reasoning,
+            prefill_s=result.prefill_s,
+            decode_s=result.decode_s,
+            decision=plan.decision,
+            text=result.text,
+        )
         try:
-            outcome = self._generate(job, plan, greedy_after_script=greedy_after_script)
-        finally:
-            if script is not None:
-                s.set_script(None)
-        outcome.prefill_s = prefill_s
-        self._done(job, plan, outcome, prefill_s, outcome.decode_s, t_start)
-
-    def _done(
-        self,
-        job: Job,
-        plan,
-        outcome: JobDone,
-        prefill_s: float,
-        decode_s: float,
-        t_start: float,
-        *,
-        prefilled: int | None = None,
-    ) -> None:
-        """Report ``outcome`` (hooks, event, trace, log line).
-
-        ``prefilled``: suffix tokens actually fed when the prefill was cut short
-        (cancelled); None means the whole suffix was.
-        """
-        outcome.prefill_s = prefill_s
-        outcome.decode_s = decode_s
-        outcome.decision = plan.decision
-        try:
-            self.after_job(self.session, self.tokenizer, job, outcome)
+            self.planner.after_generation(
+                self.session,
+                finish=finish,
+                tool_calls=calls,
+                prompt_text=req.prompt_text if req.parse else None,
+                thinking=req.thinking,
+                text=result.text,
+                protocol=req.protocol,
+            )
         except Exception:
-            log.exception("after-job hook failed")
+            log.exception("after-generation bookkeeping failed")
         job.emit(outcome)
         self.tracer.write(
             job.id,
             "done",
             **{k: v for k, v in dataclasses.asdict(outcome).items() if k != "reasoning"},
         )
-        n_suffix = len(plan.suffix_tokens)
-        n_pre = n_suffix if prefilled is None else prefilled
-        pre_rate = n_pre / prefill_s if prefill_s > 0 else 0.0
-        if n_pre < n_suffix:
-            # Cut short: only what was fed counts; a rate over a partial chunk or none
-            # at all would be noise.
-            prefill = f"cancelled after {n_pre}/{n_suffix} tokens in {prefill_s:.2f}s"
-        else:
-            prefill = f"{pre_rate:.1f} tok/s"
-        dec_rate = (
-            (outcome.completion_tokens - 1) / decode_s
-            if decode_s > 0 and outcome.completion_tokens > 1
-            else 0.0
-        )
-        extra = f" {plan.detail}" if plan.detail else ""
         log.info(
             "%s %s%s prompt=%d cached=%d generated=%d prefill=%s decode=%.1f tok/s finish=%s wait=%.2fs",
-            job.request.path,
+            req.path,
             plan.decision,
-            extra,
+            f" {plan.detail}" if plan.detail else "",
             outcome.prompt_tokens,
             outcome.cached_tokens,
             outcome.completion_tokens,
-            prefill,
-            dec_rate,
+            _prefill_words(len(plan.suffix_tokens), result.prefilled, result.prefill_s),
+            (outcome.completion_tokens - 1) / result.decode_s
+            if result.decode_s > 0 and outcome.completion_tokens > 1
+            else 0.0,
             outcome.finish,
             t_start - job.submitted,
         )
 
-    def _generate(self, job: Job, plan, *, greedy_after_script: bool = False) -> JobDone:
-        """Sample, feed and stream tokens until EOS, a stop, max_tokens or a full context.
 
-        ``greedy_after_script``: argmax once a script runs out (scripted tests stay
-        deterministic whatever the request's sampling).
-        """
-        from ds4mlx.dsml import StopMatcher, StreamDecoder, TextDelta, ThinkingDelta, ToolCallEnd
-        from ds4mlx.dsml.tokens import INVOKE_OPEN, TOOL_CALLS_OPEN, TOOL_CALLS_SEP
-
-        req = job.request
-        s, tok = self.session, self.tokenizer
-        eos = tok.eos_id
-        think_end = tok.think_end_id
-        decoder = (
-            StreamDecoder(req.thinking, req.tools, id_prefix=req.id_prefix) if req.parse else None
-        )
-        stopper = StopMatcher(req.stops)
-        detok = tok.detokenizer()
-        # Sampling n tokens feeds n-1 of them: room + 1 tokens can be sampled.
-        budget = max(0, min(req.max_tokens, s.room() + 1))
-        n = 0
-        reasoning_tokens = 0
-        in_thinking = req.thinking and req.parse
-        reasoning_parts: list[str] = []
-        tool_calls: list[ToolCallDone] = []
-        raw: list[str] = []
-        finish = "length"
-        stop_seq = None
-        logprob_fn = _make_logprobs(tok) if req.logprobs is not None else None
-        pending_lp: list[tuple[str, float, dict[str, float]]] = []
-        pending_ids: list[int] = []
-        visible: list[str] = []
-        chat_lp = _make_chat_logprobs(tok) if req.parse and req.top_logprobs is not None else None
-        after_token = self.after_token
-        t0 = time.monotonic()
-        t_first = None
-        # Forced tool_choice: once the visible reply starts (now in chat mode, after
-        # </think> in thinking mode) the tool-call block's opening is fed as if sampled;
-        # it is part of the live state and of the sampled DSML, and the model continues
-        # from it (the tool name too, unless one was named).
-        forced: collections.deque[int] = collections.deque()
-        force_text = None
-        if req.parse and req.tool_required and req.tools:
-            force_text = f'{TOOL_CALLS_SEP}{TOOL_CALLS_OPEN}\n{INVOKE_OPEN} name="'
-            if req.tool_name:
-                force_text += f'{req.tool_name}">\n'
-            if not in_thinking:
-                forced.extend(tok.encode(force_text))
-                force_text = None
-
-        def emit_text(text: str) -> None:
-            visible.append(text)
-            job.emit(TextDelta(text))
-
-        def out(events: list[Any]) -> bool:
-            """Forward decoder events through the stop matcher; True once a stop matched."""
-            for ev in events:
-                if isinstance(ev, TextDelta):
-                    text, hit = stopper.feed(ev.text)
-                    if text:
-                        emit_text(text)
-                    if hit:
-                        return True
-                    continue
-                held = stopper.flush()
-                if held:
-                    emit_text(held)
-                if isinstance(ev, ThinkingDelta):
-                    reasoning_parts.append(ev.text)
-                elif isinstance(ev, ToolCallEnd):
-                    c = ev.call
-                    tool_calls.append(ToolCallDone(c.id, c.name, c.arguments, c.dsml))
-                    if c.dsml:
-                        self.tool_memory.put(c.id, c.dsml)
-                if self.tracer.enabled:
-                    self.tracer.write(job.id, "parser", event=ev)
-                job.emit(ev)
-            return False
-
-        while True:
-            if job.cancelled():
-                finish = "cancelled"
-                break
-            if n >= budget:
-                finish = "length"
-                break
-            greedy = bool(decoder is not None and decoder.in_structure) or greedy_after_script
-            if logprob_fn is not None:
-                lp = logprob_fn(s.logits, req.logprobs)
-            visible_token = not in_thinking
-            if chat_lp is not None and visible_token:
-                clp = chat_lp(s.logits, req.top_logprobs)
-            t = forced.popleft() if forced else s.sample(req.sampling, greedy=greedy)
-            if t_first is None:
-                t_first = time.monotonic()
-            n += 1
-            if in_thinking:
-                reasoning_tokens += 1
-                if t == think_end:
-                    in_thinking = False
-                    if force_text is not None:
-                        forced.extend(tok.encode(force_text))
-                        force_text = None
-            if t == eos:
-                finish = "stop"
-                break
-            piece = detok.add(t)
-            raw.append(piece)
-            if chat_lp is not None and visible_token:
-                job.emit(clp(t))
-            if decoder is not None:
-                if out(decoder.feed(piece)):
-                    finish, stop_seq = "stop_sequence", stopper.matched
-                    break
-            else:
-                pending_ids.append(t)
-                if logprob_fn is not None:
-                    pending_lp.append(lp(t))
-                if piece:
-                    text, hit = stopper.feed(piece)
-                    if text or hit:
-                        job.emit(RawText(text, pending_ids, pending_lp))
-                        pending_ids, pending_lp = [], []
-                    if hit:
-                        finish, stop_seq = "stop_sequence", stopper.matched
-                        break
-            if n >= budget:
-                finish = "length"
-                break
-            s.decode(t)
-            if after_token is not None:
-                after_token(s)
-
-        # Flush what the detokenizer, decoder and stop matcher still hold.
-        if finish != "stop_sequence":
-            tail = detok.flush()
-            if decoder is not None:
-                evs = decoder.feed(tail) if tail else []
-                evs += decoder.finish()
-                if out(evs):
-                    finish, stop_seq = "stop_sequence", stopper.matched
-                held = stopper.flush()
-                if held:
-                    emit_text(held)
-            else:
-                text, hit = stopper.feed(tail) if tail else ("", False)
-                text += stopper.flush() if not hit else ""
-                if text or pending_ids:
-                    job.emit(RawText(text, pending_ids, pending_lp))
-                if hit:
-                    finish, stop_seq = "stop_sequence", stopper.matched
-        if finish == "length" and req.cap_is_eos and n >= req.max_tokens:
-            finish = "stop"  # --demo: the cap stands in for the noise model's EOS
-        if self.tracer.enabled:
-            self.tracer.write(job.id, "output", text="".join(raw), finish=finish)
-        decode_s = time.monotonic() - (t_first or t0)
-        return JobDone(
-            finish=finish,
-            stop_sequence=stop_seq,
-            prompt_tokens=plan.prompt_tokens,
-            cached_tokens=plan.cached,
-            completion_tokens=n,
-            reasoning_tokens=reasoning_tokens if req.thinking else 0,
-            tool_calls=tool_calls,
-            reasoning="".join(reasoning_parts),
-            decode_s=decode_s,
-            text="".join(visible),
-        )
+def _prompt_error(n: int, ctx: int) -> JobFailed:
+    if n == 0:
+        return JobFailed("empty prompt", 400, "invalid_request_error")
+    return JobFailed(f"prompt is {n} tokens; the context is {ctx}", 400, "context_length_exceeded")
 
 
-def _make_logprobs(tokenizer):
-    """Return ``f(logits, top_n) -> g(token) -> (text, logprob, {text: logprob})``."""
-    import mlx.core as mx
-
-    def f(logits, top_n: int):
-        lps = logits - mx.logsumexp(logits, keepdims=True)
-        top: dict[str, float] = {}
-        if top_n > 0:
-            idx = mx.argpartition(-lps, top_n - 1)[:top_n]
-            vals = lps[idx]
-            mx.eval(idx, vals)
-            for i, v in sorted(zip(idx.tolist(), vals.tolist(), strict=True), key=lambda p: -p[1]):
-                top[tokenizer.decode([i])] = float(v)
-
-        def g(token: int):
-            return tokenizer.decode([token]), float(lps[token].item()), top
-
-        return g
-
-    return f
+def _prefill_words(planned: int, fed: int, seconds: float) -> str:
+    """The log line's prefill field: a rate, or how far a cancelled prefill got."""
+    if fed < planned:
+        # Cut short: only what was fed counts; a rate over a partial chunk or none at all
+        # would be noise.
+        return f"cancelled after {fed}/{planned} tokens in {seconds:.2f}s"
+    return f"{fed / seconds if seconds > 0 else 0.0:.1f} tok/s"
 
 
-def _make_chat_logprobs(tokenizer):
-    """Return ``f(logits, top_n) -> g(token) -> TokenLogprob`` (log-softmax of the
-    logits the session already holds; nothing is recomputed)."""
-    import mlx.core as mx
+def _turn_spec(req: GenRequest, script: Script | str | None):
+    """The engine's `TurnSpec` for a job."""
+    from ds4mlx.engine import TurnSpec
 
-    def f(logits, top_n: int):
-        lps = logits.astype(mx.float32)
-        lps = lps - mx.logsumexp(lps, keepdims=True)
-        top: list[tuple[str, float, bytes]] = []
-        if top_n > 0:
-            idx = mx.argpartition(-lps, top_n - 1)[:top_n]
-            vals = lps[idx]
-            mx.eval(idx, vals)
-            pairs = sorted(zip(idx.tolist(), vals.tolist(), strict=True), key=lambda p: -p[1])
-            top = [(tokenizer.decode([i]), float(v), tokenizer.token_bytes(i)) for i, v in pairs]
+    return TurnSpec(
+        sampling=req.sampling,
+        max_tokens=req.max_tokens,
+        parse=req.parse,
+        thinking=req.thinking,
+        tools=tuple(req.tools),
+        id_prefix=req.id_prefix,
+        stops=tuple(req.stops),
+        tool_required=req.tool_required,
+        tool_name=req.tool_name,
+        logprobs=req.logprobs,
+        top_logprobs=req.top_logprobs if req.parse else None,
+        greedy_after_script=bool(getattr(script, "greedy", False)),
+        cap_is_eos=req.cap_is_eos,
+    )
 
-        def g(token: int) -> TokenLogprob:
-            return TokenLogprob(
-                tokenizer.decode([token]),
-                float(lps[token].item()),
-                tokenizer.token_bytes(token),
-                top,
-            )
 
-        return g
+def _script_ids(script: Script | str | None, tok) -> list[int] | None:
+    if script is None:
+        return None
+    if isinstance(script, str):
+        return tok.encode(script)
+    return list(script.tokens) if script.tokens is not None else tok.encode(script.text)
 
-    return f
+
+def _throttled_progress(job: Job) -> Callable[[int, int], None]:
+    """Prefill progress → `PrefillProgress` events, at most every 0.5 s (and the last)."""
+    last = [0.0]
+
+    def progress(done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - last[0] > 0.5 or done == total:
+            last[0] = now
+            job.emit(PrefillProgress(done, total))
+
+    return progress
+
+
+def _chat_logprob(tok, lp) -> TokenLogprob:
+    """An engine ``TokenLogprob`` (ids) as the chat protocols' (texts and bytes)."""
+    return TokenLogprob(
+        tok.decode([lp.token]),
+        lp.logprob,
+        tok.token_bytes(lp.token),
+        [(tok.decode([i]), v, tok.token_bytes(i)) for i, v in lp.top],
+    )
+
+
+def _raw_logprob(tok, lp) -> tuple[str, float, dict[str, float]]:
+    """An engine ``TokenLogprob`` as ``/v1/completions`` lists it."""
+    return tok.decode([lp.token]), lp.logprob, {tok.decode([i]): v for i, v in lp.top}

@@ -1,46 +1,30 @@
-"""Engine (model + tokenizer) and the live Session (tokens, KV cache, next-token logits).
+"""The live ``Session``: token ids, per-layer KV caches, next-token logits, snapshots.
 
-DESIGN.md §1/§3: one mmapped model, one live ``Session``; every request is a job that
-runs on it, one at a time, on one thread. A ``Session`` is not thread-safe: all of its
-methods (and anything touching its MLX arrays) must run on the inference thread.
-
-Typical use::
-
-    engine = Engine.load("/models/ds4-flash")
-    s = engine.session
-    s.prefill(engine.tokenizer.encode(prompt), progress=print)
-    for tok in s.generate([], SamplingParams(temperature=0), max_tokens=64,
-                          stop_ids={engine.tokenizer.eos_id}):
-        ...
+A ``Session`` is not thread-safe: all of its methods (and anything touching its MLX
+arrays) must run on the inference thread. ``sample`` and ``decode`` are called by the
+one turn loop (`ds4mlx.engine.turn`) only; ``prefill`` by the turn loop and by callers
+that only extend the state (the agent's suffixes, benchmarks).
 """
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import io
-import json
 import os
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from ds4mlx.tokenizer import Tokenizer
+from ds4mlx.engine.sampling import SamplingParams, _sample_token
+
+if TYPE_CHECKING:
+    from ds4mlx.engine.core import Engine
 
 # Prefill chunk (tokens per forward). Large enough to keep GEMMs efficient, small enough
 # that the per-chunk activations stay modest and cancellation/progress stay responsive.
 DEFAULT_CHUNK = 512
-
-# Default context when the caller does not choose one: the model's own limit (1M for
-# DS4 Flash) is far more than a single machine wants to promise by default. The KV cache
-# grows with the context (compressed rows), so the CPU backend gets the smaller figure.
-DEFAULT_CTX_GPU = 65536
-DEFAULT_CTX_CPU = 32768
 
 SNAPSHOT_FORMAT = "ds4mlx-session"
 SNAPSHOT_VERSION = "1"
@@ -67,67 +51,6 @@ class ContextOverflowError(ValueError):
 
 class SnapshotError(ValueError):
     """A session snapshot is malformed or belongs to another model / cache layout."""
-
-
-# --------------------------------------------------------------------------- sampling
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick the next token from the logits.
-
-    Args:
-        temperature: softmax temperature (>= 0); 0 means greedy (argmax).
-        top_p: nucleus mass in (0, 1]; 1 disables it.
-        top_k: keep the k most likely tokens; 0 disables it.
-        min_p: drop tokens whose probability is below ``min_p`` × the top probability;
-            0 disables it.
-        seed: seeds the session's generator at the start of a request
-            (``Session.seed``), making the sampled continuation reproducible.
-
-    The filters are mlx-lm's (``apply_top_p``, ``apply_min_p``, ``apply_top_k``, in the
-    order mlx-lm's ``make_sampler`` applies them, on the untempered distribution); the
-    temperature then scales the surviving log-probabilities before the categorical draw.
-
-    Raises:
-        ValueError: a value is out of range.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-
-    def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-
-    @property
-    def greedy(self) -> bool:
-        """True when sampling reduces to argmax."""
-        return self.temperature == 0 or self.top_k == 1
-
-
-def _sample_token(logits: mx.array, params: SamplingParams, key: mx.array) -> mx.array:
-    """Draw one token id (uint32 scalar array) from float32 ``logits`` of shape (vocab,)."""
-    logprobs = (logits - mx.logsumexp(logits, keepdims=True))[None]
-    vocab = logprobs.shape[-1]
-    if 0 < params.top_p < 1:
-        logprobs = apply_top_p(logprobs, params.top_p)
-    if params.min_p > 0:
-        logprobs = apply_min_p(logprobs, params.min_p)
-    if 0 < params.top_k < vocab:
-        logprobs = apply_top_k(logprobs, params.top_k)
-    # Explicit key instead of mlx-lm's categorical_sampling: that one draws from MLX's
-    # global generator, which any other MLX user in the process would perturb.
-    return mx.random.categorical(logprobs * (1.0 / params.temperature), key=key)[0]
 
 
 # --------------------------------------------------------------------------- snapshots
@@ -211,6 +134,27 @@ class SessionState:
         return cls.read(io.BytesIO(data))
 
 
+def prefill_chunks(start: int, end: int, chunk_size: int, stops: Sequence[int] = ()) -> list[int]:
+    """Chunk end positions for prefilling tokens ``[start, end)``.
+
+    Chunks end at multiples of ``chunk_size`` (absolute positions, so the schedule is the
+    same whether or not a prefix was reused), at every stop in ``(start, end]``, and at
+    ``end``. Returns the ascending end positions.
+
+    Raises:
+        ValueError: ``chunk_size`` < 1 or ``end`` < ``start``.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if end < start:
+        raise ValueError(f"end ({end}) < start ({start})")
+    ends = set(range((start // chunk_size + 1) * chunk_size, end, chunk_size))
+    ends.update(s for s in stops if start < s <= end)
+    if end > start:
+        ends.add(end)
+    return sorted(ends)
+
+
 # --------------------------------------------------------------------------- session
 
 
@@ -227,7 +171,6 @@ class Session:
         self.engine = engine
         self.tokens: list[int] = []
         self.logits: mx.array | None = None
-        self.last_stop_reason: str | None = None
         self._cache = engine.model.make_cache()
         self._script: deque[int] | None = None
         self._key: mx.array | None = None
@@ -294,19 +237,28 @@ class Session:
         chunk_size: int = DEFAULT_CHUNK,
         progress: Callable[[int, int], Any] | None = None,
         cancel: Callable[[], bool] | None = None,
+        checkpoints: Sequence[int] = (),
+        on_checkpoint: Callable[[Session, int], Any] | None = None,
     ) -> int:
-        """Append ``tokens`` to the session in forward passes of ``chunk_size`` tokens.
+        """Append ``tokens`` to the session in forward passes of at most ``chunk_size``.
 
+        Chunks end at absolute multiples of ``chunk_size`` (`prefill_chunks`), so a prompt
+        continued from a reused prefix is fed in the same chunks as a cold prefill of the
+        whole prompt, and at every checkpoint: after the chunk that ends at checkpoint
+        ``n`` (an absolute token count), ``on_checkpoint(self, n)`` runs while the session
+        holds exactly ``n`` tokens (snapshots cannot be trimmed backwards afterwards).
         Only the logits after the last token of each chunk are computed (the vocab
         projection runs on one row); ``logits`` ends as the next-token logits.
 
         Args:
             tokens: ids to feed (int).
             chunk_size: tokens per forward pass (>= 1).
-            progress: called as ``progress(done, total)`` before the first chunk and after
-                each chunk (token counts of this call).
-            cancel: polled before each chunk; returning True stops the prefill. The
-                session then holds the chunks fed so far, consistently.
+            progress: ``progress(done, total)`` (token counts of this call) before the
+                first chunk and after each chunk.
+            cancel: polled before each chunk; True stops the prefill. The session then
+                holds the chunks fed so far, consistently.
+            checkpoints: absolute token counts where a chunk must end.
+            on_checkpoint: called at each checkpoint reached.
         Returns:
             The number of tokens fed (``len(tokens)`` unless cancelled).
         Raises:
@@ -316,21 +268,21 @@ class Session:
         hold part of a chunk) and the error propagates.
         """
         tokens = [int(t) for t in tokens]
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self._check_room(len(tokens))
-        total = len(tokens)
+        start, total = len(self.tokens), len(tokens)
+        marks = set(checkpoints)
         if progress is not None:
             progress(0, total)
         done = 0
-        while done < total:
+        for end in prefill_chunks(start, start + total, chunk_size, checkpoints):
             if cancel is not None and cancel():
                 break
-            chunk = tokens[done : done + chunk_size]
-            self._forward(chunk)
-            done += len(chunk)
+            self._forward(tokens[done : end - start])
+            done = end - start
             if progress is not None:
                 progress(done, total)
+            if end in marks and on_checkpoint is not None:
+                on_checkpoint(self, end)
         return done
 
     def decode(self, token: int) -> mx.array:
@@ -392,52 +344,6 @@ class Session:
             self.seed(params.seed)
         self._key, sub = mx.random.split(self._key)
         return int(_sample_token(self.logits, params, sub).item())
-
-    def generate(
-        self,
-        prompt_tokens: Iterable[int],
-        params: SamplingParams,
-        max_tokens: int,
-        *,
-        stop_ids: Iterable[int] = (),
-        chunk_size: int = DEFAULT_CHUNK,
-        progress: Callable[[int, int], Any] | None = None,
-        cancel: Callable[[], bool] | None = None,
-    ) -> Iterator[int]:
-        """Prefill ``prompt_tokens`` onto the current state, then sample and feed tokens.
-
-        Yields each sampled id. Every yielded token is fed back (stop tokens included,
-        so the live state matches a following turn's rendered prompt). Stops after a
-        stop id, ``max_tokens`` tokens, a full context, or ``cancel()``; the reason is
-        left in ``last_stop_reason`` ("stop", "length", "context", "cancelled").
-
-        Raises:
-            ContextOverflowError: the prompt itself does not fit.
-        """
-        stop = set(stop_ids)
-        self.last_stop_reason = None
-        fed = 0
-        prompt = list(prompt_tokens)
-        fed = self.prefill(prompt, chunk_size=chunk_size, progress=progress, cancel=cancel)
-        if fed < len(prompt):
-            self.last_stop_reason = "cancelled"
-            return
-        if params.seed is not None or self._key is None:
-            self.seed(params.seed)
-        for _ in range(max_tokens):
-            if cancel is not None and cancel():
-                self.last_stop_reason = "cancelled"
-                return
-            tok = self.sample(params)
-            yield tok
-            if self.room() == 0:
-                self.last_stop_reason = "context"
-                return
-            self.decode(tok)
-            if tok in stop:
-                self.last_stop_reason = "stop"
-                return
-        self.last_stop_reason = "length"
 
     # ---- snapshots
 
@@ -512,157 +418,3 @@ class Session:
         self.tokens = list(state.tokens)
         self.logits = None if logits is None else mx.array(logits)
         mx.eval(self._cache_arrays(), *([self.logits] if self.logits is not None else []))
-
-
-# --------------------------------------------------------------------------- engine
-
-
-def describe_quant(model) -> str:
-    """Human-readable quantization of ``model``: routed experts and the rest.
-
-    Example: ``"experts=q4 other=q8"``, ``"experts=mxfp4 other=bf16"``, ``"f32"``.
-    Derived from the loaded modules (``bits``/``mode`` of quantized layers, else the
-    dtype of the weights), so it describes what actually runs.
-    """
-    buckets: dict[str, set[str]] = {"experts": set(), "other": set()}
-    for name, mod in model.named_modules():
-        routed = ".experts" in f".{name}" and "shared" not in name
-        bucket = "experts" if routed else "other"
-        bits = getattr(mod, "bits", None)
-        if bits is not None and hasattr(mod, "scales"):
-            mode = getattr(mod, "mode", "affine")
-            buckets[bucket].add(f"q{bits}" if mode == "affine" else mode)
-        elif hasattr(mod, "to_quantized") and isinstance(mod.get("weight"), mx.array):
-            # Quantizable layers only: small float tables such as the router stay
-            # unquantized in every checkpoint and would only add noise here.
-            buckets[bucket].add(_dtype_name(mod["weight"].dtype))
-    # Expert weights may be raw parameters of a container module rather than Linear
-    # layers: fall back to parameter dtypes under "experts".
-    if not buckets["experts"]:
-        from mlx.utils import tree_flatten
-
-        for name, p in tree_flatten(model.parameters()):
-            if ".experts." in f".{name}" and "shared" not in name and p.ndim >= 2:
-                if name.endswith(".scales"):
-                    continue
-                buckets["experts"].add(
-                    _dtype_name(p.dtype) if p.dtype != mx.uint32 else "quantized"
-                )
-    exp = "+".join(sorted(buckets["experts"])) or "none"
-    oth = "+".join(sorted(buckets["other"])) or "none"
-    return exp if exp == oth else f"experts={exp} other={oth}"
-
-
-def _dtype_name(dt) -> str:
-    return {mx.float32: "f32", mx.bfloat16: "bf16", mx.float16: "f16"}.get(dt, str(dt))
-
-
-def _model_identity(path: Path, config: dict, quant: str) -> str:
-    """Stable id of a checkpoint: config, weight file names and sizes, quantization.
-
-    File sizes rather than content hashes: hashing hundreds of GB at every start is
-    not affordable, and a re-conversion changes the size or the config in practice.
-    """
-    h = hashlib.sha256()
-    h.update(json.dumps(config, sort_keys=True).encode())
-    for f in sorted(path.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}\n".encode())
-    h.update(quant.encode())
-    return "ds4-" + h.hexdigest()[:16]
-
-
-def default_ctx_size(max_positions: int | None) -> int:
-    """The context size used when none is requested (see DEFAULT_CTX_*)."""
-    cap = DEFAULT_CTX_GPU if mx.default_device() == mx.gpu else DEFAULT_CTX_CPU
-    return min(max_positions, cap) if max_positions else cap
-
-
-class Engine:
-    """A loaded model and tokenizer, plus the single live session.
-
-    Attributes:
-        path: the checkpoint directory.
-        model: the network (``ds4mlx.model.network.Model``).
-        args: its ``ModelArgs``.
-        config: the raw ``config.json`` dict.
-        tokenizer: ``Tokenizer``.
-        ctx_size: context size in tokens.
-        identity: ``"ds4-<16 hex>"``, stable for the same checkpoint + quantization
-            (used to key disk KV files).
-        quant_desc: e.g. ``"experts=q2 other=q8"``.
-        session: the live ``Session``.
-    """
-
-    def __init__(self, model, args, tokenizer: Tokenizer, *, path, config, ctx_size=None):
-        self.path = Path(path)
-        self.model = model
-        self.args = args
-        self.config = config
-        self.tokenizer = tokenizer
-        self.max_positions: int | None = _max_positions(args, config)
-        if ctx_size is None:
-            ctx_size = default_ctx_size(self.max_positions)
-        if ctx_size < 1:
-            raise ValueError(f"ctx_size must be >= 1, got {ctx_size}")
-        if self.max_positions and ctx_size > self.max_positions:
-            raise ValueError(
-                f"ctx_size {ctx_size} exceeds the model's limit of {self.max_positions} tokens"
-            )
-        self.ctx_size = int(ctx_size)
-        self.quant_desc = describe_quant(model)
-        self.identity = _model_identity(self.path, config, self.quant_desc)
-        self._last_logits = _last_logits_fn(model)
-        self.session = Session(self)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike, *, ctx_size: int | None = None, dtype=None) -> Engine:
-        """Load the checkpoint directory ``path`` (config.json, *.safetensors, tokenizer).
-
-        Args:
-            path: checkpoint directory.
-            ctx_size: context size in tokens; default ``default_ctx_size`` (the model's
-                limit capped at 65536 on a GPU, 32768 on the CPU).
-            dtype: compute dtype of unquantized weights; default bfloat16 on a GPU and
-                float32 on the CPU, where MLX has no fast half-precision arithmetic.
-        Raises:
-            ds4mlx.model.loading.LoadError: unreadable or unsupported checkpoint.
-            ds4mlx.tokenizer.TokenizerError: unusable tokenizer.
-            ValueError: ``ctx_size`` out of range.
-        """
-        from ds4mlx.model.loading import load_model
-
-        path = Path(path)
-        if dtype is None:
-            dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
-        model, args = load_model(str(path), dtype=dtype)
-        with open(path / "config.json") as f:
-            config = json.load(f)
-        return cls(model, args, Tokenizer.load(path), path=path, config=config, ctx_size=ctx_size)
-
-    def new_session(self) -> Session:
-        """A further, independent session on the same weights (tests, benchmarks)."""
-        return Session(self)
-
-
-def _max_positions(args, config: dict) -> int | None:
-    for obj in (args, config):
-        for name in ("max_position_embeddings", "max_seq_len"):
-            v = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
-            if v:
-                return int(v)
-    return None
-
-
-def _last_logits_fn(model) -> Callable[[mx.array, list], mx.array]:
-    """``f(tokens (1, L) int32, cache) -> float32 (vocab,)`` logits after the last token.
-
-    Uses the network's ``last_only`` switch when it has one, so a prefill chunk runs the
-    vocab projection (129280 × 4096 for Flash) on one row instead of ``L``.
-    """
-    try:
-        last_only = "last_only" in inspect.signature(model.__call__).parameters
-    except (TypeError, ValueError):
-        last_only = False
-    if last_only:
-        return lambda x, cache: model(x, cache, last_only=True)[0, -1].astype(mx.float32)
-    return lambda x, cache: model(x, cache)[0, -1].astype(mx.float32)

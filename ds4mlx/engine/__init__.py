@@ -1,0 +1,74 @@
+"""The engine: model + tokenizer (`Engine`), the live `Session`, and the one turn loop.
+
+One loaded model, one live ``Session``; every request is a job that runs on it, one at
+a time, on one thread (MLX streams are per thread: load the engine on the thread that
+runs it). The engine never sees JSON, HTTP or the prompt cache's policy: a caller
+passes in what to prefill (a plan) and what to generate (`TurnSpec`).
+
+Typical use::
+
+    engine = Engine.load("/models/ds4-flash")
+    ids = engine.tokenizer.encode(prompt)
+    result = run_turn(engine.session, engine.tokenizer,
+                      TurnSpec(SamplingParams(temperature=0), max_tokens=64, parse=False),
+                      prefill=ids, emit=print)
+
+Modules: `core` (``Engine``), `session` (``Session``, snapshots, prefill chunking),
+`sampling`, `turn` (the turn loop and its events).
+"""
+
+from ds4mlx.engine.core import (
+    DEFAULT_CTX_CPU,
+    DEFAULT_CTX_GPU,
+    Engine,
+    QuantInfo,
+    default_ctx_size,
+    describe_quant,
+)
+from ds4mlx.engine.sampling import SamplingParams
+from ds4mlx.engine.session import (
+    DEFAULT_CHUNK,
+    ContextOverflowError,
+    Session,
+    SessionState,
+    SnapshotError,
+    prefill_chunks,
+)
+from ds4mlx.engine.turn import (
+    FINISH_CANCELLED,
+    FINISH_CONTEXT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    FINISH_STOP_SEQUENCE,
+    RawText,
+    TokenLogprob,
+    TurnResult,
+    TurnSpec,
+    run_turn,
+)
+
+__all__ = [
+    "DEFAULT_CHUNK",
+    "DEFAULT_CTX_CPU",
+    "DEFAULT_CTX_GPU",
+    "FINISH_CANCELLED",
+    "FINISH_CONTEXT",
+    "FINISH_LENGTH",
+    "FINISH_STOP",
+    "FINISH_STOP_SEQUENCE",
+    "ContextOverflowError",
+    "Engine",
+    "QuantInfo",
+    "RawText",
+    "SamplingParams",
+    "Session",
+    "SessionState",
+    "SnapshotError",
+    "TokenLogprob",
+    "TurnResult",
+    "TurnSpec",
+    "default_ctx_size",
+    "describe_quant",
+    "prefill_chunks",
+    "run_turn",
+]

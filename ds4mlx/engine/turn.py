@@ -1,0 +1,473 @@
+"""The one turn loop: prefill a planned suffix, then sample → feed until the turn ends.
+
+Every generation in ds4mlx runs here — the server's worker, the agent, ``ds4mlx
+generate`` and ``ds4mlx bench`` — so the rules below hold everywhere:
+
+- **Feeding rule.** Every sampled token is fed back into the session except the one
+  that ends the turn (EOS, the token that completes a stop string, the last token
+  allowed by ``max_tokens``, a token for which the context has no room). The live state
+  therefore ends exactly where the next rendered turn begins (its suffix starts with
+  ``<｜end▁of▁sentence｜>``). One exception: a ``cap_is_eos`` cap (``serve --demo``)
+  stands in for an EOS the noise model never samples, so its last token is fed and the
+  state ends as after a natural end of turn.
+- **Protocol structure is sampled greedily** (``StreamDecoder.in_structure``: DSML
+  markers, parameter headers, JSON punctuation); payload uses the request's sampling.
+- **Forced tool calls** (``tool_required``): once the visible reply starts (at once in
+  chat mode, after ``</think>`` in thinking mode) the tool-call block opener is fed as
+  if sampled; it is part of the live state and of the call's sampled DSML.
+- **Stop strings** apply to visible text only; the matcher holds back a possible
+  prefix of a stop, so what was emitted never contains one.
+- **Cancellation** is polled before every prefill chunk and every token; the session is
+  left consistent (it holds what was fed).
+
+The engine knows no protocol: the loop emits the `ds4mlx.dsml` decoder events
+(``ThinkingDelta``, ``TextDelta``, ``ToolCall*``, ``ParseError``) for chat turns, and the
+neutral `RawText` / `TokenLogprob` defined here; callers map them to their own
+vocabulary (``ds4mlx.server.worker`` to job events, the agent to its UI).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import mlx.core as mx
+
+from ds4mlx.dsml import (
+    DecodeResult,
+    ParseError,
+    StopMatcher,
+    StreamDecoder,
+    TextDelta,
+    ThinkingDelta,
+    ToolCall,
+    ToolCallEnd,
+    ToolCallStart,
+    ToolSpec,
+)
+from ds4mlx.dsml.tokens import INVOKE_OPEN, TOOL_CALLS_OPEN, TOOL_CALLS_SEP
+from ds4mlx.engine.sampling import SamplingParams
+from ds4mlx.engine.session import DEFAULT_CHUNK, Session
+
+# Finish reasons of a turn (`TurnResult.finish`).
+FINISH_STOP = "stop"  # EOS sampled (or a cap_is_eos cap reached)
+FINISH_STOP_SEQUENCE = "stop_sequence"  # a stop string completed in the visible text
+FINISH_LENGTH = "length"  # max_tokens sampled
+FINISH_CONTEXT = "context"  # the context has no room for the last sampled token
+FINISH_CANCELLED = "cancelled"  # cancel() returned True (prefill or decode)
+
+
+@dataclass(frozen=True)
+class TurnSpec:
+    """What to generate (no JSON, no HTTP: callers build it from their requests).
+
+    Attributes:
+        sampling: `SamplingParams` for payload tokens.
+        max_tokens: most tokens to sample (>= 0).
+        parse: decode thinking / text / DSML tool calls (``StreamDecoder``); False for
+            raw text (``/v1/completions``, ``generate --raw``, benchmarks).
+        thinking: the prompt opened ``<think>`` (reasoning comes first).
+        tools: the `ToolSpec`s offered (the decoder maps arguments by their schemas).
+        id_prefix: prefix of new tool-call ids (``toolu_`` / ``call_``).
+        stops: stop strings, matched in visible text.
+        tool_required: force a tool call (see the module doc).
+        tool_name: with ``tool_required``, the tool whose name is forced too, or None.
+        logprobs: raw turns: top-N alternatives per token (`RawText.logprobs`), or None.
+        top_logprobs: chat turns: top-N alternatives per visible token (a `TokenLogprob`
+            event before the text it completes), or None.
+        greedy_after_script: argmax once a scripted continuation runs out (tests).
+        cap_is_eos: reaching ``max_tokens`` ends the turn as ``stop`` and feeds the
+            last token (``serve --demo``).
+        ignore_eos: EOS is an ordinary token (benchmarks that need N decode steps).
+    """
+
+    sampling: SamplingParams
+    max_tokens: int
+    parse: bool = True
+    thinking: bool = False
+    tools: Sequence[ToolSpec] = ()
+    id_prefix: str = "toolu_"
+    stops: Sequence[str] = ()
+    tool_required: bool = False
+    tool_name: str | None = None
+    logprobs: int | None = None
+    top_logprobs: int | None = None
+    greedy_after_script: bool = False
+    cap_is_eos: bool = False
+    ignore_eos: bool = False
+
+
+class PrefillPlan(Protocol):
+    """What to prefill before sampling (``ds4mlx.kv.plan.Plan`` satisfies it).
+
+    ``suffix_tokens``: ids to append to the session as it is; ``checkpoints``: absolute
+    token counts where the prefill pauses to call ``on_checkpoint(session, n)``.
+    """
+
+    suffix_tokens: list[int]
+    checkpoints: list[int]
+    on_checkpoint: Callable[[Session, int], Any] | None
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of one sampled token and its top alternatives (natural log).
+
+    ``token``: id; ``logprob``: its log-softmax under the logits it was sampled from
+    (float32, before temperature/filters); ``top``: ``(id, logprob)`` of the most likely
+    tokens, most likely first.
+    """
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RawText:
+    """Raw generated text (``parse=False``): complete UTF-8 only.
+
+    ``tokens``: the ids this text completes (several when a character spans tokens);
+    ``logprobs``: one `TokenLogprob` per id when ``TurnSpec.logprobs`` is set.
+    """
+
+    text: str
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class TurnResult:
+    """How a turn went.
+
+    Attributes:
+        finish: one of the ``FINISH_*`` names.
+        stop_sequence: the stop string matched, or None.
+        prefilled: suffix tokens fed by the prefill (less than planned when cancelled).
+        prefill_s: seconds spent prefilling.
+        completion_tokens: tokens sampled (fed or not).
+        fed: generated tokens fed into the session.
+        reasoning_tokens: tokens sampled before ``</think>`` (thinking turns).
+        decoded: the decoder's `DecodeResult` (``parse`` turns), else None.
+        tool_calls: calls whose DSML closed, in order.
+        call_errors: id → why that call must not run (its DSML needed repair, or was
+            cut by the end of the turn).
+        reasoning: the reasoning text sampled.
+        text: the visible text emitted (after stop strings).
+        raw: the whole generated text, as sampled.
+        decode_s: seconds from the first sampled token to the end.
+    """
+
+    finish: str
+    stop_sequence: str | None = None
+    prefilled: int = 0
+    prefill_s: float = 0.0
+    completion_tokens: int = 0
+    fed: int = 0
+    reasoning_tokens: int = 0
+    decoded: DecodeResult | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    call_errors: dict[str, str] = field(default_factory=dict)
+    reasoning: str = ""
+    text: str = ""
+    raw: str = ""
+    decode_s: float = 0.0
+
+
+def top_logprobs(logits: mx.array, top_n: int) -> tuple[mx.array, list[tuple[int, float]]]:
+    """Log-softmax of float32 ``logits`` ``(vocab,)`` and its ``top_n`` best ``(id, logprob)``
+    pairs, most likely first (``top_n`` 0: empty list)."""
+    lps = logits.astype(mx.float32)
+    lps = lps - mx.logsumexp(lps, keepdims=True)
+    if top_n <= 0:
+        return lps, []
+    idx = mx.argpartition(-lps, top_n - 1)[:top_n]
+    vals = lps[idx]
+    mx.eval(idx, vals)
+    pairs = sorted(zip(idx.tolist(), vals.tolist(), strict=True), key=lambda p: -p[1])
+    return lps, [(int(i), float(v)) for i, v in pairs]
+
+
+class _Turn:
+    """State of one running turn (see `run_turn`)."""
+
+    def __init__(self, session: Session, tokenizer, spec: TurnSpec, emit, cancel, tool_memory):
+        self.s, self.tok, self.spec = session, tokenizer, spec
+        self.emit = emit
+        self.cancel = cancel or (lambda: False)
+        self.tool_memory = tool_memory
+        self.decoder = (
+            StreamDecoder(spec.thinking, list(spec.tools), id_prefix=spec.id_prefix)
+            if spec.parse
+            else None
+        )
+        self.stopper = StopMatcher(spec.stops)
+        self.detok = tokenizer.detokenizer()
+        self.result = TurnResult(FINISH_LENGTH)
+        self.in_thinking = spec.thinking and spec.parse
+        self.raw: list[str] = []
+        self.visible: list[str] = []
+        self.reasoning: list[str] = []
+        self.pending_ids: list[int] = []
+        self.pending_lp: list[TokenLogprob] = []
+        self.open_errors: list[str] = []
+        self.in_call = False
+        self.forced: collections.deque[int] = collections.deque()
+        self.force_text: str | None = None
+        if spec.parse and spec.tool_required and spec.tools:
+            self.force_text = f'{TOOL_CALLS_SEP}{TOOL_CALLS_OPEN}\n{INVOKE_OPEN} name="'
+            if spec.tool_name:
+                self.force_text += f'{spec.tool_name}">\n'
+            if not self.in_thinking:
+                self._open_forced()
+
+    # ---- events
+
+    def _open_forced(self) -> None:
+        if self.force_text is not None:
+            self.forced.extend(self.tok.encode(self.force_text))
+            self.force_text = None
+
+    def _emit_text(self, text: str) -> None:
+        self.visible.append(text)
+        self.emit(TextDelta(text))
+
+    def _track_call(self, ev: Any) -> None:
+        """A call whose DSML needed any repair is marked not runnable (`call_errors`)."""
+        if isinstance(ev, ToolCallStart):
+            self.in_call = True
+            self.open_errors.clear()
+        elif isinstance(ev, ParseError) and self.in_call:
+            self.open_errors.append(ev.message)
+        elif isinstance(ev, ToolCallEnd):
+            self.in_call = False
+            errs = ([ev.error] if ev.error else []) + [e for e in self.open_errors if e != ev.error]
+            if errs:
+                self.result.call_errors[ev.call.id] = "; ".join(errs)
+            self.result.tool_calls.append(ev.call)
+            if ev.call.dsml and self.tool_memory is not None:
+                self.tool_memory.put(ev.call.id, ev.call.dsml)
+
+    def _out(self, events: list[Any]) -> bool:
+        """Forward decoder events through the stop matcher; True once a stop matched."""
+        for ev in events:
+            if isinstance(ev, TextDelta):
+                text, hit = self.stopper.feed(ev.text)
+                if text:
+                    self._emit_text(text)
+                if hit:
+                    return True
+                continue
+            held = self.stopper.flush()
+            if held:
+                self._emit_text(held)
+            if isinstance(ev, ThinkingDelta):
+                self.reasoning.append(ev.text)
+            self._track_call(ev)
+            self.emit(ev)
+        return False
+
+    def _stop_matched(self) -> None:
+        self.result.finish = FINISH_STOP_SEQUENCE
+        self.result.stop_sequence = self.stopper.matched
+
+    # ---- one token
+
+    def _text_of(self, t: int, lp: TokenLogprob | None) -> bool:
+        """Emit the text token ``t`` completes; True when it completed a stop string."""
+        piece = self.detok.add(t)
+        self.raw.append(piece)
+        if self.decoder is not None:
+            if lp is not None:
+                self.emit(lp)
+            return self._out(self.decoder.feed(piece))
+        self.pending_ids.append(t)
+        if lp is not None:
+            self.pending_lp.append(lp)
+        if not piece:
+            return False
+        text, hit = self.stopper.feed(piece)
+        if text or hit:
+            self.emit(RawText(text, self.pending_ids, self.pending_lp))
+            self.pending_ids, self.pending_lp = [], []
+        return hit
+
+    def _logprob_for(self, visible: bool) -> Callable[[int], TokenLogprob] | None:
+        """``f(token) -> TokenLogprob`` under the current logits, when asked for."""
+        spec = self.spec
+        n = spec.top_logprobs if spec.parse else spec.logprobs
+        if n is None or (spec.parse and not visible):
+            return None
+        lps, top = top_logprobs(self.s.logits, n)
+        return lambda t: TokenLogprob(t, float(lps[t].item()), top)
+
+    def _sample(self, greedy_after_script: bool) -> tuple[int, TokenLogprob | None]:
+        """The next token (forced, scripted or sampled) and its `TokenLogprob` if asked."""
+        lp_fn = self._logprob_for(not self.in_thinking)
+        if self.forced:
+            t = self.forced.popleft()
+        else:
+            greedy = greedy_after_script or bool(self.decoder and self.decoder.in_structure)
+            t = self.s.sample(self.spec.sampling, greedy=greedy)
+        return t, (lp_fn(t) if lp_fn is not None else None)
+
+    def _ends_turn(self, n: int) -> str | None:
+        """The finish reason if the ``n``-th sampled token ends the turn, else None.
+
+        Only ``FINISH_STOP`` (a ``cap_is_eos`` cap) ends a turn with its token fed: the
+        cap stands in for an EOS, so the state must end as after a natural end of turn.
+        """
+        spec = self.spec
+        if n >= spec.max_tokens:
+            return FINISH_STOP if spec.cap_is_eos and self.s.room() >= 1 else FINISH_LENGTH
+        if self.s.room() < 1:
+            return FINISH_CONTEXT
+        return None
+
+    def _feed(self, t: int) -> None:
+        self.s.decode(t)
+        self.result.fed += 1
+
+    # ---- the loop
+
+    def generate(self, after_token) -> None:
+        spec, s, r = self.spec, self.s, self.result
+        eos, think_end = self.tok.eos_id, self.tok.think_end_id
+        t0 = time.monotonic()
+        t_first = None
+        n = 0
+        while True:
+            if self.cancel():
+                r.finish = FINISH_CANCELLED
+                break
+            if n >= spec.max_tokens:
+                r.finish = FINISH_LENGTH
+                break
+            t, lp = self._sample(spec.greedy_after_script)
+            t_first = t_first or time.monotonic()
+            n += 1
+            if self.in_thinking:
+                r.reasoning_tokens += 1
+                if t == think_end:
+                    self.in_thinking = False
+                    self._open_forced()
+            if t == eos and not spec.ignore_eos:
+                r.finish = FINISH_STOP
+                break
+            if self._text_of(t, lp):
+                self._stop_matched()
+                break
+            end = self._ends_turn(n)
+            if end in (None, FINISH_STOP):
+                self._feed(t)
+                if after_token is not None:
+                    after_token(s)
+            if end is not None:
+                r.finish = end
+                break
+        r.completion_tokens = n
+        self._flush()
+        r.decode_s = time.monotonic() - (t_first or t0)
+
+    def _flush(self) -> None:
+        """Flush what the detokenizer, decoder and stop matcher still hold."""
+        r = self.result
+        if r.finish == FINISH_STOP_SEQUENCE:
+            return
+        tail = self.detok.flush()
+        self.raw.append(tail)
+        if self.decoder is not None:
+            evs = (self.decoder.feed(tail) if tail else []) + self.decoder.finish()
+            if self._out(evs):
+                self._stop_matched()
+            held = self.stopper.flush()
+            if held:
+                self._emit_text(held)
+            return
+        text, hit = self.stopper.feed(tail) if tail else ("", False)
+        text += self.stopper.flush() if not hit else ""
+        if text or self.pending_ids:
+            self.emit(RawText(text, self.pending_ids, self.pending_lp))
+        if hit:
+            self._stop_matched()
+
+    def finish(self) -> TurnResult:
+        r = self.result
+        r.raw = "".join(self.raw)
+        r.text = "".join(self.visible)
+        r.reasoning = "".join(self.reasoning)
+        if self.decoder is not None:
+            r.decoded = self.decoder.result
+        if not self.spec.thinking:
+            r.reasoning_tokens = 0
+        return r
+
+
+def run_turn(
+    session: Session,
+    tokenizer,
+    spec: TurnSpec,
+    *,
+    prefill: PrefillPlan | Sequence[int] | None = None,
+    emit: Callable[[Any], Any] | None = None,
+    cancel: Callable[[], bool] | None = None,
+    progress: Callable[[int, int], Any] | None = None,
+    tool_memory=None,
+    after_token: Callable[[Session], Any] | None = None,
+    script: Sequence[int] | None = None,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> TurnResult:
+    """Prefill ``prefill`` onto ``session``, then generate one turn per ``spec``.
+
+    Args:
+        session: the live `Session` (already holding the kept prefix).
+        tokenizer: the engine's ``ds4mlx.tokenizer.Tokenizer``.
+        spec: what to generate.
+        prefill: a `PrefillPlan` (suffix + disk checkpoints), plain token ids, or None.
+        emit: receives every event (decoder events, `RawText`, `TokenLogprob`) on this
+            thread, in order.
+        cancel: polled before each prefill chunk and each token.
+        progress: ``progress(done, total)`` in prefill tokens.
+        tool_memory: a ``ds4mlx.dsml.ToolMemory``; each closed call's sampled DSML is put
+            there by id.
+        after_token: ``f(session)`` after each generated token is fed (disk saves).
+        script: scripted decoding (tests only): ``sample`` returns these ids first; the
+            forward pass still runs for every fed token.
+        chunk_size: prefill tokens per forward pass.
+    Returns:
+        The `TurnResult`; ``finish`` is ``cancelled`` when a prefill was cut short (then
+        nothing was sampled).
+    Raises:
+        ds4mlx.engine.ContextOverflowError: the prefill does not fit; nothing was fed.
+        RuntimeError: the session has no logits after the prefill (empty prompt).
+    """
+    emit = emit or (lambda _ev: None)
+    turn = _Turn(session, tokenizer, spec, emit, cancel, tool_memory)
+    if prefill is not None:
+        suffix = list(getattr(prefill, "suffix_tokens", prefill))
+        t0 = time.monotonic()
+        turn.result.prefilled = session.prefill(
+            suffix,
+            chunk_size=chunk_size,
+            progress=progress,
+            cancel=cancel,
+            checkpoints=getattr(prefill, "checkpoints", ()),
+            on_checkpoint=getattr(prefill, "on_checkpoint", None),
+        )
+        turn.result.prefill_s = time.monotonic() - t0
+        if turn.result.prefilled < len(suffix) or turn.cancel():
+            turn.result.finish = FINISH_CANCELLED
+            return turn.finish()
+    if session.logits is None:
+        raise RuntimeError("no logits to sample from: the prompt is empty")
+    if spec.sampling.seed is not None:
+        session.seed(spec.sampling.seed)
+    session.set_script(script)
+    try:
+        turn.generate(after_token)
+    finally:
+        session.set_script(None)
+    return turn.finish()

@@ -1,0 +1,194 @@
+"""The one turn loop (``ds4mlx.engine.turn``): the feeding rule on every way a turn ends,
+forced tool calls, call errors, logprobs, cancellation — on the real tiny model.
+
+The feeding rule: every sampled token is fed except the one that ends the turn; the
+state after a turn equals a fresh prefill of the prompt plus the fed tokens.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from ds4mlx.dsml import ToolCallEnd, ToolMemory, ToolSpec
+from ds4mlx.engine import (
+    Engine,
+    RawText,
+    SamplingParams,
+    TokenLogprob,
+    TurnSpec,
+    run_turn,
+)
+
+GREEDY = SamplingParams(temperature=0)
+PROMPT = "<｜begin▁of▁sentence｜><｜User｜>hello there<｜Assistant｜>"
+TOOL = ToolSpec(
+    "bash",
+    "run a command",
+    {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_f32_dir):
+    return Engine.load(tiny_f32_dir, ctx_size=512)
+
+
+@pytest.fixture
+def session(engine):
+    s = engine.new_session()
+    yield s
+    s.reset()
+
+
+def _ids(engine, text: str) -> list[int]:
+    return engine.tokenizer.encode(text)
+
+
+def _assert_state_is_prompt_plus_fed(engine, s, prompt: list[int], fed: list[int]):
+    """The session equals a fresh prefill of ``prompt + fed`` (tokens and logits)."""
+    assert s.tokens == prompt + fed
+    ref = engine.new_session()
+    ref.prefill(prompt + fed)
+    assert mx.allclose(s.logits, ref.logits, atol=1e-4).item()
+
+
+def test_eos_ends_the_turn_unfed(engine, session):
+    prompt = _ids(engine, PROMPT + "</think>")
+    script = _ids(engine, "Hi!") + [engine.tokenizer.eos_id]
+    res = run_turn(session, engine.tokenizer, TurnSpec(GREEDY, 50), prefill=prompt, script=script)
+    assert res.finish == "stop" and res.completion_tokens == len(script)
+    assert res.text == "Hi!" and res.fed == len(script) - 1
+    _assert_state_is_prompt_plus_fed(engine, session, prompt, script[:-1])
+
+
+def test_stop_string_token_is_not_fed(engine, session):
+    prompt = _ids(engine, PROMPT + "</think>")
+    script = _ids(engine, "one two three four")
+    spec = TurnSpec(GREEDY, 50, stops=("three",))
+    seen: list[str] = []
+    res = run_turn(
+        session,
+        engine.tokenizer,
+        spec,
+        prefill=prompt,
+        script=script,
+        emit=lambda ev: seen.append(getattr(ev, "text", "")),
+    )
+    assert res.finish == "stop_sequence" and res.stop_sequence == "three"
+    assert res.text == "one two " and "three" not in "".join(seen)
+    # The token that completed the stop string was sampled, not fed.
+    assert len(session.tokens) == len(prompt) + res.completion_tokens - 1
+
+
+def test_length_and_cap_is_eos(engine, session):
+    prompt = _ids(engine, PROMPT + "</think>")
+    script = _ids(engine, "a b c d e f g h")
+    res = run_turn(session, engine.tokenizer, TurnSpec(GREEDY, 4), prefill=prompt, script=script)
+    assert res.finish == "length" and res.completion_tokens == 4 and res.fed == 3
+    _assert_state_is_prompt_plus_fed(engine, session, prompt, script[:3])
+    # --demo's cap ends the turn as if EOS came next: the last token is fed too.
+    session.reset()
+    spec = TurnSpec(GREEDY, 4, cap_is_eos=True)
+    res = run_turn(session, engine.tokenizer, spec, prefill=prompt, script=script)
+    assert res.finish == "stop" and res.fed == 4
+    _assert_state_is_prompt_plus_fed(engine, session, prompt, script[:4])
+
+
+def test_context_full(engine, tiny_f32_dir):
+    small = Engine.load(tiny_f32_dir, ctx_size=24)
+    s = small.session
+    prompt = _ids(small, PROMPT + "</think>")
+    spec = TurnSpec(GREEDY, 100, parse=False, ignore_eos=True)
+    res = run_turn(s, small.tokenizer, spec, prefill=prompt)
+    assert res.finish == "context" and len(s.tokens) == 24
+    assert res.completion_tokens == 24 - len(prompt) + 1
+
+
+def test_cancel_mid_decode_and_mid_prefill(engine, session):
+    prompt = _ids(engine, PROMPT + "</think>")
+    n = [0]
+
+    def cancel() -> bool:
+        return n[0] >= 3
+
+    def count(_ev) -> None:
+        n[0] += 1
+
+    spec = TurnSpec(GREEDY, 50, parse=False, ignore_eos=True)
+    res = run_turn(session, engine.tokenizer, spec, prefill=prompt, emit=count, cancel=cancel)
+    assert res.finish == "cancelled" and res.fed == res.completion_tokens
+    assert session.tokens[: len(prompt)] == prompt
+    # Cancelled before the first prefill chunk: nothing sampled, nothing fed.
+    session.reset()
+    res = run_turn(
+        session, engine.tokenizer, spec, prefill=prompt, cancel=lambda: True, chunk_size=4
+    )
+    assert res.finish == "cancelled" and res.prefilled == 0 and res.completion_tokens == 0
+
+
+def test_tool_call_parsed_remembered_and_structure_greedy(engine, session):
+    prompt = _ids(engine, PROMPT + "<think>")
+    call = (
+        '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n'
+        '<｜DSML｜parameter name="command" string="true">ls -la</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+    )
+    script = _ids(engine, "let me look</think>Sure." + call) + [engine.tokenizer.eos_id]
+    memory = ToolMemory()
+    ends: list[ToolCallEnd] = []
+    spec = TurnSpec(GREEDY, 200, thinking=True, tools=(TOOL,))
+    res = run_turn(
+        session,
+        engine.tokenizer,
+        spec,
+        prefill=prompt,
+        script=script,
+        tool_memory=memory,
+        emit=lambda ev: ends.append(ev) if isinstance(ev, ToolCallEnd) else None,
+    )
+    assert res.finish == "stop" and res.reasoning == "let me look" and res.text == "Sure."
+    assert [c.arguments for c in res.tool_calls] == [{"command": "ls -la"}]
+    assert res.call_errors == {} and len(ends) == 1
+    assert memory.get(res.tool_calls[0].id) == res.tool_calls[0].dsml
+    assert res.reasoning_tokens == len(_ids(engine, "let me look")) + 1
+
+
+def test_truncated_call_is_marked_not_runnable(engine, session):
+    prompt = _ids(engine, PROMPT + "</think>")
+    call = (
+        '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n'
+        '<｜DSML｜parameter name="command" string="true">rm -rf build'
+    )
+    script = _ids(engine, call)
+    spec = TurnSpec(GREEDY, len(script) - 2, tools=(TOOL,))
+    res = run_turn(session, engine.tokenizer, spec, prefill=prompt, script=script)
+    assert res.finish == "length" and len(res.tool_calls) == 1
+    assert res.tool_calls[0].id in res.call_errors
+
+
+def test_forced_tool_call_opens_the_block(engine, session):
+    prompt = _ids(engine, PROMPT + "</think>")
+    body = (
+        '<｜DSML｜parameter name="command" string="true">pwd</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+    )
+    script = _ids(engine, body) + [engine.tokenizer.eos_id]
+    spec = TurnSpec(GREEDY, 200, tools=(TOOL,), tool_required=True, tool_name="bash")
+    res = run_turn(session, engine.tokenizer, spec, prefill=prompt, script=script)
+    assert [(c.name, c.arguments) for c in res.tool_calls] == [("bash", {"command": "pwd"})]
+    assert res.raw.startswith('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n')
+
+
+def test_raw_logprobs_one_per_token(engine, session):
+    prompt = _ids(engine, PROMPT + "</think>")
+    pieces: list[RawText] = []
+    spec = TurnSpec(GREEDY, 6, parse=False, logprobs=3, ignore_eos=True)
+    res = run_turn(session, engine.tokenizer, spec, prefill=prompt, emit=pieces.append)
+    tokens = [t for p in pieces for t in p.tokens]
+    lps = [lp for p in pieces for lp in p.logprobs]
+    assert len(tokens) == res.completion_tokens == 6 and len(lps) == 6
+    for t, lp in zip(tokens, lps, strict=True):
+        # Greedy: the sampled token is the most likely one.
+        assert isinstance(lp, TokenLogprob) and lp.token == t and len(lp.top) == 3
+        assert lp.top[0][0] == t and lp.logprob == pytest.approx(lp.top[0][1])
