@@ -13,14 +13,11 @@ import os
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 
-from ds4mlx.engine.sampling import SamplingParams, _sample_token
-
-if TYPE_CHECKING:
-    from ds4mlx.engine.core import Engine
+from ds4mlx.engine.sampling import SamplingParams, sample_token
 
 # Prefill chunk (tokens per forward). Large enough to keep GEMMs efficient, small enough
 # that the per-chunk activations stay modest and cancellation/progress stay responsive.
@@ -167,7 +164,7 @@ class Session:
         logits: float32 ``(vocab,)`` logits for the next token, or None before any token.
     """
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine):
         self.engine = engine
         self.tokens: list[int] = []
         self.logits: mx.array | None = None
@@ -343,7 +340,7 @@ class Session:
         if self._key is None:
             self.seed(params.seed)
         self._key, sub = mx.random.split(self._key)
-        return int(_sample_token(self.logits, params, sub).item())
+        return int(sample_token(self.logits, params, sub).item())
 
     # ---- snapshots
 

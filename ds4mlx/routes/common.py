@@ -468,7 +468,7 @@ def sampling_params(
     ``-1`` (vLLM's "off") is 0; a temperature below 1e-4 is greedy. ``seed`` is any
     int (taken modulo 2**64).
     """
-    from ds4mlx.engine import SamplingParams
+    from ds4mlx.sampling import SamplingParams
     from ds4mlx.server.jobs import DEFAULT_MIN_P, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 
     if seed is not None:

@@ -1,0 +1,49 @@
+"""Sampling parameters: a stdlib-only leaf, shared by the routes (which validate a
+request's knobs into it) and the engine (which draws with it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token from the logits.
+
+    Args:
+        temperature: softmax temperature (>= 0); 0 means greedy (argmax).
+        top_p: nucleus mass in (0, 1]; 1 disables it.
+        top_k: keep the k most likely tokens; 0 disables it.
+        min_p: drop tokens whose probability is below ``min_p`` × the top probability;
+            0 disables it.
+        seed: seeds the session's generator at the start of a request
+            (``Session.seed``), making the sampled continuation reproducible.
+
+    The filters are mlx-lm's (``apply_top_p``, ``apply_min_p``, ``apply_top_k``, in the
+    order mlx-lm's ``make_sampler`` applies them, on the untempered distribution); the
+    temperature then scales the surviving log-probabilities before the categorical draw.
+
+    Raises:
+        ValueError: a value is out of range.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature == 0 or self.top_k == 1
