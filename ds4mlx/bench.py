@@ -1,6 +1,6 @@
 """``ds4mlx bench``: prefill/decode throughput and KV bytes at context frontiers.
 
-DESIGN.md §8. The prompt is prefilled incrementally, frontier by frontier; each row
+docs/ARCHITECTURE.md §8. The prompt is prefilled incrementally, frontier by frontier; each row
 measures only its own interval (prefill of the tokens between the previous frontier and
 this one) and a decode run at that frontier, taken on a snapshot that is restored
 afterwards so the next interval starts from the exact prefill state.

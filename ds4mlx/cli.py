@@ -1,7 +1,7 @@
 """The ``ds4mlx`` command line: serve, agent, generate, bench, tokenize, make-tiny, kv.
 
 Each subcommand's arguments are declared here; its work lives in the room that owns
-it (DESIGN.md §1). Modules are imported lazily so ``ds4mlx --help`` stays fast.
+it (docs/ARCHITECTURE.md §1). Modules are imported lazily so ``ds4mlx --help`` stays fast.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-# Special tokens of DeepSeek V4 (DESIGN.md §2). Ids are checked against the loaded
+# Special tokens of DeepSeek V4 (docs/ARCHITECTURE.md §2). Ids are checked against the loaded
 # file in Tokenizer.__init__, so a foreign tokenizer.json fails loudly.
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"

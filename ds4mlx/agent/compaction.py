@@ -1,4 +1,4 @@
-"""Context compaction for the agent (DESIGN.md §7): when, what to keep, how to rebuild.
+"""Context compaction for the agent (docs/ARCHITECTURE.md §7): when, what to keep, how to rebuild.
 
 The agent compacts before it appends new text to the live session:
 

@@ -4,7 +4,7 @@ Each agent session is one JSON file ``<dir>/<id>.json`` holding its transcript (
 neutral conversation messages, tool calls with their exact sampled DSML), its mode,
 and the key of the disk-KV snapshot (:class:`ds4mlx.kv.store.DiskKVStore`) that holds
 its live state. ``/switch N`` restores that snapshot into the engine session instead
-of prefilling the transcript again (DESIGN.md §7).
+of prefilling the transcript again (docs/ARCHITECTURE.md §7).
 
 Files are written to a temp file, fsynced and renamed, so a crash leaves the previous
 version. Unreadable files are skipped by :meth:`SessionBook.list`.

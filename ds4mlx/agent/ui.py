@@ -1,4 +1,4 @@
-"""The agent's terminal UI with ``rich`` (DESIGN.md §7).
+"""The agent's terminal UI with ``rich`` (docs/ARCHITECTURE.md §7).
 
 :class:`RichUI` implements :class:`~ds4mlx.agent.loop.AgentUI`: thinking streams
 dimmed, answer text plain, tool calls are shown as they form (name, then the JSON

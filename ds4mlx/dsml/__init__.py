@@ -1,4 +1,4 @@
-"""ds4mlx.dsml: DeepSeek V4 prompt rendering and DSML tool-call parsing (DESIGN.md §4).
+"""ds4mlx.dsml: DeepSeek V4 prompt rendering and DSML tool-call parsing (docs/ARCHITECTURE.md §4).
 
 Stdlib only. The public API:
 

@@ -1,4 +1,4 @@
-"""Streaming decoder for a generated assistant turn (DESIGN.md §4).
+"""Streaming decoder for a generated assistant turn (docs/ARCHITECTURE.md §4).
 
 Fed the detokenized text of each sampled token, `StreamDecoder` separates thinking,
 visible text and DSML tool calls and yields typed events as early as they are
@@ -380,7 +380,7 @@ class StreamDecoder:
         in non-string parameter values, anything after ``</｜DSML｜tool_calls>``.
         Payload: reasoning, visible text, string parameter bodies, JSON string values
         and scalars, and the point where a JSON value is about to start (its type is
-        the model's choice) (DESIGN.md §4). A partial marker is payload until its
+        the model's choice) (docs/ARCHITECTURE.md §4). A partial marker is payload until its
         ``｜DSML｜`` token arrives: ``<`` or ``</`` may still be ordinary text.
         """
         st = self._state

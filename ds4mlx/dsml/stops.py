@@ -1,4 +1,4 @@
-"""Streaming-safe stop-sequence matching (DESIGN.md §6: ``stop`` / ``stop_sequences``).
+"""Streaming-safe stop-sequence matching (docs/ARCHITECTURE.md §6: ``stop`` / ``stop_sequences``).
 
 Text arrives in token-sized pieces, so a stop string can straddle two pieces. The
 matcher holds back the longest tail that could still begin a stop and releases it

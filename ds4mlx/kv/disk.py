@@ -37,6 +37,8 @@ class DiskCache:
     Args:
         engine: the ``ds4mlx.engine.Engine`` (identity, context size, tokenizer).
         settings: ``ds4mlx.kv.policy.KVCacheSettings`` with ``disk_dir`` set.
+        store: an open `DiskKVStore` of that directory to use (the agent opens its own),
+            or None to open one from ``settings``.
 
     Attributes:
         store: the `DiskKVStore`.
@@ -49,13 +51,15 @@ class DiskCache:
         OSError: the directory cannot be created.
     """
 
-    def __init__(self, engine, settings: policy.KVCacheSettings):
+    def __init__(
+        self, engine, settings: policy.KVCacheSettings, *, store: DiskKVStore | None = None
+    ):
         if settings.disk_dir is None:
             raise ValueError("DiskCache needs settings.disk_dir")
         self.engine = engine
         self.settings = settings
         self.tracker = policy.SaveTracker()
-        self.store = DiskKVStore(
+        self.store = store or DiskKVStore(
             settings.disk_dir,
             budget_bytes=settings.budget_bytes,
             model_identity=engine.identity,
@@ -181,6 +185,19 @@ class DiskCache:
             return self.store.lookup_and_load(rendered_text)
         except Exception:
             log.exception("kv cache: lookup failed")
+            return None
+
+    def load_key(self, key: str) -> Loaded | None:
+        """The verified snapshot stored under ``key``, or None (gone, corrupt, foreign)."""
+        from ds4mlx.kv.store import KVStoreError
+
+        entry = next((e for e in self.store.entries() if e.key == key), None)
+        if entry is None:
+            return None
+        try:
+            return self.store.load(entry)
+        except (KVStoreError, OSError) as e:
+            log.warning("kv cache: cannot load %s: %s", key[:12], e)
             return None
 
     def reload_tool_memory(self, tool_memory) -> int:

@@ -1,6 +1,6 @@
 """Live-continuation bindings: what the live state just sampled, selected by ids or text.
 
-DESIGN.md §3: the sampled state is the truth. After a turn, the worker remembers how a
+docs/ARCHITECTURE.md §3: the sampled state is the truth. After a turn, the worker remembers how a
 following request may refer to that state without re-rendering it:
 
 - `ToolBinding` — the tool-call ids the turn sampled (all of them, in call order) and
@@ -18,6 +18,11 @@ following request may refer to that state without re-rendering it:
   reasoning dropped by the client while tools keep the slot
   (``…<｜Assistant｜><think></think>content``, an OpenAI client that does not send
   ``reasoning_content`` back).
+
+- `TranscriptBinding` — for a caller that keeps the conversation itself (the agent):
+  its own rendering of the conversation through the sampled turn. The live state *is*
+  that conversation, so a prompt starting with the key keeps it, whatever bytes the
+  rendering gives the sampled turn.
 
 `LiveBindings` holds at most one of each. It is written by the inference thread and
 read by routes on the event loop (`bound_tool_ids`, for the unknown-id check before a
@@ -38,6 +43,7 @@ __all__ = [
     "LiveBindings",
     "ThinkingBinding",
     "ToolBinding",
+    "TranscriptBinding",
     "tool_results_suffix",
     "thinking_suffix",
     "visible_keys",
@@ -84,6 +90,24 @@ class ThinkingBinding:
     n_tokens: int
 
 
+@dataclass(frozen=True)
+class TranscriptBinding:
+    """The caller's rendering of the conversation the live state holds.
+
+    Attributes:
+        key: ``render_prompt`` of the conversation through its last turn, ending with
+            that turn's ``<｜end▁of▁sentence｜>`` (which the live state has not fed).
+        n_tokens: live token count the key stands for.
+    """
+
+    key: str
+    n_tokens: int
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.key,)
+
+
 class LiveBindings:
     """The current bindings of the one live session (at most one of each kind).
 
@@ -93,11 +117,20 @@ class LiveBindings:
     def __init__(self) -> None:
         self.tool: ToolBinding | None = None
         self.thinking: ThinkingBinding | None = None
+        self.transcript: TranscriptBinding | None = None
 
     def clear(self) -> None:
-        """Forget both bindings (a request that does not use them clears them)."""
+        """Forget every binding (a request that does not use them clears them)."""
         self.tool = None
         self.thinking = None
+        self.transcript = None
+
+    def save(self) -> tuple:
+        """The bindings as they are (for `restore` after a rejected request)."""
+        return self.tool, self.thinking, self.transcript
+
+    def restore(self, saved: tuple) -> None:
+        self.tool, self.thinking, self.transcript = saved
 
     def bound_tool_ids(self) -> frozenset[str]:
         """Ids of the live tool binding, or an empty set (thread-safe read)."""
@@ -193,14 +226,17 @@ def visible_keys(prompt: str, content: str, tool_calls_text: str) -> tuple[str, 
     return (prompt[: -len(THINK_START)] + tail, prompt + tail)
 
 
-def thinking_suffix(rendered_prompt: str, binding: ThinkingBinding) -> str | None:
-    """The text after the live state if ``rendered_prompt`` starts with a visible key.
+def thinking_suffix(
+    rendered_prompt: str, binding: ThinkingBinding | TranscriptBinding
+) -> str | None:
+    """The text after the live state if ``rendered_prompt`` starts with one of
+    ``binding.keys`` (a `ThinkingBinding`'s visible keys, a `TranscriptBinding`'s key).
 
     Keys end with ``<｜end▁of▁sentence｜>``, which the live state sampled but never fed,
     so the returned suffix starts with it. None when the prompt starts with no key.
     """
     for key in binding.keys:
-        if rendered_prompt.startswith(key):
+        if key.endswith(EOS) and rendered_prompt.startswith(key):
             return rendered_prompt[len(key) - len(EOS) :]
     return None
 
@@ -229,7 +265,7 @@ def unexplained_tool_ids(conv: Conversation, bound: frozenset[str] = frozenset()
 
 
 def unknown_id_message(protocol: str, tool_id: str) -> str:
-    """The HTTP 400 text for a tool result nothing explains (DESIGN.md §3).
+    """The HTTP 400 text for a tool result nothing explains (docs/ARCHITECTURE.md §3).
 
     E.g. ``unknown tool_use_id toolu_…; replay the full messages history``.
     """

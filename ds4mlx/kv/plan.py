@@ -14,8 +14,10 @@ remembers what a later prompt may continue from.
 2. ``live-anthropic`` / ``live-chat`` — the same for Anthropic ``tool_use_id`` and
    OpenAI chat ``tool_call_id``. Rules 1–2 append only the tool-results suffix,
    tokenized on its own; the sampled turn (hidden thinking, exact DSML) stays as is;
-3. ``live-thinking`` — the prompt starts with the visible key of the thinking turn the
-   live state just sampled (`ds4mlx.kv.live.ThinkingBinding`);
+3. ``live-transcript`` / ``live-thinking`` — the prompt starts with the agent's own
+   rendering of the conversation the live state holds (`ds4mlx.kv.live.TranscriptBinding`),
+   or with the visible key of the thinking turn the live state just sampled
+   (`ds4mlx.kv.live.ThinkingBinding`);
 4. ``exact-token-prefix`` — the live tokens are a prefix of the prompt's tokens;
 5. ``text-prefix`` — the live tokens' text is a byte prefix of the rendered prompt:
    keep them and tokenize only the remaining text, on its own (tokens of the whole
@@ -47,6 +49,7 @@ from ds4mlx.kv.live import (
     LiveBindings,
     ThinkingBinding,
     ToolBinding,
+    TranscriptBinding,
     thinking_suffix,
     tool_results_suffix,
     trailing_tool_ids,
@@ -164,7 +167,7 @@ def _prefix_plan(
 
 
 class Planner:
-    """The full matching order of DESIGN.md §3 for one engine's live session.
+    """The full matching order of docs/ARCHITECTURE.md §3 for one engine's live session.
 
     Args:
         engine: the ``ds4mlx.engine.Engine`` (tokenizer, context size).
@@ -291,80 +294,140 @@ class Planner:
             PlanRejected: a tool result that nothing explains (client error); the
                 session and the bindings are unchanged.
         """
-        tokenizer = self.engine.tokenizer
-        conv = conversation
-        n = len(session.tokens)
-        live_ok = n > 0 and session.logits is not None
-        tool_b, think_b = self.bindings.tool, self.bindings.thinking
-        # Whatever this job does, the bindings describe the state before it: a later
-        # job can only continue from what *this* job leaves (after_generation).
+        live_ok = len(session.tokens) > 0 and session.logits is not None
+        saved = self.bindings.save()
+        # Whatever this prompt does, the bindings describe the state before it: a later
+        # prompt can only continue from what *this* turn leaves (after_generation).
         self.bindings.clear()
-        ctx = self.engine.ctx_size
-
-        # 1-2: live tool continuation by ids.
-        if conv is not None and tool_b is not None and live_ok and tool_b.n_tokens == n:
-            suffix = tool_results_suffix(conv, tool_b, context_size=ctx)
-            if suffix is not None:
-                self._note_replayed(conv)
-                field_ = ID_FIELD.get(protocol, "tool_call_id").replace("_", "-")
-                plan = Plan(
-                    keep=n,
-                    suffix_tokens=tokenizer.encode(suffix),
-                    decision=_LIVE_DECISION.get(protocol, "live-chat"),
-                    cached=n,
-                    detail=f"match={field_}s ids={len(tool_b.ids)}",
-                )
-                return self._with_checkpoints(plan, session, None)
-
-        # Tool results must be live (above) or replayed with their calls.
-        if conv is not None:
-            bad = unexplained_tool_ids(conv)
+        tool_b, think_b, transcript_b = saved
+        plan = self._live_tools(session, conversation, protocol, tool_b) if live_ok else None
+        if plan is None and conversation is not None:
+            # Tool results must be live (above) or replayed with their calls.
+            bad = unexplained_tool_ids(conversation)
             if bad:
-                # A rejected request changes nothing: the client may still send the
-                # right results and continue live.
-                self.bindings.tool, self.bindings.thinking = tool_b, think_b
+                # A rejected prompt changes nothing: the client may still send the right
+                # results and continue live.
+                self.bindings.restore(saved)
                 raise PlanRejected(unknown_id_message(protocol, bad[0]))
-
-        # 3: thinking live continuation by the visible key.
-        if rendered_text is not None and think_b is not None and live_ok and think_b.n_tokens == n:
-            rest = thinking_suffix(rendered_text, think_b)
-            if rest is not None:
-                self._note_replayed(conv)
-                plan = Plan(
-                    keep=n,
-                    suffix_tokens=tokenizer.encode(rest),
-                    decision="live-thinking",
-                    cached=n,
-                    detail=_thinking_detail(conv, tool_b),
-                )
-                return self._with_checkpoints(plan, session, None)
-
-        # 4-5: token or text prefix of the live state.
-        prompt = prompt_tokens
-        plan = _prefix_plan(session, tokenizer, rendered_text, prompt)
+        if plan is None and live_ok and rendered_text is not None:
+            plan = self._live_text(session, rendered_text, transcript_b, "live-transcript", "")
+            plan = plan or self._live_text(
+                session,
+                rendered_text,
+                think_b,
+                "live-thinking",
+                _thinking_detail(conversation, tool_b),
+            )
+        if plan is not None:
+            self._note_replayed(conversation)
+            return self._with_checkpoints(plan, session, None)
+        plan = _prefix_plan(session, self.engine.tokenizer, rendered_text, prompt_tokens)
         if plan is not None:
             plan.detail = "ids=0"
-            self._note_replayed(conv)
-            return self._with_checkpoints(plan, session, rendered_text)
+        else:
+            # Either replaces the live state (and forgets which calls it holds).
+            plan = self._from_disk(session, rendered_text) or self._cold(session, prompt_tokens)
+        self._note_replayed(conversation)
+        return self._with_checkpoints(plan, session, rendered_text)
 
-        # 6: disk. Load first, then save the live state (evict) it replaces: saving first
-        # could evict, within the byte budget, the very snapshot about to be loaded.
-        if self.disk is not None and rendered_text is not None:
-            t0 = time.perf_counter()
-            loaded = self.disk.lookup(rendered_text)
-            if loaded is not None:
-                plan = self._restore(session, tokenizer, rendered_text, loaded, t0)
-                if plan is not None:
-                    self._note_replayed(conv)
-                    return self._with_checkpoints(plan, session, rendered_text)
+    def _live_tools(self, session, conv, protocol: str, binding: ToolBinding | None) -> Plan | None:
+        """Rules 1-2: the trailing tool results answer exactly the calls just sampled."""
+        n = len(session.tokens)
+        if conv is None or binding is None or binding.n_tokens != n:
+            return None
+        suffix = tool_results_suffix(conv, binding, context_size=self.engine.ctx_size)
+        if suffix is None:
+            return None
+        field_ = ID_FIELD.get(protocol, "tool_call_id").replace("_", "-")
+        return Plan(
+            keep=n,
+            suffix_tokens=self.engine.tokenizer.encode(suffix),
+            decision=_LIVE_DECISION.get(protocol, "live-chat"),
+            cached=n,
+            detail=f"match={field_}s ids={len(binding.ids)}",
+        )
 
-        # 7: cold.
+    def _live_text(
+        self, session, rendered: str, binding, decision: str, detail: str
+    ) -> Plan | None:
+        """Rule 3: the prompt starts with a key of the turn just sampled (the visible
+        keys of a thinking turn, or the agent's transcript key)."""
+        n = len(session.tokens)
+        if binding is None or binding.n_tokens != n:
+            return None
+        rest = thinking_suffix(rendered, binding)
+        if rest is None:
+            return None
+        return Plan(
+            keep=n,
+            suffix_tokens=self.engine.tokenizer.encode(rest),
+            decision=decision,
+            cached=n,
+            detail=detail or "match=transcript",
+        )
+
+    def _from_disk(self, session, rendered_text: str | None) -> Plan | None:
+        """Rule 6: restore the longest stored rendered-text prefix.
+
+        Loads first, then saves the live state (evict) it replaces: saving first could
+        evict, within the byte budget, the very snapshot about to be loaded.
+        """
+        if self.disk is None or rendered_text is None:
+            return None
+        t0 = time.perf_counter()
+        loaded = self.disk.lookup(rendered_text)
+        if loaded is None:
+            return None
+        return self._restore(session, self.engine.tokenizer, rendered_text, loaded, t0)
+
+    def _cold(self, session, prompt_tokens: list[int]) -> Plan:
+        """Rule 7: save the live state it replaces (evict), reset, prefill everything."""
         self._evict_live(session)
         session.reset()
         self._replaced()
-        self._note_replayed(conv)
-        plan = Plan(keep=0, suffix_tokens=list(prompt), decision="cold", cached=0, detail="ids=0")
-        return self._with_checkpoints(plan, session, rendered_text)
+        return Plan(
+            keep=0, suffix_tokens=list(prompt_tokens), decision="cold", cached=0, detail="ids=0"
+        )
+
+    def bind_transcript(self, session, key: str) -> None:
+        """Bind ``key`` (a caller's rendering of the conversation the live state holds,
+        ending with an EOS) to the live state as it is now (`TranscriptBinding`)."""
+        self.bindings.transcript = TranscriptBinding(key, len(session.tokens))
+
+    def reset(self, session) -> None:
+        """Empty the live session (a new conversation): no bindings, nothing saved."""
+        self.bindings.clear()
+        self._replaced()
+        session.reset()
+
+    def resume(self, session, key: str) -> int | None:
+        """Restore the disk snapshot stored under ``key`` (the agent's ``/switch``).
+
+        The live state it replaces is saved first (``evict``) when worth it. Returns the
+        tokens restored, or None when the snapshot is gone or unusable (the session is
+        then reset).
+        """
+        from ds4mlx.engine import SessionState, SnapshotError
+
+        loaded = self.disk.load_key(key) if self.disk is not None else None
+        self._evict_live(session)
+        self.reset(session)
+        if loaded is None:
+            return None
+        try:
+            session.restore(SessionState(loaded.tokens, loaded.arrays, loaded.meta))
+        except (SnapshotError, ValueError) as e:
+            log.warning("kv cache: cannot restore %s: %s", key[:12], e)
+            return None
+        self._loaded(loaded)
+        return len(loaded.tokens)
+
+    def _loaded(self, loaded) -> None:
+        """Bookkeeping after a snapshot was restored into the live session."""
+        self.disk.tracker.loaded(len(loaded.tokens))
+        if self.tool_memory is not None and loaded.tool_memory:
+            self.tool_memory.load(loaded.tool_memory.items())
+        self.live_tool_ids.update(dict.fromkeys(loaded.tool_memory))
 
     def _restore(self, session, tokenizer, rendered_text: str, loaded, t0: float) -> Plan | None:
         from ds4mlx.engine import SessionState, SnapshotError
@@ -378,10 +441,7 @@ class Planner:
             log.warning("kv cache: cannot restore %s: %s", loaded.entry.path.name, e)
             return None
         self._replaced()
-        self.disk.tracker.loaded(len(loaded.tokens))
-        if self.tool_memory is not None and loaded.tool_memory:
-            self.tool_memory.load(loaded.tool_memory.items())
-        self.live_tool_ids.update(dict.fromkeys(loaded.tool_memory))
+        self._loaded(loaded)
         rest = rendered_text[len(loaded.text) :]
         n = len(loaded.tokens)
         ms = (time.perf_counter() - t0) * 1e3
@@ -403,6 +463,7 @@ class Planner:
         thinking: bool = False,
         text: str = "",
         protocol: str = "chat",
+        transcript_key: str | None = None,
     ) -> None:
         """Remember what the next prompt may continue from (on the inference thread).
 
@@ -414,6 +475,10 @@ class Planner:
             thinking: the prompt opened ``<think>``.
             text: the visible text the client saw (after stop strings).
             protocol: as in `plan`.
+            transcript_key: a caller that keeps the conversation (the agent): its
+                rendering through this turn, ending with the turn's EOS
+                (`TranscriptBinding`); kept whatever the finish, since the caller's
+                transcript records the turn as the live state holds it.
 
         After a turn that ended with EOS: the sampled tool-call ids with the live token
         count (`ToolBinding`), and in thinking mode the turn's visible key
@@ -427,9 +492,11 @@ class Planner:
         for c in tool_calls:
             if c.id:
                 self.live_tool_ids[c.id] = None
+        n = len(session.tokens)
+        if transcript_key is not None:
+            self.bind_transcript(session, transcript_key)
         if finish != "stop" or prompt_text is None:
             return
-        n = len(session.tokens)
         calls = list(tool_calls)
         if calls and all(c.id for c in calls):
             self.bindings.tool = ToolBinding(tuple(c.id for c in calls), n, protocol)

@@ -1,4 +1,4 @@
-"""When to write disk KV snapshots (DESIGN.md §5): pure functions over token counts.
+"""When to write disk KV snapshots (docs/ARCHITECTURE.md §5): pure functions over token counts.
 
 Four save reasons, after ds4's server:
 

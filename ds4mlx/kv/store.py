@@ -1,4 +1,4 @@
-"""Disk KV cache store (DESIGN.md §5).
+"""Disk KV cache store (docs/ARCHITECTURE.md §5).
 
 One snapshot per file, named ``<sha1>.safetensors`` where ``sha1`` is the SHA-1 (hex) of
 the UTF-8 bytes of the rendered text the snapshot's tokens decode to. The container is

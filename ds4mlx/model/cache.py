@@ -1,6 +1,6 @@
 """Per-layer KV state in DeepSeek V4's compressed layout.
 
-Each layer keeps (DESIGN.md §3, DS4_NETWORK.md "Attention and window" / "Compressor"):
+Each layer keeps (docs/ARCHITECTURE.md §3, docs/ARCHITECTURE.md §2 "Attention and window" / "Compressor"):
 
 * a ring of ``window_size`` raw K=V rows; the row of absolute position ``p`` lives at
   slot ``p % window_size`` (never a full-length raw KV);

@@ -1,7 +1,7 @@
 """Load a DeepSeek V4 checkpoint directory into ``network.Model``.
 
 A directory holds ``config.json`` and ``*.safetensors`` (optionally ``tokenizer.json``).
-Supported layouts (DESIGN.md §2), detected from the tensor names:
+Supported layouts (docs/ARCHITECTURE.md §2), detected from the tensor names:
 
 (a) transformers names (``model.layers.N.self_attn.q_a_proj.weight``, stacked
     ``mlp.experts.gate_up_proj`` / ``down_proj``, ``model.embed_tokens``, ``lm_head``);

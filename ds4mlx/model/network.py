@@ -1,8 +1,8 @@
 """DeepSeek V4 network in MLX.
 
-Semantics follow ``/work/shared/DS4_NETWORK.md`` (checked against DeepSeek's official
+Semantics follow docs/ARCHITECTURE.md §2 (checked against DeepSeek's official
 ``inference/model.py``); the section names in the comments below refer to that file.
-Parameter names follow DeepSeek's official checkpoint naming (DESIGN.md §2, layout b),
+Parameter names follow DeepSeek's official checkpoint naming (docs/ARCHITECTURE.md §2, layout b),
 except that routed experts are stacked per layer (``ffn.experts.w1.weight`` has shape
 ``(n_routed_experts, moe_inter_dim, dim)``) so ``mx.gather_mm`` / ``mx.gather_qmm`` can run
 them; ``loading.py`` stacks per-expert checkpoints.
@@ -75,7 +75,7 @@ def rope_cos_sin(inv_freq: mx.array, positions: mx.array) -> tuple[mx.array, mx.
 def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     """Rotate the last ``2 * cos.shape[-1]`` channels of ``x`` as interleaved pairs.
 
-    Layout is ``[nope | rope]`` per head and pairs are (2i, 2i+1) (DS4_NETWORK.md,
+    Layout is ``[nope | rope]`` per head and pairs are (2i, 2i+1) (docs/ARCHITECTURE.md §2,
     "Attention and window"). ``cos``/``sin`` must broadcast against ``x[..., :rd/2]``;
     pass ``-sin`` for the conjugate (de-)rotation.
     """
@@ -111,7 +111,7 @@ class RMSNorm(nn.Module):
 
 
 class GroupedLinear(nn.Module):
-    """Grouped output projection ``wo_a`` (DS4_NETWORK.md, "Attention and window").
+    """Grouped output projection ``wo_a`` (docs/ARCHITECTURE.md §2, "Attention and window").
 
     ``weight`` is ``(groups * rank, in_per_group)`` as in DeepSeek's checkpoint; group g
     owns rows ``g*rank … (g+1)*rank - 1`` and sees only its contiguous block of heads.
@@ -168,7 +168,7 @@ class QuantizedGroupedLinear(nn.Module):
 
 # ----------------------------------------------------------------------------- compressor
 class Compressor(nn.Module):
-    """Gated pooling of ``ratio`` tokens into one KV row (DS4_NETWORK.md, "Compressor").
+    """Gated pooling of ``ratio`` tokens into one KV row (docs/ARCHITECTURE.md §2, "Compressor").
 
     Parameters: ``wkv``, ``wgate`` (``dim -> coff*head_dim``), ``ape`` ``(ratio,
     coff*head_dim)``, ``norm`` (``head_dim``); ``coff`` = 2 with overlap (ratio-4 CSA and
@@ -229,7 +229,7 @@ class Compressor(nn.Module):
 
 
 class Indexer(nn.Module):
-    """Lightning Indexer of a CSA layer (DS4_NETWORK.md, "Indexer (ratio-4 layers)").
+    """Lightning Indexer of a CSA layer (docs/ARCHITECTURE.md §2, "Indexer (ratio-4 layers)").
 
     Parameters: ``wq_b`` (``q_lora_rank -> index_n_heads*index_head_dim``),
     ``weights_proj`` (``dim -> index_n_heads``), ``compressor`` (overlapping, at
@@ -282,7 +282,7 @@ class Indexer(nn.Module):
 
 # ----------------------------------------------------------------------------- attention
 class Attention(nn.Module):
-    """Hybrid attention of one layer (DS4_NETWORK.md, "Attention and window").
+    """Hybrid attention of one layer (docs/ARCHITECTURE.md §2, "Attention and window").
 
     Shared K=V MQA over a sliding window of ``window_size`` raw rows (including the current
     token) plus, on compressed layers, the compressed rows (HCA: all visible; CSA: the
@@ -422,7 +422,7 @@ class Attention(nn.Module):
 
 # ----------------------------------------------------------------------------- MoE
 class Gate(nn.Module):
-    """Router (DS4_NETWORK.md, "MoE"). ``weight`` ``(E, dim)``; ``bias`` ``(E,)`` for top-k
+    """Router (docs/ARCHITECTURE.md §2, "MoE"). ``weight`` ``(E, dim)``; ``bias`` ``(E,)`` for top-k
     layers; ``tid2eid`` ``(vocab, k)`` int32 for hash layers."""
 
     def __init__(self, args: ModelArgs, hashed: bool):
@@ -501,7 +501,7 @@ class Experts(nn.Module):
 
 
 class MLP(nn.Module):
-    """Shared expert ``w2(silu(w1·x) · w3·x)``; not clamped (DS4_NETWORK.md, "MoE")."""
+    """Shared expert ``w2(silu(w1·x) · w3·x)``; not clamped (docs/ARCHITECTURE.md §2, "MoE")."""
 
     def __init__(self, dim: int, inter: int):
         super().__init__()
@@ -532,7 +532,7 @@ class MoE(nn.Module):
 # ----------------------------------------------------------------------------- mHC
 @cache
 def _hc_pre_fn(hc: int, iters: int, hc_eps: float, norm_eps: float):
-    """Compiled mHC weight computation (DS4_NETWORK.md, "Hyper-connections")."""
+    """Compiled mHC weight computation (docs/ARCHITECTURE.md §2, "Hyper-connections")."""
 
     def fn(x, hc_fn, scale, base):
         L = x.shape[0]

@@ -1,4 +1,4 @@
-"""A tiny seeded DeepSeek V4 checkpoint for tests and the ``--demo`` server (DESIGN.md §2).
+"""A tiny seeded DeepSeek V4 checkpoint for tests and the ``--demo`` server (docs/ARCHITECTURE.md §2).
 
 Same architecture as Flash at toy size: all three attention kinds (window-only, ratio 4
 CSA with Lightning Indexer, ratio 128 HCA), hash-routed and top-k MoE layers, mHC with

@@ -1,4 +1,4 @@
-"""HTTP routes of ``ds4mlx serve``: one module per protocol (DESIGN.md §1, §6).
+"""HTTP routes of ``ds4mlx serve``: one module per protocol (docs/ARCHITECTURE.md §1, §6).
 
 - `ds4mlx.routes.openai`: ``/v1/chat/completions``, ``/v1/completions``
 - `ds4mlx.routes.anthropic`: ``/v1/messages``, ``/v1/messages/count_tokens``

@@ -306,7 +306,7 @@ def validate(model: type[M], data: Any) -> tuple[M, dict[str, Any]]:
 class OpenModel(BaseModel):
     """Base of every wire schema: unknown fields are kept, not rejected.
 
-    Clients send beta and vendor fields (DESIGN.md §6); only what a route reads is
+    Clients send beta and vendor fields (docs/ARCHITECTURE.md §6); only what a route reads is
     declared and validated.
     """
 
@@ -424,7 +424,7 @@ def clamp_max_tokens(requested: int | None, n_prompt: int) -> int:
     """Output limit: the request's (or ``--tokens``) capped by the context left
     (and by ``--demo``'s per-request cap).
 
-    A limit beyond the context is not an error (DESIGN.md §6): generation stops when
+    A limit beyond the context is not an error (docs/ARCHITECTURE.md §6): generation stops when
     the context is full and reports ``length`` / ``max_tokens``.
     """
     st = state()
@@ -461,7 +461,7 @@ def demo_cap_ends_turn(requested: int | None, n_prompt: int) -> bool:
 def sampling_params(
     thinking: bool, *, temperature=None, top_p=None, top_k=None, min_p=None, seed=None
 ):
-    """``SamplingParams`` for a request (DESIGN.md §6).
+    """``SamplingParams`` for a request (docs/ARCHITECTURE.md §6).
 
     Thinking mode ignores the client's knobs, as DeepSeek's API does: temperature 1,
     top_p 1, min_p 0.05. Otherwise the client's values with those defaults; top_k
@@ -498,7 +498,7 @@ def check_tool_results(conv, protocol: str) -> None:
 
     A tool result must answer a call the request replays (an assistant turn with that
     id), or the trailing results must answer exactly the calls the live state just
-    sampled (DESIGN.md §3). The worker checks again when the job runs (the live state
+    sampled (docs/ARCHITECTURE.md §3). The worker checks again when the job runs (the live state
     may change while it waits) and then fails it with the same 400.
 
     Args:
@@ -572,7 +572,7 @@ class ReasoningCarrier:
     Used as the Responses reasoning item's ``encrypted_content`` and the Anthropic
     thinking block's ``signature``: a stateless client hands it back and the server
     recovers the exact reasoning, so a replay renders the exact prefix the model
-    sampled (DESIGN.md §6: opaque, integrity-protected). Format: ``ds4r2.`` +
+    sampled (docs/ARCHITECTURE.md §6: opaque, integrity-protected). Format: ``ds4r2.`` +
     base64url(12-byte nonce + AES-256-GCM ciphertext and tag of the UTF-8 text), the
     prefix as associated data. A tampered, foreign-key or foreign-format carrier opens
     to None.

@@ -11,7 +11,7 @@
 - ``GET /health``: ``{"status": "ok", ...}`` (no API key needed).
 - ``POST /debug/script`` (only with ``--enable-scripted-decoding``): ``{"texts": [str]}``
   and/or ``{"tokens": [[int]]}`` queue continuations (texts first); each following job
-  decodes the next one (DESIGN.md §2). ``"greedy": true`` makes those jobs decode
+  decodes the next one (docs/ARCHITECTURE.md §2). ``"greedy": true`` makes those jobs decode
   greedily once their script runs out; ``"reset": true`` drops what was queued
   (alone, or before queueing the texts/tokens of the same request).
 """

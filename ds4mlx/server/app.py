@@ -132,7 +132,7 @@ def banner(engine, config: ServerConfig, url: str) -> None:
 
 
 def kv_bytes_at(args, n_tokens: int, dtype_bytes: int) -> int:
-    """KV-cache bytes of a session holding ``n_tokens`` (DESIGN.md §3 layout).
+    """KV-cache bytes of a session holding ``n_tokens`` (docs/ARCHITECTURE.md §3 layout).
 
     Per layer: the raw ring of ``window_size`` rows, plus for compressed layers one row
     per ``ratio`` tokens, plus (ratio-``csa_ratio`` layers) the Lightning Indexer's rows.

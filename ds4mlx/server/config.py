@@ -34,7 +34,7 @@ class ServerConfig:
         trace_path: JSON-lines trace file (``--trace``), or None.
         scripted: enable ``POST /debug/script`` (``--enable-scripted-decoding``; tests).
         keep_billing_header: keep Claude Code's ``x-anthropic-billing-header`` system
-            line (DESIGN.md §3).
+            line (docs/ARCHITECTURE.md §3).
         keepalive_s: seconds between SSE keepalives while a stream has nothing to send.
         max_body_bytes: larger request bodies get 413.
         host, port: where Hypercorn binds.
