@@ -241,6 +241,19 @@ def test_search_max_results(tb: Toolbox, ws: Path) -> None:
     assert "stopped at max_results=5" in out.text
 
 
+def test_search_skips_symlinks_that_loop_or_leave(tb: Toolbox, ws: Path, tmp_path: Path) -> None:
+    # Walking and globbing apply the same rule: a symlink that loops or points out
+    # of the workspace is skipped; it does not fail the whole search.
+    _tree(ws)
+    (ws / "loop").symlink_to("loop")
+    (tmp_path / "outside.txt").write_text("VALUE outside\n")
+    (ws / "out.txt").symlink_to(tmp_path / "outside.txt")
+    for args in ({}, {"glob": "*"}):
+        out = tb.run("search", {"pattern": r"VALUE\b", **args})
+        assert out.ok, out.text
+        assert "src/pkg/a.py:2: VALUE = 42" in out.text and "outside" not in out.text
+
+
 # --- bash --------------------------------------------------------------------
 
 

@@ -33,12 +33,13 @@ def approx_tokens(text: str) -> int:
     return (len(text) + 3) // 4
 
 
-def _line_no(text: str, pos: int) -> int:
+def line_of(text: str, pos: int) -> int:
     """1-based number of the line that contains character offset ``pos``."""
     return text.count("\n", 0, pos) + 1
 
 
-def _total_lines(text: str) -> int:
+def count_lines(text: str) -> int:
+    """Number of ``\\n``-separated lines; a final line without ``\\n`` counts, "" has 0."""
     if not text:
         return 0
     return text.count("\n") + (0 if text.endswith("\n") else 1)
@@ -184,15 +185,15 @@ class OutputStore:
         if n <= budget * _MAX_CHARS_PER_TOKEN and self.count_tokens(text) <= budget:
             return Shaped(text)
         handle = f"out_{next(self._ids)}"
-        total = _total_lines(text)
+        total = count_lines(text)
         # Reserve room for the marker, measured on a worst-case-length sample.
         sample = self._marker(handle, total, total, total, n, total)
         room = max(budget - self.count_tokens(sample) - 2, 2)
         head_budget = max(int(room * self.head_fraction), 1)
         head_end = fit_prefix(text, 0, n, head_budget, self.count_tokens)
         tail_start = fit_suffix(text, head_end, n, room - head_budget, self.count_tokens)
-        first_cut = _line_no(text, head_end) if head_end < n else total
-        last_cut = _line_no(text, max(tail_start - 1, head_end))
+        first_cut = line_of(text, head_end) if head_end < n else total
+        last_cut = line_of(text, max(tail_start - 1, head_end))
         cut_lines = last_cut - first_cut + 1
         marker = self._marker(handle, cut_lines, first_cut, last_cut, tail_start - head_end, total)
         head = text[:head_end]
@@ -235,7 +236,7 @@ class OutputStore:
             raise KeyError(f"unknown or expired output handle {handle!r} (available: {live})")
         self._items.move_to_end(handle)
         text = item.text
-        total = _total_lines(text)
+        total = count_lines(text)
         if line is not None:
             if line < 1 or line > max(total, 1):
                 raise ValueError(f"line {line} is outside the output (lines 1–{total})")
@@ -243,7 +244,7 @@ class OutputStore:
             item.stop = len(text)
         if item.cursor >= item.stop:
             if item.stop < len(text):
-                first = _line_no(text, item.stop)
+                first = line_of(text, item.stop)
                 return (
                     f"[end of the cut part of {handle}; lines {first}–{total} were shown "
                     f"after the cut. Call more with line=N to re-read from line N]"
@@ -255,7 +256,7 @@ class OutputStore:
         if end == item.cursor:  # always make progress, even past a budget-sized char
             end = item.cursor + 1
         chunk = text[item.cursor : end]
-        first, last = _line_no(text, item.cursor), _line_no(text, max(end - 1, item.cursor))
+        first, last = line_of(text, item.cursor), line_of(text, max(end - 1, item.cursor))
         item.cursor = end
         footer = self._footer(handle, first, last, total, end < item.stop, item.stop < len(text))
         sep = "" if chunk.endswith("\n") else "\n"
