@@ -45,12 +45,13 @@ def _load_engine(model: str, ctx_size: int | None):
         return None
 
 
-def _chat_prompt(text: str, *, thinking: bool) -> str:
-    """One user message in the DS4 chat format, generation opened (thinking or not)."""
-    from ds4mlx.dsml import render_prompt
+def _chat_prompt(text: str, *, thinking: bool):
+    """One user message in the DS4 chat format, generation opened (thinking or not): a
+    ``Rendered`` whose user text tokenizes as plain text."""
+    from ds4mlx.dsml import render
     from ds4mlx.dsml.conversation import Conversation, Message
 
-    return render_prompt(Conversation(messages=[Message("user", text)], thinking=thinking))
+    return render(Conversation(messages=[Message("user", text)], thinking=thinking))
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -63,8 +64,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if engine is None:
         return 1
     tok = engine.tokenizer
-    prompt = args.prompt if args.raw else _chat_prompt(args.prompt, thinking=not args.nothink)
-    ids = tok.encode(prompt)
+    if args.raw:  # a hand-written template: special-token spellings are recognized
+        ids = tok.encode(args.prompt)
+    else:
+        prompt = _chat_prompt(args.prompt, thinking=not args.nothink)
+        ids = tok.encode(prompt.text, content=prompt.content)
     try:
         params = SamplingParams(
             temperature=args.temp,

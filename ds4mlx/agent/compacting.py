@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from ds4mlx.agent import compaction as cmp
 from ds4mlx.agent.events import CompactionInfo
-from ds4mlx.dsml import Conversation, Message, render_assistant_turn, render_prompt
-from ds4mlx.dsml import render_segments as _render_segments
-from ds4mlx.dsml.tokens import EOS
+from ds4mlx.dsml import Conversation, Message, render, render_assistant_turn, render_segments
 
 
 class Compacting:
@@ -31,7 +29,7 @@ class Compacting:
             text = f"<tool_result>{m.content}</tool_result>"
         else:
             text = m.content
-        return len(self.tok.encode(text)) + 2
+        return len(self.tok.encode_plain(text)) + 2
 
     def _summary_by_model(self, last_a: int) -> tuple[str, str | None]:
         """Ask the live model for a summary after the turn-end state.
@@ -49,9 +47,12 @@ class Compacting:
         # The request follows the live assistant turn: its EOS, then the new turn only
         # (the summary conversation renders the earlier turns in chat mode; they are not
         # re-rendered over the live state).
-        segs = _render_segments(tmp, context_size=self.ctx, tool_memory=self.tool_memory)
+        segs = render_segments(tmp, context_size=self.ctx, tool_memory=self.tool_memory)
         k = max(i for i, seg in enumerate(segs) if seg.role == "assistant")
-        ids = self.tok.encode(EOS + "".join(seg.text for seg in segs[k + 1 :]))
+        tail = sum(len(seg.text) for seg in segs[k + 1 :])
+        full = render(tmp, context_size=self.ctx, tool_memory=self.tool_memory)
+        rest = full.tail(len(full.text) - tail)
+        ids = [self.tok.eos_id] + self.tok.encode(rest.text, content=rest.content)
         limit = self.policy.summary_max(self.ctx)
         if len(s.tokens) + len(ids) + limit > self.ctx:
             return "", None
@@ -81,8 +82,8 @@ class Compacting:
         while True:
             new = cmp.rebuild(msgs, start, summary, cmp.first_request(msgs[:start]))
             conv = Conversation(messages=new, tools=self.conv.tools, thinking=self.conv.thinking)
-            full = render_prompt(conv, context_size=self.ctx, tool_memory=self.tool_memory)
-            n_full = len(self.tok.encode(full))
+            full = render(conv, context_size=self.ctx, tool_memory=self.tool_memory)
+            n_full = len(self.tok.encode(full.text, content=full.content))
             over = n_full + self.policy.reserve(self.ctx) > self.ctx or n_full >= soft
             if not over or start >= keep_from:
                 return conv, start, n_full

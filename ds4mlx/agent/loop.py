@@ -176,7 +176,7 @@ class Agent(LiveSteps, SessionCommands, Compacting):
             Path(workspace),
             Permissions(ask=self._ask, yes=yes),
             output_token_budget=budget,
-            count_tokens=lambda s: len(self.tok.encode(s)),
+            count_tokens=lambda s: len(self.tok.encode_plain(s)),
             bash_timeout=bash_timeout,
         )
         self.workspace = self.toolbox.workspace

@@ -11,7 +11,15 @@ import time
 
 from ds4mlx.agent.events import Generated, Step
 from ds4mlx.agent.tools import ToolOutcome
-from ds4mlx.dsml import Event, Message, TextDelta, ThinkingDelta, ToolCall, render_assistant_turn
+from ds4mlx.dsml import (
+    Event,
+    Message,
+    TextDelta,
+    ThinkingDelta,
+    ToolCall,
+    render,
+    render_assistant_turn,
+)
 from ds4mlx.dsml.tokens import THINK_END
 from ds4mlx.engine import FINISH_CANCELLED, FINISH_STOP, TurnSpec, run_turn
 from ds4mlx.kv.plan import Plan
@@ -42,11 +50,11 @@ class LiveSteps:
 
         Returns None when ready to generate, else a ``SendResult`` status.
         """
-        full = self.render()
+        full = render(self.conv, context_size=self.ctx, tool_memory=self.tool_memory)
         t0 = time.monotonic()
         plan = self.planner.plan(
             self.session,
-            prompt_tokens=self.tok.encode(full),
+            prompt_tokens=self.tok.encode(full.text, content=full.content),
             rendered_text=full,
             conversation=self.conv,
             protocol="agent",

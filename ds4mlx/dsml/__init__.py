@@ -3,7 +3,7 @@
 Stdlib only. The public API:
 
 - `Conversation`, `Message`, `ToolCall`, `ToolSpec`: the neutral conversation model.
-- `render_prompt`, `render_segments`, `render_tool_results_suffix`,
+- `render` (text + content spans: `Rendered`), `render_prompt`, `render_segments`, `render_tool_results_suffix`,
   `render_assistant_turn`, `render_tool_calls`, `render_invoke`, `canonical_invoke`,
   `render_tools_section`, `think_max_active`, `thinking_visible_key`: rendering (byte-identical to
   DeepSeek's ``encoding_dsv4.py``).
@@ -26,9 +26,11 @@ from .decoder import (
     decode_text,
 )
 from .ids import new_tool_id
+from .marked import Rendered
 from .render import (
     Segment,
     canonical_invoke,
+    render,
     render_assistant_turn,
     render_invoke,
     render_prompt,
@@ -45,6 +47,8 @@ from .tool_memory import ToolMemory
 
 __all__ = [
     "ROLES",
+    "Rendered",
+    "render",
     "THINK_MAX_MIN_CONTEXT",
     "Conversation",
     "DecodeResult",

@@ -38,10 +38,12 @@ sampled tool-call turn, and `render_assistant_turn` the text a turn was sampled 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from .conversation import Conversation, Message, ToolCall, ToolSpec
+from .marked import Rendered, content, unmark
 from .tokens import (
     ASSISTANT,
     BOS,
@@ -132,13 +134,44 @@ def tool_schema_dict(tool: ToolSpec) -> dict[str, Any]:
     return out
 
 
+def _tools_section(tools: list[ToolSpec]) -> str:
+    # The schemas are the client's content; the intro and outro are ours (they spell
+    # <think> and </think>, which the official encoding tokenizes as special tokens).
+    schemas = "\n".join(to_json(tool_schema_dict(t)) for t in tools)
+    return _TOOLS_INTRO + content(schemas) + _TOOLS_OUTRO
+
+
 def render_tools_section(tools: list[ToolSpec]) -> str:
     """The ``## Tools`` section (``encoding_dsv4.py``: ``render_tools``), one JSON line per tool."""
-    schemas = "\n".join(to_json(tool_schema_dict(t)) for t in tools)
-    return _TOOLS_INTRO + schemas + _TOOLS_OUTRO
+    return unmark(_tools_section(tools))
 
 
 # ---------------------------------------------------------------------- tool calls
+
+
+def _canonical_invoke(name: str, arguments: dict[str, Any]) -> str:
+    if not isinstance(arguments, dict):
+        arguments = {"arguments": arguments}
+    params = []
+    for key, value in arguments.items():
+        is_str = isinstance(value, str)
+        text = value if is_str else to_json(value)
+        params.append(
+            f'<{DSML}parameter name="{content(key)}" string="{"true" if is_str else "false"}">'
+            f"{content(text)}</{DSML}parameter>"
+        )
+    return f'<{DSML}invoke name="{content(name)}">\n' + "\n".join(params) + f"\n</{DSML}invoke>"
+
+
+# A sampled or replayed invoke block: its parameter values are content (the model wrote
+# them as text), the DSML around them is structure.
+_PARAM_BODY = re.compile(
+    rf'(<{DSML}parameter name="[^"\n]*" string="(?:true|false)">)(.*?)(</{DSML}parameter>)', re.S
+)
+
+
+def _mark_invoke(dsml: str) -> str:
+    return _PARAM_BODY.sub(lambda m: m.group(1) + content(m.group(2)) + m.group(3), dsml)
 
 
 def canonical_invoke(name: str, arguments: dict[str, Any]) -> str:
@@ -149,17 +182,16 @@ def canonical_invoke(name: str, arguments: dict[str, Any]) -> str:
     non-dict ``arguments`` is wrapped as ``{"arguments": value}`` (the official
     encoder's fallback for arguments that are not a JSON object).
     """
-    if not isinstance(arguments, dict):
-        arguments = {"arguments": arguments}
-    params = []
-    for key, value in arguments.items():
-        if isinstance(value, str):
-            params.append(f'<{DSML}parameter name="{key}" string="true">{value}</{DSML}parameter>')
-        else:
-            params.append(
-                f'<{DSML}parameter name="{key}" string="false">{to_json(value)}</{DSML}parameter>'
-            )
-    return f'<{DSML}invoke name="{name}">\n' + "\n".join(params) + f"\n</{DSML}invoke>"
+    return unmark(_canonical_invoke(name, arguments))
+
+
+def _invoke(call: ToolCall, tool_memory: ToolMemory | None) -> str:
+    exact = call.dsml
+    if exact is None and tool_memory is not None:
+        exact = tool_memory.get(call.id)
+    if exact is not None:
+        return _mark_invoke(exact)
+    return _canonical_invoke(call.name, call.arguments)
 
 
 def render_invoke(call: ToolCall, tool_memory: ToolMemory | None = None) -> str:
@@ -168,21 +200,19 @@ def render_invoke(call: ToolCall, tool_memory: ToolMemory | None = None) -> str:
     Exact sampled bytes win over the client's JSON, which may have reordered keys or
     reformatted values (docs/ARCHITECTURE.md §4, "Tool memory").
     """
-    if call.dsml is not None:
-        return call.dsml
-    if tool_memory is not None:
-        remembered = tool_memory.get(call.id)
-        if remembered is not None:
-            return remembered
-    return canonical_invoke(call.name, call.arguments)
+    return unmark(_invoke(call, tool_memory))
+
+
+def _tool_calls(calls: list[ToolCall], tool_memory: ToolMemory | None) -> str:
+    if not calls:
+        return ""
+    body = "\n".join(_invoke(c, tool_memory) for c in calls)
+    return f"{TOOL_CALLS_SEP}{TOOL_CALLS_OPEN}\n{body}\n{TOOL_CALLS_CLOSE}"
 
 
 def render_tool_calls(calls: list[ToolCall], tool_memory: ToolMemory | None = None) -> str:
     """``"\\n\\n<｜DSML｜tool_calls>\\n" + invokes joined by "\\n" + "\\n</｜DSML｜tool_calls>"``, or "" without calls."""
-    if not calls:
-        return ""
-    body = "\n".join(render_invoke(c, tool_memory) for c in calls)
-    return f"{TOOL_CALLS_SEP}{TOOL_CALLS_OPEN}\n{body}\n{TOOL_CALLS_CLOSE}"
+    return unmark(_tool_calls(calls, tool_memory))
 
 
 def render_assistant_turn(
@@ -198,9 +228,9 @@ def render_assistant_turn(
     then EOS when ``eos``. This is the text a `StreamDecoder` of the same mode parses
     back into ``msg``; the prompt rendering of a kept assistant turn is the same text.
     """
-    head = ((msg.reasoning or "") + THINK_END) if thinking else ""
-    out = head + (msg.content or "") + render_tool_calls(msg.tool_calls, tool_memory)
-    return out + EOS if eos else out
+    head = (content(msg.reasoning or "") + THINK_END) if thinking else ""
+    out = head + content(msg.content or "") + _tool_calls(msg.tool_calls, tool_memory)
+    return unmark(out + EOS if eos else out)
 
 
 # ------------------------------------------------------------------ preprocessing
@@ -382,24 +412,25 @@ def _render_turn(
     out = REASONING_EFFORT_MAX_PREAMBLE if (i == 0 and preamble) else ""
     role = turn.role
     if role in ("system", "developer"):
-        body = turn.content
+        body = content(turn.content)
         if turn.tools:
-            body += "\n\n" + render_tools_section(turn.tools)
+            body += "\n\n" + _tools_section(turn.tools)
         if turn.response_format:
-            body += "\n\n" + _RESPONSE_FORMAT_INTRO + to_json(turn.response_format)
+            body += "\n\n" + _RESPONSE_FORMAT_INTRO + content(to_json(turn.response_format))
         out += (USER + body) if role == "developer" else body
     elif role == "user":
         parts = []
         for kind, text, _ in turn.blocks or [("text", turn.content, None)]:
+            text = content(text)
             parts.append(f"<tool_result>{text}</tool_result>" if kind == "tool" else text)
         out += USER + "\n\n".join(parts)
     elif role == "latest_reminder":
-        out += LATEST_REMINDER + turn.content
+        out += LATEST_REMINDER + content(turn.content)
     elif role == "assistant":
         after_task = i > 0 and turns[i - 1].task is not None
         keep_reasoning = thinking and not after_task and (not drop or i > last_user)
-        head = ((turn.reasoning or "") + THINK_END) if keep_reasoning else ""
-        out += head + turn.content + render_tool_calls(turn.tool_calls, tool_memory) + EOS
+        head = (content(turn.reasoning or "") + THINK_END) if keep_reasoning else ""
+        out += head + content(turn.content) + _tool_calls(turn.tool_calls, tool_memory) + EOS
     else:
         raise ValueError(f"unknown role {role!r}")
 
@@ -423,19 +454,10 @@ def _render_turn(
     return out
 
 
-def render_segments(
-    conv: Conversation,
-    *,
-    context_size: int | None = None,
-    tool_memory: ToolMemory | None = None,
+def _marked_segments(
+    conv: Conversation, *, context_size: int | None, tool_memory: ToolMemory | None
 ) -> list[Segment]:
-    """The prompt for ``conv`` as per-turn `Segment`s (BOS first).
-
-    ``"".join(s.text for s in segments) == render_prompt(conv, ...)``. A prefix of the
-    list is the rendered text of a prefix of the conversation *as it appears inside
-    this prompt* (turn openers and reasoning dropping depend on later turns).
-    Raises ``ValueError`` for an unknown role.
-    """
+    """`render_segments` with the content marks still in (see `ds4mlx.dsml.marked`)."""
     turns, drop = _prepare(conv)
     last_user = _last_user_index(turns)
     preamble = think_max_active(conv, context_size)
@@ -454,6 +476,36 @@ def render_segments(
     return segments
 
 
+def render_segments(
+    conv: Conversation,
+    *,
+    context_size: int | None = None,
+    tool_memory: ToolMemory | None = None,
+) -> list[Segment]:
+    """The prompt for ``conv`` as per-turn `Segment`s (BOS first).
+
+    ``"".join(s.text for s in segments) == render_prompt(conv, ...)``. A prefix of the
+    list is the rendered text of a prefix of the conversation *as it appears inside
+    this prompt* (turn openers and reasoning dropping depend on later turns).
+    Raises ``ValueError`` for an unknown role.
+    """
+    segs = _marked_segments(conv, context_size=context_size, tool_memory=tool_memory)
+    return [Segment(s.role, s.sources, unmark(s.text)) for s in segs]
+
+
+def render(
+    conv: Conversation,
+    *,
+    context_size: int | None = None,
+    tool_memory: ToolMemory | None = None,
+) -> Rendered:
+    """The whole prompt for ``conv`` with its content spans (for tokenization: only the
+    renderer's markers may become special tokens). ``render(...).text`` is
+    `render_prompt`. Raises ``ValueError`` for an unknown role."""
+    segs = _marked_segments(conv, context_size=context_size, tool_memory=tool_memory)
+    return Rendered.parse("".join(s.text for s in segs))
+
+
 def render_prompt(
     conv: Conversation,
     *,
@@ -468,9 +520,7 @@ def render_prompt(
     preamble (`think_max_active`). ``tool_memory`` supplies exact sampled DSML for
     replayed tool-call ids. Raises ``ValueError`` for an unknown role.
     """
-    return "".join(
-        s.text for s in render_segments(conv, context_size=context_size, tool_memory=tool_memory)
-    )
+    return render(conv, context_size=context_size, tool_memory=tool_memory).text
 
 
 def render_tool_results_suffix(
@@ -478,19 +528,20 @@ def render_tool_results_suffix(
     *,
     context_size: int | None = None,
     tool_memory: ToolMemory | None = None,
-) -> str:
-    """Text to append to a live state that just sampled the last assistant turn's tool calls.
+) -> Rendered:
+    """What to append to a live state that just sampled the last assistant turn's tool calls.
 
     ``conv`` ends with that assistant turn (with tool calls) followed by its tool
     results (and possibly user text). Returns exactly
     ``<｜end▁of▁sentence｜><｜User｜><tool_result>…</tool_result>…<｜Assistant｜>`` +
-    ``<think>`` or ``</think>`` as `render_prompt` renders those turns (results in call
-    order). The sampled turn ends right before the EOS (the EOS token was sampled but
-    not fed), so ``live text + suffix`` is the full prompt whenever the live text equals
-    the prompt's rendering of everything before (docs/ARCHITECTURE.md §3, live continuation).
+    ``<think>`` or ``</think>`` as `render` renders those turns (results in call
+    order), with its content spans. The sampled turn ends right before the EOS (the EOS
+    token was sampled but not fed), so ``live text + suffix`` is the full prompt whenever
+    the live text equals the prompt's rendering of everything before
+    (docs/ARCHITECTURE.md §3, live continuation).
     Raises ``ValueError`` if ``conv`` does not end that way.
     """
-    segments = render_segments(conv, context_size=context_size, tool_memory=tool_memory)
+    segments = _marked_segments(conv, context_size=context_size, tool_memory=tool_memory)
     k = len(segments) - 1
     while k > 0 and segments[k].role != "assistant":
         k -= 1
@@ -502,7 +553,7 @@ def render_tool_results_suffix(
     last_assistant = conv.messages[segments[k].sources[0]]
     if not last_assistant.tool_calls:
         raise ValueError("the last assistant turn made no tool calls")
-    return EOS + "".join(s.text for s in segments[k + 1 :])
+    return Rendered.parse(EOS + "".join(s.text for s in segments[k + 1 :]))
 
 
 def thinking_visible_key(

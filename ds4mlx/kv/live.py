@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ds4mlx.dsml import Conversation, Message, ToolCall, render_tool_results_suffix
+from ds4mlx.dsml import Conversation, Message, Rendered, ToolCall, render_tool_results_suffix
 from ds4mlx.dsml.tokens import EOS
 
 __all__ = [
@@ -169,17 +169,17 @@ def trailing_tool_ids(conv: Conversation) -> list[str]:
 
 def tool_results_suffix(
     conv: Conversation, binding: ToolBinding, *, context_size: int | None = None
-) -> str | None:
-    """The text to append to the live state if ``conv`` answers ``binding``'s calls.
+) -> Rendered | None:
+    """What to append to the live state if ``conv`` answers ``binding``'s calls.
 
     Matches when the tool results after the last assistant turn carry exactly the bound
     id set (each once; a partial set does not match) and, when the request replays that
     assistant turn, its calls are those same ids. Returns
     ``<｜end▁of▁sentence｜><｜User｜><tool_result>…</tool_result>…<｜Assistant｜><think>``
     (or ``</think>``): the trailing turns rendered exactly as `render_prompt` would
-    render them after the sampled turn, results ordered by the *sampled* call order.
-    The assistant turn itself is never re-rendered (its bytes are the live tokens).
-    Returns None when ``conv`` does not match.
+    render them after the sampled turn, results ordered by the *sampled* call order,
+    with its content spans (`ds4mlx.dsml.Rendered`). The assistant turn itself is
+    never re-rendered (its bytes are the live tokens). None when ``conv`` does not match.
     """
     start = _trailing_start(conv)
     trailing = conv.messages[start:]

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ds4mlx.dsml import Rendered
 from ds4mlx.kv.live import (
     ID_FIELD,
     LiveBindings,
@@ -91,7 +92,7 @@ class _Session(Protocol):
 
 
 class _Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, *, content=()) -> list[int]: ...
 
 
 class PlanRejected(Exception):
@@ -136,8 +137,15 @@ class Plan:
         return self.keep + len(self.suffix_tokens)
 
 
+def _encode_tail(tokenizer, rendered: Rendered, start: int) -> list[int]:
+    """Tokens of ``rendered`` from character ``start`` on, on their own (content spans
+    stay plain text)."""
+    tail = rendered.tail(start)
+    return tokenizer.encode(tail.text, content=tail.content)
+
+
 def _prefix_plan(
-    session: _Session, tokenizer: _Tokenizer, rendered_text: str | None, prompt: list[int]
+    session: _Session, tokenizer: _Tokenizer, rendered: Rendered | None, prompt: list[int]
 ) -> Plan | None:
     """Rules 4 and 5: the live state is a token or text prefix of the prompt."""
     live = session.tokens
@@ -146,20 +154,18 @@ def _prefix_plan(
         return None
     if n <= len(prompt) and prompt[:n] == live:
         return Plan(keep=n, suffix_tokens=list(prompt[n:]), decision="exact-token-prefix", cached=n)
-    if rendered_text is not None:
+    if rendered is not None:
         live_text = session.text
         # "\ufffd" means the live tokens end inside a UTF-8 sequence: their text is not a
         # faithful byte prefix of anything, so do not match on it.
         if (
             live_text
             and not live_text.endswith("\ufffd")
-            and len(live_text) <= len(rendered_text)
-            and rendered_text.startswith(live_text)
+            and len(live_text) <= len(rendered.text)
+            and rendered.text.startswith(live_text)
         ):
-            rest = rendered_text[len(live_text) :]
-            return Plan(
-                keep=n, suffix_tokens=tokenizer.encode(rest), decision="text-prefix", cached=n
-            )
+            rest = _encode_tail(tokenizer, rendered, len(live_text))
+            return Plan(keep=n, suffix_tokens=rest, decision="text-prefix", cached=n)
     return None
 
 
@@ -274,7 +280,7 @@ class Planner:
         session,
         *,
         prompt_tokens: list[int],
-        rendered_text: str | None,
+        rendered_text: Rendered | str | None,
         conversation=None,
         protocol: str = "chat",
     ) -> Plan:
@@ -284,7 +290,9 @@ class Planner:
             session: the live ``Session``: kept, restored from a disk hit, or reset (after
                 an ``evict`` save) — the returned plan's suffix goes on top of it.
             prompt_tokens: the tokenization of the whole prompt.
-            rendered_text: the rendered prompt, or None for token-id prompts.
+            rendered_text: the rendered prompt: a ``ds4mlx.dsml.Rendered`` (suffixes are
+                tokenized with its content as plain text), a raw ``str``, or None for
+                token-id prompts.
             conversation: the ``ds4mlx.dsml.Conversation`` it was rendered from, or None.
             protocol: ``anthropic``, ``chat``, ``responses``, ``completions``, ``agent``
                 (names the id field in decisions and errors).
@@ -294,6 +302,7 @@ class Planner:
             PlanRejected: a tool result that nothing explains (client error); the
                 session and the bindings are unchanged.
         """
+        rendered = Rendered(rendered_text) if isinstance(rendered_text, str) else rendered_text
         live_ok = len(session.tokens) > 0 and session.logits is not None
         saved = self.bindings.save()
         # Whatever this prompt does, the bindings describe the state before it: a later
@@ -309,11 +318,11 @@ class Planner:
                 # results and continue live.
                 self.bindings.restore(saved)
                 raise PlanRejected(unknown_id_message(protocol, bad[0]))
-        if plan is None and live_ok and rendered_text is not None:
-            plan = self._live_text(session, rendered_text, transcript_b, "live-transcript", "")
+        if plan is None and live_ok and rendered is not None:
+            plan = self._live_text(session, rendered, transcript_b, "live-transcript", "")
             plan = plan or self._live_text(
                 session,
-                rendered_text,
+                rendered,
                 think_b,
                 "live-thinking",
                 _thinking_detail(conversation, tool_b),
@@ -321,14 +330,14 @@ class Planner:
         if plan is not None:
             self._note_replayed(conversation)
             return self._with_checkpoints(plan, session, None)
-        plan = _prefix_plan(session, self.engine.tokenizer, rendered_text, prompt_tokens)
+        plan = _prefix_plan(session, self.engine.tokenizer, rendered, prompt_tokens)
         if plan is not None:
             plan.detail = "ids=0"
         else:
             # Either replaces the live state (and forgets which calls it holds).
-            plan = self._from_disk(session, rendered_text) or self._cold(session, prompt_tokens)
+            plan = self._from_disk(session, rendered) or self._cold(session, prompt_tokens)
         self._note_replayed(conversation)
-        return self._with_checkpoints(plan, session, rendered_text)
+        return self._with_checkpoints(plan, session, rendered.text if rendered else None)
 
     def _live_tools(self, session, conv, protocol: str, binding: ToolBinding | None) -> Plan | None:
         """Rules 1-2: the trailing tool results answer exactly the calls just sampled."""
@@ -341,7 +350,7 @@ class Planner:
         field_ = ID_FIELD.get(protocol, "tool_call_id").replace("_", "-")
         return Plan(
             keep=n,
-            suffix_tokens=self.engine.tokenizer.encode(suffix),
+            suffix_tokens=self.engine.tokenizer.encode(suffix.text, content=suffix.content),
             decision=_LIVE_DECISION.get(protocol, "live-chat"),
             cached=n,
             detail=f"match={field_}s ids={len(binding.ids)}",
@@ -355,30 +364,31 @@ class Planner:
         n = len(session.tokens)
         if binding is None or binding.n_tokens != n:
             return None
-        rest = thinking_suffix(rendered, binding)
+        rest = thinking_suffix(rendered.text, binding)
         if rest is None:
             return None
+        start = len(rendered.text) - len(rest)
         return Plan(
             keep=n,
-            suffix_tokens=self.engine.tokenizer.encode(rest),
+            suffix_tokens=_encode_tail(self.engine.tokenizer, rendered, start),
             decision=decision,
             cached=n,
             detail=detail or "match=transcript",
         )
 
-    def _from_disk(self, session, rendered_text: str | None) -> Plan | None:
+    def _from_disk(self, session, rendered: Rendered | None) -> Plan | None:
         """Rule 6: restore the longest stored rendered-text prefix.
 
         Loads first, then saves the live state (evict) it replaces: saving first could
         evict, within the byte budget, the very snapshot about to be loaded.
         """
-        if self.disk is None or rendered_text is None:
+        if self.disk is None or rendered is None:
             return None
         t0 = time.perf_counter()
-        loaded = self.disk.lookup(rendered_text)
+        loaded = self.disk.lookup(rendered.text)
         if loaded is None:
             return None
-        return self._restore(session, self.engine.tokenizer, rendered_text, loaded, t0)
+        return self._restore(session, rendered, loaded, t0)
 
     def _cold(self, session, prompt_tokens: list[int]) -> Plan:
         """Rule 7: save the live state it replaces (evict), reset, prefill everything."""
@@ -429,7 +439,7 @@ class Planner:
             self.tool_memory.load(loaded.tool_memory.items())
         self.live_tool_ids.update(dict.fromkeys(loaded.tool_memory))
 
-    def _restore(self, session, tokenizer, rendered_text: str, loaded, t0: float) -> Plan | None:
+    def _restore(self, session, rendered: Rendered, loaded, t0: float) -> Plan | None:
         from ds4mlx.engine import SessionState, SnapshotError
 
         self._evict_live(session)
@@ -442,12 +452,12 @@ class Planner:
             return None
         self._replaced()
         self._loaded(loaded)
-        rest = rendered_text[len(loaded.text) :]
+        rest = _encode_tail(self.engine.tokenizer, rendered, len(loaded.text))
         n = len(loaded.tokens)
         ms = (time.perf_counter() - t0) * 1e3
         return Plan(
             keep=n,
-            suffix_tokens=tokenizer.encode(rest),
+            suffix_tokens=rest,
             decision="disk",
             cached=n,
             detail=f"ids=0 key={loaded.entry.key[:12]} reason={loaded.entry.reason} load={ms:.0f}ms",

@@ -486,11 +486,19 @@ def sampling_params(
     )
 
 
-async def tokenize(text: str) -> list[int]:
-    """Tokenize off the event loop (long prompts take tens of milliseconds)."""
+async def tokenize(text) -> list[int]:
+    """Tokenize off the event loop (long prompts take tens of milliseconds).
+
+    ``text``: a rendered conversation (``ds4mlx.dsml.Rendered``: its content is plain
+    text, only the renderer's markers are special tokens), or a raw ``str`` (raw
+    endpoints: special-token spellings are recognized, users write templates there).
+    """
     import asyncio
 
-    return await asyncio.to_thread(state().tokenizer.encode, text)
+    tok = state().tokenizer
+    if isinstance(text, str):
+        return await asyncio.to_thread(tok.encode, text)
+    return await asyncio.to_thread(lambda: tok.encode(text.text, content=text.content))
 
 
 def check_tool_results(conv, protocol: str) -> None:
@@ -518,13 +526,16 @@ def check_tool_results(conv, protocol: str) -> None:
         raise APIError(400, unknown_id_message(protocol, bad[0]), param=param)
 
 
-def render(conv) -> str:
-    """Render ``conv`` with the server's context size and tool memory (400 on errors)."""
-    from ds4mlx.dsml import render_prompt
+def render(conv):
+    """Render ``conv`` with the server's context size and tool memory (400 on errors).
+
+    Returns a ``ds4mlx.dsml.Rendered`` (text + content spans, for `tokenize`).
+    """
+    from ds4mlx.dsml import render as render_conv
 
     st = state()
     try:
-        return render_prompt(conv, context_size=st.ctx_size, tool_memory=st.tool_memory)
+        return render_conv(conv, context_size=st.ctx_size, tool_memory=st.tool_memory)
     except (ValueError, TypeError, RecursionError) as e:
         raise APIError(400, f"cannot render the conversation: {e}") from None
 

@@ -138,7 +138,9 @@ class GenRequest:
     Attributes:
         path: the endpoint, for the log line (e.g. ``"/v1/messages"``).
         prompt_tokens: the whole prompt's token ids (tokenized by the route).
-        prompt_text: the rendered prompt text, or None for token-id prompts.
+        prompt_text: the rendered prompt: a ``ds4mlx.dsml.Rendered`` for chat protocols
+            (its content spans tokenize as plain text), a ``str`` for raw text prompts,
+            or None for token-id prompts.
         sampling: ``ds4mlx.engine.SamplingParams``.
         max_tokens: output token limit (already clamped to >= 1).
         stops: stop strings (visible text only).
@@ -164,7 +166,7 @@ class GenRequest:
 
     path: str
     prompt_tokens: list[int]
-    prompt_text: str | None
+    prompt_text: Any
     sampling: Any
     max_tokens: int
     stops: list[str] = field(default_factory=list)

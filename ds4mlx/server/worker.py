@@ -234,7 +234,7 @@ class Worker:
             job.emit(_prompt_error(plan.prompt_tokens, s.ctx_size))
             return
         self.tracer.write(
-            job.id, "prompt", path=req.path, text=req.prompt_text, tokens=len(req.prompt_tokens)
+            job.id, "prompt", path=req.path, text=_text(req), tokens=len(req.prompt_tokens)
         )
         self.tracer.write(
             job.id,
@@ -311,7 +311,7 @@ class Worker:
                 self.session,
                 finish=finish,
                 tool_calls=calls,
-                prompt_text=req.prompt_text if req.parse else None,
+                prompt_text=_text(req) if req.parse else None,
                 thinking=req.thinking,
                 text=result.text,
                 protocol=req.protocol,
@@ -339,6 +339,11 @@ class Worker:
             outcome.finish,
             t_start - job.submitted,
         )
+
+
+def _text(req: GenRequest) -> str | None:
+    """The prompt text of a request (a ``Rendered``'s text, a raw string, or None)."""
+    return getattr(req.prompt_text, "text", req.prompt_text)
 
 
 def _prompt_error(n: int, ctx: int) -> JobFailed:
