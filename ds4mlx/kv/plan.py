@@ -327,17 +327,35 @@ class Planner:
                 "live-thinking",
                 _thinking_detail(conversation, tool_b),
             )
-        if plan is not None:
+        if plan is not None and self._fits(plan):
             self._note_replayed(conversation)
             return self._with_checkpoints(plan, session, None)
         plan = _prefix_plan(session, self.engine.tokenizer, rendered, prompt_tokens)
-        if plan is not None:
+        if plan is not None and self._fits(plan):
             plan.detail = "ids=0"
         else:
-            # Either replaces the live state (and forgets which calls it holds).
+            # Either replaces the live state (and forgets which calls it holds). The
+            # route checked that the prompt's own tokenization fits the context.
             plan = self._from_disk(session, rendered) or self._cold(session, prompt_tokens)
         self._note_replayed(conversation)
         return self._with_checkpoints(plan, session, rendered.text if rendered else None)
+
+    def _fits(self, plan: Plan) -> bool:
+        """Whether continuing the live state this way leaves room for a token.
+
+        The live state may hold more than the prompt renders (hidden reasoning the client
+        dropped): when keeping it would not fit where the rendered prompt does, the next
+        rule (a rebuild from the rendering) serves the request instead of a refusal.
+        """
+        if plan.prompt_tokens < self.engine.ctx_size:
+            return True
+        log.info(
+            "kv: %s would hold %d tokens of a %d context; rebuilding from the prompt",
+            plan.decision,
+            plan.prompt_tokens,
+            self.engine.ctx_size,
+        )
+        return False
 
     def _live_tools(self, session, conv, protocol: str, binding: ToolBinding | None) -> Plan | None:
         """Rules 1-2: the trailing tool results answer exactly the calls just sampled."""
