@@ -229,11 +229,18 @@ class Job:
 
         With ``keepalive_s``, yields None after that many seconds without an event, so
         streaming routes can send keepalives while the job waits in the queue.
+
+        Cancellation (the client went away and the server cancels the handler) always
+        propagates. ``asyncio.wait_for`` on Python 3.11 swallows a cancel that arrives
+        while its inner ``get()`` completes (cpython gh-86296): the stream then kept
+        reading events and the job ran to ``max_tokens``. ``asyncio.timeout`` tells its
+        own deadline from an outside cancel, so it is used instead.
         """
         while True:
             try:
                 if keepalive_s:
-                    ev = await asyncio.wait_for(self.queue.get(), keepalive_s)
+                    async with asyncio.timeout(keepalive_s):
+                        ev = await self.queue.get()
                 else:
                     ev = await self.queue.get()
             except TimeoutError:
