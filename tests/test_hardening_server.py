@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from server_util import Server, sse_events, tiny_model_dir  # noqa: F401
+from server_util import EOS, Server, sse_events, tiny_model_dir  # noqa: F401
 
 CTX = 2048
 
@@ -83,3 +83,148 @@ def test_item17_aborted_streams_are_cancelled_never_run_to_max_tokens(server):
     assert len(finishes) == n, lines
     runaways = [ln for ln in lines if _finish_of_line(ln) != "cancelled"]
     assert not runaways, runaways
+
+
+# ----------------------------------------------------------------- items 3 and 16
+
+EDIT_TOOL_ANTHROPIC = {
+    "name": "edit",
+    "description": "Edit a file.",
+    "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}},
+}
+EDIT_TOOL_OPENAI = {
+    "type": "function",
+    "function": {
+        "name": "edit",
+        "description": "Edit a file.",
+        "parameters": EDIT_TOOL_ANTHROPIC["input_schema"],
+    },
+}
+BLOCK = (
+    '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="edit">\n'
+    '<｜DSML｜parameter name="path" string="true">a.py</｜DSML｜parameter>\n'
+    "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+)
+
+
+def test_item3_a_complete_call_opened_in_thinking_is_a_tool_call(server, client):
+    """Anthropic and OpenAI chat: the block before </think> comes back as a tool call,
+    the reasoning ends where it starts, and the tool result continues the live state."""
+    server.script("I will edit it." + BLOCK + EOS)
+    body = {
+        "model": "deepseek-v4-flash",
+        "max_tokens": 200,
+        "tools": [EDIT_TOOL_ANTHROPIC],
+        "messages": [{"role": "user", "content": "Edit a.py"}],
+    }
+    r = client.post("/v1/messages", json=body)
+    assert r.status_code == 200, r.text
+    msg = r.json()
+    assert msg["stop_reason"] == "tool_use"
+    kinds = [b["type"] for b in msg["content"]]
+    assert kinds == ["thinking", "tool_use"], msg["content"]
+    assert msg["content"][0]["thinking"] == "I will edit it."
+    call = msg["content"][1]
+    assert call["name"] == "edit" and call["input"] == {"path": "a.py"}
+    # The tool result continues the live state (the tokens stay as sampled).
+    server.script("Done." + EOS)
+    body["messages"] += [
+        {"role": "assistant", "content": msg["content"]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": call["id"], "content": "ok"}],
+        },
+    ]
+    r = client.post("/v1/messages", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["stop_reason"] == "end_turn"
+    server.wait_idle()
+    time.sleep(0.2)  # the job's log line follows its last event
+    assert "match=tool-use-ids" in server.request_lines()[-1], server.request_lines()[-2:]
+
+    server.script("Let me look." + BLOCK + EOS)
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "deepseek-v4-flash",
+            "max_tokens": 200,
+            "tools": [EDIT_TOOL_OPENAI],
+            "messages": [{"role": "user", "content": "Edit a.py"}],
+        },
+    )
+    ch = r.json()["choices"][0]
+    assert ch["finish_reason"] == "tool_calls"
+    assert ch["message"]["reasoning_content"] == "Let me look."
+    assert json.loads(ch["message"]["tool_calls"][0]["function"]["arguments"]) == {"path": "a.py"}
+
+
+def test_item3_an_incomplete_block_in_thinking_stays_reasoning(server, client):
+    cut = BLOCK[: BLOCK.index("</｜DSML｜invoke>")]
+    server.script("Maybe." + cut + "</think>Answer." + EOS)
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "deepseek-v4-flash",
+            "max_tokens": 200,
+            "tools": [EDIT_TOOL_OPENAI],
+            "messages": [{"role": "user", "content": "Edit a.py"}],
+        },
+    )
+    ch = r.json()["choices"][0]
+    assert ch["finish_reason"] == "stop"
+    assert ch["message"]["reasoning_content"] == "Maybe." + cut
+    assert ch["message"]["content"] == "Answer."
+    assert not ch["message"].get("tool_calls")
+
+
+def _opener_tokens(client) -> int:
+    """Tokens of ``</think>Hi.`` (the scripted visible reply before the opener)."""
+    r = client.post("/v1/tokenize", json={"text": "</think>Hi."})
+    return r.json()["count"]
+
+
+def test_item16_an_opener_cut_by_max_tokens_never_shows_as_text(server, client):
+    n0 = _opener_tokens(client)
+    opener = client.post("/v1/tokenize", json={"text": BLOCK[:40]}).json()["tokens"]
+    leaks = []
+    for extra in range(2, min(len(opener), 6) + 1):
+        for path, body, text_of in _cut_requests(n0 + extra):
+            server.script("</think>Hi." + BLOCK + EOS)
+            text = text_of(client, path, body)
+            if "DSML" in text or "｜" in text:
+                leaks.append((path, extra, text))
+    assert not leaks, leaks
+
+
+def _chat_text(client, path, body) -> str:
+    return client.post(path, json=body).json()["choices"][0]["message"]["content"] or ""
+
+
+def _chat_stream_text(client, path, body) -> str:
+    out = []
+    with client.stream("POST", path, json={**body, "stream": True}) as r:
+        for _, data in sse_events(r.iter_lines()):
+            if data and data != "[DONE]":
+                for ch in json.loads(data).get("choices", []):
+                    out.append(ch["delta"].get("content") or "")
+    return "".join(out)
+
+
+def _anthropic_text(client, path, body) -> str:
+    msg = client.post(path, json=body).json()
+    return "".join(b.get("text", "") for b in msg["content"] if b["type"] == "text")
+
+
+def _cut_requests(max_tokens: int):
+    chat = {
+        "model": "deepseek-v4-flash",
+        "max_tokens": max_tokens,
+        "tools": [EDIT_TOOL_OPENAI],
+        "messages": [{"role": "user", "content": "Edit a.py"}],
+    }
+    anth = {**chat, "tools": [EDIT_TOOL_ANTHROPIC]}
+    return [
+        ("/v1/chat/completions", chat, _chat_text),
+        ("/v1/chat/completions", chat, _chat_stream_text),
+        ("/v1/messages", anth, _anthropic_text),
+    ]
