@@ -228,3 +228,27 @@ def _cut_requests(max_tokens: int):
         ("/v1/chat/completions", chat, _chat_stream_text),
         ("/v1/messages", anth, _anthropic_text),
     ]
+
+
+# ----------------------------------------------------------------- item 8
+
+
+def test_item8_context_errors_carry_the_counts_as_fields(client):
+    long = "w " * (CTX + 500)
+    cases = [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": long}]}),
+        ("/v1/completions", {"prompt": long, "max_tokens": 4}),
+        ("/v1/responses", {"input": long}),
+        ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": long}]}),
+    ]
+    for path, body in cases:
+        r = client.post(path, json={"model": "deepseek-chat", **body})
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()["error"]
+        assert err["n_ctx"] == CTX, (path, err)
+        assert err["n_prompt_tokens"] > CTX, (path, err)
+        assert str(err["n_prompt_tokens"]) in err["message"] and str(CTX) in err["message"]
+        if path == "/v1/messages":
+            assert r.json()["type"] == "error" and err["type"] == "invalid_request_error"
+        else:
+            assert err["code"] == "context_length_exceeded"

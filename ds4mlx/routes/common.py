@@ -55,6 +55,9 @@ class APIError(Exception):
             from the status unless ``anthropic_type`` is given.
         param: the offending field path, or None.
         code: OpenAI ``code`` (e.g. ``context_length_exceeded``), or None.
+        fields: extra members of the error object in both shapes, for clients that
+            read numbers rather than parse the message (e.g. ``n_prompt_tokens`` and
+            ``n_ctx`` of a context-length error, as llama.cpp's server reports them).
     """
 
     def __init__(
@@ -66,8 +69,10 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         anthropic_type: str | None = None,
+        fields: dict[str, Any] | None = None,
     ):
         super().__init__(message)
+        self.fields = dict(fields or {})
         self.status = status
         self.message = message
         self.type = type
@@ -92,10 +97,17 @@ def error_body(protocol: str, err: APIError) -> dict[str, Any]:
                     err.status, "api_error" if err.status >= 500 else "invalid_request_error"
                 ),
                 "message": err.message,
+                **err.fields,
             },
         }
     return {
-        "error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
+        "error": {
+            "message": err.message,
+            "type": err.type,
+            "param": err.param,
+            "code": err.code,
+            **err.fields,
+        }
     }
 
 
@@ -406,7 +418,8 @@ def context_check(n_prompt: int, param: str = "messages") -> None:
     ``param``: the request field holding the prompt (``messages``, ``input``, ``prompt``).
 
     Raises:
-        APIError: 400 ``context_length_exceeded`` with the counts.
+        APIError: 400 ``context_length_exceeded`` with the counts in the message and as
+            the error's ``n_prompt_tokens`` / ``n_ctx`` fields.
     """
     ctx = state().ctx_size
     if n_prompt >= ctx:
@@ -417,6 +430,7 @@ def context_check(n_prompt: int, param: str = "messages") -> None:
             "conversation or restart the server with a larger --ctx.",
             code="context_length_exceeded",
             param=param,
+            fields={"n_prompt_tokens": n_prompt, "n_ctx": ctx},
         )
 
 
@@ -624,7 +638,8 @@ def failed_to_api(ev) -> APIError:
     """A worker `JobFailed` as an `APIError` (400 for context overflow, else its status)."""
     code = "context_length_exceeded" if ev.kind == "context_length_exceeded" else None
     typ = "invalid_request_error" if ev.status < 500 else "server_error"
-    return APIError(ev.status, ev.message, type=typ, code=code)
+    fields = getattr(ev, "fields", None) or {}
+    return APIError(ev.status, ev.message, type=typ, code=code, fields=fields)
 
 
 async def collect(job) -> tuple[list[Any], Any]:

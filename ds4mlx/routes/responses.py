@@ -566,6 +566,7 @@ class _Builder:
         self.response["error"] = {
             "code": err.code or ("server_error" if err.status >= 500 else "invalid_request"),
             "message": err.message,
+            **err.fields,
         }
         return [*out, self._ev("response.failed", response=self._snapshot())]
 

@@ -121,11 +121,16 @@ class JobDone:
 
 @dataclass
 class JobFailed:
-    """The job failed on the worker. ``status``: HTTP status to report (500 for faults)."""
+    """The job failed on the worker. ``status``: HTTP status to report (500 for faults).
+
+    ``fields``: extra members of the protocol's error object, e.g. ``n_prompt_tokens``
+    and ``n_ctx`` for ``kind == "context_length_exceeded"``.
+    """
 
     message: str
     status: int = 500
     kind: str = "api_error"
+    fields: dict[str, Any] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- jobs
