@@ -252,3 +252,28 @@ def test_item8_context_errors_carry_the_counts_as_fields(client):
             assert r.json()["type"] == "error" and err["type"] == "invalid_request_error"
         else:
             assert err["code"] == "context_length_exceeded"
+
+
+# ----------------------------------------------------------------- item 15
+
+
+def test_item15_unknown_model_names_are_served_logged_once_and_retrievable(server, client):
+    import anthropic
+    import openai
+
+    name = "claude-haiku-4-5-20251001"
+    ant = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+    got = ant.models.retrieve(name)
+    assert got.id == name
+    oai = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    assert oai.models.retrieve("gpt-5-codex").id == "gpt-5-codex"
+    for _ in range(2):
+        server.script("Fine." + EOS)
+        msg = ant.messages.create(
+            model=name, max_tokens=8, messages=[{"role": "user", "content": "title?"}]
+        )
+        assert msg.model == name and msg.stop_reason == "end_turn"
+    server.wait_idle()
+    assumed = [ln for ln in server.log().splitlines() if repr(name) in ln and "serving" in ln]
+    assert len(assumed) == 1, assumed
+    assert "deepseek-v4-flash" in assumed[0]

@@ -17,6 +17,7 @@ import base64
 import hashlib
 import hmac
 import json
+import logging
 import os
 import secrets
 import time
@@ -390,6 +391,27 @@ def now() -> int:
 def new_id(prefix: str) -> str:
     """A random response/item id (``msg_…``, ``chatcmpl-…``, ``resp_…``)."""
     return prefix + secrets.token_hex(12)
+
+
+def model_thinking(model: str | None) -> bool:
+    """Thinking default for a request naming ``model``; any name is served.
+
+    Clients send their own model names (Claude Code's ``claude-haiku-…`` for side
+    requests, an SDK's default): the server has one model and serves it under any name
+    (thinking on unless the name is a non-thinking alias). The first request naming an
+    id the server does not list logs which model it was served as.
+    """
+    st = state()
+    cfg = st.config
+    if model and model not in cfg.model_ids() and model not in st.unknown_models:
+        if len(st.unknown_models) < 1000:  # a bound: names are client-chosen
+            st.unknown_models.add(model)
+        logging.getLogger("ds4mlx.server").info(
+            "model %r is not a served id; serving %s (thinking on) under that name",
+            model,
+            cfg.model_name,
+        )
+    return cfg.thinking_default(model)
 
 
 def check_auth(headers=None) -> APIError | None:

@@ -34,6 +34,8 @@ class ServerState:
         self.kv = worker.planner  # ds4mlx.kv.plan.Planner (live bindings, disk cache)
         self.carrier = ReasoningCarrier(config.reasoning_key or load_reasoning_key())
         self.started = time.time()
+        # Model names a request used that the server does not list (logged once each).
+        self.unknown_models: set[str] = set()
 
     def submit(self, request: GenRequest) -> Job:
         return self.worker.submit(request)
