@@ -49,7 +49,9 @@ def default_kv_dir() -> Path:
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
-    """Add the ``agent`` subcommand's arguments to ``p``."""
+    """Add the ``agent`` subcommand's arguments to ``p`` (its help lists the commands)."""
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = "interactive " + HELP
     p.add_argument("-m", "--model", default=None, help="checkpoint directory ($DS4MLX_MODEL)")
     p.add_argument(
         "--demo", action="store_true", help="use the tiny demo model (random weights: noise)"
@@ -130,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
 
     from ds4mlx.agent.sessions import SessionBook
-    from ds4mlx.blas import active_blas
+    from ds4mlx.blas import blas_label
     from ds4mlx.engine import Engine, SamplingParams
     from ds4mlx.kv.store import DiskKVStore
     from ds4mlx.model.loading import LoadError
@@ -188,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     banner = (
         f"ds4mlx agent · {engine.path.name} ({engine.quant_desc}) · ctx {engine.ctx_size} · "
-        f"BLAS {active_blas()} · workspace {workspace}"
+        f"BLAS {blas_label()} · workspace {workspace}"
     )
     if not interactive:
         ui.line(banner, "dim")

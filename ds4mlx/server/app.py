@@ -90,7 +90,7 @@ def banner(engine, config: ServerConfig, url: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from ds4mlx.blas import active_blas
+    from ds4mlx.blas import blas_label
 
     try:
         import mlx.core as mx
@@ -119,7 +119,7 @@ def banner(engine, config: ServerConfig, url: str) -> None:
         t.add_row("[bold]output[/]", f"{config.default_max_tokens} tokens when a request sets none")
     if kv:
         t.add_row("[bold]KV cache[/]", kv)
-    t.add_row("[bold]device[/]", f"{device}, BLAS {active_blas()}")
+    t.add_row("[bold]device[/]", f"{device}, BLAS {blas_label()}")
     t.add_row(
         "[bold]url[/]",
         f"[cyan]{url}[/]  (OpenAI /v1/chat/completions, /v1/completions, /v1/responses; Anthropic /v1/messages)",
