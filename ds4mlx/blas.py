@@ -34,6 +34,22 @@ def active_blas() -> str:
     return "openblas" if "openblas" in os.environ.get("LD_PRELOAD", "") else "reference"
 
 
+def blas_label() -> str:
+    """``active_blas()`` for banners, with a hint when the slow reference BLAS runs.
+
+    e.g. ``"openblas"``, or ``"reference (~80x slower GEMM: install OpenBLAS, e.g.
+    apt-get install libopenblas0-pthread)"``.
+    """
+    name = active_blas()
+    if name != "reference":
+        return name
+    if openblas_path() is not None:
+        return "reference (~80x slower GEMM; OpenBLAS is installed: unset DS4MLX_NO_OPENBLAS)"
+    return (
+        "reference (~80x slower GEMM: install OpenBLAS, e.g. apt-get install libopenblas0-pthread)"
+    )
+
+
 def needs_reexec() -> bool:
     """True when OpenBLAS is installed but this process did not start with it.
 

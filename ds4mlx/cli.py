@@ -1,4 +1,4 @@
-"""The ``ds4mlx`` command line: serve, agent, generate, bench, tokenize, make-tiny, kv.
+"""The ds4mlx command line: serve, agent, generate, bench, tokenize, make-tiny, kv.
 
 Each subcommand's arguments are declared here; its work lives in the room that owns
 it (docs/ARCHITECTURE.md §1). Modules are imported lazily so ``ds4mlx --help`` stays fast.
@@ -57,7 +57,7 @@ def _chat_prompt(text: str, *, thinking: bool):
 def _cmd_generate(args: argparse.Namespace) -> int:
     import time
 
-    from ds4mlx.blas import active_blas
+    from ds4mlx.blas import blas_label
     from ds4mlx.engine import ContextOverflowError, SamplingParams
 
     engine = _load_engine(args.model, args.ctx)
@@ -83,7 +83,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.verbose:
         print(
             f"model {engine.path} ({engine.quant_desc}, {engine.identity}), ctx {engine.ctx_size}, "
-            f"BLAS {active_blas()}, prompt {len(ids)} tokens",
+            f"BLAS {blas_label()}, prompt {len(ids)} tokens",
             file=sys.stderr,
         )
     from ds4mlx.engine import RawText, TurnSpec, run_turn
@@ -158,7 +158,7 @@ def _output_path_error(path: str | None) -> str | None:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from ds4mlx.bench import plot, run_bench, to_csv
-    from ds4mlx.blas import active_blas
+    from ds4mlx.blas import blas_label
 
     try:
         frontiers = [int(x) for x in args.frontiers.split(",") if x.strip()]
@@ -185,7 +185,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if engine is None:
         return 1
     print(
-        f"model {engine.path} ({engine.quant_desc}), BLAS {active_blas()}, "
+        f"model {engine.path} ({engine.quant_desc}), BLAS {blas_label()}, "
         f"chunk {args.chunk_size}, decode {args.decode_tokens} tokens per frontier",
         file=sys.stderr,
     )
@@ -235,8 +235,15 @@ def _cmd_kv(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _version() -> str:
+    from ds4mlx import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ds4mlx", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("make-tiny", help="write a tiny DS4-architecture checkpoint")

@@ -147,10 +147,12 @@ def test_print_mode_transcript_and_exit_codes(tiny, tmp_path):
         timeout=TIMEOUT,
     )
     assert r.returncode == 0, r.stderr
-    out = r.stdout
+    # Issue 13 item 12: the transcript is on stderr, stdout holds only the answer.
+    out = r.stderr
     for piece in ("› make out.txt", "Check the workspace.", "⏺ list", "⏺ write", "Wrote out.txt."):
         assert piece in out, out
     assert out.index("Check the workspace.") < out.index("⏺ write") < out.index("Wrote out.txt.")
+    assert r.stdout == "Wrote out.txt.\n", r.stdout
     assert (tmp_path / "ws" / "out.txt").read_text() == "done\n"
 
     # Without --yes and without a terminal the write is denied; the model is told and
@@ -169,7 +171,8 @@ def test_print_mode_transcript_and_exit_codes(tiny, tmp_path):
         stdin=subprocess.DEVNULL,
     )
     assert r.returncode == 0, r.stderr
-    assert "permission denied" in r.stdout and "I was not allowed to write." in r.stdout
+    assert "permission denied" in r.stderr and "I was not allowed to write." in r.stderr
+    assert r.stdout == "I was not allowed to write.\n"
     assert not (tmp_path / "ws" / "no.txt").exists()
     r = subprocess.run(
         [
@@ -182,6 +185,40 @@ def test_print_mode_transcript_and_exit_codes(tiny, tmp_path):
         timeout=TIMEOUT,
     )
     assert r.returncode == 1 and "length" in r.stderr, (r.stdout, r.stderr)
+
+
+def test_demo_print_mode_ends_at_the_cap_like_the_server(tiny, tmp_path):
+    """Issue 13 item 12: ``agent --demo -p`` treats the demo cap as the end of the turn
+    (exit 0, as ``serve --demo`` does), and stdout carries only the answer."""
+    cache = tmp_path / "cache"
+    (cache / "ds4mlx").mkdir(parents=True)
+    (cache / "ds4mlx" / "demo").symlink_to(tiny)  # stands in for the demo model
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    sf = tmp_path / "script.json"
+    sf.write_text(json.dumps(["Thinking.</think>" + "word " * 400]))
+    args = [
+        "-m", "ds4mlx.cli", "agent", "--demo", "--ctx", "4096", "--workspace", str(ws),
+        "--kv-disk-dir", str(tmp_path / "kv"), "--script-file", str(sf), "-p", "say words",
+    ]  # fmt: skip
+    env = {**_env(), "XDG_CACHE_HOME": str(cache)}
+    r = subprocess.run(
+        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=TIMEOUT
+    )
+    assert r.returncode == 0, (r.stdout[-500:], r.stderr[-2000:])
+    assert r.stdout.startswith("word word") and r.stdout.endswith("\n"), r.stdout[:300]
+    assert "ds4mlx agent ·" not in r.stdout and "› say words" not in r.stdout
+    assert "Thinking." not in r.stdout
+    assert "ds4mlx agent ·" in r.stderr and "› say words" in r.stderr
+    # The user's own limit still ends with "length" (exit 1).
+    r = subprocess.run(
+        [sys.executable, *args, "--max-tokens", "20"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert r.returncode == 1 and "length" in r.stderr, (r.stdout, r.stderr[-2000:])
 
 
 def _spawn(tiny: Path, tmp: Path, script: list[str], *extra: str) -> pexpect.spawn:

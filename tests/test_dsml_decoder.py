@@ -99,6 +99,8 @@ def roundtrippable(msg: Message, thinking: bool) -> bool:
     """Texts the format cannot carry unambiguously (same limits as DeepSeek's parser)."""
     if thinking and msg.reasoning and (THINK_END in msg.reasoning or EOS in msg.reasoning):
         return False
+    if thinking and msg.reasoning and TOOL_CALLS_OPEN in msg.reasoning:
+        return False  # a complete block there is recovered as a call (issue 13 item 3)
     if TOOL_CALLS_OPEN in msg.content or EOS in msg.content:
         return False
     for c in msg.tool_calls:
@@ -330,12 +332,56 @@ def test_malformed_details():
     assert dec.result.tool_calls[0].dsml == EDIT_HEAD + P_PATH.rstrip("\n")
 
 
-def test_dsml_inside_thinking_is_text():
-    text = "I could call " + OPEN + EDIT_HEAD + P_PATH + "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
-    dec, events = run([text + THINK_END + "Answer." + EOS], thinking=True)
-    assert dec.result.reasoning == text
-    assert dec.result.content == "Answer."
-    assert dec.result.tool_calls == [] and dec.result.errors == []
+def test_incomplete_dsml_inside_thinking_is_text():
+    # Issue 13 item 3: a block opened in reasoning that </think> cuts short (no
+    # </｜DSML｜tool_calls>) was never a call; it stays reasoning text, split anyhow.
+    text = "I could call " + OPEN + EDIT_HEAD + P_PATH + "</｜DSML｜invoke>\n"
+    whole = text + THINK_END + "Answer." + EOS
+    for pieces in ([whole], list(whole)):
+        dec, events = run(pieces, thinking=True)
+        assert dec.result.reasoning == text
+        assert dec.result.content == "Answer."
+        assert dec.result.tool_calls == [] and dec.result.errors == []
+        assert not any(isinstance(e, ToolCallStart) for e in events)
+
+
+def test_incomplete_dsml_at_end_of_thinking_is_text():
+    text = "Maybe " + OPEN + EDIT_HEAD + '<｜DSML｜parameter name="path" string="true">a.'
+    for pieces in ([text], list(text)):
+        dec, events = run(pieces, thinking=True)
+        assert dec.result.reasoning == text and dec.result.tool_calls == []
+        assert dec.result.errors == [] and not dec.result.ended
+    dec, _ = run([text + EOS], thinking=True)
+    assert dec.result.reasoning == text and dec.result.ended and dec.result.tool_calls == []
+
+
+@pytest.mark.parametrize("after", [EOS, THINK_END + EOS, "\n" + THINK_END + "\n" + EOS])
+def test_complete_dsml_inside_thinking_is_recovered_as_a_call(after):
+    # Issue 13 item 3: DeepSeek models sometimes open the call before </think>.
+    block = OPEN + EDIT_HEAD + P_PATH + "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+    whole = "I will edit it." + block + after
+    results = []
+    for pieces in ([whole], list(whole)):
+        dec, events = run(pieces, thinking=True)
+        res = dec.result
+        assert res.reasoning == "I will edit it."
+        assert res.content == ""
+        assert [(c.name, c.arguments) for c in res.tool_calls] == [("edit", {"path": "a.py"})]
+        assert res.tool_calls[0].dsml == EDIT_HEAD + P_PATH + "</｜DSML｜invoke>"
+        assert res.errors == [] and res.ended and dec.tool_block_closed
+        check_stream_consistency(events)
+        thinking = "".join(e.text for e in events if isinstance(e, ThinkingDelta))
+        assert thinking == "I will edit it."
+        results.append(normalized(dec, events))
+    assert results[0] == results[1]
+
+
+def test_reasoning_text_after_a_recovered_block_is_not_a_second_answer():
+    block = OPEN + EDIT_HEAD + P_PATH + "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+    dec, _ = run(["r" + block + THINK_END + "Answer." + EOS], thinking=True)
+    assert dec.result.reasoning == "r" and dec.result.content == ""
+    assert [c.name for c in dec.result.tool_calls] == ["edit"]
+    assert any("after" in e for e in dec.result.errors)
 
 
 def test_truncated_thinking_is_not_an_error():
@@ -352,6 +398,22 @@ def test_holds_back_partial_markers():
     dec = StreamDecoder(True, TOOLS)
     assert dec.feed("abc</thi") == [ThinkingDelta("abc")]
     assert dec.feed("nk>x") == [TextDelta("x")]
+
+
+@pytest.mark.parametrize(
+    "cut", ["\n\n<｜DSML｜", "\n\n<｜DSML｜tool", "\n\n<｜DSML｜tool_c", "\n\n<｜DSML｜tool_calls"]
+)
+def test_an_opener_cut_by_the_end_of_the_turn_is_not_text(cut):
+    # Issue 13 item 16: max_tokens ending inside the opener must not leak its bytes.
+    for thinking, prefix in ((False, "Hi."), (True, "r" + THINK_END + "Hi.")):
+        for pieces in ([prefix + cut], list(prefix + cut)):
+            dec, events = run(pieces, thinking=thinking)
+            assert dec.result.content == "Hi."
+            assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "Hi."
+    # Without the DSML token the held bytes are ordinary text.
+    for tail in ("\n\n", "\n\n<", "a <"):
+        dec, _ = run(["Hi." + tail], thinking=False)
+        assert dec.result.content == "Hi." + tail
 
 
 def test_surrogate_pairs_never_split():

@@ -66,8 +66,11 @@ def test_models_list_and_retrieve_ids_with_slash(oai, ant, server):
     assert ids[0] == MODEL and "deepseek-chat" in ids
     assert oai.models.retrieve(MODEL).id == MODEL
     assert ant.models.retrieve("deepseek-chat").id == "deepseek-chat"
+    # Issue 13 item 15 (was a 404): any name is served, so any id is found, with the
+    # model that answers it.
     r = httpx.get(server.url + "/v1/models/no/such-model")
-    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert r.status_code == 200 and r.json()["id"] == "no/such-model"
+    assert r.json()["served_as"] == MODEL
 
 
 def test_tokenize_detokenize_roundtrip(server):

@@ -176,3 +176,47 @@ def _message(model, data) -> str:
     except APIError as e:
         return e.message
     raise AssertionError("no error")
+
+
+# ----------------------------------------------------------------- issue 13, item 17
+
+
+@pytest.mark.parametrize("steps", [0, 1, 2, 3, 4])
+def test_job_events_never_swallow_a_cancel_that_races_an_event(steps):
+    """A handler cancelled (client gone) just as an event arrives must end cancelled.
+
+    ``asyncio.wait_for`` on 3.11 returned the event and dropped the cancel when the
+    inner ``get()`` had completed in the same loop iterations; the stream then kept
+    reading and its job ran to ``max_tokens``. ``steps`` walks the cancel across those
+    iterations.
+    """
+    import asyncio
+
+    from ds4mlx.server.jobs import GenRequest, Job
+
+    async def main() -> tuple[bool, list]:
+        job = Job(GenRequest("/t", [1], None, None, 1), asyncio.get_running_loop())
+        got: list = []
+
+        async def consume() -> None:
+            async for ev in job.events(keepalive_s=30):
+                got.append(ev)
+
+        task = asyncio.create_task(consume())
+        for _ in range(3):
+            await asyncio.sleep(0)  # the consumer waits on the queue
+        job.queue.put_nowait("event")
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        task.cancel()
+        try:
+            await asyncio.wait_for(asyncio.shield(task), 1.0)
+        except asyncio.CancelledError:
+            return True, got
+        except TimeoutError:
+            task.cancel()  # still running: the first cancel was swallowed
+            return False, got
+        return task.cancelled(), got
+
+    cancelled, _ = asyncio.run(main())
+    assert cancelled

@@ -357,3 +357,91 @@ def test_responses_custom_tool_call_replay():
     )
     assert conv.messages[1].tool_calls[0].arguments == {"input": "*** Begin"}
     assert conv.messages[2].tool_call_id == "call_9"
+
+
+# ----------------------------------------------------------------- issue 13, items 4, 5, 9
+
+
+def test_billing_header_line_inside_a_block_keeps_the_rest_of_the_block():
+    # Item 4: the header line is dropped, not the text after it.
+    for system in (
+        [{"type": "text", "text": BILLING + "\nYou are Claude Code."}],
+        BILLING + "\nYou are Claude Code.",
+    ):
+        body = {"system": system, "messages": [{"role": "user", "content": "hi"}]}
+        conv = wire.anthropic_to_conversation(body)
+        assert conv.messages[0] == Message(role="system", content="You are Claude Code.")
+        assert "You are Claude Code." in render_prompt(conv)
+    body = {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "system", "content": BILLING + "\nEnvironment: linux"},
+        ]
+    }
+    assert wire.anthropic_to_conversation(body).messages[0].content == "Environment: linux"
+    kept = wire.anthropic_to_conversation(
+        {"system": BILLING + "\nYou are Claude Code.", "messages": body["messages"][:1]},
+        keep_billing_header=True,
+    )
+    assert kept.messages[0].content == BILLING + "\nYou are Claude Code."
+
+
+def test_interleaved_thinking_segments_are_not_glued():
+    # Item 5: thinking r0, tool_use, thinking r1, tool_use in one assistant message.
+    body = {
+        "tools": [{"name": "ping", "input_schema": {"type": "object", "properties": {}}}],
+        "messages": [
+            {"role": "user", "content": "go"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "r0", "signature": ""},
+                    {"type": "tool_use", "id": "toolu_a", "name": "ping", "input": {}},
+                    {"type": "thinking", "thinking": "r1", "signature": ""},
+                    {"type": "tool_use", "id": "toolu_b", "name": "ping", "input": {}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_a", "content": "1"},
+                    {"type": "tool_result", "tool_use_id": "toolu_b", "content": "2"},
+                ],
+            },
+        ],
+    }
+    conv = wire.anthropic_to_conversation(body)
+    asst = conv.messages[1]
+    assert asst.reasoning == "r0\n\nr1"
+    assert [c.id for c in asst.tool_calls] == ["toolu_a", "toolu_b"]
+    text = render_prompt(conv)
+    assert "r0\n\nr1</think>" in text and "r0r1" not in text
+    assert text.index('invoke name="ping"') > text.index("r1</think>")
+
+
+def test_tool_result_is_error_reaches_the_model():
+    # Item 9: the DS4 format has no error flag; the rendered result says it failed.
+    def conv(is_error):
+        block = {"type": "tool_result", "tool_use_id": "toolu_a", "content": "No such file"}
+        if is_error is not None:
+            block["is_error"] = is_error
+        return wire.anthropic_to_conversation(
+            {
+                "messages": [
+                    {"role": "user", "content": "go"},
+                    {
+                        "role": "assistant",
+                        "content": [
+                            {"type": "tool_use", "id": "toolu_a", "name": "read", "input": {}}
+                        ],
+                    },
+                    {"role": "user", "content": [block]},
+                ]
+            }
+        )
+
+    failed = conv(True).messages[-1]
+    assert failed.role == "tool" and failed.content == wire.TOOL_ERROR_PREFIX + "No such file"
+    assert "<tool_result>" + wire.TOOL_ERROR_PREFIX + "No such file" in render_prompt(conv(True))
+    for ok in (False, None):
+        assert conv(ok).messages[-1].content == "No such file"

@@ -1,9 +1,12 @@
 """``ds4mlx agent``: load the model, wire the loop, the UI and the stores; the REPL.
 
 Interactive mode reads messages and ``/commands`` at a prompt; ``-p TEXT`` sends one
-message, prints the transcript and exits with 0 when the model gave a final answer
-(1 when it was interrupted, ran out of context or of tool rounds, or failed; 2 for
-usage and load errors).
+message, shows the transcript (banner, the message, thinking, tool calls) on stderr,
+prints only the final answer on stdout, and exits with 0 when the model gave a final
+answer (1 when it was interrupted, ran out of context or of tool rounds, or failed; 2
+for usage and load errors). With ``--demo`` the per-turn cap stands in for the EOS the
+noise model never samples (as ``serve --demo``'s cap does): a turn it ends is a final
+answer, unless ``--max-tokens`` set the limit.
 """
 
 from __future__ import annotations
@@ -49,7 +52,9 @@ def default_kv_dir() -> Path:
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
-    """Add the ``agent`` subcommand's arguments to ``p``."""
+    """Add the ``agent`` subcommand's arguments to ``p`` (its help lists the commands)."""
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = "interactive " + HELP
     p.add_argument("-m", "--model", default=None, help="checkpoint directory ($DS4MLX_MODEL)")
     p.add_argument(
         "--demo", action="store_true", help="use the tiny demo model (random weights: noise)"
@@ -130,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
 
     from ds4mlx.agent.sessions import SessionBook
-    from ds4mlx.blas import active_blas
+    from ds4mlx.blas import blas_label
     from ds4mlx.engine import Engine, SamplingParams
     from ds4mlx.kv.store import DiskKVStore
     from ds4mlx.model.loading import LoadError
@@ -160,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
         store, book = None, None
 
     interactive = args.prompt is None
-    console = Console(highlight=False)
+    # -p: stdout carries only the answer (scripts read it); the transcript goes to stderr.
+    console = Console(highlight=False, stderr=not interactive)
     ui = RichUI(
         console,
         can_ask=sys.stdin.isatty() or interactive,
@@ -188,21 +194,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     banner = (
         f"ds4mlx agent · {engine.path.name} ({engine.quant_desc}) · ctx {engine.ctx_size} · "
-        f"BLAS {active_blas()} · workspace {workspace}"
+        f"BLAS {blas_label()} · workspace {workspace}"
     )
     if not interactive:
-        ui.line(banner, "dim")
-        with _signals(interactive=False) as sig:
-            try:
-                ui.line(f"› {args.prompt}", "bold green")
-                result = agent.send(args.prompt)
-            finally:
-                agent.close()
-        if sig.terminating:
-            return 128 + sig.terminating
-        if not result.ok:
-            err.print(f"ds4mlx agent: stopped: {result.status} {result.message}".rstrip())
-        return 0 if result.ok else 1
+        return _print_mode(agent, ui, banner, args)
     ui.line(banner, "dim")
     ui.line("type a message, /help for commands", "dim")
     try:
@@ -214,6 +209,39 @@ def run(args: argparse.Namespace) -> int:
             return repl(agent, ui, sig)
         finally:
             agent.close()
+
+
+def _print_mode(agent: Agent, ui: RichUI, banner: str, args: argparse.Namespace) -> int:
+    """``-p``: send one message; the answer on stdout, the transcript on stderr."""
+    err = ui.console
+    ui.line(banner, "dim")
+    with _signals(interactive=False) as sig:
+        try:
+            ui.line(f"› {args.prompt}", "bold green")
+            result = agent.send(args.prompt)
+        finally:
+            agent.close()
+    if sig.terminating:
+        return 128 + sig.terminating
+    ok = result.ok
+    if not ok and result.status == "length" and args.demo and args.max_tokens is None:
+        ok = True  # the demo cap is the noise model's end of turn, not a failure
+        err.print(f"(demo cap: the turn ended after {DEMO_MAX_TOKENS} tokens)", style="dim")
+    answer = _final_answer(agent)
+    if answer:
+        sys.stdout.write(answer if answer.endswith("\n") else answer + "\n")
+        sys.stdout.flush()
+    if not ok:
+        err.print(f"ds4mlx agent: stopped: {result.status} {result.message}".rstrip())
+    return 0 if ok else 1
+
+
+def _final_answer(agent: Agent) -> str:
+    """The visible text of the last assistant turn ("" when it had none)."""
+    for m in reversed(agent.messages):
+        if m.role == "assistant":
+            return m.content or ""
+    return ""
 
 
 class SignalState:

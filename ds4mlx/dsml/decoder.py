@@ -14,7 +14,13 @@ and ``parse_message_from_completion_text``)::
 Rules (the official parser's, made streaming and forgiving):
 
 - In thinking mode the prompt ended with ``<think>``: text is reasoning until
-  ``</think>``. DSML inside reasoning is just text (not executable before ``</think>``).
+  ``</think>``. A *complete* tool-call block the model opens inside its reasoning
+  (``\\n\\n<｜DSML｜tool_calls>`` … ``</｜DSML｜tool_calls>`` before ``</think>``) is
+  recovered as tool calls, and the reasoning ends where the block starts (DeepSeek
+  models do this; ds4 recovers it too). Until its close arrives the block is held back;
+  a block that ``</think>``, EOS or the end of generation cuts short was never a call
+  and is reasoning text after all. A ``</think>`` right after a recovered block is
+  accepted; then only EOS may follow, as after any block.
 - Visible text ends at ``<｜DSML｜tool_calls>``; one ``\\n\\n`` right before it is part
   of the marker, not of the content. ``<｜end▁of▁sentence｜>`` outside a parameter
   value ends the turn; later text is ignored.
@@ -243,7 +249,9 @@ class _JsonShape:
     _SKIP,
     _AFTER,
     _DONE,
-) = range(11)
+    _PROBE,
+    _DELEGATE,
+) = range(13)
 
 _INVOKE_HEADER_RE = re.compile(r'\s*name="(.*)"\s*', re.DOTALL)
 _PARAM_HEADER_RE = re.compile(r'\s+name="(.*?)"\s+string="(true|false)"\s*', re.DOTALL)
@@ -251,6 +259,8 @@ _MAX_HEADER = 4096  # a header longer than this is garbage, not a slow name
 _WS = " \t\r\n"
 
 _TEXT_STOPS = (TOOL_CALLS_SEP + TOOL_CALLS_OPEN, TOOL_CALLS_OPEN, EOS)
+_THINK_STOPS = (THINK_END, EOS, TOOL_CALLS_SEP + TOOL_CALLS_OPEN, TOOL_CALLS_OPEN)
+_PROBE_ENDS = (THINK_END, EOS)  # end a tool-call block opened in reasoning, unclosed
 _BLOCK_MARKERS = (INVOKE_OPEN, TOOL_CALLS_CLOSE, EOS)
 _BODY_MARKERS = (PARAM_OPEN, INVOKE_CLOSE, INVOKE_OPEN, TOOL_CALLS_CLOSE, EOS)
 
@@ -263,6 +273,20 @@ def _partial(buf: str, markers: tuple[str, ...]) -> int:
         if any(m.startswith(tail) and m != tail for m in markers):
             return k
     return 0
+
+
+def _without_cut_marker(buf: str) -> str:
+    """Visible text at the end of a turn, minus a tool-call opener cut by that end.
+
+    The tail held back as a possible ``\n\n<｜DSML｜tool_calls>`` is the model opening a
+    call once it holds the ``｜DSML｜`` token (as for `StreamDecoder.in_structure`); a
+    turn cut there (``max_tokens``) must not show the marker's bytes as text. A tail
+    without it (``\n\n``, ``<``) is ordinary text and is kept.
+    """
+    held = _partial(buf, _TEXT_STOPS)
+    if held and DSML in buf[len(buf) - held :]:
+        return buf[: len(buf) - held]
+    return buf
 
 
 def _safe_cut(text: str, end: int) -> int:
@@ -332,6 +356,12 @@ class StreamDecoder:
         self._ended = False
         self.tool_block_closed = False
         self._events: list[Event] = []
+        # A tool-call block opened inside reasoning (item "recovered as a tool call"):
+        # a chat-mode decoder parses it on the side; ``_probe_raw`` is its exact text,
+        # which becomes reasoning again if the block never closes.
+        self._probe: StreamDecoder | None = None
+        self._probe_raw: list[str] = []
+        self._probe_events: list[Event] = []
 
     # ------------------------------------------------------------------ public
 
@@ -363,13 +393,21 @@ class StreamDecoder:
     @property
     def result(self) -> DecodeResult:
         """A snapshot `DecodeResult` of everything decoded so far."""
-        return DecodeResult(
+        res = DecodeResult(
             reasoning="".join(self._reasoning),
             content="".join(self._content),
             tool_calls=list(self._calls),
             errors=list(self._errors),
             ended=self._ended,
         )
+        if self._probe is not None and self.tool_block_closed:
+            # The block recovered from the reasoning decides the rest of the turn.
+            sub = self._probe.result
+            res.content += sub.content
+            res.tool_calls += sub.tool_calls
+            res.errors += sub.errors
+            res.ended = res.ended or sub.ended
+        return res
 
     @property
     def in_structure(self) -> bool:
@@ -384,8 +422,11 @@ class StreamDecoder:
         ``｜DSML｜`` token arrives: ``<`` or ``</`` may still be ordinary text.
         """
         st = self._state
-        if st == _THINK:
+        if st in (_THINK, _PROBE):
+            # A block opened inside reasoning is sampled as reasoning is (docs/).
             return False
+        if st == _DELEGATE and self._probe is not None:
+            return self._probe.in_structure
         if st in (_TEXT, _PAR_STR, _SKIP):
             return DSML in self._buf
         if st == _PAR_JSON:
@@ -432,6 +473,8 @@ class StreamDecoder:
             _SKIP: self._st_param_body,
             _AFTER: self._st_after,
             _DONE: self._st_done,
+            _PROBE: self._st_probe,
+            _DELEGATE: self._st_delegate,
         }
         while self._buf and handlers[self._state]():
             pass
@@ -455,17 +498,68 @@ class StreamDecoder:
         return _safe_cut(self._buf, len(self._buf) - _partial(self._buf, stops)), None
 
     def _st_think(self) -> bool:
-        pos, stop = self._scan_text((THINK_END, EOS))
+        pos, stop = self._scan_text(_THINK_STOPS)
         if stop is None:
             self._thinking(self._consume(pos))
             return False
         self._thinking(self._consume(pos))
-        self._consume(len(stop))
-        if stop == EOS:
-            self._end()
-        else:
-            self._state = _TEXT
+        if stop in (THINK_END, EOS):
+            self._consume(len(stop))
+            if stop == EOS:
+                self._end()
+            else:
+                self._state = _TEXT
+            return True
+        # A tool-call block opens inside the reasoning: parse it on the side.
+        self._probe = StreamDecoder(False, None, self.id_prefix)
+        self._probe._order = self._order
+        self._probe_raw, self._probe_events = [], []
+        self._state = _PROBE
         return True
+
+    def _st_probe(self) -> bool:
+        """Feed a block opened in reasoning to the side parser until it closes or is cut."""
+        probe = self._probe
+        assert probe is not None
+        buf = self._buf
+        ends = [p for p in (buf.find(m) for m in _PROBE_ENDS) if p >= 0]
+        end = min(ends) if ends else -1
+        n = end if end >= 0 else _safe_cut(buf, len(buf) - _partial(buf, _PROBE_ENDS))
+        if n:
+            piece = self._consume(n)
+            self._probe_raw.append(piece)
+            self._probe_events += probe.feed(piece)
+        if probe.tool_block_closed:
+            # Complete: the calls are real. The reasoning ended where the block began.
+            self._events += self._probe_events
+            self._probe_events = []
+            self.tool_block_closed = True
+            self._state = _DELEGATE
+            return True
+        if end >= 0:
+            self._abandon_probe()  # </think> or EOS cut it: it stays reasoning
+            return True
+        return False
+
+    def _abandon_probe(self) -> None:
+        """The block opened in reasoning never closed: its text is reasoning after all."""
+        self._thinking("".join(self._probe_raw))
+        self._probe, self._probe_raw, self._probe_events = None, [], []
+        self._state = _THINK
+
+    def _st_delegate(self) -> bool:
+        """After a block recovered from reasoning: tolerate one ``</think>``, then the
+        side parser (in its after-the-block state) takes the rest."""
+        probe = self._probe
+        assert probe is not None
+        if not probe.result.ended and self._buf.lstrip(_WS).startswith(THINK_END):
+            self._consume(self._buf.index(THINK_END) + len(THINK_END))
+            return True
+        stripped = self._buf.lstrip(_WS)
+        if stripped and THINK_END.startswith(stripped) and stripped != THINK_END:
+            return False  # a </think> may be arriving
+        self._events += probe.feed(self._consume(len(self._buf)))
+        return False
 
     def _st_text(self) -> bool:
         pos, stop = self._scan_text(_TEXT_STOPS)
@@ -726,10 +820,15 @@ class StreamDecoder:
         # A lone high surrogate at the very end can never be completed now.
         if buf and "\ud800" <= buf[-1] <= "\udbff":
             buf = buf[:-1]
-        if st == _THINK:
+        if st == _PROBE:
+            self._buf = buf
+            self._flush_probe()
+        elif st == _DELEGATE and self._probe is not None:
+            self._events += self._probe.feed(buf) + self._probe.finish()
+        elif st == _THINK:
             self._thinking(buf)
         elif st == _TEXT:
-            self._text(buf)
+            self._text(_without_cut_marker(buf))
         elif st == _BLOCK:
             self._error(
                 f"generation ended inside the tool_calls block (missing {TOOL_CALLS_CLOSE})"
@@ -745,6 +844,12 @@ class StreamDecoder:
             else:
                 self._close_param(truncated=True)
             self._close_invoke("generation ended inside the call (truncated)")
+
+    def _flush_probe(self) -> None:
+        """Generation ended inside a block opened in reasoning: it is reasoning text."""
+        self._probe_raw.append(self._buf)
+        self._buf = ""
+        self._abandon_probe()
 
 
 def decode_text(text: str, *, thinking: bool, tools: list[ToolSpec] | None = None) -> DecodeResult:

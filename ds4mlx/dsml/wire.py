@@ -12,8 +12,13 @@ Protocol references:
 
 Mapping rules where DeepSeek's official encoding has no answer (docs/ARCHITECTURE.md §4):
 - Anthropic ``system`` blocks are joined with ``\\n`` (only when the previous part does
-  not already end with one); blocks starting with ``x-anthropic-`` (Claude Code's
-  per-session billing header) are client metadata and dropped unless asked to keep them.
+  not already end with one); lines starting with ``x-anthropic-`` (Claude Code's
+  per-session billing header) are client metadata: the line is dropped unless asked to
+  keep it, the rest of its block stays (a block that was only that line is dropped).
+- An assistant message's thinking blocks (interleaved with its tool calls) become the one
+  reasoning block of the DS4 format, joined by a blank line; the calls keep their order.
+- A ``tool_result`` with ``is_error: true`` renders its text after `TOOL_ERROR_PREFIX`,
+  so the model knows the call failed.
 - ``system`` messages inside ``messages`` and OpenAI ``developer`` messages are hoisted
   into the leading system block, after the top-level system text, joined by a blank line.
 - Tool results (Anthropic ``tool_result`` blocks, OpenAI ``tool`` messages, Responses
@@ -44,6 +49,8 @@ __all__ = [
 ]
 
 BILLING_PREFIX = "x-anthropic-"
+# Anthropic ``tool_result.is_error``: the DS4 format has no error flag, so the text says it.
+TOOL_ERROR_PREFIX = "[tool error] "
 
 
 class WireError(ValueError):
@@ -215,25 +222,41 @@ def _anthropic_tool_result_text(content: Any) -> str:
     return _join_blank(parts)
 
 
+def strip_billing_lines(text: str) -> str | None:
+    """``text`` without its ``x-anthropic-…`` lines (client metadata, DESIGN §4 mapping).
+
+    Returns None when the text was nothing but such lines (the block is dropped, not
+    rendered as an empty part), else the remaining lines, unchanged.
+    """
+    if BILLING_PREFIX not in text:
+        return text
+    lines = text.splitlines(keepends=True)
+    kept = [ln for ln in lines if not ln.startswith(BILLING_PREFIX)]
+    if len(kept) == len(lines):
+        return text
+    return "".join(kept) if kept else None
+
+
 def anthropic_system_text(system: Any, *, keep_billing_header: bool = False) -> str:
     """The top-level ``system`` (string or text blocks) as one string.
 
-    Blocks are joined with ``\\n`` (inserted only when missing); blocks beginning with
-    ``x-anthropic-`` are dropped unless ``keep_billing_header``.
+    Blocks are joined with ``\\n`` (inserted only when missing); lines beginning with
+    ``x-anthropic-`` are dropped unless ``keep_billing_header`` (the rest of their block
+    is kept; a block of only such lines is dropped).
     """
     if system is None:
         return ""
     if isinstance(system, str):
-        if not keep_billing_header and system.startswith(BILLING_PREFIX):
-            # A plain-string system whose first line is the header: drop that line only.
-            first, _, rest = system.partition("\n")
-            return rest
-        return system
+        if keep_billing_header:
+            return system
+        return strip_billing_lines(system) or ""
     parts = []
     for b in system:
         text = b.get("text") or "" if isinstance(b, dict) else str(b)
-        if not keep_billing_header and text.startswith(BILLING_PREFIX):
-            continue
+        if not keep_billing_header:
+            text = strip_billing_lines(text)
+            if text is None:
+                continue
         parts.append(text)
     return _join_newline(parts)
 
@@ -273,19 +296,19 @@ def anthropic_to_conversation(
         )
         if role == "system":
             text = _join_newline(b.get("text") or "" for b in blocks if b.get("type") == "text")
-            if keep_billing_header or not text.startswith(BILLING_PREFIX):
-                system_parts.append(text)
+            kept = text if keep_billing_header else strip_billing_lines(text)
+            if kept is not None:
+                system_parts.append(kept)
         elif role == "user":
             texts: list[str] = []
             for b in blocks:
                 t = b.get("type")
                 if t == "tool_result":
+                    result = _anthropic_tool_result_text(b.get("content"))
+                    if b.get("is_error") is True:
+                        result = TOOL_ERROR_PREFIX + result
                     msgs.append(
-                        Message(
-                            role="tool",
-                            tool_call_id=b.get("tool_use_id"),
-                            content=_anthropic_tool_result_text(b.get("content")),
-                        )
+                        Message(role="tool", tool_call_id=b.get("tool_use_id"), content=result)
                     )
                 elif t == "text":
                     texts.append(b.get("text") or "")
@@ -318,7 +341,9 @@ def anthropic_to_conversation(
                 Message(
                     role="assistant",
                     content="".join(texts),
-                    reasoning="".join(reasoning) if reasoning else None,
+                    # Interleaved thinking (thinking, tool_use, thinking, tool_use): the DS4
+                    # format has one reasoning block; never glue its segments together.
+                    reasoning=_join_blank(reasoning) if reasoning else None,
                     tool_calls=calls,
                 )
             )

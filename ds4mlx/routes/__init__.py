@@ -35,13 +35,22 @@ def register(app) -> None:
     for mod in (openai, anthropic, responses, models):
         app.register_blueprint(mod.bp)
 
+    def rejected(e: APIError) -> None:
+        # A client mistake is not a server fault, but the operator should see why a
+        # client failed (a wrong key, a route an SDK expects, a body too large).
+        if e.status < 500:
+            log.info("%s %s rejected %d: %s", request.method, request.path, e.status, e.message)
+
     @app.errorhandler(APIError)
     async def _api_error(e: APIError):
+        rejected(e)
         return error_response(e)
 
     @app.errorhandler(HTTPException)
     async def _http_error(e: HTTPException):
-        return error_response(http_exception_to_api(e))
+        err = http_exception_to_api(e)
+        rejected(err)
+        return error_response(err)
 
     @app.errorhandler(Exception)
     async def _any_error(e: Exception):
@@ -58,6 +67,7 @@ def register(app) -> None:
             return None
         err = check_auth()
         if err is not None:
+            rejected(err)
             return error_response(err)
         return None
 

@@ -47,6 +47,7 @@ from ds4mlx.routes.common import (
     failed_to_api,
     guard,
     json_response,
+    model_thinking,
     new_id,
     parse_body,
     render,
@@ -171,7 +172,7 @@ def _conversation(body: dict[str, Any], model: str):
     try:
         return wire.anthropic_to_conversation(
             body,
-            default_thinking=st.config.thinking_default(model),
+            default_thinking=model_thinking(model),
             keep_billing_header=st.config.keep_billing_header,
             decode_reasoning=st.carrier.open,
         )

@@ -17,6 +17,7 @@ import base64
 import hashlib
 import hmac
 import json
+import logging
 import os
 import secrets
 import time
@@ -55,6 +56,9 @@ class APIError(Exception):
             from the status unless ``anthropic_type`` is given.
         param: the offending field path, or None.
         code: OpenAI ``code`` (e.g. ``context_length_exceeded``), or None.
+        fields: extra members of the error object in both shapes, for clients that
+            read numbers rather than parse the message (e.g. ``n_prompt_tokens`` and
+            ``n_ctx`` of a context-length error, as llama.cpp's server reports them).
     """
 
     def __init__(
@@ -66,8 +70,10 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         anthropic_type: str | None = None,
+        fields: dict[str, Any] | None = None,
     ):
         super().__init__(message)
+        self.fields = dict(fields or {})
         self.status = status
         self.message = message
         self.type = type
@@ -92,10 +98,17 @@ def error_body(protocol: str, err: APIError) -> dict[str, Any]:
                     err.status, "api_error" if err.status >= 500 else "invalid_request_error"
                 ),
                 "message": err.message,
+                **err.fields,
             },
         }
     return {
-        "error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
+        "error": {
+            "message": err.message,
+            "type": err.type,
+            "param": err.param,
+            "code": err.code,
+            **err.fields,
+        }
     }
 
 
@@ -380,6 +393,27 @@ def new_id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
 
 
+def model_thinking(model: str | None) -> bool:
+    """Thinking default for a request naming ``model``; any name is served.
+
+    Clients send their own model names (Claude Code's ``claude-haiku-…`` for side
+    requests, an SDK's default): the server has one model and serves it under any name
+    (thinking on unless the name is a non-thinking alias). The first request naming an
+    id the server does not list logs which model it was served as.
+    """
+    st = state()
+    cfg = st.config
+    if model and model not in cfg.model_ids() and model not in st.unknown_models:
+        if len(st.unknown_models) < 1000:  # a bound: names are client-chosen
+            st.unknown_models.add(model)
+        logging.getLogger("ds4mlx.server").info(
+            "model %r is not a served id; serving %s (thinking on) under that name",
+            model,
+            cfg.model_name,
+        )
+    return cfg.thinking_default(model)
+
+
 def check_auth(headers=None) -> APIError | None:
     """Check ``--api-key`` (``Authorization: Bearer`` or ``x-api-key``); None when ok.
 
@@ -406,7 +440,8 @@ def context_check(n_prompt: int, param: str = "messages") -> None:
     ``param``: the request field holding the prompt (``messages``, ``input``, ``prompt``).
 
     Raises:
-        APIError: 400 ``context_length_exceeded`` with the counts.
+        APIError: 400 ``context_length_exceeded`` with the counts in the message and as
+            the error's ``n_prompt_tokens`` / ``n_ctx`` fields.
     """
     ctx = state().ctx_size
     if n_prompt >= ctx:
@@ -417,6 +452,7 @@ def context_check(n_prompt: int, param: str = "messages") -> None:
             "conversation or restart the server with a larger --ctx.",
             code="context_length_exceeded",
             param=param,
+            fields={"n_prompt_tokens": n_prompt, "n_ctx": ctx},
         )
 
 
@@ -635,7 +671,8 @@ def failed_to_api(ev) -> APIError:
     """A worker `JobFailed` as an `APIError` (400 for context overflow, else its status)."""
     code = "context_length_exceeded" if ev.kind == "context_length_exceeded" else None
     typ = "invalid_request_error" if ev.status < 500 else "server_error"
-    return APIError(ev.status, ev.message, type=typ, code=code)
+    fields = getattr(ev, "fields", None) or {}
+    return APIError(ev.status, ev.message, type=typ, code=code, fields=fields)
 
 
 async def collect(job) -> tuple[list[Any], Any]:

@@ -1,6 +1,7 @@
 """Models, tokenizer utilities, health and the test-only script endpoint.
 
-- ``GET /v1/models``, ``GET /v1/models/{id}`` (ids may contain ``/``): each entry has
+- ``GET /v1/models``, ``GET /v1/models/{id}`` (ids may contain ``/``; any id is found,
+  as the chat routes serve any model name, with ``served_as``): each entry has
   both OpenAI (``object``, ``owned_by``, ``created``) and Anthropic (``type``,
   ``display_name``, ``created_at``) fields, so either SDK can read it
   (https://platform.openai.com/docs/api-reference/models,
@@ -28,6 +29,7 @@ from ds4mlx.routes.common import (
     APIError,
     OpenModel,
     json_response,
+    model_thinking,
     parse_body,
     render,
     state,
@@ -40,7 +42,7 @@ bp = Blueprint("models", __name__)
 def _model_entry(model_id: str) -> dict[str, Any]:
     st = state()
     created = int(st.started)
-    thinking = st.config.thinking_default(model_id)
+    thinking = model_thinking(model_id)
     return {
         "id": model_id,
         "object": "model",
@@ -68,15 +70,12 @@ async def list_models():
 
 @bp.get("/v1/models/<path:model_id>")
 async def get_model(model_id: str):
-    if model_id not in state().config.model_ids():
-        raise APIError(
-            404,
-            f"model {model_id!r} not found",
-            type="invalid_request_error",
-            code="model_not_found",
-            param="model",
-        )
-    return json_response(_model_entry(model_id))
+    """Any id: the chat routes serve the one model under any name (``model_thinking``),
+    so a client that checks its model name first (e.g. ``claude-haiku-…``) finds it.
+    ``served_as`` names the model that answers."""
+    entry = _model_entry(model_id)
+    entry["served_as"] = state().config.model_name
+    return json_response(entry)
 
 
 class TokenizeRequest(OpenModel):
@@ -103,7 +102,7 @@ async def tokenize_route():
         _, chat = validate(ChatRequest, body)
         try:
             conv = wire.openai_chat_to_conversation(
-                chat, default_thinking=state().config.thinking_default(req.model)
+                chat, default_thinking=model_thinking(req.model)
             )
         except wire.WireError as e:
             raise APIError(400, e.message, param=e.param) from None

@@ -41,6 +41,7 @@ from ds4mlx.routes.common import (
     failed_to_api,
     guard,
     json_response,
+    model_thinking,
     new_id,
     now,
     parse_body,
@@ -184,9 +185,7 @@ async def chat_completions():
     req, body = await parse_body(ChatRequest)
     st = state()
     try:
-        conv = wire.openai_chat_to_conversation(
-            body, default_thinking=st.config.thinking_default(req.model)
-        )
+        conv = wire.openai_chat_to_conversation(body, default_thinking=model_thinking(req.model))
     except wire.WireError as e:
         raise APIError(400, e.message, param=e.param) from None
     check_tool_results(conv, "chat")
@@ -425,6 +424,7 @@ async def completions():
         echo_text = tok.decode(toks)
         echo_ids = toks
     context_check(len(toks), "prompt")
+    model_thinking(req.model)  # logs a model name the server does not list
     gen = GenRequest(
         path=request.path,
         prompt_tokens=toks,

@@ -58,6 +58,7 @@ from ds4mlx.routes.common import (
     failed_to_api,
     guard,
     json_response,
+    model_thinking,
     new_id,
     now,
     read_json,
@@ -245,7 +246,7 @@ async def _prepare(
     try:
         conv = wire.responses_to_conversation(
             body,
-            default_thinking=st.config.thinking_default(req.model),
+            default_thinking=model_thinking(req.model),
             decode_reasoning=st.carrier.open,
         )
     except wire.WireError as e:
@@ -566,6 +567,7 @@ class _Builder:
         self.response["error"] = {
             "code": err.code or ("server_error" if err.status >= 500 else "invalid_request"),
             "message": err.message,
+            **err.fields,
         }
         return [*out, self._ev("response.failed", response=self._snapshot())]
 

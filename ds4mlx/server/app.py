@@ -34,6 +34,8 @@ class ServerState:
         self.kv = worker.planner  # ds4mlx.kv.plan.Planner (live bindings, disk cache)
         self.carrier = ReasoningCarrier(config.reasoning_key or load_reasoning_key())
         self.started = time.time()
+        # Model names a request used that the server does not list (logged once each).
+        self.unknown_models: set[str] = set()
 
     def submit(self, request: GenRequest) -> Job:
         return self.worker.submit(request)
@@ -88,7 +90,7 @@ def banner(engine, config: ServerConfig, url: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from ds4mlx.blas import active_blas
+    from ds4mlx.blas import blas_label
 
     try:
         import mlx.core as mx
@@ -117,7 +119,7 @@ def banner(engine, config: ServerConfig, url: str) -> None:
         t.add_row("[bold]output[/]", f"{config.default_max_tokens} tokens when a request sets none")
     if kv:
         t.add_row("[bold]KV cache[/]", kv)
-    t.add_row("[bold]device[/]", f"{device}, BLAS {active_blas()}")
+    t.add_row("[bold]device[/]", f"{device}, BLAS {blas_label()}")
     t.add_row(
         "[bold]url[/]",
         f"[cyan]{url}[/]  (OpenAI /v1/chat/completions, /v1/completions, /v1/responses; Anthropic /v1/messages)",

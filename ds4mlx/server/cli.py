@@ -23,6 +23,29 @@ ds4mlx serve: no model given.
 """
 
 
+def port_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on (in use, no such address), or None.
+
+    Checked before the model loads, which takes minutes with a real checkpoint: a busy
+    port must not be found only after that. The probe socket sets ``SO_REUSEADDR`` as
+    Hypercorn's own does, so a port in TIME_WAIT passes and a listening one fails.
+    """
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as e:
+        return str(e)
+    family, kind, proto, _, addr = infos[0]
+    try:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(addr)
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
 def run_serve(args) -> int:
     """``ds4mlx serve``: load the model (or make the demo one) and serve until stopped."""
     import sys
@@ -47,6 +70,14 @@ def run_serve(args) -> int:
     if not model:
         print(NO_MODEL_MESSAGE, file=sys.stderr, end="")
         return 2
+    busy = port_problem(args.host, args.port)
+    if busy is not None:
+        print(
+            f"ds4mlx serve: cannot listen on {args.host}:{args.port}: {busy} "
+            "(another server there? pick one with --port)",
+            file=sys.stderr,
+        )
+        return 1
     from ds4mlx.engine import Engine
     from ds4mlx.kv.policy import KVCacheSettings
 

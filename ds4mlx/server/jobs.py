@@ -121,11 +121,16 @@ class JobDone:
 
 @dataclass
 class JobFailed:
-    """The job failed on the worker. ``status``: HTTP status to report (500 for faults)."""
+    """The job failed on the worker. ``status``: HTTP status to report (500 for faults).
+
+    ``fields``: extra members of the protocol's error object, e.g. ``n_prompt_tokens``
+    and ``n_ctx`` for ``kind == "context_length_exceeded"``.
+    """
 
     message: str
     status: int = 500
     kind: str = "api_error"
+    fields: dict[str, Any] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- jobs
@@ -231,11 +236,18 @@ class Job:
 
         With ``keepalive_s``, yields None after that many seconds without an event, so
         streaming routes can send keepalives while the job waits in the queue.
+
+        Cancellation (the client went away and the server cancels the handler) always
+        propagates. ``asyncio.wait_for`` on Python 3.11 swallows a cancel that arrives
+        while its inner ``get()`` completes (cpython gh-86296): the stream then kept
+        reading events and the job ran to ``max_tokens``. ``asyncio.timeout`` tells its
+        own deadline from an outside cancel, so it is used instead.
         """
         while True:
             try:
                 if keepalive_s:
-                    ev = await asyncio.wait_for(self.queue.get(), keepalive_s)
+                    async with asyncio.timeout(keepalive_s):
+                        ev = await self.queue.get()
                 else:
                     ev = await self.queue.get()
             except TimeoutError:
