@@ -537,3 +537,84 @@ def test_trace_records_prompts_decisions_output_and_parser_events(oai, server, t
     parser = [r["event"]["type"] for r in mine if r["kind"] == "parser"]
     assert "ThinkingDelta" in parser and "ToolCallEnd" in parser
     assert mine[-2]["text"].startswith("Trace me.</think>")
+
+
+# --------------------------------------------------------------------------- cut tool calls
+
+# A call the output limit cuts inside its command (hardening issue, item 2).
+CUT = (
+    '</think>Sure.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+    '<｜DSML｜parameter name="city" string="true">Paris and then rm -rf everything else'
+)
+
+
+def _cut_budget(server) -> int:
+    """max_tokens that stops the scripted turn inside the city value."""
+    r = httpx.post(server.url + "/v1/tokenize", json={"text": CUT}, timeout=30)
+    return r.json()["count"] - 4
+
+
+def test_cut_tool_call_is_never_a_runnable_call_anthropic(server, ant):
+    n = _cut_budget(server)
+    server.script(CUT)
+    msg = ant.messages.create(
+        model=MODEL, max_tokens=n, tools=[WEATHER_ANT], messages=[{"role": "user", "content": "go"}]
+    )
+    assert msg.stop_reason == "max_tokens"
+    assert [b.type for b in msg.content if b.type == "tool_use"] == []
+    server.script(CUT)
+    with ant.messages.stream(
+        model=MODEL, max_tokens=n, tools=[WEATHER_ANT], messages=[{"role": "user", "content": "go"}]
+    ) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "max_tokens"
+    for b in final.content:
+        if b.type == "tool_use":  # streamed before the cut: its input is not the cut value
+            assert "city" not in b.input, b.input
+
+
+def test_cut_tool_call_is_never_a_runnable_call_openai_chat(server, oai):
+    n = _cut_budget(server)
+    server.script(CUT)
+    kw = dict(
+        model=MODEL, max_tokens=n, tools=[WEATHER_OAI], messages=[{"role": "user", "content": "go"}]
+    )
+    r = oai.chat.completions.create(**kw)
+    assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
+    server.script(CUT)
+    args, finish = "", None
+    for chunk in oai.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or []:
+                args += (tc.function and tc.function.arguments) or ""
+            finish = c.finish_reason or finish
+    assert finish == "length" and args.startswith('{"city": "Paris')
+    with pytest.raises(ValueError):
+        json.loads(args)
+
+
+def test_cut_tool_call_is_never_a_runnable_call_responses(server, oai):
+    n = _cut_budget(server)
+    tool = {"type": "function", **WEATHER_OAI["function"]}
+    kw = dict(model=MODEL, max_output_tokens=n, tools=[tool], input="go")
+    server.script(CUT)
+    r = oai.responses.create(**kw)
+    assert (
+        r.status == "incomplete" and [o.type for o in r.output if o.type == "function_call"] == []
+    )
+    server.script(CUT)
+    done_items, final = [], None
+    for ev in oai.responses.create(stream=True, **kw):
+        if ev.type == "response.output_item.done":
+            done_items.append(ev.item)
+        elif ev.type == "response.function_call_arguments.done":
+            raise AssertionError("a cut call must not report complete arguments")
+        elif ev.type in ("response.incomplete", "response.completed"):
+            final = ev.response
+    calls = [i for i in done_items if i.type == "function_call"]
+    assert [c.status for c in calls] == ["incomplete"]
+    with pytest.raises(ValueError):
+        json.loads(calls[0].arguments)
+    assert final.status == "incomplete" and not [
+        o for o in final.output if o.type == "function_call"
+    ]

@@ -163,8 +163,10 @@ def test_truncated_call_is_marked_not_runnable(engine, session):
     script = _ids(engine, call)
     spec = TurnSpec(GREEDY, len(script) - 2, tools=(TOOL,))
     res = run_turn(session, engine.tokenizer, spec, prefill=prompt, script=script)
-    assert res.finish == "length" and len(res.tool_calls) == 1
-    assert res.tool_calls[0].id in res.call_errors
+    # Cut by max_tokens: never presented as runnable; the decoder still saw it.
+    assert res.finish == "length" and res.tool_calls == []
+    (cut,) = res.decoded.tool_calls
+    assert cut.id in res.call_errors and "truncated" in res.call_errors[cut.id]
 
 
 def test_forced_tool_call_opens_the_block(engine, session):

@@ -32,8 +32,9 @@ Rules (the official parser's, made streaming and forgiving):
 
 Streaming guarantees: nothing that could begin a marker is emitted until it is
 disproven (bytes are held back across feeds); the result does not depend on how the
-text is split into feeds; a call's `ToolCallArgsDelta` texts concatenate to JSON that
-parses to the same object as its final arguments.
+text is split into feeds; a closed call's `ToolCallArgsDelta` texts concatenate to JSON
+that parses to the same object as its final arguments, while a call the generation cut
+off (``ToolCallEnd.closed`` False) keeps them unterminated, so they never parse.
 """
 
 from __future__ import annotations
@@ -113,13 +114,17 @@ class ToolCallEnd:
     ``call``: the `ToolCall` (arguments in tool-schema property order, ``dsml`` the
     exact sampled invoke bytes). ``arguments_json``: ``call.arguments`` as JSON text.
     ``error``: None for a well-formed invoke, else why it was closed early (a
-    `ParseError` with the same message was emitted too).
+    `ParseError` with the same message was emitted too). ``closed``: False when the
+    generation ended inside the call (its ``</｜DSML｜invoke>`` never came): such a call
+    is never runnable; its streamed `ToolCallArgsDelta` texts are left unterminated, so
+    they do not parse as the cut-off arguments (docs/ARCHITECTURE.md §4).
     """
 
     index: int
     call: ToolCall
     arguments_json: str
     error: str | None = None
+    closed: bool = True
 
 
 @dataclass
@@ -761,7 +766,8 @@ class StreamDecoder:
         raw = "".join(self._body)
         if is_str:
             call.args[name] = raw
-            self._args_delta('"')
+            if not truncated:
+                self._args_delta('"')
         elif not truncated:
             try:
                 value = json.loads(raw)
@@ -774,13 +780,14 @@ class StreamDecoder:
         self._param = None
         self._body = []
 
-    def _close_invoke(self, error: str | None) -> None:
+    def _close_invoke(self, error: str | None, *, closed: bool = True) -> None:
         call = self._call
         assert call is not None
         self._call = None
         if error is not None:
             self._error(f"{error} in call {call.name!r}")
-        self._events.append(ToolCallArgsDelta(call.index, "}" if call.emitted else "{}"))
+        if closed:
+            self._events.append(ToolCallArgsDelta(call.index, "}" if call.emitted else "{}"))
         order = self._order.get(call.name, [])
         args = {k: call.args[k] for k in order if k in call.args}
         args.update((k, v) for k, v in call.args.items() if k not in args)
@@ -795,7 +802,7 @@ class StreamDecoder:
         )
         self._calls.append(tool_call)
         self._events.append(
-            ToolCallEnd(call.index, tool_call, json.dumps(args, ensure_ascii=False), error)
+            ToolCallEnd(call.index, tool_call, json.dumps(args, ensure_ascii=False), error, closed)
         )
 
     def _st_after(self) -> bool:
@@ -843,7 +850,7 @@ class StreamDecoder:
                 self._param = None
             else:
                 self._close_param(truncated=True)
-            self._close_invoke("generation ended inside the call (truncated)")
+            self._close_invoke("generation ended inside the call (truncated)", closed=False)
 
     def _flush_probe(self) -> None:
         """Generation ended inside a block opened in reasoning: it is reasoning text."""

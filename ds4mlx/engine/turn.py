@@ -152,7 +152,8 @@ class TurnResult:
         fed: generated tokens fed into the session.
         reasoning_tokens: tokens sampled before ``</think>`` (thinking turns).
         decoded: the decoder's `DecodeResult` (``parse`` turns), else None.
-        tool_calls: calls whose DSML closed, in order.
+        tool_calls: calls whose DSML block closed, in order (a call cut by the end of
+            the turn is left out: it is never presented as runnable).
         call_errors: id → why that call must not run (its DSML needed repair, or was
             cut by the end of the turn).
         reasoning: the reasoning text sampled.
@@ -247,7 +248,8 @@ class _Turn:
             errs = ([ev.error] if ev.error else []) + [e for e in self.open_errors if e != ev.error]
             if errs:
                 self.result.call_errors[ev.call.id] = "; ".join(errs)
-            self.result.tool_calls.append(ev.call)
+            if ev.closed:  # a call cut by the end of the turn is never runnable
+                self.result.tool_calls.append(ev.call)
             if ev.call.dsml and self.tool_memory is not None:
                 self.tool_memory.put(ev.call.id, ev.call.dsml)
 

@@ -260,7 +260,7 @@ async def messages():
                 last = {"type": "text", "text": ""}
                 content.append(last)
             last["text"] += ev.text
-        elif isinstance(ev, ToolCallEnd):
+        elif isinstance(ev, ToolCallEnd) and ev.closed:  # a cut call is left out
             content.append(
                 {
                     "type": "tool_use",

@@ -243,7 +243,7 @@ async def chat_completions():
             reasoning.append(ev.text)
         elif isinstance(ev, TextDelta):
             content.append(ev.text)
-        elif isinstance(ev, ToolCallEnd):
+        elif isinstance(ev, ToolCallEnd) and ev.closed:  # a cut call is left out
             calls.append(
                 {
                     "id": ev.call.id,

@@ -487,6 +487,8 @@ class _Builder:
         elif isinstance(e, ToolCallEnd):
             if e.index in self.custom:
                 info = self.custom.pop(e.index)
+                if not e.closed:
+                    return out  # cut by the end of the turn: never shown as a call
                 raw = e.call.arguments.get("input")
                 text = raw if isinstance(raw, str) else e.arguments_json
                 item = {
@@ -518,6 +520,12 @@ class _Builder:
                 item["input"] = text
                 item["status"] = "completed"
                 out += self._close()
+            elif self.open is not None and self.open["type"] == "function_call" and not e.closed:
+                # Cut by the end of the turn: never a runnable call. Streamed clients see
+                # the item end as incomplete, its arguments unterminated; the final
+                # response leaves it out (`done`).
+                self.open["status"] = "incomplete"
+                out += self._close()
             elif self.open is not None and self.open["type"] == "function_call":
                 item = self.open
                 idx = len(self.output) - 1
@@ -548,6 +556,11 @@ class _Builder:
 
     def done(self, d: JobDone) -> list[dict[str, Any]]:
         out = self._close()
+        self.output[:] = [
+            it
+            for it in self.output
+            if not (it["type"] == "function_call" and it["status"] == "incomplete")
+        ]
         self.response["usage"] = self.usage(d)
         if d.finish == "cancelled":
             self.response["status"] = "failed"
