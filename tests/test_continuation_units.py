@@ -14,7 +14,6 @@ from ds4mlx.dsml import (
     ToolCall,
     ToolSpec,
     render_prompt,
-    thinking_visible_key,
 )
 from ds4mlx.dsml.tokens import ASSISTANT, EOS, USER
 from ds4mlx.kv.live import (
@@ -132,12 +131,12 @@ def test_thinking_suffix_starts_at_the_unfed_eos():
 def test_visible_keys_match_both_ways_of_dropping_reasoning():
     """No tools: the format drops old reasoning. Tools: it keeps the slot, and a client
     that does not send the reasoning back renders it empty. Both select the live turn."""
-    turn = Message("assistant", reasoning="secret", content="Hi.")
     for tools in ([], TOOLS):
         first = Conversation([Message("user", "q")], tools=tools)
         prompt = render_prompt(first)
         keys = visible_keys(prompt, "Hi.", "")
-        assert keys[0] == thinking_visible_key(prompt, turn)
+        # The format's drop: the turn as the next prompt renders it without reasoning.
+        assert keys[0] == prompt.removesuffix("<think>") + "</think>Hi." + EOS
         dropped = Message("assistant", content="Hi.")  # the client sent no reasoning
         nxt = render_prompt(
             Conversation([*first.messages, dropped, Message("user", "q2")], tools=tools)

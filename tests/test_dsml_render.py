@@ -150,17 +150,16 @@ def test_suffix_rejects_non_tool_endings():
 
 
 def test_thinking_visible_key_is_prefix_of_next_prompt():
-    from ds4mlx.dsml import thinking_visible_key
+    from ds4mlx.kv.live import visible_keys
 
     first = Conversation([Message("system", "s"), Message("user", "q1")], thinking=True)
     prompt = render_prompt(first)
     turn = Message("assistant", "answer 1", "hidden reasoning")
-    key = thinking_visible_key(prompt, turn)
+    key = visible_keys(prompt, turn.content, "")[0]
     nxt = Conversation(first.messages + [turn, Message("user", "q2")], thinking=True)
     assert render_prompt(nxt).startswith(key)
     assert "hidden reasoning" not in key
-    with pytest.raises(ValueError):
-        thinking_visible_key(render_prompt(Conversation(first.messages, thinking=False)), turn)
+    assert visible_keys(render_prompt(Conversation(first.messages, thinking=False)), "x", "") == ()
 
 
 def test_canonical_invoke_formats_and_wraps_non_objects():

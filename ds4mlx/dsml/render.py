@@ -73,7 +73,6 @@ __all__ = [
     "render_tool_results_suffix",
     "render_tools_section",
     "think_max_active",
-    "thinking_visible_key",
     "to_json",
     "tool_schema_dict",
 ]
@@ -554,28 +553,3 @@ def render_tool_results_suffix(
     if not last_assistant.tool_calls:
         raise ValueError("the last assistant turn made no tool calls")
     return Rendered.parse(EOS + "".join(s.text for s in segments[k + 1 :]))
-
-
-def thinking_visible_key(
-    prompt: str, turn: Message, *, tool_memory: ToolMemory | None = None
-) -> str:
-    """How a thinking-mode turn will look in the next request's prompt once its reasoning is dropped.
-
-    ``prompt`` is the prompt the turn was generated from (ending in ``<think>``);
-    ``turn`` the assistant turn (reasoning, content, tool calls). Returns ``prompt``
-    without its ``<think>``, then ``</think>`` + content + tool calls + EOS: the text
-    the next request renders for this turn when no tools are present (reasoning is
-    dropped before the last user turn). docs/ARCHITECTURE.md §3.3: if the next rendered prompt
-    starts with this key, the live tokens (real reasoning included) can be kept and
-    only the bytes after the key tokenized. Raises ``ValueError`` if ``prompt`` does
-    not end with ``<think>``.
-    """
-    if not prompt.endswith(THINK_START):
-        raise ValueError("prompt does not end with <think>")
-    return (
-        prompt[: -len(THINK_START)]
-        + THINK_END
-        + (turn.content or "")
-        + render_tool_calls(turn.tool_calls, tool_memory)
-        + EOS
-    )

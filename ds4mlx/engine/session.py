@@ -8,7 +8,6 @@ that only extend the state (the agent's suffixes, benchmarks).
 
 from __future__ import annotations
 
-import io
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -25,7 +24,6 @@ DEFAULT_CHUNK = 512
 
 SNAPSHOT_FORMAT = "ds4mlx-session"
 SNAPSHOT_VERSION = "1"
-_TOKENS_KEY = "tokens"
 _LOGITS_KEY = "logits"
 
 
@@ -61,8 +59,7 @@ class SessionState:
         tokens: the token ids fed to the model (list of int).
         arrays: ``"logits"`` (float32 ``(vocab,)``, absent when no token was fed) and every
             KV-cache tensor as ``"cache.{layer}.{name}"``; names and shapes are the layer
-            caches' own ``.state``. Safetensors-ready (no ``"tokens"`` entry; the file
-            stores the ids as an int32 array under that name).
+            caches' own ``.state``. The disk KV cache (``ds4mlx.kv.store``) stores them.
         meta: str → str (format, version, token count, layer count, model identity, …).
     """
 
@@ -74,61 +71,6 @@ class SessionState:
     def nbytes(self) -> int:
         """Bytes held by ``arrays`` (int)."""
         return sum(a.nbytes for a in self.arrays.values())
-
-    def _payload(self, extra_meta: dict[str, str] | None) -> tuple[dict, dict]:
-        arrays = dict(self.arrays)
-        arrays[_TOKENS_KEY] = mx.array(self.tokens, dtype=mx.int32)
-        meta = {**self.meta, **(extra_meta or {})}
-        bad = [k for k, v in meta.items() if not isinstance(k, str) or not isinstance(v, str)]
-        if bad:
-            raise TypeError(f"snapshot metadata must be str -> str; offending keys: {bad}")
-        return arrays, meta
-
-    def write(self, file: str | os.PathLike | io.IOBase, *, metadata: dict[str, str] | None = None):
-        """Write as safetensors to a path or a binary file object.
-
-        Args:
-            file: destination; a path is written as given (no extension added).
-            metadata: extra str → str entries merged over ``meta`` in the file header.
-        """
-        arrays, meta = self._payload(metadata)
-        if isinstance(file, str | os.PathLike):
-            # Through a file object: mx.save_safetensors appends ".safetensors" to paths.
-            with open(file, "wb") as f:
-                mx.save_safetensors(f, arrays, metadata=meta)
-        else:
-            mx.save_safetensors(file, arrays, metadata=meta)
-
-    def to_bytes(self, *, metadata: dict[str, str] | None = None) -> bytes:
-        """The safetensors encoding of this state (see ``write``)."""
-        buf = io.BytesIO()
-        self.write(buf, metadata=metadata)
-        return buf.getvalue()
-
-    @classmethod
-    def read(cls, file: str | os.PathLike | io.IOBase) -> SessionState:
-        """Read a state written by ``write`` from a path or a binary file object.
-
-        Raises:
-            SnapshotError: not a safetensors file, or not a ds4mlx session snapshot.
-        """
-        try:
-            if isinstance(file, str | os.PathLike):
-                # By path, so MLX reads the file itself (no Python-level buffering).
-                arrays, meta = mx.load(os.fspath(file), format="safetensors", return_metadata=True)
-            else:
-                arrays, meta = mx.load(file, format="safetensors", return_metadata=True)
-        except (OSError, RuntimeError, ValueError) as e:
-            raise SnapshotError(f"cannot read session snapshot: {e}") from e
-        if meta.get("format") != SNAPSHOT_FORMAT or _TOKENS_KEY not in arrays:
-            raise SnapshotError("not a ds4mlx session snapshot")
-        tokens = arrays.pop(_TOKENS_KEY).tolist()
-        return cls(tokens=tokens, arrays=arrays, meta=dict(meta))
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> SessionState:
-        """Inverse of ``to_bytes``. Raises ``SnapshotError``."""
-        return cls.read(io.BytesIO(data))
 
 
 def prefill_chunks(start: int, end: int, chunk_size: int, stops: Sequence[int] = ()) -> list[int]:

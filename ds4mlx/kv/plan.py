@@ -61,11 +61,6 @@ from ds4mlx.kv.live import (
 
 log = logging.getLogger("ds4mlx.kv")
 
-# Prefill chunk (tokens per forward pass); the engine's DEFAULT_CHUNK. Chunks end at
-# absolute multiples of it, so a prompt restored from disk at an aligned point and
-# continued is prefilled in the same chunks as a cold prefill of the whole prompt.
-CHUNK = 512
-
 _LIVE_DECISION = {"responses": "live-responses", "anthropic": "live-anthropic"}
 
 
