@@ -19,6 +19,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+# Model generations this network implements. DeepSeek ships V4 Flash, its updates and V4
+# Pro under one model_type; other generations (V3, a future V4.1 ...) differ in structure.
+SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
+
 # transformers' layer-type labels (configuration_deepseek_v4.py).
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -128,8 +132,10 @@ class ModelArgs:
         the official ``inference/config.json`` keys (and this class's own ``to_dict``).
 
         Raises:
-            ValueError: when the config has no attention schedule or is inconsistent.
+            ValueError: an unsupported ``model_type`` (the message names the supported
+                ones), no attention schedule, or inconsistent dimensions.
         """
+        check_model_type(cfg)
 
         def get(*names, default=None):
             for n in names:
@@ -261,4 +267,22 @@ class ModelArgs:
             quantization=cfg.get("quantization"),
             model_type=str(cfg.get("model_type", "deepseek_v4")),
             extra={k: v for k, v in cfg.items() if k not in known},
+        )
+
+
+def check_model_type(cfg: dict[str, Any]) -> None:
+    """Refuse a ``config.json`` of another model generation.
+
+    A config without ``model_type`` is taken as DeepSeek V4 (DeepSeek's own
+    ``inference/config.json`` has none).
+
+    Raises:
+        ValueError: naming the model type found and the supported ones.
+    """
+    mt = cfg.get("model_type", SUPPORTED_MODEL_TYPES[0])
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model_type {mt!r} is not supported: ds4mlx runs DeepSeek V4 checkpoints "
+            f"(model_type {', '.join(map(repr, SUPPORTED_MODEL_TYPES))}: V4 Flash, its updates "
+            "and V4 Pro); other generations have a different network"
         )
