@@ -103,12 +103,15 @@ def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.arra
 def _quant_predicate(qcfg: dict, weights: dict[str, mx.array]):
     """mlx-lm's rule: a per-module entry wins; else quantize where ``.scales`` exist."""
 
-    # Per-module entries may use checkpoint spellings ("model." prefix, transformers names).
-    qcfg = {
-        (official_name(k + ".weight") or k)[: -len(".weight")]: v
-        for k, v in qcfg.items()
-        if isinstance(v, (bool, dict))
-    }
+    # Per-module entries may use checkpoint spellings ("model." prefix, transformers
+    # names) or name single experts, which the network holds stacked.
+    def module_path(key: str) -> str:
+        name = official_name(key + ".weight") or key + ".weight"
+        if m := PER_EXPERT.match(name):
+            return f"{m.group(1)}.{m.group(3)}"
+        return name[: -len(".weight")]
+
+    qcfg = {module_path(k): v for k, v in qcfg.items() if isinstance(v, (bool, dict))}
 
     def pred(path: str, module: nn.Module):
         if path in qcfg:
