@@ -372,10 +372,10 @@ def _convert_piece(kind, comps, stored, target, dtype) -> dict[str, mx.array]:
     return out
 
 
-def _join(item: _Item, pieces: list[dict[str, mx.array]]) -> dict[str, mx.array]:
-    if item.join is None:
+def _join(join: str | None, pieces: list[dict[str, mx.array]]) -> dict[str, mx.array]:
+    if join is None:
         return pieces[0]
-    op = mx.stack if item.join == "stack" else mx.concatenate
+    op = mx.stack if join == "stack" else mx.concatenate
     return {k: op([p[k] for p in pieces]) for k in pieces[0]}
 
 
@@ -405,8 +405,14 @@ class _Converter:
         if item.path in self.quantizable:
             target = self.chooser.resolve(item, stored, shape[-1])
         dtype = mx.float32 if KEEP_F32.search(wkey) else self.dtype
+        join = item.join
+        if join is None and len(shape) == 3 and not (target is not None and target == stored):
+            # Stacked experts to re-encode: one expert at a time, so only one expert's
+            # float32 copy exists at once instead of the whole layer's.
+            loaded = [{k: v[e] for k, v in loaded[0].items()} for e in range(shape[0])]
+            join = "stack"
         outs = [_convert_piece(kind, c, stored, target, dtype) for c in loaded]
-        joined = _join(item, outs)
+        joined = _join(join, outs)
         return {f"{item.path}.{k}": v for k, v in joined.items()}, target, _numel(shape)
 
     def _bare(self, item, files):
