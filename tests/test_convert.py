@@ -311,3 +311,54 @@ def test_bf16_checkpoint_on_cpu_says_it_is_cast(tmp_path, caplog):
     msgs = [r.getMessage() for r in caplog.records]
     assert len(msgs) == 1 and "casting" in msgs[0] and "float32" in msgs[0], msgs
     assert model.layers[0].attn.wq_a.weight.dtype == mx.float32
+
+
+# ----------------------------------------------------------------------- other source layouts
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory, release):
+    """The oracle in transformers' own names (stacked ``gate_up_proj``) and as transformers 5
+    ``save_pretrained`` writes it; an MLX conversion with ``wo_a`` split per group."""
+    from safetensors.torch import save_file as save_torch
+
+    root = tmp_path_factory.mktemp("layouts")
+    ref = build_reference(seed=SEED)
+    dirs = {"save_pretrained": str(release["root"] / "hf")}
+    d = root / "transformers"
+    d.mkdir()
+    shutil.copy(release["root"] / "hf" / "config.json", d)
+    save_torch(
+        {k: v.contiguous() for k, v in ref.state_dict().items()}, str(d / "model.safetensors")
+    )
+    dirs["transformers"] = str(d)
+    tiny = make_tiny(str(root / "tiny"), seed=5)
+    split = root / "wo_a_split"
+    shutil.copytree(tiny, split)
+    w = mx.load(os.path.join(tiny, "model.safetensors"))
+    groups = json.load(open(split / "config.json"))["o_groups"]
+    out = {}
+    for k, v in w.items():
+        if ".attn.wo_a." in k:
+            base, suffix = k.rsplit(".", 1)
+            rows = v.shape[0] // groups
+            for g in range(groups):
+                out[f"{base}.{g}.{suffix}"] = v[g * rows : (g + 1) * rows]
+        else:
+            out[k] = v
+    mx.save_safetensors(str(split / "model.safetensors"), out)
+    dirs["mlx_wo_a_split"] = str(split)
+    return dirs
+
+
+@pytest.mark.parametrize("layout", ["save_pretrained", "transformers", "mlx_wo_a_split"])
+def test_every_loadable_layout_converts_without_changing_logits(layouts, tmp_path, layout):
+    src = layouts[layout]
+    ref_model, args = load_model(src)
+    out = str(tmp_path / layout)
+    # Float sources stay float ("none"); the MLX one keeps its quantization ("keep").
+    spec = "keep" if layout.startswith("mlx") else "none"
+    convert(src, out, ConvertOptions(expert=spec, rest=spec, dtype="float32"))
+    model, _ = load_model(out)
+    toks = prompt_tokens(150, args.vocab_size, seed=7)
+    assert np.array_equal(_logits(model, toks), _logits(ref_model, toks))
+    names = mx.load(os.path.join(out, "model.safetensors"))
+    assert "layers.1.ffn.experts.w1.weight" in names and "layers.1.attn.wo_a.weight" in names
