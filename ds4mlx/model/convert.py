@@ -412,6 +412,12 @@ class _Converter:
             loaded = [{k: v[e] for k, v in loaded[0].items()} for e in range(shape[0])]
             join = "stack"
         outs = [_convert_piece(kind, c, stored, target, dtype) for c in loaded]
+        if join is not None and target != stored:
+            # Re-encoding piece by piece: evaluate each before building the next, so at
+            # most one piece's float32 intermediates exist (MLX would otherwise schedule
+            # several side by side).
+            for out in outs:
+                mx.eval(list(out.values()))
         joined = _join(join, outs)
         return {f"{item.path}.{k}": v for k, v in joined.items()}, target, _numel(shape)
 
@@ -495,6 +501,32 @@ class _ShardWriter:
 
 
 # --------------------------------------------------------------------------- entry point
+def _stream(groups, conv: _Converter, dst: str, shard_size: int, tensors, progress):
+    """Convert and write every module; returns ``(shards, part stats, spec per module)``."""
+    writer = _ShardWriter(dst, shard_size)
+    parts: dict[str, PartStats] = defaultdict(PartStats)
+    specs: dict[str, QuantSpec] = {}
+    total = sum(t.nbytes for t in tensors.values())
+    done = 0
+    for group in groups:
+        for item in group:
+            files: dict[str, dict[str, mx.array]] = {}
+            outs, spec, params = conv.module(item, files)
+            del files  # only the output graphs reference the sources now
+            stats = parts[part_of(item.path) if item.is_module else "other"]
+            stats.params += params
+            label = spec.label if spec else _dtype_label(outs)
+            stats.formats.add(label)
+            if spec is not None:
+                specs[item.path] = spec
+            for name in sorted(outs):
+                stats.bytes += writer.add(name, outs.pop(name))
+            done += item.source_bytes()
+            if progress:
+                progress(done, total, item.path)
+    return writer.finish(), dict(parts), specs
+
+
 def default_dtype() -> str:
     """bfloat16 where Metal runs (fast half precision), float32 on the CPU."""
     return "bfloat16" if mx.metal.is_available() else "float32"
@@ -588,28 +620,14 @@ def convert(
     )
     conv = _Converter(args, _Chooser(opts, source_quantized), dtype)
     _prepare_dst(src, dst, opts.overwrite)
-    writer = _ShardWriter(dst, opts.shard_size)
-    parts: dict[str, PartStats] = defaultdict(PartStats)
-    specs: dict[str, QuantSpec] = {}
-    total = sum(t.nbytes for t in tensors.values())
-    done = 0
-    for group in groups:
-        for item in group:
-            files: dict[str, dict[str, mx.array]] = {}
-            outs, spec, params = conv.module(item, files)
-            del files  # only the output graphs reference the sources now
-            stats = parts[part_of(item.path) if item.is_module else "other"]
-            stats.params += params
-            label = spec.label if spec else _dtype_label(outs)
-            stats.formats.add(label)
-            if spec is not None:
-                specs[item.path] = spec
-            for name in sorted(outs):
-                stats.bytes += writer.add(name, outs.pop(name))
-            done += item.source_bytes()
-            if progress:
-                progress(done, total, item.path)
-    shards = writer.finish()
+    # Freed buffers go back to the system at once instead of into MLX's cache, so what the
+    # process holds is what the current shard and tensor need.
+    cache_limit = mx.set_cache_limit(0)
+    try:
+        shards, parts, specs = _stream(groups, conv, dst, opts.shard_size, tensors, progress)
+    finally:
+        mx.set_cache_limit(cache_limit)
+        mx.clear_cache()
     notes = []
     if conv.chooser.kept_float:
         kept = conv.chooser.kept_float
@@ -629,7 +647,7 @@ def convert(
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(out_cfg, f, indent=2)
     _copy_tokenizer(src, dst, notes)
-    return ConvertSummary(dst, dict(parts), shards, time.perf_counter() - t0, notes, q)
+    return ConvertSummary(dst, parts, shards, time.perf_counter() - t0, notes, q)
 
 
 def _dtype_label(outs: dict[str, mx.array]) -> str:
