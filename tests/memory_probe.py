@@ -6,14 +6,13 @@ so resident-set figures are not polluted by the test runner).
     python tests/memory_probe.py convert SRC DST SHARD_BYTES   # peak RSS of a conversion
 
 Each prints one JSON line. RSS is read from ``/proc/self/statm`` (current) and
-``getrusage`` (peak); sizes are bytes.
+``/proc/self/status`` ``VmHWM`` (peak); sizes are bytes.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import sys
 
@@ -59,7 +58,16 @@ def rss() -> int:
 
 
 def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    """Peak RSS of this process image (``VmHWM``).
+
+    Not ``getrusage``'s ``ru_maxrss``: Linux carries that across ``execve`` from the
+    address space that spawned us, so a child of a big test runner would report the
+    runner's peak."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def make(out: str) -> None:
