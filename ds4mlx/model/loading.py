@@ -47,6 +47,9 @@ __all__ = ["FitError", "LoadError", "load_model", "official_name", "read_config"
 
 log = logging.getLogger("ds4mlx.model")
 
+# Former private names of the rename tables (now in names.py), for code that used them.
+_KEEP_F32, _PER_EXPERT, _WO_A_SPLIT = KEEP_F32, PER_EXPERT, WO_A_SPLIT
+
 
 def is_raw_release(cfg: dict, tensors: dict[str, TensorInfo]) -> bool:
     """DeepSeek's FP8/FP4 release: ``X.scale`` companions (or an fp8/fp4 quant method and
