@@ -174,3 +174,23 @@ def test_canonical_invoke_formats_and_wraps_non_objects():
     )
     assert canonical_invoke("f", {}) == '<｜DSML｜invoke name="f">\n\n</｜DSML｜invoke>'
     assert 'name="arguments" string="true">not json<' in canonical_invoke("f", "not json")  # type: ignore[arg-type]
+
+
+def test_late_system_text_renders_after_the_tools_section():
+    """Mid-conversation system text (Claude Code's environment block, developer messages)
+    goes after the tools, so the top-level system text + tools are a shared prefix."""
+    from ds4mlx.dsml import ToolSpec
+
+    tools = [ToolSpec("read", "Read a file", {"type": "object"})]
+    base = [Message("system", "You are terse."), Message("user", "hi")]
+    first = Conversation(base, tools=tools, late_system="Skills: a, b, c")
+    retry = Conversation(
+        [base[0], Message("user", "<system-reminder>Skills: a, b, c</system-reminder>\nhi")],
+        tools=tools,
+    )
+    a, b = render_prompt(first), render_prompt(retry)
+    tools_end = a.index("invoke tool calls.\n") + len("invoke tool calls.\n")
+    assert a[:tools_end] == b[:tools_end]
+    assert a[tools_end:].startswith("\nSkills: a, b, c<｜User｜>hi")
+    only_late = render_prompt(Conversation([Message("user", "q")], late_system="env"))
+    assert only_late.startswith("<｜begin▁of▁sentence｜>env<｜User｜>q")

@@ -249,6 +249,8 @@ class _Turn:
     response_format: dict[str, Any] | None = None
     # Merged user turns: ("text", text, None) or ("tool", content, tool_call_id).
     blocks: list[tuple[str, str, str | None]] | None = None
+    # Leading system turn: Conversation.late_system, rendered after the tools section.
+    late: str = ""
 
 
 def _turn_from(msg: Message, idx: int) -> _Turn:
@@ -354,11 +356,11 @@ def _drop_old_thinking(turns: list[_Turn]) -> list[_Turn]:
 def _prepare(conv: Conversation) -> tuple[list[_Turn], bool]:
     """Merged, sorted, thinning-applied turns and whether old reasoning was dropped."""
     turns = _merge(conv)
-    if conv.tools:
-        if turns and turns[0].role == "system":
-            turns[0].tools = list(conv.tools) + turns[0].tools
-        else:
-            turns.insert(0, _Turn(role="system", sources=[], tools=list(conv.tools)))
+    if conv.tools or conv.late_system:
+        if not turns or turns[0].role != "system":
+            turns.insert(0, _Turn(role="system", sources=[]))
+        turns[0].tools = list(conv.tools) + turns[0].tools
+        turns[0].late = conv.late_system
     _sort_tool_results(turns)
     drop = not any(t.tools for t in turns)
     if conv.thinking and drop:
@@ -416,6 +418,10 @@ def _render_turn(
             body += "\n\n" + _tools_section(turn.tools)
         if turn.response_format:
             body += "\n\n" + _RESPONSE_FORMAT_INTRO + content(to_json(turn.response_format))
+        if turn.late:
+            # A blank line before it (the tools section already ends with a newline).
+            sep = "" if not body else "\n" if body.endswith("\n") else "\n\n"
+            body += sep + content(turn.late)
         out += (USER + body) if role == "developer" else body
     elif role == "user":
         parts = []
