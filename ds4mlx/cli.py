@@ -1,4 +1,4 @@
-"""The ``ds4mlx`` command line: serve, agent, generate, bench, convert, tokenize, make-tiny, kv.
+"""The ds4mlx command line: serve, agent, generate, bench, convert, tokenize, make-tiny, kv.
 
 Each subcommand's arguments are declared here; its work lives in the room that owns
 it (docs/ARCHITECTURE.md §1). Modules are imported lazily so ``ds4mlx --help`` stays fast.
