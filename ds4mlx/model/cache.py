@@ -283,6 +283,17 @@ class LayerCache:
         if self.index is not None:
             self.index.set_state("index", state)
 
+    def arrays(self) -> list[mx.array]:
+        """Every array this cache holds (whole buffers, no views): what to ``mx.eval``
+        after a step so no write stays pending. Cheaper than ``state.values()``."""
+        out = [] if self.kv.buf is None else [self.kv.buf]
+        for c in (self.comp, self.index):
+            if c is not None:
+                out += [a for a in (getattr(c, k) for k in c._FRONTIER) if a is not None]
+        if self.index is not None and self.index.rows.buf is not None:
+            out.append(self.index.rows.buf)
+        return out
+
     def capture(self) -> tuple:
         """The Python-side state (array references, counters), for ``rewind``.
 

@@ -19,7 +19,7 @@ import io
 import re
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import mlx.core as mx
 
@@ -63,7 +63,52 @@ def count_primitives(outputs: Iterable[mx.array]) -> dict:
 
 
 def _cache_arrays(cache) -> list[mx.array]:
-    return [a for c in cache for a in c.state.values()]
+    """Every cache array as ``state`` lists them (the counting rule)."""
+    return [a for c in cache for a in _state_arrays(c)]
+
+
+def _state_arrays(c) -> list[mx.array]:
+    st = c.state
+    return list(st.values()) if isinstance(st, dict) else list(_flat(st))
+
+
+def cache_buffers(cache) -> list[mx.array]:
+    """The arrays to evaluate after a step: ``arrays()`` where the cache has it (ds4mlx),
+    else ``state`` (mlx-lm)."""
+    out: list[mx.array] = []
+    for c in cache:
+        out += c.arrays() if hasattr(c, "arrays") else _state_arrays(c)
+    return out
+
+
+def _flat(x):
+    if isinstance(x, mx.array):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _flat(y)
+
+
+def time_decode(model, cache, tokens: Sequence[int]) -> dict:
+    """Decode ``tokens`` one by one, synchronously; per-step wall times in ms.
+
+    Each step is built (``model(token, cache)``) and then evaluated together with every
+    cache buffer, so no write stays pending across steps.
+
+    Returns:
+        ``{"step_ms": [...], "build_ms": [...], "eval_ms": [...]}`` (one entry per token).
+    """
+    out: dict[str, list[float]] = {"step_ms": [], "build_ms": [], "eval_ms": []}
+    for t in tokens:
+        t0 = time.perf_counter()
+        logits = model(mx.array([[int(t)]], dtype=mx.int32), cache)
+        t1 = time.perf_counter()
+        mx.eval(logits, cache_buffers(cache))
+        t2 = time.perf_counter()
+        out["build_ms"].append(1e3 * (t1 - t0))
+        out["eval_ms"].append(1e3 * (t2 - t1))
+        out["step_ms"].append(1e3 * (t2 - t0))
+    return out
 
 
 def decode_step_primitives(model, cache, token: int = 0) -> dict:
@@ -96,6 +141,6 @@ def decode_step_primitives(model, cache, token: int = 0) -> dict:
             c.rewind(s)
     else:
         # Caches that update arrays in place (mlx-lm's) cannot be put back: keep the step.
-        mx.eval(arrays)
+        mx.eval(arrays, cache_buffers(cache))
     out["build_ms"] = build_ms
     return out

@@ -11,9 +11,9 @@ around each sub-block
 
 Node-count choices (each is one kernel launch per layer on a GPU):
 
-* the mean-square normalization is an RMSNorm without weight on ``flat`` before
-  the matmul (one node instead of square, sum and a scale; mathematically the same,
-  rounding differs by ~1 ulp);
+* the mean-square scale, the three affine maps and the sigmoids are one fused
+  elementwise node (per-column group masks select pre / post / comb); on a GPU the
+  normalization is one ``mx.fast.rms_norm`` kernel before the matmul instead;
 * ``Σ_j pre_j · stream_j`` and ``Σ_j comb[j, k] · stream_j`` are matmuls, not a multiply
   and a reduction;
 * everything elementwise sits in ``mx.compile``d functions so it fuses;
@@ -26,8 +26,13 @@ from collections.abc import Callable
 from functools import cache
 
 import mlx.core as mx
+import numpy as np
 
 from .attention import rms_norm
+
+
+def _groups(hc: int) -> list[tuple[int, int]]:
+    return [(0, hc), (hc, 2 * hc), (2 * hc, (2 + hc) * hc)]
 
 
 @cache
@@ -42,15 +47,29 @@ def hc_pre_fn(
     ``sinkhorn(logits, iters, eps)`` is the device's implementation.
     """
 
+    # Per-column group masks of the (2+hc)·hc mixes: pre | post | comb logits. With them
+    # the three affine + activation chains are one fused elementwise node (host-built
+    # constants, not graph nodes).
+    col = np.arange((2 + hc) * hc)
+    g_pre, g_post, g_comb = (mx.array((col >= a) & (col < b)) for a, b in _groups(hc))
+    f_pre, f_post, f_comb = (g.astype(mx.float32) for g in (g_pre, g_post, g_comb))
+    gpu = mx.default_device() != mx.cpu
+
     def fn(x, hc_fn, scale, base):
         L = x.shape[0]
-        flat = rms_norm(x.reshape(L, -1).astype(mx.float32), None, norm_eps)
-        mixes = flat @ hc_fn.T
-        # Slices, not scale[i]: integer indexing would be a gather node each.
-        pre = mx.sigmoid(mixes[:, :hc] * scale[0:1] + base[:hc]) + hc_eps
-        post = 2 * mx.sigmoid(mixes[:, hc : 2 * hc] * scale[1:2] + base[hc : 2 * hc])
-        logits = mixes[:, 2 * hc :].reshape(L, hc, hc) * scale[2:3] + base[2 * hc :].reshape(hc, hc)
-        comb = sinkhorn(logits, iters, hc_eps)
+        flat = x.reshape(L, -1).astype(mx.float32)
+        if gpu:  # one rms_norm kernel, then the matmul
+            mixes = mx.fast.rms_norm(flat, None, norm_eps) @ hc_fn.T
+        else:  # as DeepSeek writes it: (flat · fnᵀ) · rsqrt(mean(flat²) + eps), fused below
+            mixes = (flat @ hc_fn.T) * mx.rsqrt(
+                mx.mean(flat * flat, axis=-1, keepdims=True) + norm_eps
+            )
+        s = scale[0:1] * f_pre + scale[1:2] * f_post + scale[2:3] * f_comb  # slices: no gather
+        z = mixes * s + base
+        sig = mx.sigmoid(z)
+        w = mx.where(g_pre, sig + hc_eps, mx.where(g_post, 2 * sig, z))
+        pre, post = w[:, :hc], w[:, hc : 2 * hc]
+        comb = sinkhorn(w[:, 2 * hc :].reshape(L, hc, hc), iters, hc_eps)
         y = (pre[:, None, :] @ x.astype(mx.float32)).reshape(L, -1)
         return y, post, comb
 

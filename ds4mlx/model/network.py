@@ -106,6 +106,12 @@ def _swiglu_fn(limit: float):
     return mx.compile(fn)
 
 
+@cache
+def _lhs_indices(rows: int, cols: int) -> mx.array:
+    """``arange(rows * cols).reshape(rows, cols)`` uint32, built once per shape on the host."""
+    return mx.array(np.arange(rows * cols, dtype=np.uint32).reshape(rows, cols))
+
+
 def _switch(layer: nn.Module, x: mx.array, lhs: mx.array, rhs: mx.array, sort: bool) -> mx.array:
     """mlx-lm's (Quantized)SwitchLinear (no bias) with explicit ``lhs_indices``.
 
@@ -159,14 +165,14 @@ class Experts(nn.Module):
             inv = mx.argsort(order)
             xs = x[order // k][:, None, :]
             ids = flat[order]
-            lhs = mx.array(np.arange(L * k, dtype=np.uint32))
+            lhs = _lhs_indices(L * k, 1)[:, 0]
             h = act(_switch(self.w1, xs, lhs, ids, True), _switch(self.w3, xs, lhs, ids, True))
             out = _switch(self.w2, h, lhs, ids, True)[:, 0][inv].reshape(L, k, -1)
         else:
             xe = x[:, None, None, :]
-            lhs = mx.array(np.arange(L, dtype=np.uint32)[:, None])  # x batch is (L, 1)
+            lhs = _lhs_indices(L, 1)  # x batch is (L, 1)
             h = act(_switch(self.w1, xe, lhs, idx, False), _switch(self.w3, xe, lhs, idx, False))
-            lhs = mx.array(np.arange(L * k, dtype=np.uint32).reshape(L, k))  # h batch is (L, k)
+            lhs = _lhs_indices(L, k)  # h batch is (L, k)
             out = _switch(self.w2, h, lhs, idx, False)[:, :, 0]
         # Σ_k weight_k · out_k as one (1 x k) @ (k x dim) matmul per token.
         return (weights[:, None, :].astype(out.dtype) @ out).reshape(L, -1)
