@@ -4,7 +4,7 @@ Written as MLX ops the loop costs one reduction plus one fused divide per normal
 i.e. ``2 * iters`` graph nodes per call and two calls per layer: 3,440 kernel launches
 per decode step at Flash depth with 20 iterations. On a GPU the whole loop runs as a
 single kernel launch, one thread per ``hc x hc`` matrix (16 floats held in registers).
-The kernel text (``sinkhorn_src.SINKHORN_BODY``) is shared by both wrappers below and by
+The kernel text (``sinkhorn_src.SINKHORN_BODY``, wrapped by ``kernel_source``) is shared by both wrappers below and by
 the CuPy check in ``benchmarks/gpu_check.py``; docs/KERNELS.md says what runs where.
 
 On the CPU the loop stays plain MLX (``sinkhorn_loop``): there is no custom-kernel API
@@ -19,17 +19,8 @@ from functools import cache
 
 import mlx.core as mx
 
-from .sinkhorn_src import SINKHORN_BODY
+from .sinkhorn_src import kernel_source
 
-# Per-device pieces around the shared body: the exponential and the thread index.
-METAL_HEADER = "#define SK_EXP(x) metal::exp(x)\n"
-METAL_PROLOGUE = (
-    "    const uint mat = thread_position_in_grid.x;\n    if (mat >= (uint)count[0]) return;\n"
-)
-CUDA_HEADER = "#define SK_EXP(x) expf(x)\n"
-CUDA_PROLOGUE = (
-    "    const int mat = blockIdx.x * blockDim.x + threadIdx.x;\n    if (mat >= count[0]) return;\n"
-)
 _INPUTS = ["logits", "params", "count"]
 _THREADS = 64  # threads per threadgroup / block (one matrix each)
 
@@ -51,12 +42,13 @@ def sinkhorn_loop(logits: mx.array, iters: int, eps: float) -> mx.array:
 @cache
 def metal_kernel():
     """The ``mx.fast.metal_kernel`` over ``SINKHORN_BODY`` (built once)."""
+    header, source = kernel_source("metal")
     return mx.fast.metal_kernel(
         name="ds4_mhc_sinkhorn",
         input_names=_INPUTS,
         output_names=["comb"],
-        source=METAL_PROLOGUE + SINKHORN_BODY,
-        header=METAL_HEADER,
+        source=source,
+        header=header,
         ensure_row_contiguous=True,
     )
 
@@ -64,12 +56,13 @@ def metal_kernel():
 @cache
 def cuda_kernel():
     """The ``mx.fast.cuda_kernel`` over ``SINKHORN_BODY`` (built once)."""
+    header, source = kernel_source("cuda")
     return mx.fast.cuda_kernel(
         name="ds4_mhc_sinkhorn",
         input_names=_INPUTS,
         output_names=["comb"],
-        source=CUDA_PROLOGUE + SINKHORN_BODY,
-        header=CUDA_HEADER,
+        source=source,
+        header=header,
         ensure_row_contiguous=True,
     )
 

@@ -83,6 +83,50 @@ SINKHORN_BODY = """
 """
 
 
+# Per-device pieces around the shared body: the exponential and this thread's matrix.
+# (``count[0]`` is the number of matrices; launches may round the thread count up.)
+METAL_HEADER = "#define SK_EXP(x) metal::exp(x)\n"
+METAL_PROLOGUE = (
+    "    const uint mat = thread_position_in_grid.x;\n    if (mat >= (uint)count[0]) return;\n"
+)
+CUDA_HEADER = "#define SK_EXP(x) expf(x)\n"
+CUDA_PROLOGUE = (
+    "    const int mat = blockIdx.x * blockDim.x + threadIdx.x;\n    if (mat >= count[0]) return;\n"
+)
+
+
+def kernel_source(kind: str) -> tuple[str, str]:
+    """``(header, source)`` for ``kind`` ``"metal"`` or ``"cuda"``: prologue + ``SINKHORN_BODY``."""
+    if kind == "metal":
+        return METAL_HEADER, METAL_PROLOGUE + SINKHORN_BODY
+    if kind == "cuda":
+        return CUDA_HEADER, CUDA_PROLOGUE + SINKHORN_BODY
+    raise ValueError(f"no Sinkhorn kernel for {kind!r}")
+
+
+def standalone_cuda(hc: int, iters: int) -> str:
+    """A complete CUDA C translation unit (for CuPy ``RawKernel``, no MLX) around the same
+    body: ``ds4_mhc_sinkhorn(logits, params, count, comb)``, one thread per matrix."""
+    header, source = kernel_source("cuda")
+    return (
+        f"#define HC {hc}\n#define ITERS {iters}\n{header}"
+        'extern "C" __global__ void ds4_mhc_sinkhorn(const float* logits, const float* params,'
+        " const int* count, float* comb) {\n"
+        f"{source}}}\n"
+    )
+
+
+def standalone_c(hc: int, iters: int) -> str:
+    """The same body as a plain C function looping over matrices (host check with a C
+    compiler): ``void ds4_mhc_sinkhorn(const float*, const float*, const int*, float*)``."""
+    return (
+        f"#include <math.h>\n#define HC {hc}\n#define ITERS {iters}\n#define SK_EXP(x) expf(x)\n"
+        "void ds4_mhc_sinkhorn(const float* logits, const float* params, const int* count,"
+        " float* comb) {\n  for (int mat = 0; mat < count[0]; ++mat) {\n"
+        f"{SINKHORN_BODY}  }}\n}}\n"
+    )
+
+
 def sinkhorn_reference(logits: np.ndarray, iters: int, eps: float) -> np.ndarray:
     """The loop of ``SINKHORN_BODY`` in numpy float32, same order of operations.
 
