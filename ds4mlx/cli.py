@@ -19,7 +19,16 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
     else:
         expert_bits = args.expert_bits
         other_bits = None if args.other_bits == "none" else int(args.other_bits)
-    make_tiny(args.dir, seed=args.seed, expert_bits=expert_bits, other_bits=other_bits)
+    if args.layers is not None and args.layers < 1:
+        print("ds4mlx make-tiny: --layers must be at least 1", file=sys.stderr)
+        return 2
+    make_tiny(
+        args.dir,
+        seed=args.seed,
+        expert_bits=expert_bits,
+        other_bits=other_bits,
+        layers=args.layers,
+    )
     size = sum(f.stat().st_size for f in Path(args.dir).glob("*.safetensors"))
     quant = (
         "float32"
@@ -29,7 +38,11 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
             f"other={'q' + str(other_bits) if other_bits else 'f32'}"
         )
     )
-    print(f"wrote tiny DS4 checkpoint to {args.dir} ({quant}, {size / 1e6:.1f} MB of weights)")
+    depth = "4 test layers" if args.layers is None else f"{args.layers} layers, Flash layout"
+    print(
+        f"wrote tiny DS4 checkpoint to {args.dir} ({depth}, {quant}, "
+        f"{size / 1e6:.1f} MB of weights)"
+    )
     return 0
 
 
@@ -257,6 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--float32",
         action="store_true",
         help="no quantization at all (float32 weights, the test oracle's format)",
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="N layers in Flash's layout: 2 window-only, 3 hash-routed, then ratio 4 / "
+        "ratio 128 alternating (default: the 4-layer test model)",
     )
     p.set_defaults(func=_cmd_make_tiny)
 
