@@ -295,8 +295,15 @@ class Model(nn.Module):
         ]
 
     def __call__(
-        self, tokens: mx.array, cache: list[LayerCache] | None = None, *, last_only: bool = False
+        self,
+        tokens: mx.array,
+        cache: list[LayerCache] | None = None,
+        *,
+        last_only: bool = False,
+        probe=None,
     ) -> mx.array:
+        """``probe(i, x, cache_i)``, when given, is called after layer ``i`` with its output
+        streams (benchmarks evaluate there to time layers one by one)."""
         if tokens.ndim == 2:
             if tokens.shape[0] != 1:
                 raise ValueError(f"batch size must be 1, got tokens of shape {tokens.shape}")
@@ -312,8 +319,10 @@ class Model(nn.Module):
         )
         h = self.embed(tokens).astype(self.compute_dtype)
         x = mx.broadcast_to(h[:, None, :], (L, a.hc_mult, h.shape[-1]))
-        for layer, c in zip(self.layers, cache, strict=True):
+        for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
             x = layer(x, tokens, c, ctx)
+            if probe is not None:
+                probe(i, x, c)
         if last_only:
             x = x[-1:]
         y = hc_head_fn(a.hc_eps, a.norm_eps)(
