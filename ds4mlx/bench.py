@@ -360,6 +360,7 @@ def _timed_forward(model, tokens: mx.array, cache, *, last_only: bool) -> list[f
 def run_flash_shape(
     layers: int = 2,
     *,
+    first: int = 0,
     expert_bits: int = 2,
     other_bits: int | None = 8,
     prompt_tokens: int = 32,
@@ -369,7 +370,7 @@ def run_flash_shape(
 ) -> FlashShapeResult:
     """Per-layer prefill and decode cost at real Flash dimensions (random weights).
 
-    Builds ``synth.flash_model`` (experts quantized at ``expert_bits``, generated directly
+    Builds ``synth.flash_model`` (Flash's layers ``first …``; experts quantized at ``expert_bits``, generated directly
     as packed words + scales; the rest at ``other_bits``; embedding and head included),
     prefills ``prompt_tokens`` random tokens and decodes ``decode_tokens`` more, timing
     every layer separately.
@@ -378,7 +379,9 @@ def run_flash_shape(
 
     say = log or (lambda _s: None)
     t0 = time.perf_counter()
-    model = flash_model(layers, expert_bits=expert_bits, other_bits=other_bits, seed=seed)
+    model = flash_model(
+        layers, first=first, expert_bits=expert_bits, other_bits=other_bits, seed=seed
+    )
     build_s = time.perf_counter() - t0
     args = model.args
     say(f"built a {layers}-layer Flash-shape model in {build_s:.1f} s")
@@ -396,7 +399,7 @@ def run_flash_shape(
     for i, layer in enumerate(model.layers):
         active, total = weight_bytes(layer, args)
         rows.append(
-            LayerCost(i, args.layer_kind(i), args.hash_layers[i], total, active,
+            LayerCost(first + i, args.layer_kind(i), args.hash_layers[i], total, active,
                       1e3 * pre[i], 1e3 * pre[i] / prompt_tokens, 1e3 * float(dec_med[i]))
         )  # fmt: skip
     # The embedding is read one row per token; head and final norm entirely.

@@ -173,13 +173,14 @@ def _cmd_bench_flash(args: argparse.Namespace) -> int:
 
     other = None if args.other_bits == "none" else int(args.other_bits)
     print(
-        f"Flash shape, {args.layers} layers, experts q{args.expert_bits}, other "
+        f"Flash shape, layers {args.first_layer}..{args.first_layer + args.layers - 1}, experts q{args.expert_bits}, other "
         f"{'f32' if other is None else f'q{other}'}, BLAS {active_blas()}; embedding and head "
         f"included (row -1); prompt {args.prompt_tokens} tokens, {args.decode_tokens or 3} decode",
         file=sys.stderr,
     )
     res = run_flash_shape(
         args.layers,
+        first=args.first_layer,
         expert_bits=args.expert_bits,
         other_bits=other,
         prompt_tokens=args.prompt_tokens,
@@ -356,6 +357,12 @@ def build_parser() -> argparse.ArgumentParser:
         "quantized experts, timed layer by layer (default: checkpoint)",
     )
     p.add_argument("--layers", type=int, default=2, help="--shape flash: layers (2)")
+    p.add_argument(
+        "--first-layer",
+        type=int,
+        default=0,
+        help="--shape flash: Flash's index of the first layer built (0; 2 = first CSA layer)",
+    )
     p.add_argument(
         "--expert-bits", type=int, choices=(2, 3, 4, 8), default=2, help="--shape flash (2)"
     )

@@ -26,7 +26,7 @@ import numpy as np
 
 from .cache import CompressorState, LayerCache, put_rows
 from .config import ModelArgs
-from .rope import apply_rope, rope_tables
+from .rope import apply_rope, norm_rope, rope_tables
 
 # Query-block sizes bound the transient score tensors during long prefill chunks.
 _Q_BLOCK = 256
@@ -383,9 +383,10 @@ class Attention(nn.Module):
         cos, sin, nsin = ctx.rope("main" if self.kind == "window" else "compress", D)
 
         qr = self.q_norm(self.wq_a(x))
-        q = rms_norm(self.wq_b(qr).reshape(L, H, D), None, self.eps)  # no weight
-        q = apply_rope(q, cos[:, None], sin[:, None])
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # (L, D), one shared K=V head
+        # Per-head RMSNorm without weight, then RoPE; K=V: kv_norm then RoPE (one shared
+        # head). Fused on the CPU (rope.norm_rope).
+        q = norm_rope(self.wq_b(qr).reshape(L, H, D), None, self.eps, cos[:, None], sin[:, None])
+        kv = norm_rope(self.wkv(x), self.kv_norm.weight, self.kv_norm.eps, cos, sin)  # (L, D)
 
         sel = None
         if self.kind != "window":

@@ -27,13 +27,14 @@ from .tiny import flash_layout
 GROUP_SIZE = 64
 
 
-def flash_args(n_layers: int, *, sinkhorn_iters: int = 20) -> ModelArgs:
-    """``ModelArgs`` with DeepSeek V4 Flash's dimensions and ``n_layers`` layers."""
-    ratios, n_hash = flash_layout(n_layers)
+def flash_args(n_layers: int, *, first: int = 0, sinkhorn_iters: int = 20) -> ModelArgs:
+    """``ModelArgs`` with DeepSeek V4 Flash's dimensions: its layers ``first …
+    first + n_layers - 1`` (attention kind and hash routing as in Flash)."""
+    ratios, n_hash = flash_layout(first + n_layers)
     return ModelArgs(
         n_layers=n_layers,
-        compress_ratios=tuple(ratios),
-        hash_layers=tuple(i < n_hash for i in range(n_layers)),
+        compress_ratios=tuple(ratios[first:]),
+        hash_layers=tuple(first + i < n_hash for i in range(n_layers)),
         hc_sinkhorn_iters=sinkhorn_iters,
     )
 
@@ -79,6 +80,7 @@ def _tid2eid(shape: tuple[int, ...], n_experts: int, seed: int) -> mx.array:
 def flash_model(
     n_layers: int = 2,
     *,
+    first: int = 0,
     expert_bits: int = 2,
     other_bits: int | None = 8,
     sinkhorn_iters: int = 20,
@@ -88,13 +90,14 @@ def flash_model(
 
     Args:
         n_layers: layers in Flash's layout.
+        first: Flash's layer index of the first one (2: start at the first ratio-4 layer).
         expert_bits: routed-expert bits (affine, group 64).
         other_bits: bits of every other linear layer, the embedding and the head; None
             keeps them float32.
         sinkhorn_iters: ``hc_sinkhorn_iters``.
         seed: random seed.
     """
-    args = flash_args(n_layers, sinkhorn_iters=sinkhorn_iters)
+    args = flash_args(n_layers, first=first, sinkhorn_iters=sinkhorn_iters)
     model = Model(args)  # lazy: nothing allocated yet
 
     def predicate(path: str, module: nn.Module):
