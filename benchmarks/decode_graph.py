@@ -9,9 +9,9 @@ by the number of graph nodes built and launched, not by FLOPs (docs/KERNELS.md):
 
 Method: prefill 256 random tokens, count the primitives of one decode step
 (``ds4mlx.model.graph.decode_step_primitives``: logits + every cache array, view ops set
-apart), then time decoding: ``--runs`` interleaved runs (ours, V3, ours, V3, ...), each
-the median of ``--steps`` steps after ``--warmup`` steps, all in this one process. The
-reported ratio is the median over runs of ours / V3.
+apart), then time decoding: ``--runs`` runs, each the median of ``--steps`` steps after
+``--warmup`` steps, the two models' steps interleaved one by one, all in this one
+process. The reported ratio is the median over runs of ours / V3.
 
 Usage: ``python benchmarks/decode_graph.py [--runs 3] [--steps 40] [--json out.json]``
 """
@@ -100,14 +100,26 @@ def count(s: Subject, prompt: mx.array, token: int) -> dict:
 
 
 def interleaved(subjects: list[Subject], prompt, feed, runs: int, warmup: int) -> dict:
-    """Per subject and run: median step / build / eval ms over ``feed`` (after warm-up)."""
+    """Per subject and run: median step / build / eval ms over ``feed`` (after warm-up).
+
+    Within a run the subjects alternate step by step (ours, V3, ours, V3, ...) on caches
+    prefilled side by side, so load from other processes hits both alike; each run starts
+    from fresh prefills.
+    """
     out: dict[str, list[dict]] = {s.name: [] for s in subjects}
     for _ in range(runs):
+        caches = [s.prefilled(prompt) for s in subjects]
+        for s, c in zip(subjects, caches, strict=True):
+            time_decode(s.model, c, feed[:warmup])
+        steps: dict[str, dict[str, list[float]]] = {
+            s.name: {"step_ms": [], "build_ms": [], "eval_ms": []} for s in subjects
+        }
+        for t in feed[warmup:]:
+            for s, c in zip(subjects, caches, strict=True):
+                for k, v in time_decode(s.model, c, [t]).items():
+                    steps[s.name][k] += v
         for s in subjects:
-            cache = s.prefilled(prompt)
-            time_decode(s.model, cache, feed[:warmup])
-            t = time_decode(s.model, cache, feed[warmup:])
-            out[s.name].append({k: statistics.median(v) for k, v in t.items()})
+            out[s.name].append({k: statistics.median(v) for k, v in steps[s.name].items()})
     return out
 
 
