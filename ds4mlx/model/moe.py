@@ -246,20 +246,24 @@ class MoE(nn.Module):
 
     def __call__(self, x: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array | None]:
         """``(routed, shared)`` outputs ``(L, dim)``; the caller adds them (fused into mHC)."""
-        arrays, specs = self.experts.parts()
-        if "shared_experts" in self:
-            more = self.shared_experts.parts()
-            arrays, specs = arrays + more[0], specs + more[1]
-        if any(s is None for s in specs):  # e.g. nvfp4 global scales: uncompiled modules
+        ex, sh = self["experts"], self.get("shared_experts")
+        linears = (ex["w1"], ex["w2"], ex["w3"]) + (() if sh is None else (sh.w1, sh.w2, sh.w3))
+        key = tuple(map(id, linears))
+        if self.__dict__.get("_plan_key") != key:
+            # Specs are static once the model is loaded (quantization swaps the modules,
+            # hence the key); re-planned only when a linear module changes.
+            specs = tuple(linear_spec(m) for m in linears)
+            fn = None
+            if all(sp is not None for sp in specs):  # else e.g. nvfp4 global scales
+                sizes = tuple(len(linear_arrays(m)) for m in linears)
+                fn = _moe_fn(self.gate.config(), ex.limit, specs, sizes)
+            object.__setattr__(self, "_plan", fn)
+            object.__setattr__(self, "_plan_key", key)
+        fn = self.__dict__["_plan"]
+        if fn is None:
             w, idx = self.gate(x, tokens)
-            shared = self.shared_experts(x) if "shared_experts" in self else None
-            return self.experts(x, idx, w), shared
-        fn = _moe_fn(
-            self.gate.config(),
-            self.experts.limit,
-            tuple(specs),
-            tuple(len(a) for a in arrays),
-        )
-        flat = [a for group in arrays for a in group]
-        out = fn(x, self.gate.weight, self.gate.extra(tokens), *flat)
+            return self.experts(x, idx, w), (None if sh is None else sh(x))
+        flat = [a for m in linears for a in linear_arrays(m)]
+        gate = self["gate"]
+        out = fn(x, gate["weight"], gate.extra(tokens), *flat)
         return out[0], (out[1] if len(out) > 1 else None)
