@@ -130,3 +130,25 @@ def test_decode_step_primitive_budget():
     assert all(
         a[2][0] is b[2][0] for a, b in zip(before, [c.capture() for c in cache], strict=True)
     )
+
+
+def test_gpu_code_paths_agree_with_the_cpu_paths(monkeypatch):
+    """The GPU forms (``mx.fast.rms_norm`` then RoPE, normalization before the mHC matmul)
+    run here through MLX's CPU fallbacks and must give the CPU forms' logits (the Sinkhorn
+    kernels themselves cannot run here; the loop stands in for them)."""
+    from ds4mlx.model import rope
+    from ds4mlx.model.tiny import random_model, tiny_config
+
+    toks = mx.array(np.random.default_rng(3).integers(1000, 100000, 150), dtype=mx.int32)
+
+    def run():
+        model = random_model(tiny_config(6))
+        cache = model.make_cache()
+        first = model(toks[None, :140], cache)[0]
+        rest = [model(toks[None, i : i + 1], cache)[0, 0] for i in range(140, 150)]
+        return np.concatenate([np.array(first), np.stack([np.array(r) for r in rest])])
+
+    cpu = run()
+    monkeypatch.setattr(rope, "FORCE_GPU_PATHS", True)
+    gpu = run()
+    np.testing.assert_allclose(gpu, cpu, atol=1e-4)

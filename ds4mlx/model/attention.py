@@ -24,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from . import rope
 from .cache import CompressorState, LayerCache, put_rows
 from .config import ModelArgs
 from .rope import apply_rope, norm_rope, rope_tables
@@ -51,7 +52,7 @@ def _cpu_rms_norm(eps: float, weighted: bool):
 
 def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
     """``mx.fast.rms_norm`` where it is one kernel (GPU), a compiled chain on the CPU."""
-    if mx.default_device() != mx.cpu:
+    if rope.on_gpu():
         return mx.fast.rms_norm(x, weight, eps)
     w = weight if weight is not None else mx.array(1.0, dtype=x.dtype)
     return _cpu_rms_norm(float(eps), weight is not None)(x, w)

@@ -37,14 +37,15 @@ def _groups(hc: int) -> list[tuple[int, int]]:
 
 @cache
 def hc_pre_fn(
-    hc: int, iters: int, hc_eps: float, norm_eps: float, sinkhorn: Callable
+    hc: int, iters: int, hc_eps: float, norm_eps: float, sinkhorn: Callable, gpu: bool = False
 ) -> Callable[..., tuple[mx.array, mx.array, mx.array]]:
     """Compiled ``fn(x, hc_fn, scale, base) -> (y, post, comb)``.
 
     ``x`` ``(L, hc, dim)``; ``hc_fn`` ``((2+hc)·hc, hc·dim)``, ``scale`` ``(3,)``,
     ``base`` ``((2+hc)·hc,)`` float32. Returns float32: the block input ``y`` ``(L, dim)``,
     ``post`` ``(L, hc)`` and ``comb`` ``(L, hc, hc)`` float32.
-    ``sinkhorn(logits, iters, eps)`` is the device's implementation.
+    ``sinkhorn(logits, iters, eps)`` is the device's implementation; ``gpu`` selects the
+    GPU form of the normalization (one ``mx.fast.rms_norm`` kernel).
     """
 
     # Per-column group masks of the (2+hc)·hc mixes: pre | post | comb logits. With them
@@ -53,7 +54,6 @@ def hc_pre_fn(
     col = np.arange((2 + hc) * hc)
     g_pre, g_post, g_comb = (mx.array((col >= a) & (col < b)) for a, b in _groups(hc))
     f_pre, f_post, f_comb = (g.astype(mx.float32) for g in (g_pre, g_post, g_comb))
-    gpu = mx.default_device() != mx.cpu
 
     def fn(x, hc_fn, scale, base):
         L = x.shape[0]

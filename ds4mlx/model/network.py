@@ -33,7 +33,7 @@ from .cache import LayerCache
 from .config import ModelArgs
 from .mhc import hc_head_fn, hc_post, hc_post2, hc_pre_fn
 from .moe import MLP, Experts, Gate, MoE  # noqa: F401  (re-exported)
-from .rope import rope_inv_freq
+from .rope import on_gpu, rope_inv_freq
 from .sinkhorn import choose_sinkhorn, device_kind
 
 
@@ -60,6 +60,7 @@ class Block(nn.Module):
             args.hc_eps,
             args.norm_eps,
             sinkhorn or choose_sinkhorn(),
+            on_gpu(),
         )
 
     def __call__(self, x: mx.array, tokens: mx.array, c: LayerCache, ctx: Step) -> mx.array:

@@ -22,6 +22,17 @@ from functools import cache
 import mlx.core as mx
 import numpy as np
 
+# Tests set this to True to run the GPU code paths (fast.rms_norm, unfused rope) on the
+# CPU; None: decided by the default device.
+FORCE_GPU_PATHS: bool | None = None
+
+
+def on_gpu() -> bool:
+    """Whether the default device is a GPU (``mx.fast`` kernels are real kernels there)."""
+    if FORCE_GPU_PATHS is not None:
+        return FORCE_GPU_PATHS
+    return mx.default_device() != mx.cpu
+
 
 def rope_inv_freq(
     dim: int,
@@ -124,7 +135,7 @@ def norm_rope(x: mx.array, weight: mx.array | None, eps: float, c, s) -> mx.arra
     On the CPU it is three nodes instead of four (square, sum, one fused node); rounding
     differs from the composition by float32 ulps.
     """
-    if mx.default_device() != mx.cpu:
+    if on_gpu():
         if weight is not None and weight.dtype != x.dtype:  # float32 norm weight, bf16 x
             y = mx.fast.rms_norm(x.astype(mx.float32), weight.astype(mx.float32), eps)
             return apply_rope(y.astype(x.dtype), c, s)
