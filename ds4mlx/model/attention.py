@@ -27,6 +27,7 @@ import numpy as np
 from . import rope
 from .cache import CompressorState, LayerCache, put_rows
 from .config import ModelArgs
+from .moe import linear, linear_arrays, linear_spec
 from .rope import apply_rope, norm_rope, rope_tables
 
 # Query-block sizes bound the transient score tensors during long prefill chunks.
@@ -71,11 +72,39 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        if x.dtype == self.weight.dtype:
-            return rms_norm(x, self.weight, self.eps)
-        return rms_norm(x.astype(mx.float32), self.weight.astype(mx.float32), self.eps).astype(
-            x.dtype
-        )
+        return weighted_rms_norm(x, self.weight, self.eps)
+
+
+def weighted_rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """``RMSNorm`` as a function: in float32 when ``x`` is in a lower precision."""
+    if x.dtype == weight.dtype:
+        return rms_norm(x, weight, eps)
+    return rms_norm(x.astype(mx.float32), weight.astype(mx.float32), eps).astype(x.dtype)
+
+
+@cache
+def _project_fn(specs: tuple, sizes: tuple, heads: int, eps: tuple, gpu: bool):
+    """Compiled ``fn(x, q_norm_w, kv_norm_w, cos, sin, *linears) -> (qr, q, kv)``.
+
+    The attention's input projections as one call: ``qr = q_norm(wq_a x)``, ``q`` =
+    per-head RMSNorm of ``wq_b qr`` then RoPE ``(L, H, D)``, ``kv`` = ``kv_norm(wkv x)``
+    then RoPE ``(L, D)``. ``eps``: of ``q_norm``, the per-head norm and ``kv_norm``.
+    ``gpu`` only keys the cache (the norm forms differ by device).
+    """
+    del gpu
+    qn_eps, head_eps, kvn_eps = eps
+
+    def fn(x, qn_w, kvn_w, c, s, *flat):
+        a = [list(flat[: sizes[0]]), list(flat[sizes[0] : sizes[0] + sizes[1]])]
+        a.append(list(flat[sizes[0] + sizes[1] :]))
+        L = x.shape[0]
+        qr = weighted_rms_norm(linear(x, a[0], specs[0]), qn_w, qn_eps)
+        q = linear(qr, a[1], specs[1]).reshape(L, heads, -1)
+        q = norm_rope(q, None, head_eps, c[:, None], s[:, None])
+        kv = norm_rope(linear(x, a[2], specs[2]), kvn_w, kvn_eps, c, s)
+        return qr, q, kv
+
+    return mx.compile(fn)
 
 
 class GroupedLinear(nn.Module):
@@ -377,17 +406,13 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, c: LayerCache, ctx: Step) -> mx.array:
         """``x`` ``(L, dim)`` (already ``attn_norm``-ed) -> ``(L, dim)``; advances ``c``."""
         L = x.shape[0]
-        H, D = self.n_heads, self.head_dim
+        D = self.head_dim
         p0 = c.offset
         # Window-only layers: rope_theta, no YaRN; compressed layers: compress_rope_theta
         # with YaRN for every rotation in the layer.
         cos, sin, nsin = ctx.rope("main" if self.kind == "window" else "compress", D)
 
-        qr = self.q_norm(self.wq_a(x))
-        # Per-head RMSNorm without weight, then RoPE; K=V: kv_norm then RoPE (one shared
-        # head). Fused on the CPU (rope.norm_rope).
-        q = norm_rope(self.wq_b(qr).reshape(L, H, D), None, self.eps, cos[:, None], sin[:, None])
-        kv = norm_rope(self.wkv(x), self.kv_norm.weight, self.kv_norm.eps, cos, sin)  # (L, D)
+        qr, q, kv = self._project(x, cos, sin)
 
         sel = None
         if self.kind != "window":
@@ -407,6 +432,32 @@ class Attention(nn.Module):
         o = apply_rope(o, cos[:, None], nsin[:, None])  # de-rotate the rope channels
         o = self.wo_a(o.reshape(L, self.groups, -1)).reshape(L, -1)
         return self.wo_b(o)
+
+    def _project(self, x: mx.array, cos: mx.array, sin: mx.array):
+        """``(qr, q (L, H, D), kv (L, D))``: ``qr = q_norm(wq_a x)``; ``q`` = per-head RMSNorm
+        (no weight) of ``wq_b qr``, roped; ``kv = kv_norm(wkv x)`` roped (one shared K=V
+        head). One compiled call; norm and RoPE fused on the CPU (``rope.norm_rope``)."""
+        lin = (self["wq_a"], self["wq_b"], self["wkv"])
+        key = (*map(id, lin), rope.on_gpu())
+        plan = self.__dict__.get("_proj")
+        if plan is None or plan[0] != key:
+            # Static once loaded (quantization swaps the modules, hence the key).
+            specs = tuple(linear_spec(m) for m in lin)
+            fn = None
+            if all(sp is not None for sp in specs):
+                sizes = tuple(len(linear_arrays(m)) for m in lin)
+                eps = (self.q_norm.eps, self.eps, self.kv_norm.eps)
+                fn = _project_fn(specs, sizes, self.n_heads, eps, key[-1])
+            plan = (key, fn)
+            object.__setattr__(self, "_proj", plan)
+        if plan[1] is not None:
+            flat = [a for m in lin for a in linear_arrays(m)]
+            return plan[1](x, self.q_norm.weight, self.kv_norm.weight, cos, sin, *flat)
+        L, H, D = x.shape[0], self.n_heads, self.head_dim
+        qr = self.q_norm(self.wq_a(x))
+        q = norm_rope(self.wq_b(qr).reshape(L, H, D), None, self.eps, cos[:, None], sin[:, None])
+        kv = norm_rope(self.wkv(x), self.kv_norm.weight, self.kv_norm.eps, cos, sin)
+        return qr, q, kv
 
     def _sdpa(self, q: mx.array, keys: mx.array, mask: mx.array | None) -> mx.array:
         """MQA with sinks: ``q`` ``(L, H, D)``, ``keys`` = values ``(N, D)`` -> ``(L, H, D)``."""

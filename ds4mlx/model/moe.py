@@ -37,7 +37,7 @@ def linear_arrays(m: nn.Module) -> list[mx.array]:
     return [m["weight"]]
 
 
-def _linear(x: mx.array, a: list[mx.array], spec: Spec) -> mx.array:
+def linear(x: mx.array, a: list[mx.array], spec: Spec) -> mx.array:
     if spec[0] == "f":
         return x @ a[0].T
     _, gs, bits, mode, has_b = spec
@@ -140,7 +140,7 @@ def experts(x, idx, weights, arrays: list[list[mx.array]], specs: list[Spec], li
 def mlp(x, arrays: list[list[mx.array]], specs: list[Spec]) -> mx.array:
     """Shared expert ``w2(silu(w1·x) · w3·x)``, not clamped."""
     (a1, a2, a3), (s1, s2, s3) = arrays, specs
-    return _linear(_swiglu(_linear(x, a1, s1), _linear(x, a3, s3), 0.0), a2, s2)
+    return linear(_swiglu(linear(x, a1, s1), linear(x, a3, s3), 0.0), a2, s2)
 
 
 class Gate(nn.Module):
