@@ -152,3 +152,31 @@ def test_gpu_code_paths_agree_with_the_cpu_paths(monkeypatch):
     monkeypatch.setattr(rope, "FORCE_GPU_PATHS", True)
     gpu = run()
     np.testing.assert_allclose(gpu, cpu, atol=1e-4)
+
+
+def test_model_runs_on_a_second_thread():
+    """Cached compiled functions must not hold lazy constants tied to the stream of the
+    thread that traced them (the server loads and runs the model on worker threads)."""
+    import threading
+
+    from ds4mlx.model.tiny import random_model, tiny_config
+
+    out: dict = {}
+
+    def run(tag: str, model=None):
+        try:
+            model = model or random_model(tiny_config(4, sinkhorn_iters=2))
+            out["model"] = model
+            cache = model.make_cache()
+            mx.eval(model(mx.array([[5, 6, 7]]), cache), model(mx.array([[8]]), cache))
+            out[tag] = "ok"
+        except Exception as e:  # reported below, in the test's thread
+            out[tag] = repr(e)
+        finally:
+            mx.clear_streams()
+
+    for tag in ("first", "second"):
+        t = threading.Thread(target=run, args=(tag, out.get("model")))
+        t.start()
+        t.join()
+    assert out["first"] == "ok" and out["second"] == "ok", out

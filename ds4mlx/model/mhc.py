@@ -52,8 +52,11 @@ def hc_pre_fn(
     # the three affine + activation chains are one fused elementwise node (host-built
     # constants, not graph nodes).
     col = np.arange((2 + hc) * hc)
-    g_pre, g_post, g_comb = (mx.array((col >= a) & (col < b)) for a, b in _groups(hc))
-    f_pre, f_post, f_comb = (g.astype(mx.float32) for g in (g_pre, g_post, g_comb))
+    # Built from numpy, so already evaluated: a lazy constant would be tied to the stream
+    # of the thread that first traced this function.
+    masks = [(col >= a) & (col < b) for a, b in _groups(hc)]
+    g_pre, g_post, g_comb = (mx.array(m) for m in masks)
+    f_pre, f_post, f_comb = (mx.array(m.astype(np.float32)) for m in masks)
 
     def fn(x, hc_fn, scale, base):
         L = x.shape[0]
