@@ -1,6 +1,6 @@
 """Hybrid attention of DeepSeek V4: sliding window, compressor, Lightning Indexer.
 
-Semantics: docs/NETWORK.md ("Attention and window", "Compressor", "Indexer"). Shapes
+Semantics: docs/ARCHITECTURE.md §2 ("Attention and window", "Compressor", "Indexer"). Shapes
 use ``L`` = tokens in the call, ``H`` = ``n_heads``, ``D`` = ``head_dim``, ``W`` =
 ``window_size``, ``n`` = compressed rows so far. Batch size 1.
 
@@ -108,7 +108,7 @@ def _project_fn(specs: tuple, sizes: tuple, heads: int, eps: tuple, gpu: bool):
 
 
 class GroupedLinear(nn.Module):
-    """Grouped output projection ``wo_a`` (docs/NETWORK.md, "Attention and window").
+    """Grouped output projection ``wo_a`` (docs/ARCHITECTURE.md §2, "Attention and window").
 
     ``weight`` is ``(groups * rank, in_per_group)`` as in DeepSeek's checkpoint; group g
     owns rows ``g*rank … (g+1)*rank - 1`` and sees only its contiguous block of heads.
@@ -168,7 +168,7 @@ class QuantizedGroupedLinear(nn.Module):
 
 # ----------------------------------------------------------------------------- compressor
 class Compressor(nn.Module):
-    """Gated pooling of ``ratio`` tokens into one KV row (docs/NETWORK.md, "Compressor").
+    """Gated pooling of ``ratio`` tokens into one KV row (docs/ARCHITECTURE.md §2, "Compressor").
 
     Parameters: ``wkv``, ``wgate`` (``dim -> coff*head_dim``), ``ape`` ``(ratio,
     coff*head_dim)``, ``norm`` (``head_dim``); ``coff`` = 2 with overlap (ratio-4 CSA and
@@ -261,7 +261,7 @@ def _neg_index_scores(scale: float):
 
 
 class Indexer(nn.Module):
-    """Lightning Indexer of a CSA layer (docs/NETWORK.md, "Indexer (ratio-4 layers)").
+    """Lightning Indexer of a CSA layer (docs/ARCHITECTURE.md §2, "Indexer (ratio-4 layers)").
 
     Parameters: ``wq_b`` (``q_lora_rank -> index_n_heads*index_head_dim``),
     ``weights_proj`` (``dim -> index_n_heads``), ``compressor`` (overlapping, at
@@ -371,7 +371,7 @@ class Step:
 
 # ----------------------------------------------------------------------------- attention
 class Attention(nn.Module):
-    """Hybrid attention of one layer (docs/NETWORK.md, "Attention and window").
+    """Hybrid attention of one layer (docs/ARCHITECTURE.md §2, "Attention and window").
 
     Shared K=V MQA over a sliding window of ``window_size`` raw rows (including the current
     token) plus, on compressed layers, the compressed rows (HCA: all visible; CSA: the

@@ -1,6 +1,6 @@
 """Per-layer KV state in DeepSeek V4's compressed layout, in preallocated buffers.
 
-Each layer keeps (docs/NETWORK.md "Attention and window" / "Compressor"):
+Each layer keeps (docs/ARCHITECTURE.md §2 "Attention and window" / "Compressor"):
 
 * a ring of ``window_size`` raw K=V rows; the row of absolute position ``p`` lives at
   slot ``p % window_size`` (never a full-length raw KV);
@@ -14,7 +14,9 @@ Layout for speed (docs/KERNELS.md): the ring and the compressed rows of a layer 
 buffer ``(window_size + capacity, head_dim)`` — ring in rows ``[0, W)``, compressed rows
 from ``W`` on — so a decode step attends to ``buffer[:W + n]`` (a view) instead of
 concatenating window and compressed keys, and every write is a ``slice_update`` into
-preallocated rows (capacity grows by ``max(_GROW, half)`` rows, rarely). Writes are
+preallocated rows (capacity grows by ``max(_GROW, capacity / 8)`` rows: at most 12.5 %
+spare, which matters at long context — Flash's CSA rows are 256 MB per layer at 1M
+tokens — while a 1M-token context still regrows only a few dozen times). Writes are
 functional (the buffer is rebound, never mutated in place), so arrays handed out by
 ``state`` or captured by ``capture()`` never change afterwards.
 
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-_GROW = 256  # rows; compressed-row buffers grow by max(_GROW, half the capacity)
+_GROW = 256  # rows; compressed-row buffers grow by max(_GROW, an eighth of the capacity)
 
 
 def put_rows(a: mx.array, rows: mx.array, start: int) -> mx.array:
@@ -86,7 +88,7 @@ class RowBuffer:
         end = self.lead + self.n
         if end + k > self.buf.shape[0]:
             cap = self.buf.shape[0] - self.lead
-            extra = max(self.n + k, cap + max(_GROW, cap // 2)) - self.n
+            extra = max(self.n + k, cap + max(_GROW, cap // 8)) - self.n
             pad = mx.zeros((extra, self.width), dtype=self.buf.dtype)
             self.buf = mx.concatenate([self.buf[:end], pad])
         self.buf = put_rows(self.buf, new, end)

@@ -35,7 +35,7 @@ class ModelArgs:
             ``n_layers``; MTP entries of official configs are dropped.
         hash_layers: per layer, True when the MoE is hash-routed (``tid2eid``).
         original_seq_len: YaRN's original context; 0 disables YaRN. YaRN applies only to
-            compressed layers (docs/NETWORK.md, "Attention and window").
+            compressed layers (docs/ARCHITECTURE.md §2, "Attention and window").
         quantization: mlx-lm style quantization dict from ``config.json`` (``group_size``,
             ``bits``, optional ``mode`` and per-module overrides keyed by parameter path),
             or None for an unquantized checkpoint.
@@ -213,7 +213,7 @@ class ModelArgs:
         else:
             rope_factor, original_seq_len, beta_fast, beta_slow = 1.0, 0, 32.0, 1.0
         # Note: YaRN's attention factor / mscale is deliberately ignored — DeepSeek V4
-        # applies the frequency ramp only (docs/NETWORK.md).
+        # applies the frequency ramp only (docs/ARCHITECTURE.md §2).
 
         mtp = get("n_mtp_layers", "num_nextn_predict_layers", default=0)
         known = {f for f in cls.__dataclass_fields__}

@@ -1,6 +1,6 @@
 """Manifold-constrained hyper-connections (mHC), as few graph nodes as possible.
 
-docs/NETWORK.md (Hyper-connections): the residual is ``hc`` streams ``(L, hc, dim)``;
+docs/ARCHITECTURE.md §2 (Hyper-connections): the residual is ``hc`` streams ``(L, hc, dim)``;
 around each sub-block
 
     mixes = (flat · fnᵀ) · rsqrt(mean(flat²) + eps)      flat = streams as (L, hc·dim)

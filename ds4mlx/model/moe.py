@@ -1,4 +1,4 @@
-"""Mixture of experts of DeepSeek V4 (docs/NETWORK.md, "MoE"), one compiled call per layer.
+"""Mixture of experts of DeepSeek V4 (docs/ARCHITECTURE.md §2, "MoE"), one compiled call per layer.
 
 Router, routed experts and shared expert are written as pure functions of arrays and
 static descriptions of each (possibly quantized) linear, so that ``MoE`` can run the
@@ -197,7 +197,7 @@ class Experts(nn.Module):
 
 
 class MLP(nn.Module):
-    """Shared expert ``w2(silu(w1·x) · w3·x)``; not clamped (docs/NETWORK.md, "MoE")."""
+    """Shared expert ``w2(silu(w1·x) · w3·x)``; not clamped (docs/ARCHITECTURE.md §2, "MoE")."""
 
     def __init__(self, dim: int, inter: int):
         super().__init__()

@@ -1,6 +1,6 @@
 """DeepSeek V4 network in MLX.
 
-Semantics follow docs/NETWORK.md (checked against DeepSeek's official
+Semantics follow docs/ARCHITECTURE.md §2 (checked against DeepSeek's official
 ``inference/model.py``); the section names in the comments refer to that file.
 Parameter names follow DeepSeek's official checkpoint naming (DESIGN.md §2, layout b),
 except that routed experts are stacked per layer (``ffn.experts.w1.weight`` has shape

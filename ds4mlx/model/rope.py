@@ -1,7 +1,7 @@
 """Interleaved RoPE on the last channels of each head, as one fused elementwise kernel.
 
 DeepSeek V4 rotates pairs ``(2i, 2i+1)`` of the last ``rope_head_dim`` channels of a head
-(layout ``[nope | rope]``, docs/NETWORK.md). Written the obvious way (slice, four products,
+(layout ``[nope | rope]``, docs/ARCHITECTURE.md §2). Written the obvious way (slice, four products,
 stack, concatenate) that is eight graph nodes per rotation and there are up to six
 rotations per layer. Here a rotation is ``x2 * C + swap(x2) * S`` on the head viewed as
 pairs ``(…, D/2, 2)``: ``swap`` is a strided view (pair reversed), ``C`` / ``S`` are
