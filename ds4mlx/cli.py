@@ -19,7 +19,16 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
     else:
         expert_bits = args.expert_bits
         other_bits = None if args.other_bits == "none" else int(args.other_bits)
-    make_tiny(args.dir, seed=args.seed, expert_bits=expert_bits, other_bits=other_bits)
+    if args.layers is not None and args.layers < 1:
+        print("ds4mlx make-tiny: --layers must be at least 1", file=sys.stderr)
+        return 2
+    make_tiny(
+        args.dir,
+        seed=args.seed,
+        expert_bits=expert_bits,
+        other_bits=other_bits,
+        layers=args.layers,
+    )
     size = sum(f.stat().st_size for f in Path(args.dir).glob("*.safetensors"))
     quant = (
         "float32"
@@ -29,7 +38,11 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
             f"other={'q' + str(other_bits) if other_bits else 'f32'}"
         )
     )
-    print(f"wrote tiny DS4 checkpoint to {args.dir} ({quant}, {size / 1e6:.1f} MB of weights)")
+    depth = "4 test layers" if args.layers is None else f"{args.layers} layers, Flash layout"
+    print(
+        f"wrote tiny DS4 checkpoint to {args.dir} ({depth}, {quant}, "
+        f"{size / 1e6:.1f} MB of weights)"
+    )
     return 0
 
 
@@ -157,9 +170,50 @@ def _output_path_error(path: str | None) -> str | None:
     return None
 
 
+def _cmd_bench_flash(args: argparse.Namespace) -> int:
+    from ds4mlx.bench import run_flash_shape, to_csv
+    from ds4mlx.blas import active_blas
+
+    other = None if args.other_bits == "none" else int(args.other_bits)
+    print(
+        f"Flash shape, layers {args.first_layer}..{args.first_layer + args.layers - 1}, experts q{args.expert_bits}, other "
+        f"{'f32' if other is None else f'q{other}'}, BLAS {active_blas()}; embedding and head "
+        f"included (row -1); prompt {args.prompt_tokens} tokens, {args.decode_tokens or 3} decode",
+        file=sys.stderr,
+    )
+    res = run_flash_shape(
+        args.layers,
+        first=args.first_layer,
+        expert_bits=args.expert_bits,
+        other_bits=other,
+        prompt_tokens=args.prompt_tokens,
+        decode_tokens=args.decode_tokens or 3,
+        seed=args.seed,
+        log=lambda s: print(s, file=sys.stderr),
+    )
+    text = to_csv(res.rows)
+    if args.csv:
+        Path(args.csv).write_text(text)
+    else:
+        sys.stdout.write(text)
+    print(
+        f"peak RSS {res.peak_rss_bytes / 1e9:.2f} GB, model built in {res.build_s:.1f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from ds4mlx.bench import plot, run_bench, to_csv
     from ds4mlx.blas import blas_label
+
+    if args.shape == "flash":
+        return _cmd_bench_flash(args)
+    if not args.model:
+        print("ds4mlx bench: -m/--model is required (or --shape flash)", file=sys.stderr)
+        return 2
+    if args.decode_tokens is None:
+        args.decode_tokens = 32
 
     try:
         frontiers = [int(x) for x in args.frontiers.split(",") if x.strip()]
@@ -510,6 +564,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no quantization at all (float32 weights, the test oracle's format)",
     )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="N layers in Flash's layout: 2 window-only, 3 hash-routed, then ratio 4 / "
+        "ratio 128 alternating (default: the 4-layer test model)",
+    )
     p.set_defaults(func=_cmd_make_tiny)
 
     p = sub.add_parser(
@@ -551,11 +612,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_tokenize)
 
     p = sub.add_parser("bench", help="prefill/decode tokens/s at context frontiers")
-    p.add_argument("-m", "--model", required=True, help="checkpoint directory")
+    p.add_argument("-m", "--model", default=None, help="checkpoint directory")
+    p.add_argument(
+        "--shape",
+        choices=("checkpoint", "flash"),
+        default="checkpoint",
+        help="flash: no checkpoint; a random model at real Flash dimensions with "
+        "quantized experts, timed layer by layer (default: checkpoint)",
+    )
+    p.add_argument("--layers", type=int, default=2, help="--shape flash: layers (2)")
+    p.add_argument(
+        "--first-layer",
+        type=int,
+        default=0,
+        help="--shape flash: Flash's index of the first layer built (0; 2 = first CSA layer)",
+    )
+    p.add_argument(
+        "--expert-bits", type=int, choices=(2, 3, 4, 8), default=2, help="--shape flash (2)"
+    )
+    p.add_argument(
+        "--other-bits", choices=("4", "8", "none"), default="8", help="--shape flash (8)"
+    )
+    p.add_argument("--prompt-tokens", type=int, default=32, help="--shape flash prefill (32)")
     p.add_argument(
         "--frontiers", default="512,1024,2048", help="comma-separated context sizes (512,1024,2048)"
     )
-    p.add_argument("--decode-tokens", type=int, default=32, help="decoded tokens per frontier (32)")
+    p.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=None,
+        help="decoded tokens per frontier (32; --shape flash: 3)",
+    )
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk size (512)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
     p.add_argument("--ctx", type=int, default=None, help="context size (default: what is needed)")

@@ -223,7 +223,7 @@ def _anthropic_tool_result_text(content: Any) -> str:
 
 
 def strip_billing_lines(text: str) -> str | None:
-    """``text`` without its ``x-anthropic-…`` lines (client metadata, DESIGN §4 mapping).
+    """``text`` without its ``x-anthropic-…`` lines (client metadata, docs/ARCHITECTURE.md §4).
 
     Returns None when the text was nothing but such lines (the block is dropped, not
     rendered as an empty part), else the remaining lines, unchanged.
