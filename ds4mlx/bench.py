@@ -33,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ds4mlx.engine import DEFAULT_CHUNK, Engine, SamplingParams
+from ds4mlx.engine import DEFAULT_CHUNK, Engine, SamplingParams, TurnSpec, run_turn
 from ds4mlx.model.graph import decode_step_primitives, time_decode
 
 # Tensors read one row per token: the token embedding and the hash-routing table.
@@ -59,6 +59,7 @@ class BenchRow:
     decode_non_view: int = 0
     build_ms: float = float("nan")
     eval_ms: float = float("nan")
+    decode_sync_tok_s: float = float("nan")
 
 
 @dataclass
@@ -153,13 +154,12 @@ def run_bench(
     # Ordinary vocabulary only: ids below the added special tokens (128000+).
     rng = np.random.default_rng(seed)
     prompt = rng.integers(1000, 100000, size=frontiers[-1]).tolist()
-    greedy = SamplingParams(temperature=0)
 
     # Warm-up on a throwaway session: first calls build kernels / compiled graphs.
     warm = engine.new_session()
-    warm.prefill(prompt[: min(chunk_size, frontiers[0])], chunk_size=chunk_size)
-    for _ in range(2):
-        warm.decode(warm.sample(greedy))
+    run_turn(
+        warm, engine.tokenizer, _decode_spec(2), prefill=prompt[: min(chunk_size, frontiers[0])]
+    )
     del warm
 
     active, total = weight_bytes(engine.model, engine.args)
@@ -181,17 +181,19 @@ def run_bench(
         kv = s.kv_bytes()
 
         snap = s.snapshot()
-        tok = s.sample(greedy)
+        tok = int(mx.argmax(s.logits).item())
         graph = graph_figures(engine.model, snap, tok, steps=min(decode_tokens, 8))
-        t0 = time.perf_counter()
-        for _ in range(decode_tokens):
-            s.decode(tok)
-            tok = s.sample(greedy)
-        t_dec = time.perf_counter() - t0
-        s.restore(snap)
+        # The shared turn loop, pipelined then synchronous, from the same frontier; the
+        # last sampled token is not fed (feeding rule), hence decode_tokens + 1 samples.
+        rates = []
+        for pipeline in (True, False):
+            res = run_turn(s, engine.tokenizer, _decode_spec(decode_tokens + 1, pipeline))
+            rates.append((res.fed, res.decode_s))
+            s.restore(snap)
         del snap
-
-        dec_tps = decode_tokens / t_dec if t_dec > 0 else float("nan")
+        fed, t_dec = rates[0]
+        dec_tps = fed / t_dec if t_dec > 0 else float("nan")
+        sync_tps = rates[1][0] / rates[1][1] if rates[1][1] > 0 else float("nan")
         row = BenchRow(
             frontier=f,
             prefill_tokens=len(chunk),
@@ -203,12 +205,14 @@ def run_bench(
             kv_bytes=kv,
             roofline_tok_s=roof,
             roofline_fraction=dec_tps / roof if roof else float("nan"),
+            decode_sync_tok_s=sync_tps,
             **graph,
         )
         rows.append(row)
         say(
             f"{f:>7} tokens: prefill {row.prefill_tok_s:8.1f} tok/s, decode "
-            f"{row.decode_tok_s:7.2f} tok/s ({100 * row.roofline_fraction:.2f}% of roofline), "
+            f"{row.decode_tok_s:7.2f} tok/s pipelined / {sync_tps:.2f} synchronous "
+            f"({100 * row.roofline_fraction:.2f}% of roofline), "
             f"KV {kv / 1e6:.2f} MB ({row.kv_used_bytes / 1e6:.2f} MB used); step graph "
             f"{row.decode_primitives} primitives, {row.decode_non_view} non-view; build "
             f"{row.build_ms:.2f} ms + eval {row.eval_ms:.2f} ms"
@@ -221,6 +225,17 @@ def run_bench(
         copy_bandwidth=bw,
         quant_desc=engine.quant_desc,
         chunk_size=chunk_size,
+    )
+
+
+def _decode_spec(max_tokens: int, pipeline: bool = True) -> TurnSpec:
+    """Greedy raw decoding of exactly ``max_tokens`` samples (EOS is an ordinary token)."""
+    return TurnSpec(
+        SamplingParams(temperature=0),
+        max_tokens,
+        parse=False,
+        ignore_eos=True,
+        pipeline=pipeline,
     )
 
 

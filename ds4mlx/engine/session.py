@@ -94,6 +94,15 @@ def prefill_chunks(start: int, end: int, chunk_size: int, stops: Sequence[int] =
     return sorted(ends)
 
 
+@dataclass
+class PendingStep:
+    """A decode step built by `Session.begin_decode` and not yet committed: its lazy
+    float32 logits ``(vocab,)`` and the caches' state captured before building."""
+
+    logits: mx.array
+    saved: list[Any]
+
+
 # --------------------------------------------------------------------------- session
 
 
@@ -264,25 +273,74 @@ class Session:
 
         Args:
             params: sampling settings; temperature 0 is argmax.
-            greedy: force argmax (used while emitting protocol structure, docs/ARCHITECTURE.md §4).
+            greedy: force argmax (used while emitting protocol structure,
+                docs/ARCHITECTURE.md §4).
         Returns:
             The token id (int): the next scripted token when a script is set.
         Raises:
             RuntimeError: no logits yet (nothing was fed).
         """
+        return int(self.sample_async(params, greedy=greedy).item())
+
+    def sample_async(self, params: SamplingParams, *, greedy: bool = False) -> mx.array:
+        """`sample` without waiting: a uint32 scalar array whose evaluation is launched
+        (``mx.async_eval``) in its own call, so reading it later waits for the sampling
+        only, not for a forward built on top of it meanwhile. Raises like `sample`."""
         if self._script:
             tok = self._script.popleft()
             if not self._script:
                 self._script = None
-            return tok
+            return mx.array(tok, dtype=mx.uint32)
         if self.logits is None:
             raise RuntimeError("no logits to sample from: feed a prompt first")
         if greedy or params.greedy:
-            return int(mx.argmax(self.logits).item())
-        if self._key is None:
-            self.seed(params.seed)
-        self._key, sub = mx.random.split(self._key)
-        return int(sample_token(self.logits, params, sub).item())
+            t = mx.argmax(self.logits)
+        else:
+            if self._key is None:
+                self.seed(params.seed)
+            self._key, sub = mx.random.split(self._key)
+            t = sample_token(self.logits, params, sub)
+        mx.async_eval(t)
+        return t
+
+    # ---- pipelined decode (docs/ARCHITECTURE.md §3: the feeding rule)
+
+    def begin_decode(self, token: mx.array) -> PendingStep | None:
+        """Build — do not evaluate — the forward pass that feeds ``token`` (a lazy scalar
+        from `sample_async`), so the graph is built while the token is still being
+        sampled. Then `commit` it once the token is known not to end the turn, or
+        `abandon` it. Returns None when the context has no room for it.
+
+        The caches' Python-side state is captured first: building only rebinds arrays
+        and counters (writes are functional), and nothing is evaluated before `commit`,
+        so `abandon` puts them back exactly.
+        """
+        if self.room() < 1:
+            return None
+        saved = [c.capture() for c in self._cache]
+        x = token.reshape(1, 1).astype(mx.int32)
+        try:
+            logits = self.engine._last_logits(x, self._cache)
+        except BaseException:
+            self.reset()
+            raise
+        return PendingStep(logits, saved)
+
+    def commit(self, step: PendingStep, token: int) -> None:
+        """Feed the built step: ``token`` joins the session and its forward pass (logits
+        and every cache array) starts evaluating (``mx.async_eval``)."""
+        self.tokens.append(int(token))
+        self.logits = step.logits
+        mx.async_eval(step.logits, *self._cache_arrays())
+
+    def abandon(self, step: PendingStep) -> None:
+        """Undo a built, uncommitted step: the caches are as before `begin_decode`."""
+        for c, saved in zip(self._cache, step.saved, strict=True):
+            c.rewind(saved)
+
+    def sync(self) -> None:
+        """Wait for every launched evaluation (logits and caches)."""
+        mx.eval(*([self.logits] if self.logits is not None else []), *self._cache_arrays())
 
     # ---- snapshots
 
