@@ -6,7 +6,7 @@ NVIDIA machine that has CuPy but no MLX, compiles ``SINKHORN_BODY`` with CuPy's
 (``sinkhorn.py``: ``mx.fast.metal_kernel`` and ``mx.fast.cuda_kernel``) compile the very
 same text, so what is validated there is what runs on a Mac or an MLX CUDA build.
 
-Order of operations (DeepSeek's ``hc_split_sinkhorn``; docs/ARCHITECTURE.md §2, mHC): per
+Order of operations (DeepSeek's ``hc_split_sinkhorn``; docs/ARCHITECTURE.md §2, "Hyper-connections"): per
 ``HC x HC`` matrix ``c`` of logits,
 
 1. row softmax (``exp(x - rowmax) / rowsum``), then ``+ eps`` on every entry;
