@@ -1,11 +1,19 @@
 """HTTP routes of ``ds4mlx serve``: one module per protocol (docs/ARCHITECTURE.md §1, §6).
 
-- `ds4mlx.routes.openai`: ``/v1/chat/completions``, ``/v1/completions``
 - `ds4mlx.routes.anthropic`: ``/v1/messages``, ``/v1/messages/count_tokens``
+- `ds4mlx.routes.openai`: ``/v1/chat/completions``
 - `ds4mlx.routes.responses`: ``/v1/responses`` (HTTP + WebSocket)
+- `ds4mlx.routes.completions`: ``/v1/completions`` (raw text)
 - `ds4mlx.routes.models`: ``/v1/models``, ``/v1/tokenize``, ``/v1/detokenize``,
   ``/health``, ``/debug/script``
+- `ds4mlx.routes.pipeline`: the shared request pipeline (tool-id check, render,
+  tokenize, context check, ``GenRequest``) and the stream driver over an encoder
+- `ds4mlx.routes.mapping`: mapping rules the protocol modules share
 - `ds4mlx.routes.common`: errors, body parsing, SSE framing, auth, reasoning carrier
+
+Each protocol module owns its schema, its mapping onto the neutral ``Conversation``,
+its ``CallerNames`` for the planner (``NAMES``), its error wording and one encoder for
+streaming and non-streaming answers (docs/INTERFACES.md).
 
 `register` adds them to a Quart app with protocol-shaped error handlers, the API-key
 check and (opt-in) CORS.
@@ -23,7 +31,7 @@ def register(app) -> None:
     from quart import request
     from werkzeug.exceptions import HTTPException
 
-    from ds4mlx.routes import anthropic, models, openai, responses
+    from ds4mlx.routes import anthropic, completions, models, openai, responses
     from ds4mlx.routes.common import (
         APIError,
         check_auth,
@@ -32,7 +40,7 @@ def register(app) -> None:
         state,
     )
 
-    for mod in (openai, anthropic, responses, models):
+    for mod in (openai, completions, anthropic, responses, models):
         app.register_blueprint(mod.bp)
 
     def rejected(e: APIError) -> None:
