@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from ds4mlx.kv.plan import Planner
-from ds4mlx.routes.common import APIError, ReasoningCarrier, _loc_to_path, error_body
+from ds4mlx.routes.anthropic import error_body as anthropic_error
+from ds4mlx.routes.common import APIError, ReasoningCarrier, _loc_to_path, openai_error
 from ds4mlx.tokenizer import Tokenizer
 
 
@@ -120,7 +121,7 @@ def test_reasoning_carrier_round_trip_and_forgery():
 
 def test_error_shapes():
     e = APIError(400, "bad", param="messages.0.role", code="x")
-    assert error_body("openai", e) == {
+    assert openai_error(e) == {
         "error": {
             "message": "bad",
             "type": "invalid_request_error",
@@ -128,11 +129,11 @@ def test_error_shapes():
             "code": "x",
         }
     }
-    assert error_body("anthropic", e) == {
+    assert anthropic_error(e) == {
         "type": "error",
         "error": {"type": "invalid_request_error", "message": "bad"},
     }
-    assert error_body("anthropic", APIError(413, "big"))["error"]["type"] == "request_too_large"
+    assert anthropic_error(APIError(413, "big"))["error"]["type"] == "request_too_large"
     assert (
         _loc_to_path(("messages", 0, "content", "list[Block]", 1, "text", "text"))
         == "messages.0.content.1.text.text"

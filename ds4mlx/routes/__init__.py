@@ -37,11 +37,18 @@ def register(app) -> None:
         check_auth,
         error_response,
         http_exception_to_api,
+        openai_error,
         state,
     )
 
     for mod in (openai, completions, anthropic, responses, models):
         app.register_blueprint(mod.bp)
+
+    def answer(err: APIError):
+        # Each protocol answers in its own error shape: the Messages API's paths in
+        # Anthropic's, every other route in OpenAI's.
+        anthropic_path = request.path.startswith(anthropic.PATH_PREFIX)
+        return error_response(err, anthropic.error_body if anthropic_path else openai_error)
 
     def rejected(e: APIError) -> None:
         # A client mistake is not a server fault, but the operator should see why a
@@ -52,20 +59,18 @@ def register(app) -> None:
     @app.errorhandler(APIError)
     async def _api_error(e: APIError):
         rejected(e)
-        return error_response(e)
+        return answer(e)
 
     @app.errorhandler(HTTPException)
     async def _http_error(e: HTTPException):
         err = http_exception_to_api(e)
         rejected(err)
-        return error_response(err)
+        return answer(err)
 
     @app.errorhandler(Exception)
     async def _any_error(e: Exception):
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(
-            APIError(500, f"internal error: {type(e).__name__}", type="server_error")
-        )
+        return answer(APIError(500, f"internal error: {type(e).__name__}", type="server_error"))
 
     @app.before_request
     async def _auth():
@@ -76,7 +81,7 @@ def register(app) -> None:
         err = check_auth()
         if err is not None:
             rejected(err)
-            return error_response(err)
+            return answer(err)
         return None
 
     @app.after_request

@@ -18,7 +18,7 @@ coming back with an empty or foreign signature are accepted.
 
 This module owns the whole protocol: the request schema, its mapping onto the neutral
 ``Conversation`` (`to_conversation`), its names for the planner (`NAMES`), its error
-shape (``ds4mlx.routes.common.error_body``) and one encoder (`MessageEncoder`) for
+shape (`error_body`) and one encoder (`MessageEncoder`) for
 the stream and the JSON body alike.
 
 Mapping rules (docs/ARCHITECTURE.md §4): ``system`` blocks join with ``\\n`` (inserted
@@ -55,7 +55,6 @@ from ds4mlx.kv.live import CallerNames
 from ds4mlx.routes.common import (
     APIError,
     OpenModel,
-    error_body,
     failed_to_api,
     json_response,
     model_thinking,
@@ -94,6 +93,38 @@ def _unknown_id(tool_id: str) -> str:
 # The planner's names for this protocol: decision ``live-anthropic``, log detail
 # ``match=tool-use-ids ids=N``, and the 400 for a ``tool_use_id`` nothing explains.
 NAMES = CallerNames(live_tools="live-anthropic", ids="tool-use-ids", unknown_id=_unknown_id)
+
+# The Messages API's paths: errors there take this protocol's shape (`error_body`).
+PATH_PREFIX = "/v1/messages"
+
+# Error "type" per HTTP status (https://docs.anthropic.com/en/api/errors).
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def error_body(err: APIError) -> dict[str, Any]:
+    """The Anthropic error object for ``err``: ``{"type": "error", "error": {"type",
+    "message", …fields}}``, the type from the status unless ``err.anthropic_type``."""
+    default = "api_error" if err.status >= 500 else "invalid_request_error"
+    return {
+        "type": "error",
+        "error": {
+            "type": err.anthropic_type or _ERROR_TYPES.get(err.status, default),
+            "message": err.message,
+            **err.fields,
+        },
+    }
+
 
 BILLING_PREFIX = "x-anthropic-"
 # ``tool_result.is_error``: the DS4 format has no error flag, so the text says it.
@@ -567,7 +598,7 @@ class MessageEncoder:
         return [*out, self._ev("message_delta", delta=delta, usage=usage), self._ev("message_stop")]
 
     def failed(self, e: JobFailed) -> list[dict[str, Any]]:
-        err = error_body("anthropic", failed_to_api(e))["error"]
+        err = error_body(failed_to_api(e))["error"]
         return [*self._close(), self._ev("error", error=err)]
 
     def result(self) -> dict[str, Any]:

@@ -1,12 +1,10 @@
 """Shared route plumbing: protocol-shaped errors, body parsing, SSE framing, auth, the
 reasoning carrier. (The request pipeline and the stream driver are `ds4mlx.routes.pipeline`.)
 
-Errors follow each protocol's own shape:
-
-- Anthropic (``/v1/messages*``): ``{"type": "error", "error": {"type", "message"}}``
-  (https://docs.anthropic.com/en/api/errors).
-- OpenAI (everything else): ``{"error": {"message", "type", "param", "code"}}``
-  (https://platform.openai.com/docs/guides/error-codes).
+Errors follow each protocol's own shape: OpenAI's (`openai_error`, every route but the
+Messages API's): ``{"error": {"message", "type", "param", "code"}}``
+(https://platform.openai.com/docs/guides/error-codes); Anthropic's is
+``ds4mlx.routes.anthropic.error_body``.
 
 Client mistakes (malformed JSON, invalid UTF-8, wrong types, unknown roles, oversized
 bodies, prompts over the context) are 4xx; only server faults are 5xx.
@@ -22,7 +20,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,20 +30,6 @@ from werkzeug.exceptions import HTTPException
 
 M = TypeVar("M", bound=BaseModel)
 
-# Anthropic error "type" per HTTP status (https://docs.anthropic.com/en/api/errors).
-_ANTHROPIC_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    503: "overloaded_error",
-    529: "overloaded_error",
-}
-
 
 class APIError(Exception):
     """An error answered in the protocol's shape.
@@ -54,7 +38,8 @@ class APIError(Exception):
         status: HTTP status (int).
         message: human-readable text.
         type: OpenAI ``type`` (``invalid_request_error``…); Anthropic's type is derived
-            from the status unless ``anthropic_type`` is given.
+            from the status (``ds4mlx.routes.anthropic.error_body``) unless
+            ``anthropic_type`` is given.
         param: the offending field path, or None.
         code: OpenAI ``code`` (e.g. ``context_length_exceeded``), or None.
         fields: extra members of the error object in both shapes, for clients that
@@ -83,25 +68,8 @@ class APIError(Exception):
         self.anthropic_type = anthropic_type
 
 
-def protocol_of(path: str) -> str:
-    """``"anthropic"`` for the Messages API paths, else ``"openai"``."""
-    return "anthropic" if path.startswith("/v1/messages") else "openai"
-
-
-def error_body(protocol: str, err: APIError) -> dict[str, Any]:
-    """The JSON error object of ``protocol`` for ``err``."""
-    if protocol == "anthropic":
-        return {
-            "type": "error",
-            "error": {
-                "type": err.anthropic_type
-                or _ANTHROPIC_TYPES.get(
-                    err.status, "api_error" if err.status >= 500 else "invalid_request_error"
-                ),
-                "message": err.message,
-                **err.fields,
-            },
-        }
+def openai_error(err: APIError) -> dict[str, Any]:
+    """The OpenAI error object for ``err`` (every route but the Messages API's)."""
     return {
         "error": {
             "message": err.message,
@@ -113,15 +81,16 @@ def error_body(protocol: str, err: APIError) -> dict[str, Any]:
     }
 
 
-def error_response(err: APIError, protocol: str | None = None) -> Response:
-    """A JSON `Response` for ``err`` in the current request's protocol shape."""
-    protocol = protocol or protocol_of(request.path)
-    resp = current_app.response_class(
-        json.dumps(error_body(protocol, err), ensure_ascii=False),
+def error_response(
+    err: APIError, shape: Callable[[APIError], dict[str, Any]] = openai_error
+) -> Response:
+    """A JSON `Response` for ``err`` in the protocol's ``shape`` (OpenAI's by default;
+    the Messages API passes ``ds4mlx.routes.anthropic.error_body``)."""
+    return current_app.response_class(
+        json.dumps(shape(err), ensure_ascii=False),
         status=err.status,
         mimetype="application/json",
     )
-    return resp
 
 
 def http_exception_to_api(e: HTTPException) -> APIError:

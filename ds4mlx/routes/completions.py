@@ -18,12 +18,12 @@ from quart import Blueprint, request
 from ds4mlx.dsml.tokens import BOS
 from ds4mlx.routes.common import (
     APIError,
-    error_body,
     failed_to_api,
     json_response,
     model_thinking,
     new_id,
     now,
+    openai_error,
     parse_body,
     sse,
     state,
@@ -159,7 +159,7 @@ class CompletionEncoder:
         return [*out, "[DONE]"]
 
     def failed(self, e: JobFailed) -> list[Any]:
-        return [error_body("openai", failed_to_api(e)), "[DONE]"]
+        return [openai_error(failed_to_api(e)), "[DONE]"]
 
     def result(self) -> dict[str, Any]:
         lp = None

@@ -40,12 +40,12 @@ from ds4mlx.kv.live import CallerNames
 from ds4mlx.routes.common import (
     APIError,
     OpenModel,
-    error_body,
     failed_to_api,
     json_response,
     model_thinking,
     new_id,
     now,
+    openai_error,
     parse_body,
     sse,
     state,
@@ -414,7 +414,7 @@ class ChatEncoder:
         return [*out, "[DONE]"]
 
     def failed(self, e: JobFailed) -> list[Any]:
-        return [error_body("openai", failed_to_api(e)), "[DONE]"]
+        return [openai_error(failed_to_api(e)), "[DONE]"]
 
     def result(self) -> dict[str, Any]:
         message: dict[str, Any] = {
