@@ -157,9 +157,7 @@ def test_anthropic_thinking_signature_carrier_restores_reasoning():
             {"role": "user", "content": "more"},
         ]
     }
-    conv = anthropic_conv(
-        body, decode_reasoning=lambda s: "real reasoning" if s == "SIG" else None
-    )
+    conv = anthropic_conv(body, decode_reasoning=lambda s: "real reasoning" if s == "SIG" else None)
     assert conv.messages[1].reasoning == "real reasoning"
     conv = anthropic_conv(body, decode_reasoning=lambda s: None)
     assert conv.messages[1].reasoning == ""
@@ -169,9 +167,7 @@ def test_anthropic_thinking_modes_and_effort():
     base = {"messages": [{"role": "user", "content": "q"}]}
     assert anthropic_conv(base).thinking is True
     assert anthropic_conv(base, default_thinking=False).thinking is False
-    assert (
-        anthropic_conv({**base, "thinking": {"type": "disabled"}}).thinking is False
-    )
+    assert anthropic_conv({**base, "thinking": {"type": "disabled"}}).thinking is False
     assert anthropic_conv(
         {**base, "thinking": {"type": "adaptive"}}, default_thinking=False
     ).thinking
@@ -259,18 +255,14 @@ def test_openai_chat_roles_tools_and_reasoning():
     ],
 )
 def test_openai_chat_thinking_switches(extra, thinking, effort):
-    conv = chat_conv(
-        {"messages": [{"role": "user", "content": "q"}], **extra}
-    )
+    conv = chat_conv({"messages": [{"role": "user", "content": "q"}], **extra})
     assert (conv.thinking, conv.reasoning_effort) == (thinking, effort)
 
 
 def test_openai_chat_alias_default_and_override():
     body = {"messages": [{"role": "user", "content": "q"}]}
     assert chat_conv(body, default_thinking=False).thinking is False
-    assert chat_conv(
-        {**body, "thinking": {"type": "enabled"}}, default_thinking=False
-    ).thinking
+    assert chat_conv({**body, "thinking": {"type": "enabled"}}, default_thinking=False).thinking
 
 
 # --------------------------------------------------------------------------- Responses
@@ -334,9 +326,7 @@ def test_responses_codex_shape():
         ],
         "reasoning": {"summary": "auto"},
     }
-    conv = responses_conv(
-        body, decode_reasoning=lambda s: "r1" if s == "ENC" else None
-    )
+    conv = responses_conv(body, decode_reasoning=lambda s: "r1" if s == "ENC" else None)
     assert _roles(conv) == ["system", "user", "user", "assistant", "tool", "assistant", "user"]
     assert conv.messages[0].content == "INS\n\nDEV"
     a1 = conv.messages[3]
@@ -460,6 +450,8 @@ def test_tool_result_is_error_reaches_the_model():
 
     failed = conv(True).messages[-1]
     assert failed.role == "tool" and failed.content == anthropic.TOOL_ERROR_PREFIX + "No such file"
-    assert "<tool_result>" + anthropic.TOOL_ERROR_PREFIX + "No such file" in render_prompt(conv(True))
+    assert "<tool_result>" + anthropic.TOOL_ERROR_PREFIX + "No such file" in render_prompt(
+        conv(True)
+    )
     for ok in (False, None):
         assert conv(ok).messages[-1].content == "No such file"
