@@ -26,29 +26,28 @@ import logging
 log = logging.getLogger("ds4mlx.server")
 
 
+def _answer(err):
+    """``err`` as a response in its protocol's error shape: Anthropic's on the Messages
+    API's paths, OpenAI's on every other route."""
+    from quart import request
+
+    from ds4mlx.routes import anthropic
+    from ds4mlx.routes.common import error_response, openai_error
+
+    anthropic_path = request.path.startswith(anthropic.PATH_PREFIX)
+    return error_response(err, anthropic.error_body if anthropic_path else openai_error)
+
+
 def register(app) -> None:
     """Register every blueprint, error handler and request hook on ``app``."""
     from quart import request
     from werkzeug.exceptions import HTTPException
 
     from ds4mlx.routes import anthropic, completions, models, openai, responses
-    from ds4mlx.routes.common import (
-        APIError,
-        check_auth,
-        error_response,
-        http_exception_to_api,
-        openai_error,
-        state,
-    )
+    from ds4mlx.routes.common import APIError, check_auth, http_exception_to_api, state
 
     for mod in (openai, completions, anthropic, responses, models):
         app.register_blueprint(mod.bp)
-
-    def answer(err: APIError):
-        # Each protocol answers in its own error shape: the Messages API's paths in
-        # Anthropic's, every other route in OpenAI's.
-        anthropic_path = request.path.startswith(anthropic.PATH_PREFIX)
-        return error_response(err, anthropic.error_body if anthropic_path else openai_error)
 
     def rejected(e: APIError) -> None:
         # A client mistake is not a server fault, but the operator should see why a
@@ -59,18 +58,18 @@ def register(app) -> None:
     @app.errorhandler(APIError)
     async def _api_error(e: APIError):
         rejected(e)
-        return answer(e)
+        return _answer(e)
 
     @app.errorhandler(HTTPException)
     async def _http_error(e: HTTPException):
         err = http_exception_to_api(e)
         rejected(err)
-        return answer(err)
+        return _answer(err)
 
     @app.errorhandler(Exception)
     async def _any_error(e: Exception):
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return answer(APIError(500, f"internal error: {type(e).__name__}", type="server_error"))
+        return _answer(APIError(500, f"internal error: {type(e).__name__}", type="server_error"))
 
     @app.before_request
     async def _auth():
@@ -81,7 +80,7 @@ def register(app) -> None:
         err = check_auth()
         if err is not None:
             rejected(err)
-            return answer(err)
+            return _answer(err)
         return None
 
     @app.after_request

@@ -361,14 +361,14 @@ async def collect(job) -> tuple[list[Any], Any]:
     Raises:
         APIError: the job failed.
     """
-    events: list[Any] = []
+    seen: list[Any] = []
     try:
         async for ev in job.events():
             if isinstance(ev, JobFailed):
                 raise failed_to_api(ev)
             if isinstance(ev, JobDone):
-                return events, ev
-            events.append(ev)
+                return seen, ev
+            seen.append(ev)
     finally:
         if not job.done:
             job.cancel.set()
