@@ -70,3 +70,30 @@ def test_flash_shape_generator():
         std = float(mx.std(deq).item())
         assert 0.3 / math.sqrt(256) < std < 2 / math.sqrt(256)
         assert abs(float(mx.mean(deq).item())) < 0.2 / math.sqrt(256)
+
+
+def test_flash_model_generation_at_small_dims(monkeypatch):
+    """``flash_model``'s generation path (quantized tensors made directly) on small dims."""
+    from ds4mlx.model import synth
+    from ds4mlx.model.tiny import tiny_config
+
+    def small(n_layers, *, first=0, sinkhorn_iters=20):
+        from ds4mlx.model.config import ModelArgs
+
+        cfg = tiny_config(first + n_layers, sinkhorn_iters=sinkhorn_iters)
+        cfg.update(hidden_size=64, moe_intermediate_size=64, q_lora_rank=64, o_lora_rank=64)
+        cfg.update(head_dim=64, index_head_dim=64)
+        a = ModelArgs.from_dict(cfg)
+        a.compress_ratios = a.compress_ratios[first:]
+        a.hash_layers = a.hash_layers[first:]
+        a.n_layers = n_layers
+        return a
+
+    monkeypatch.setattr(synth, "flash_args", small)
+    model = synth.flash_model(2, first=2, expert_bits=2, other_bits=8)
+    w1 = model.layers[0].ffn.experts.w1
+    assert w1.weight.dtype == mx.uint32 and w1.bits == 2 and w1.scales.dtype == mx.float16
+    assert model.layers[0].attn.wq_a.bits == 8
+    assert [model.args.layer_kind(i) for i in range(2)] == ["csa", "hca"]
+    logits = model(mx.array([list(range(1000, 1010))]))
+    assert np.isfinite(np.array(logits)).all()

@@ -28,7 +28,7 @@ from functools import cache
 import mlx.core as mx
 import numpy as np
 
-from .attention import rms_norm
+from .attention import rms_norm, weighted_rms_norm
 
 
 def _groups(hc: int) -> list[tuple[int, int]]:
@@ -39,11 +39,13 @@ def _groups(hc: int) -> list[tuple[int, int]]:
 def hc_pre_fn(
     hc: int, iters: int, hc_eps: float, norm_eps: float, sinkhorn: Callable, gpu: bool = False
 ) -> Callable[..., tuple[mx.array, mx.array, mx.array]]:
-    """Compiled ``fn(x, hc_fn, scale, base) -> (y, post, comb)``.
+    """Compiled ``fn(x, hc_fn, scale, base, norm_w) -> (y, post, comb)``.
 
     ``x`` ``(L, hc, dim)``; ``hc_fn`` ``((2+hc)·hc, hc·dim)``, ``scale`` ``(3,)``,
-    ``base`` ``((2+hc)·hc,)`` float32. Returns float32: the block input ``y`` ``(L, dim)``,
-    ``post`` ``(L, hc)`` and ``comb`` ``(L, hc, hc)`` float32.
+    ``base`` ``((2+hc)·hc,)`` float32, ``norm_w`` the sub-block's RMSNorm weight
+    (``attn_norm`` / ``ffn_norm``, eps ``norm_eps``). Returns the normalized block input
+    ``y`` ``(L, dim)`` in ``x``'s dtype, ``post`` ``(L, hc)`` and ``comb`` ``(L, hc, hc)``
+    float32.
     ``sinkhorn(logits, iters, eps)`` is the device's implementation; ``gpu`` selects the
     GPU form of the normalization (one ``mx.fast.rms_norm`` kernel).
     """
@@ -58,7 +60,7 @@ def hc_pre_fn(
     g_pre, g_post, g_comb = (mx.array(m) for m in masks)
     f_pre, f_post, f_comb = (mx.array(m.astype(np.float32)) for m in masks)
 
-    def fn(x, hc_fn, scale, base):
+    def fn(x, hc_fn, scale, base, norm_w):
         L = x.shape[0]
         flat = x.reshape(L, -1).astype(mx.float32)
         if gpu:  # one rms_norm kernel, then the matmul
@@ -74,7 +76,8 @@ def hc_pre_fn(
         pre, post = w[:, :hc], w[:, hc : 2 * hc]
         comb = sinkhorn(w[:, 2 * hc :].reshape(L, hc, hc), iters, hc_eps)
         y = (pre[:, None, :] @ x.astype(mx.float32)).reshape(L, -1)
-        return y, post, comb
+        # The sub-block's input norm (attn_norm / ffn_norm) in the same compiled call.
+        return weighted_rms_norm(y.astype(x.dtype), norm_w, norm_eps), post, comb
 
     return mx.compile(fn)
 

@@ -64,12 +64,17 @@ class Block(nn.Module):
         )
 
     def __call__(self, x: mx.array, tokens: mx.array, c: LayerCache, ctx: Step) -> mx.array:
-        dt = x.dtype  # mHC weights are float32; the streams stay in the compute dtype
-        y, post, comb = self._hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
-        y = self.attn(self.attn_norm(y.astype(dt)), c, ctx)
+        # mHC weights are float32; the streams stay in the compute dtype. hc_pre returns the
+        # block input already through attn_norm / ffn_norm (one compiled call).
+        y, post, comb = self._hc_pre(
+            x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.attn_norm.weight
+        )
+        y = self.attn(y, c, ctx)
         x = hc_post(y, x, post, comb)
-        y, post, comb = self._hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
-        routed, shared = self.ffn(self.ffn_norm(y.astype(dt)), tokens)
+        y, post, comb = self._hc_pre(
+            x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.ffn_norm.weight
+        )
+        routed, shared = self.ffn(y, tokens)
         if shared is None:
             return hc_post(routed, x, post, comb)
         return hc_post2(routed, shared, x, post, comb)

@@ -53,7 +53,7 @@ def _random_quantized(shape: tuple[int, ...], bits: int) -> tuple[mx.array, mx.a
     return words, scales, biases
 
 
-def _random_float(name: str, shape: tuple[int, ...], args: ModelArgs, key) -> mx.array:
+def _random_float(name: str, shape: tuple[int, ...], key) -> mx.array:
     leaf = name.rsplit(".", 1)[-1]
     if name.endswith("norm.weight"):
         return 1.0 + 0.1 * mx.random.normal(shape, key=key)
@@ -124,7 +124,7 @@ def flash_model(
         elif name.endswith("gate.tid2eid"):
             new[name] = _tid2eid(tuple(p.shape), args.n_routed_experts, seed)
         else:
-            new[name] = _random_float(name, tuple(p.shape), args, sub)
+            new[name] = _random_float(name, tuple(p.shape), sub)
             mx.eval(new[name])
     model.update(tree_unflatten(list(new.items())))
     mx.eval(model.parameters())
