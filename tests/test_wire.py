@@ -79,7 +79,10 @@ def test_anthropic_mid_conversation_system_is_hoisted_after_top_level_system():
     }
     conv = anthropic_conv(body)
     assert _roles(conv) == ["system", "user"]
-    assert conv.messages[0].content == "TOP\n\nENV"
+    # Hoisted, after the top-level text and the tools (issue 12, "stable prompts"): the
+    # top-level text + tools stay a prefix that a retry carrying ENV elsewhere shares.
+    assert conv.messages[0].content == "TOP" and conv.late_system == "ENV"
+    assert render_prompt(conv).startswith("<｜begin▁of▁sentence｜>TOP\n\nENV<｜User｜>")
     # Rendered in place the official encoding would not open the assistant turn.
     assert render_prompt(conv).endswith("<｜User｜>hello<｜Assistant｜><think>")
 
@@ -231,7 +234,8 @@ def test_openai_chat_roles_tools_and_reasoning():
     }
     conv = chat_conv(body)
     assert _roles(conv) == ["system", "user", "assistant", "tool"]
-    assert conv.messages[0].content == "S1\n\nD"
+    # A developer message inside the conversation renders after the tools section.
+    assert conv.messages[0].content == "S1" and conv.late_system == "D"
     assert conv.messages[1].content == "q[image_url]"
     a = conv.messages[2]
     assert a.reasoning == "think"
@@ -386,7 +390,7 @@ def test_billing_header_line_inside_a_block_keeps_the_rest_of_the_block():
             {"role": "system", "content": BILLING + "\nEnvironment: linux"},
         ]
     }
-    assert anthropic_conv(body).messages[0].content == "Environment: linux"
+    assert anthropic_conv(body).late_system == "Environment: linux"
     kept = anthropic_conv(
         {"system": BILLING + "\nYou are Claude Code.", "messages": body["messages"][:1]},
         keep_billing_header=True,

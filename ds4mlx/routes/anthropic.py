@@ -71,6 +71,7 @@ from ds4mlx.routes.mapping import (
     hoisted_system,
     join_blank,
     join_newline,
+    late_system,
     placeholder,
 )
 from ds4mlx.routes.pipeline import (
@@ -397,6 +398,7 @@ def to_conversation(
         WireError: an invalid ``tool_choice`` (param ``tool_choice…``).
     """
     system_parts = [system_text(req.system, keep_billing_header=keep_billing_header)]
+    late: list[str] = []  # role "system" messages (Claude Code's environment, skills)
     msgs: list[Message] = []
     for m in req.messages:
         blocks = _blocks(m.content)
@@ -404,7 +406,7 @@ def to_conversation(
             text = join_newline(b.text for b in blocks if isinstance(b, TextBlock))
             kept = text if keep_billing_header else strip_billing_lines(text)
             if kept is not None:
-                system_parts.append(kept)
+                late.append(kept)
         elif m.role == "user":
             msgs.extend(_user_turn(blocks))
         else:
@@ -415,6 +417,7 @@ def to_conversation(
     required, name = _tool_choice(req.tool_choice, tools)
     return Conversation(
         messages=hoisted_system(msgs, system_parts),
+        late_system=late_system(late),
         tools=tools,
         thinking=thinking,
         reasoning_effort=effort if thinking else None,

@@ -119,9 +119,19 @@ def effort_to_reasoning(effort: str | None) -> tuple[bool | None, str | None]:
 
 
 def hoisted_system(msgs: list[Message], system_parts: list[str]) -> list[Message]:
-    """Put the system text (if any) first, as one ``system`` message."""
+    """Put the top-level system text (if any) first, as one ``system`` message.
+
+    System instructions met later in the conversation go to ``Conversation.late_system``
+    instead (`late_system`): rendered after the tools section, they leave the top-level
+    text + tools a prefix that a retry carrying them elsewhere still shares.
+    """
     text = join_blank(system_parts)
     return ([Message(role="system", content=text)] if text else []) + msgs
+
+
+def late_system(parts: list[str]) -> str:
+    """``Conversation.late_system`` from system parts met inside the conversation."""
+    return join_blank(parts)
 
 
 def checked_choice(

@@ -56,6 +56,7 @@ from ds4mlx.routes.mapping import (
     empty_schema,
     hoisted_system,
     json_object,
+    late_system,
     openai_tool_choice,
     parts_text,
 )
@@ -250,11 +251,12 @@ def to_conversation(req: ChatRequest, *, default_thinking: bool = True) -> Conve
     Raises:
         WireError: an invalid ``tool_choice`` (param ``tool_choice…``).
     """
-    system_parts: list[str] = []
+    system_parts: list[str] = []  # leading system/developer messages: the system prompt
+    late: list[str] = []  # later ones: instructions met inside the conversation
     msgs: list[Message] = []
     for m in req.messages:
         if m.role in ("system", "developer"):
-            system_parts.append(parts_text(m.content))
+            (late if msgs else system_parts).append(parts_text(m.content))
         elif m.role == "user":
             msgs.append(Message(role="user", content=parts_text(m.content)))
         elif m.role == "assistant":
@@ -273,6 +275,7 @@ def to_conversation(req: ChatRequest, *, default_thinking: bool = True) -> Conve
     )
     return Conversation(
         messages=hoisted_system(msgs, system_parts),
+        late_system=late_system(late),
         tools=tools,
         thinking=thinking,
         reasoning_effort=effort,

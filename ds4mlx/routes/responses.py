@@ -80,6 +80,7 @@ from ds4mlx.routes.mapping import (
     hoisted_system,
     join_blank,
     json_object,
+    late_system,
     openai_tool_choice,
     parts_text,
     placeholder,
@@ -333,7 +334,8 @@ class _Turns:
     def __init__(self, decode_reasoning: Callable[[str], str | None] | None):
         self.decode_reasoning = decode_reasoning
         self.msgs: list[Message] = []
-        self.system: list[str] = []
+        self.system: list[str] = []  # instructions + leading system/developer items
+        self.late: list[str] = []  # system/developer items met after the conversation began
         self.open = False
 
     def _assistant(self, fresh: bool = False) -> Message:
@@ -350,7 +352,7 @@ class _Turns:
     def message(self, it: MessageItem) -> None:
         text = parts_text(it.content)
         if it.role in ("system", "developer"):
-            self.system.append(text)
+            (self.late if self.msgs else self.system).append(text)
         elif it.role == "user":
             self._other(Message(role="user", content=text))
         else:
@@ -439,6 +441,7 @@ def to_conversation(
     )
     return Conversation(
         messages=hoisted_system(turns.msgs, turns.system),
+        late_system=late_system(turns.late),
         tools=tools,
         thinking=thinking,
         reasoning_effort=effort if thinking else None,
