@@ -394,7 +394,7 @@ def check_auth(headers=None) -> APIError | None:
 
 
 def load_reasoning_key() -> bytes:
-    """AES-256-GCM key for reasoning carriers (`ReasoningCarrier`).
+    """The secret reasoning carriers (`ReasoningCarrier`) derive their AES-SIV key from.
 
     ``DS4MLX_REASONING_KEY`` when set; else a random key kept in
     ``$XDG_CACHE_HOME/ds4mlx/reasoning.key`` (created 0600) so carriers handed out
@@ -433,29 +433,30 @@ class ReasoningCarrier:
     Used as the Responses reasoning item's ``encrypted_content`` and the Anthropic
     thinking block's ``signature``: a stateless client hands it back and the server
     recovers the exact reasoning, so a replay renders the exact prefix the model
-    sampled (docs/ARCHITECTURE.md §6: opaque, integrity-protected). Format: ``ds4r2.`` +
-    base64url(12-byte nonce + AES-256-GCM ciphertext and tag of the UTF-8 text), the
-    prefix as associated data. A tampered, foreign-key or foreign-format carrier opens
-    to None.
-
-    The nonce is synthetic (HMAC of the text under a separate subkey), so the same
-    reasoning always seals to the same carrier: replies stay reproducible, and a
-    nonce repeats only with its own plaintext (which reveals only that equality).
+    sampled (docs/ARCHITECTURE.md §6: opaque, integrity-protected). Format: ``ds4r3.`` +
+    base64url(AES-SIV (RFC 5297, ``cryptography``'s ``AESSIV``) of the UTF-8 text, the
+    prefix as associated data). AES-SIV is deterministic by design: the same reasoning
+    always seals to the same carrier, so replies stay reproducible, and equal carriers
+    reveal only equal texts. A tampered, foreign-key or foreign-format carrier opens to
+    None.
     """
 
-    PREFIX = "ds4r2."
-    _AAD = b"ds4r2"
+    PREFIX = "ds4r3."
+    _AAD = b"ds4r3"
 
     def __init__(self, key: bytes):
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.ciphers.aead import AESSIV
+        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-        self._aead = AESGCM(hmac.new(key, b"ds4r2 enc", hashlib.sha256).digest())
-        self._nonce_key = hmac.new(key, b"ds4r2 nonce", hashlib.sha256).digest()
+        # AES-256-SIV takes a 512-bit key (two AES-256 keys), derived from the secret.
+        siv_key = HKDF(
+            algorithm=hashes.SHA256(), length=64, salt=None, info=b"ds4mlx reasoning carrier"
+        ).derive(key)
+        self._aead = AESSIV(siv_key)
 
     def seal(self, text: str) -> str:
-        plain = text.encode("utf-8")
-        nonce = hmac.new(self._nonce_key, plain, hashlib.sha256).digest()[:12]
-        blob = nonce + self._aead.encrypt(nonce, plain, self._AAD)
+        blob = self._aead.encrypt(text.encode("utf-8"), [self._AAD])
         return self.PREFIX + base64.urlsafe_b64encode(blob).rstrip(b"=").decode()
 
     def open(self, token: str | None) -> str | None:
@@ -469,11 +470,10 @@ class ReasoningCarrier:
             blob = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
         except (ValueError, TypeError):
             return None
-        if len(blob) < 12 + 16:
+        if len(blob) < 16:  # the synthetic IV alone
             return None
         try:
-            plain = self._aead.decrypt(blob[:12], blob[12:], self._AAD)
-            return plain.decode("utf-8")
+            return self._aead.decrypt(blob, [self._AAD]).decode("utf-8")
         except (InvalidTag, UnicodeDecodeError, ValueError):
             return None
 
