@@ -180,7 +180,9 @@ def run(args: argparse.Namespace) -> int:
             store=store,
             book=book,
             yes=args.yes,
-            thinking=not args.nothink,
+            # --demo (its own cap): no thinking, or the noise model's reasoning would take
+            # the whole cap and the answer would be empty (as serve --demo does).
+            thinking=not args.nothink and not (args.demo and args.max_tokens is None),
             sampling=sampling,
             # The demo model's text is noise that may never end a turn: keep turns short.
             max_tokens=args.max_tokens or (DEMO_MAX_TOKENS if args.demo else None),

@@ -43,6 +43,7 @@ from ds4mlx.routes.common import (
     collect,
     context_check,
     demo_cap_ends_turn,
+    demo_policy,
     error_body,
     failed_to_api,
     guard,
@@ -170,12 +171,13 @@ class MessagesRequest(CountTokensRequest):
 def _conversation(body: dict[str, Any], model: str):
     st = state()
     try:
-        return wire.anthropic_to_conversation(
+        conv = wire.anthropic_to_conversation(
             body,
             default_thinking=model_thinking(model),
             keep_billing_header=st.config.keep_billing_header,
             decode_reasoning=st.carrier.open,
         )
+        return demo_policy(conv)
     except wire.WireError as e:
         raise APIError(400, e.message, param=e.param) from None
 

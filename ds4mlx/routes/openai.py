@@ -37,6 +37,7 @@ from ds4mlx.routes.common import (
     collect,
     context_check,
     demo_cap_ends_turn,
+    demo_policy,
     error_body,
     failed_to_api,
     guard,
@@ -188,6 +189,7 @@ async def chat_completions():
         conv = wire.openai_chat_to_conversation(body, default_thinking=model_thinking(req.model))
     except wire.WireError as e:
         raise APIError(400, e.message, param=e.param) from None
+    demo_policy(conv)
     check_tool_results(conv, "chat")
     text = render(conv)
     toks = await tokenize(text)

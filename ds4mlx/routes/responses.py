@@ -55,6 +55,7 @@ from ds4mlx.routes.common import (
     collect,
     context_check,
     demo_cap_ends_turn,
+    demo_policy,
     failed_to_api,
     guard,
     json_response,
@@ -251,6 +252,7 @@ async def _prepare(
         )
     except wire.WireError as e:
         raise APIError(400, e.message, param=e.param) from None
+    demo_policy(conv)
     if not any(m.role in ("user", "tool") for m in conv.messages):
         raise APIError(400, "input: needs at least one user message or tool output", param="input")
     check_tool_results(conv, "responses")
