@@ -114,10 +114,10 @@ def test_item10_sdk_example_responses_call_shows_text(demo):
     assert first.replace("\x1b[2m", "").replace("\x1b[0m", "").strip(), r.stdout[:500]
 
 
-def test_item10_demo_thinking_off_by_default_and_tokens_keeps_max_tokens(demo, tmp_path):
+def test_item10_demo_runs_without_thinking_by_default(demo):
     """Default demo: no thinking (every capped token is visible text), a natural end.
-    ``--demo --tokens N``: thinking as asked and a cut turn ends with ``max_tokens``
-    (how a client's "output token limit" retry is reproduced)."""
+    (``--demo --tokens N`` keeping thinking and ``max_tokens``: tests/test_fuzz_schemas.py,
+    whose server runs that way.)"""
     body = {
         "model": "deepseek-v4-flash",
         "max_tokens": 32000,
@@ -127,18 +127,3 @@ def test_item10_demo_thinking_off_by_default_and_tokens_keeps_max_tokens(demo, t
     msg = httpx.post(demo.url + "/v1/messages", json=body, timeout=120).json()
     assert msg["stop_reason"] in ("end_turn", "tool_use"), msg
     assert "thinking" not in [b["type"] for b in msg["content"]], msg["content"]
-    cache = tmp_path / "c"
-    (cache / "ds4mlx").mkdir(parents=True)
-    os.symlink(os.readlink(demo.env["XDG_CACHE_HOME"] + "/ds4mlx/demo"), cache / "ds4mlx/demo")
-    with Server(
-        None,
-        ctx=2048,
-        extra=["--demo", "--tokens", "12"],
-        scripted=False,
-        env={"XDG_CACHE_HOME": str(cache)},
-    ) as s:
-        msg = httpx.post(s.url + "/v1/messages", json=body, timeout=120).json()
-        assert msg["stop_reason"] == "max_tokens", msg
-        assert msg["usage"]["output_tokens"] == 12
-        assert [b["type"] for b in msg["content"]][:1] == ["thinking"], msg["content"]
-        assert "max_tokens" in " ".join(s.log().split()) or "--tokens" in s.log()

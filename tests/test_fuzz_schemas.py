@@ -207,3 +207,19 @@ def test_schema_fuzz_never_5xx_and_the_worker_survives(server):
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["message"]["content"] == "OK" and choice["finish_reason"] == "stop", choice
+
+
+def test_item10_demo_tokens_is_a_real_output_limit(server):
+    """Issue 13 item 10: ``--demo --tokens N`` (this module's server) keeps thinking as
+    asked and ends a cut turn with ``max_tokens`` (how a client's retry reproduces)."""
+    body = {
+        "model": "deepseek-v4-flash",
+        "max_tokens": 32000,
+        "thinking": {"type": "enabled", "budget_tokens": 30000},
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    msg = httpx.post(server.url + "/v1/messages", json=body, timeout=120).json()
+    assert msg["stop_reason"] == "max_tokens", msg
+    assert msg["usage"]["output_tokens"] == 2
+    assert [b["type"] for b in msg["content"]][:1] == ["thinking"], msg["content"]
+    assert "ends with max_tokens" in " ".join(server.log().split())  # the banner says so
