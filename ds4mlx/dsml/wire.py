@@ -222,6 +222,14 @@ def _anthropic_tool_result_text(content: Any) -> str:
     return _join_blank(parts)
 
 
+def _anthropic_tool_message(block: dict[str, Any]) -> Message:
+    """A ``tool_result`` block as an official ``tool`` message (``is_error``: prefixed)."""
+    result = _anthropic_tool_result_text(block.get("content"))
+    if block.get("is_error") is True:
+        result = TOOL_ERROR_PREFIX + result
+    return Message(role="tool", tool_call_id=block.get("tool_use_id"), content=result)
+
+
 def strip_billing_lines(text: str) -> str | None:
     """``text`` without its ``x-anthropic-…`` lines (client metadata, DESIGN §4 mapping).
 
@@ -304,12 +312,7 @@ def anthropic_to_conversation(
             for b in blocks:
                 t = b.get("type")
                 if t == "tool_result":
-                    result = _anthropic_tool_result_text(b.get("content"))
-                    if b.get("is_error") is True:
-                        result = TOOL_ERROR_PREFIX + result
-                    msgs.append(
-                        Message(role="tool", tool_call_id=b.get("tool_use_id"), content=result)
-                    )
+                    msgs.append(_anthropic_tool_message(b))
                 elif t == "text":
                     texts.append(b.get("text") or "")
                 else:
