@@ -63,7 +63,6 @@ from ds4mlx.kv.live import (
 log = logging.getLogger("ds4mlx.kv")
 
 
-
 def _thinking_detail(conv, tool_b: ToolBinding | None) -> str:
     """Log detail of a ``live-thinking`` plan.
 
