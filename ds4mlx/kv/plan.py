@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ds4mlx.dsml import Rendered
+from ds4mlx.dsml.tokens import EOS
 from ds4mlx.kv.live import (
     ID_FIELD,
     LiveBindings,
@@ -67,6 +68,9 @@ log = logging.getLogger("ds4mlx.kv")
 CHUNK = 512
 
 _LIVE_DECISION = {"responses": "live-responses", "anthropic": "live-anthropic"}
+# Plans that are not live continuations (rules 4-7): their prompt end gets a ``prompt``
+# snapshot (docs/ARCHITECTURE.md §5).
+_NOT_CONTINUATIONS = frozenset({"exact-token-prefix", "text-prefix", "disk", "cold"})
 
 
 def _thinking_detail(conv, tool_b: ToolBinding | None) -> str:
@@ -207,7 +211,9 @@ class Planner:
         if settings is not None and settings.enabled:
             from ds4mlx.kv.disk import DiskCache
 
-            disk = DiskCache(engine, settings)
+            # Snapshot files are written on the cache's writer thread: an evict save
+            # must not delay the request that caused it (docs/ARCHITECTURE.md §5).
+            disk = DiskCache(engine, settings, background=True)
             if tool_memory is not None and tool_memory.enabled:
                 n = disk.reload_tool_memory(tool_memory)
                 if n:
@@ -220,6 +226,9 @@ class Planner:
         self.disk = disk
         self.bindings = LiveBindings()
         self.live_tool_ids: dict[str, None] = {}
+        # The visible keys of the live state while a plan may replace it (the bindings
+        # are cleared when planning starts): its evict save is indexed by them too.
+        self._live_keys: tuple[str, ...] = ()
 
     # ---------------------------------------------------------------- helpers
 
@@ -243,26 +252,40 @@ class Planner:
                     self.live_tool_ids[c.id] = None
 
     def _with_checkpoints(self, plan: Plan, session, rendered: str | None) -> Plan:
-        """Attach the disk-save checkpoints of ``plan`` (cold point, continued frontiers).
+        """Attach the disk-save checkpoints of ``plan`` (cold point, continued frontiers,
+        the prompt's end when it is not a live continuation).
 
         ``rendered`` (the prompt text, or None to skip the check) must start with a
         checkpoint's text for that checkpoint to be kept: a snapshot no lookup can find
-        is not worth its disk space.
+        is not worth its disk space. A snapshot at the prompt's end is indexed by
+        ``rendered`` as well (an alias), which a retry or replay renders again.
         """
         if self.disk is None:
             return plan
         prompt_ids = list(session.tokens[: plan.keep]) + list(plan.suffix_tokens)
         points = self.disk.checkpoints(
-            cached=plan.cached, prompt_tokens=prompt_ids, rendered_text=rendered
+            cached=plan.cached,
+            prompt_tokens=prompt_ids,
+            rendered_text=rendered,
+            # A retry, replay or sub-agent of a prompt that did not continue the live
+            # state cannot continue it either: its end is saved for them.
+            prompt_end=plan.decision in _NOT_CONTINUATIONS,
         )
         if points:
             reasons = {p.tokens: p.reason for p in points}
             plan.checkpoints = [p.tokens for p in points]
             plan.extra["checkpoint_reasons"] = reasons
 
+            end = plan.prompt_tokens
+            keys = (rendered,) if rendered else ()
+
             def save(session, n: int) -> None:
                 self.disk.save_live(
-                    session, reasons.get(n, "continued"), self.tool_memory, self.live_tool_ids
+                    session,
+                    reasons.get(n, "continued"),
+                    self.tool_memory,
+                    self.live_tool_ids,
+                    keys=keys if n == end else (),
                 )
 
             plan.on_checkpoint = save
@@ -271,7 +294,18 @@ class Planner:
     def _evict_live(self, session) -> None:
         """Save the live state (``evict``) before an unrelated request replaces it."""
         if self.disk is not None and self.disk.worth_saving(len(session.tokens)):
-            self.disk.save_live(session, "evict", self.tool_memory, self.live_tool_ids)
+            self.disk.save_live(
+                session, "evict", self.tool_memory, self.live_tool_ids, keys=self._live_keys
+            )
+
+    @staticmethod
+    def _keys_of(session, binding: ThinkingBinding | None) -> tuple[str, ...]:
+        """Lookup texts of the live state besides its own text: a thinking turn's visible
+        keys without their EOS (the next prompt renders the turn without its reasoning,
+        so its text never starts with the live text; `ds4mlx.kv.live.visible_keys`)."""
+        if binding is None or binding.n_tokens != len(session.tokens):
+            return ()
+        return tuple(k[: -len(EOS)] for k in binding.keys if k.endswith(EOS))
 
     # ---------------------------------------------------------------- the hooks
 
@@ -309,6 +343,7 @@ class Planner:
         # prompt can only continue from what *this* turn leaves (after_generation).
         self.bindings.clear()
         tool_b, think_b, transcript_b = saved
+        self._live_keys = self._keys_of(session, think_b)
         plan = self._live_tools(session, conversation, protocol, tool_b) if live_ok else None
         if plan is None and conversation is not None:
             # Tool results must be live (above) or replayed with their calls.
@@ -438,6 +473,7 @@ class Planner:
         from ds4mlx.engine import SessionState, SnapshotError
 
         loaded = self.disk.load_key(key) if self.disk is not None else None
+        self._live_keys = self._keys_of(session, self.bindings.thinking)
         self._evict_live(session)
         self.reset(session)
         if loaded is None:
@@ -517,6 +553,7 @@ class Planner:
         from ds4mlx.dsml.tokens import THINK_START
 
         self.bindings.clear()
+        self._live_keys = ()
         for c in tool_calls:
             if c.id:
                 self.live_tool_ids[c.id] = None
@@ -539,6 +576,13 @@ class Planner:
             self.disk.save_live(session, "continued", self.tool_memory, self.live_tool_ids)
 
     def on_shutdown(self, session) -> None:
-        """Clean exit: save the live state (``shutdown``) when worth it."""
-        if self.disk is not None and self.disk.worth_saving(len(session.tokens)):
-            self.disk.save_live(session, "shutdown", self.tool_memory, self.live_tool_ids)
+        """Clean exit: save the live state (``shutdown``) when worth it, then write every
+        queued save (the writer thread is stopped)."""
+        if self.disk is None:
+            return
+        if self.disk.worth_saving(len(session.tokens)):
+            keys = self._keys_of(session, self.bindings.thinking)
+            self.disk.save_live(
+                session, "shutdown", self.tool_memory, self.live_tool_ids, keys=keys
+            )
+        self.disk.close()

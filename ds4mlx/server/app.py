@@ -119,6 +119,7 @@ def banner(engine, config: ServerConfig, url: str) -> None:
         t.add_row("[bold]output[/]", f"{config.default_max_tokens} tokens when a request sets none")
     if kv:
         t.add_row("[bold]KV cache[/]", kv)
+    t.add_row("[bold]disk cache[/]", _disk_line(config.kv))
     t.add_row("[bold]device[/]", f"{device}, BLAS {blas_label()}")
     t.add_row(
         "[bold]url[/]",
@@ -150,6 +151,16 @@ def kv_bytes_at(args, n_tokens: int, dtype_bytes: int) -> int:
                 rows += (n_tokens // ratio) * args.index_head_dim
         total += rows * dtype_bytes
     return total
+
+
+def _disk_line(kv) -> str:
+    """The banner's disk-cache row: directory and budget, or how to turn it on."""
+    if kv is None or not kv.enabled:
+        return "off (--kv-disk-dir DIR turns it on)"
+    return (
+        f"{kv.disk_dir}, budget {kv.disk_space_mb} MiB (--kv-disk-space-mb; "
+        "--kv-disk-dir none turns it off)"
+    )
 
 
 def _kv_estimate(engine) -> str:
