@@ -56,7 +56,8 @@ class Server:
         kv_dir: the disk KV cache directory. The disk tier is on by default
             (``~/.cache/ds4mlx/kv``); unless ``extra`` names one, every server gets a
             fresh temporary directory of its own (removed on a clean stop), so no test
-            sees another's snapshots — or the user's.
+            sees another's snapshots — or the user's. False passes no
+            ``--kv-disk-dir`` (the server's default; set ``XDG_CACHE_HOME`` in ``env``).
     """
 
     def __init__(
@@ -94,7 +95,7 @@ class Server:
             import tempfile
 
             kv_dir = self._tmp_kv = Path(tempfile.mkdtemp(prefix="ds4mlx-kv-"))
-        if "--kv-disk-dir" not in self.cmd:
+        if "--kv-disk-dir" not in self.cmd and kv_dir is not False:
             self.cmd += ["--kv-disk-dir", str(kv_dir)]
         self.kv_dir = kv_dir
         self.env = {**os.environ, "DS4MLX_REASONING_KEY": "tests", **(env or {})}
