@@ -176,7 +176,164 @@ def _prefix_plan(
 # --------------------------------------------------------------------------- planner
 
 
-class Planner:
+class _DiskTier:
+    """The disk-tier half of `Planner` (its snapshots: save points, evict/shutdown saves,
+    restores). Split out only to keep each class readable; it uses `Planner`'s
+    attributes (``engine``, ``disk``, ``tool_memory``, ``live_tool_ids``, ``bindings``)
+    and methods (``reset``, ``_replaced``) and is never used on its own.
+    """
+
+    disk: Any
+    engine: Any
+    tool_memory: Any
+    live_tool_ids: dict[str, None]
+    bindings: LiveBindings
+    _live_keys: tuple[str, ...]
+
+    def _with_checkpoints(self, plan: Plan, session, rendered: str | None) -> Plan:
+        """Attach the disk-save checkpoints of ``plan`` (cold point, continued frontiers,
+        the prompt's end when it is not a live continuation).
+
+        ``rendered`` (the prompt text, or None to skip the check) must start with a
+        checkpoint's text for that checkpoint to be kept: a snapshot no lookup can find
+        is not worth its disk space. A snapshot at the prompt's end is indexed by
+        ``rendered`` as well (an alias), which a retry or replay renders again.
+        """
+        if self.disk is None:
+            return plan
+        prompt_ids = list(session.tokens[: plan.keep]) + list(plan.suffix_tokens)
+        points = self.disk.checkpoints(
+            cached=plan.cached,
+            prompt_tokens=prompt_ids,
+            rendered_text=rendered,
+            # A retry, replay or sub-agent of a prompt that did not continue the live
+            # state cannot continue it either: its end is saved for them.
+            prompt_end=plan.decision in _NOT_CONTINUATIONS,
+        )
+        if points:
+            reasons = {p.tokens: p.reason for p in points}
+            plan.checkpoints = [p.tokens for p in points]
+            plan.extra["checkpoint_reasons"] = reasons
+
+            end = plan.prompt_tokens
+            keys = (rendered,) if rendered else ()
+
+            def save(session, n: int) -> None:
+                self.disk.save_live(
+                    session,
+                    reasons.get(n, "continued"),
+                    self.tool_memory,
+                    self.live_tool_ids,
+                    keys=keys if n == end else (),
+                )
+
+            plan.on_checkpoint = save
+        return plan
+
+    def _evict_live(self, session) -> None:
+        """Save the live state (``evict``) before an unrelated request replaces it."""
+        if self.disk is not None and self.disk.worth_saving(len(session.tokens)):
+            self.disk.save_live(
+                session, "evict", self.tool_memory, self.live_tool_ids, keys=self._live_keys
+            )
+
+    @staticmethod
+    def _keys_of(session, binding: ThinkingBinding | None) -> tuple[str, ...]:
+        """Lookup texts of the live state besides its own text: a thinking turn's visible
+        keys without their EOS (the next prompt renders the turn without its reasoning,
+        so its text never starts with the live text; `ds4mlx.kv.live.visible_keys`)."""
+        if binding is None or binding.n_tokens != len(session.tokens):
+            return ()
+        return tuple(k[: -len(EOS)] for k in binding.keys if k.endswith(EOS))
+
+    def _from_disk(self, session, rendered: Rendered | None) -> Plan | None:
+        """Rule 6: restore the longest stored rendered-text prefix.
+
+        Loads first, then saves the live state (evict) it replaces: saving first could
+        evict, within the byte budget, the very snapshot about to be loaded.
+        """
+        if self.disk is None or rendered is None:
+            return None
+        t0 = time.perf_counter()
+        loaded = self.disk.lookup(rendered.text)
+        if loaded is None:
+            return None
+        return self._restore(session, rendered, loaded, t0)
+
+    def resume(self, session, key: str) -> int | None:
+        """Restore the disk snapshot stored under ``key`` (the agent's ``/switch``).
+
+        The live state it replaces is saved first (``evict``) when worth it. Returns the
+        tokens restored, or None when the snapshot is gone or unusable (the session is
+        then reset).
+        """
+        from ds4mlx.engine import SessionState, SnapshotError
+
+        loaded = self.disk.load_key(key) if self.disk is not None else None
+        self._live_keys = self._keys_of(session, self.bindings.thinking)
+        self._evict_live(session)
+        self.reset(session)
+        if loaded is None:
+            return None
+        try:
+            session.restore(SessionState(loaded.tokens, loaded.arrays, loaded.meta))
+        except (SnapshotError, ValueError) as e:
+            log.warning("kv cache: cannot restore %s: %s", key[:12], e)
+            return None
+        self._loaded(loaded)
+        return len(loaded.tokens)
+
+    def _loaded(self, loaded) -> None:
+        """Bookkeeping after a snapshot was restored into the live session."""
+        self.disk.tracker.loaded(len(loaded.tokens))
+        if self.tool_memory is not None and loaded.tool_memory:
+            self.tool_memory.load(loaded.tool_memory.items())
+        self.live_tool_ids.update(dict.fromkeys(loaded.tool_memory))
+
+    def _restore(self, session, rendered: Rendered, loaded, t0: float) -> Plan | None:
+        from ds4mlx.engine import SessionState, SnapshotError
+
+        self._evict_live(session)
+        state = SessionState(tokens=loaded.tokens, arrays=loaded.arrays, meta=loaded.meta)
+        try:
+            session.restore(state)
+        except (SnapshotError, ValueError) as e:
+            # Verified by digest but not for this model's caches: treat as a miss.
+            log.warning("kv cache: cannot restore %s: %s", loaded.entry.path.name, e)
+            return None
+        self._replaced()
+        self._loaded(loaded)
+        rest = _encode_tail(self.engine.tokenizer, rendered, len(loaded.text))
+        n = len(loaded.tokens)
+        ms = (time.perf_counter() - t0) * 1e3
+        return Plan(
+            keep=n,
+            suffix_tokens=rest,
+            decision="disk",
+            cached=n,
+            detail=f"ids=0 key={loaded.entry.key[:12]} reason={loaded.entry.reason} load={ms:.0f}ms",
+        )
+
+    def after_token(self, session) -> None:
+        """Called after each generated token is fed: a ``continued`` save when the live
+        state reaches an unsaved frontier."""
+        if self.disk is not None and self.disk.continued_due(len(session.tokens)):
+            self.disk.save_live(session, "continued", self.tool_memory, self.live_tool_ids)
+
+    def on_shutdown(self, session) -> None:
+        """Clean exit: save the live state (``shutdown``) when worth it, then write every
+        queued save (the writer thread is stopped)."""
+        if self.disk is None:
+            return
+        if self.disk.worth_saving(len(session.tokens)):
+            keys = self._keys_of(session, self.bindings.thinking)
+            self.disk.save_live(
+                session, "shutdown", self.tool_memory, self.live_tool_ids, keys=keys
+            )
+        self.disk.close()
+
+
+class Planner(_DiskTier):
     """The full matching order of docs/ARCHITECTURE.md §3 for one engine's live session.
 
     Args:
@@ -250,62 +407,6 @@ class Planner:
             for c in m.tool_calls:
                 if c.id and c.id in self.tool_memory:
                     self.live_tool_ids[c.id] = None
-
-    def _with_checkpoints(self, plan: Plan, session, rendered: str | None) -> Plan:
-        """Attach the disk-save checkpoints of ``plan`` (cold point, continued frontiers,
-        the prompt's end when it is not a live continuation).
-
-        ``rendered`` (the prompt text, or None to skip the check) must start with a
-        checkpoint's text for that checkpoint to be kept: a snapshot no lookup can find
-        is not worth its disk space. A snapshot at the prompt's end is indexed by
-        ``rendered`` as well (an alias), which a retry or replay renders again.
-        """
-        if self.disk is None:
-            return plan
-        prompt_ids = list(session.tokens[: plan.keep]) + list(plan.suffix_tokens)
-        points = self.disk.checkpoints(
-            cached=plan.cached,
-            prompt_tokens=prompt_ids,
-            rendered_text=rendered,
-            # A retry, replay or sub-agent of a prompt that did not continue the live
-            # state cannot continue it either: its end is saved for them.
-            prompt_end=plan.decision in _NOT_CONTINUATIONS,
-        )
-        if points:
-            reasons = {p.tokens: p.reason for p in points}
-            plan.checkpoints = [p.tokens for p in points]
-            plan.extra["checkpoint_reasons"] = reasons
-
-            end = plan.prompt_tokens
-            keys = (rendered,) if rendered else ()
-
-            def save(session, n: int) -> None:
-                self.disk.save_live(
-                    session,
-                    reasons.get(n, "continued"),
-                    self.tool_memory,
-                    self.live_tool_ids,
-                    keys=keys if n == end else (),
-                )
-
-            plan.on_checkpoint = save
-        return plan
-
-    def _evict_live(self, session) -> None:
-        """Save the live state (``evict``) before an unrelated request replaces it."""
-        if self.disk is not None and self.disk.worth_saving(len(session.tokens)):
-            self.disk.save_live(
-                session, "evict", self.tool_memory, self.live_tool_ids, keys=self._live_keys
-            )
-
-    @staticmethod
-    def _keys_of(session, binding: ThinkingBinding | None) -> tuple[str, ...]:
-        """Lookup texts of the live state besides its own text: a thinking turn's visible
-        keys without their EOS (the next prompt renders the turn without its reasoning,
-        so its text never starts with the live text; `ds4mlx.kv.live.visible_keys`)."""
-        if binding is None or binding.n_tokens != len(session.tokens):
-            return ()
-        return tuple(k[: -len(EOS)] for k in binding.keys if k.endswith(EOS))
 
     # ---------------------------------------------------------------- the hooks
 
@@ -429,20 +530,6 @@ class Planner:
             detail=detail or "match=transcript",
         )
 
-    def _from_disk(self, session, rendered: Rendered | None) -> Plan | None:
-        """Rule 6: restore the longest stored rendered-text prefix.
-
-        Loads first, then saves the live state (evict) it replaces: saving first could
-        evict, within the byte budget, the very snapshot about to be loaded.
-        """
-        if self.disk is None or rendered is None:
-            return None
-        t0 = time.perf_counter()
-        loaded = self.disk.lookup(rendered.text)
-        if loaded is None:
-            return None
-        return self._restore(session, rendered, loaded, t0)
-
     def _cold(self, session, prompt_tokens: list[int]) -> Plan:
         """Rule 7: save the live state it replaces (evict), reset, prefill everything."""
         self._evict_live(session)
@@ -462,60 +549,6 @@ class Planner:
         self.bindings.clear()
         self._replaced()
         session.reset()
-
-    def resume(self, session, key: str) -> int | None:
-        """Restore the disk snapshot stored under ``key`` (the agent's ``/switch``).
-
-        The live state it replaces is saved first (``evict``) when worth it. Returns the
-        tokens restored, or None when the snapshot is gone or unusable (the session is
-        then reset).
-        """
-        from ds4mlx.engine import SessionState, SnapshotError
-
-        loaded = self.disk.load_key(key) if self.disk is not None else None
-        self._live_keys = self._keys_of(session, self.bindings.thinking)
-        self._evict_live(session)
-        self.reset(session)
-        if loaded is None:
-            return None
-        try:
-            session.restore(SessionState(loaded.tokens, loaded.arrays, loaded.meta))
-        except (SnapshotError, ValueError) as e:
-            log.warning("kv cache: cannot restore %s: %s", key[:12], e)
-            return None
-        self._loaded(loaded)
-        return len(loaded.tokens)
-
-    def _loaded(self, loaded) -> None:
-        """Bookkeeping after a snapshot was restored into the live session."""
-        self.disk.tracker.loaded(len(loaded.tokens))
-        if self.tool_memory is not None and loaded.tool_memory:
-            self.tool_memory.load(loaded.tool_memory.items())
-        self.live_tool_ids.update(dict.fromkeys(loaded.tool_memory))
-
-    def _restore(self, session, rendered: Rendered, loaded, t0: float) -> Plan | None:
-        from ds4mlx.engine import SessionState, SnapshotError
-
-        self._evict_live(session)
-        state = SessionState(tokens=loaded.tokens, arrays=loaded.arrays, meta=loaded.meta)
-        try:
-            session.restore(state)
-        except (SnapshotError, ValueError) as e:
-            # Verified by digest but not for this model's caches: treat as a miss.
-            log.warning("kv cache: cannot restore %s: %s", loaded.entry.path.name, e)
-            return None
-        self._replaced()
-        self._loaded(loaded)
-        rest = _encode_tail(self.engine.tokenizer, rendered, len(loaded.text))
-        n = len(loaded.tokens)
-        ms = (time.perf_counter() - t0) * 1e3
-        return Plan(
-            keep=n,
-            suffix_tokens=rest,
-            decision="disk",
-            cached=n,
-            detail=f"ids=0 key={loaded.entry.key[:12]} reason={loaded.entry.reason} load={ms:.0f}ms",
-        )
 
     def after_generation(
         self,
@@ -568,21 +601,3 @@ class Planner:
         if thinking and prompt_text.endswith(THINK_START):
             keys = visible_keys(prompt_text, text, render_tool_calls(calls, self.tool_memory))
             self.bindings.thinking = ThinkingBinding(keys, n)
-
-    def after_token(self, session) -> None:
-        """Called after each generated token is fed: a ``continued`` save when the live
-        state reaches an unsaved frontier."""
-        if self.disk is not None and self.disk.continued_due(len(session.tokens)):
-            self.disk.save_live(session, "continued", self.tool_memory, self.live_tool_ids)
-
-    def on_shutdown(self, session) -> None:
-        """Clean exit: save the live state (``shutdown``) when worth it, then write every
-        queued save (the writer thread is stopped)."""
-        if self.disk is None:
-            return
-        if self.disk.worth_saving(len(session.tokens)):
-            keys = self._keys_of(session, self.bindings.thinking)
-            self.disk.save_live(
-                session, "shutdown", self.tool_memory, self.live_tool_ids, keys=keys
-            )
-        self.disk.close()
