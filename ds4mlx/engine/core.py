@@ -170,7 +170,8 @@ class Engine:
         return cls(model, args, Tokenizer.load(path), path=path, config=config, ctx_size=ctx_size)
 
     def new_session(self) -> Session:
-        """A further, independent session on the same weights (tests, benchmarks)."""
+        """A further, independent session on the same weights (resident states of the
+        prompt cache, tests, benchmarks). Call on the inference thread."""
         return Session(self)
 
 

@@ -59,6 +59,7 @@ from ds4mlx.kv.live import (
     unknown_id_message,
     visible_keys,
 )
+from ds4mlx.kv.resident import Resident, ResidentStates
 
 log = logging.getLogger("ds4mlx.kv")
 
@@ -124,6 +125,8 @@ class Plan:
             at which the prefill pauses and calls ``on_checkpoint``.
         on_checkpoint: ``f(session, n_tokens)``, called at each checkpoint.
         extra: free-form details for the trace.
+        session: the ``Session`` to prefill and generate on: the one passed to
+            `Planner.plan`, or with resident states (``--sessions N``) the one chosen.
     """
 
     keep: int
@@ -134,6 +137,7 @@ class Plan:
     checkpoints: list[int] = field(default_factory=list)
     on_checkpoint: Callable[[Any, int], Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    session: Any = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -188,6 +192,7 @@ class _DiskTier:
     tool_memory: Any
     live_tool_ids: dict[str, None]
     bindings: LiveBindings
+    residents: ResidentStates | None
     _live_keys: tuple[str, ...]
 
     def _with_checkpoints(self, plan: Plan, session, rendered: str | None) -> Plan:
@@ -325,15 +330,76 @@ class _DiskTier:
         queued save (the writer thread is stopped)."""
         if self.disk is None:
             return
-        if self.disk.worth_saving(len(session.tokens)):
-            keys = self._keys_of(session, self.bindings.thinking)
-            self.disk.save_live(
-                session, "shutdown", self.tool_memory, self.live_tool_ids, keys=keys
-            )
+        residents = self.residents.states if self.residents is not None else [None]
+        for r in residents:
+            if r is not None:  # every resident state is saved, each with its own ids
+                self._use(r)
+                session = r.session
+            if self.disk.worth_saving(len(session.tokens)):
+                keys = self._keys_of(session, self.bindings.thinking)
+                self.disk.save_live(
+                    session, "shutdown", self.tool_memory, self.live_tool_ids, keys=keys
+                )
         self.disk.close()
 
 
-class Planner(_DiskTier):
+class _Residency:
+    """Which resident state a job runs on (``--sessions N``; split out of `Planner` for
+    size, it uses Planner's ``_live_tools``/``_live_text``). With one state (the
+    default) none of this runs.
+
+    The best live match wins: a tool-id continuation over a text key over a prefix,
+    then the most tokens kept. A job that matches no state goes to a free state, else
+    to the least recently used one, which the plan then evict-saves and replaces.
+    """
+
+    disk: Any
+    engine: Any
+    bindings: LiveBindings
+    live_tool_ids: dict[str, None]
+    residents: ResidentStates | None
+    current: Resident | None
+
+    def _use(self, r: Resident) -> None:
+        """Make ``r`` the state the planner's bindings, tool ids and tracker describe
+        (each state keeps its own objects; the planner mutates them in place)."""
+        self.current = r
+        self.bindings = r.bindings
+        self.live_tool_ids = r.live_tool_ids
+        if self.disk is not None:
+            self.disk.tracker = r.tracker
+
+    def _match(self, r: Resident, rendered, conversation, protocol: str, prompt) -> tuple | None:
+        """``(tier, kept tokens)`` of the best live rule for state ``r``, or None. No side
+        effects: the chosen state is planned again for real."""
+        if not r.live:
+            return None
+        s, b = r.session, r.bindings
+        tier, plan = 3, self._live_tools(s, conversation, protocol, b.tool)
+        if plan is None and rendered is not None:
+            tier = 2
+            plan = self._live_text(s, rendered, b.transcript, "live-transcript", "")
+            plan = plan or self._live_text(s, rendered, b.thinking, "live-thinking", "")
+        if plan is None:
+            tier, plan = 1, _prefix_plan(s, self.engine.tokenizer, rendered, prompt)
+        if plan is None or plan.prompt_tokens >= self.engine.ctx_size:
+            return None
+        return tier, plan.keep
+
+    def _choose(self, rendered, conversation, protocol: str, prompt) -> Resident:
+        """Pick the state for a job and make it current (see the class docstring)."""
+        best: tuple | None = None
+        for r in self.residents.states:
+            score = self._match(r, rendered, conversation, protocol, prompt)
+            if score is not None and (best is None or score > best[0]):
+                best = (score, r)
+        r = best[1] if best is not None else self.residents.room_for()
+        self._use(r)
+        self.residents.touch(r)
+        return r
+
+
+class Planner(_Residency, _DiskTier):
     """The full matching order of docs/ARCHITECTURE.md §3 for one engine's live session.
 
     Args:
@@ -365,6 +431,7 @@ class Planner(_DiskTier):
             OSError: the disk directory cannot be created.
         """
         disk = None
+        sessions = settings.sessions if settings is not None else 1
         if settings is not None and settings.enabled:
             from ds4mlx.kv.disk import DiskCache
 
@@ -375,7 +442,12 @@ class Planner(_DiskTier):
                 n = disk.reload_tool_memory(tool_memory)
                 if n:
                     log.info("kv cache: reloaded %d tool-memory entries", n)
-        return cls(engine, tool_memory, disk)
+        planner = cls(engine, tool_memory, disk)
+        if sessions > 1:
+            first = Resident(0, engine.session)
+            planner.residents = ResidentStates(engine, sessions, first)
+            planner._use(first)
+        return planner
 
     def __init__(self, engine, tool_memory=None, disk=None):
         self.engine = engine
@@ -386,11 +458,17 @@ class Planner(_DiskTier):
         # The visible keys of the live state while a plan may replace it (the bindings
         # are cleared when planning starts): its evict save is indexed by them too.
         self._live_keys: tuple[str, ...] = ()
+        # Resident states (``--sessions N`` > 1, set by `open`): None means one state.
+        self.residents: ResidentStates | None = None
+        self.current: Resident | None = None
 
     # ---------------------------------------------------------------- helpers
 
     def bound_tool_ids(self) -> frozenset[str]:
-        """Ids of the live tool binding (thread-safe; for the routes' pre-queue check)."""
+        """Ids of the live tool bindings of every resident state (thread-safe; for the
+        routes' pre-queue check)."""
+        if self.residents is not None:
+            return self.residents.bound_tool_ids()
         return self.bindings.bound_tool_ids()
 
     def _replaced(self) -> None:
@@ -436,8 +514,23 @@ class Planner(_DiskTier):
         Raises:
             PlanRejected: a tool result that nothing explains (client error); the
                 session and the bindings are unchanged.
+
+        With resident states the job runs on the state `_Residency._choose` picks
+        (``plan.session``; ``session`` is ignored), and ``plan.detail`` names it.
         """
         rendered = Rendered(rendered_text) if isinstance(rendered_text, str) else rendered_text
+        if self.residents is None:
+            plan = self._plan(session, prompt_tokens, rendered, conversation, protocol)
+            plan.session = session
+            return plan
+        r = self._choose(rendered, conversation, protocol, prompt_tokens)
+        plan = self._plan(r.session, prompt_tokens, rendered, conversation, protocol)
+        plan.session = r.session
+        plan.detail = f"{plan.detail} state={r.index}/{self.residents.n}".strip()
+        return plan
+
+    def _plan(self, session, prompt_tokens, rendered, conversation, protocol) -> Plan:
+        """The matching order on one live state (see `plan`)."""
         live_ok = len(session.tokens) > 0 and session.logits is not None
         saved = self.bindings.save()
         # Whatever this prompt does, the bindings describe the state before it: a later

@@ -83,6 +83,8 @@ class KVCacheSettings:
             continuations (off with ``--kv-cache-no-prompt-end``).
         write_queue_mb: ``--kv-write-queue-mb``, bound of the writer thread's queue of
             pending saves (MiB; the oldest pending save is dropped beyond it).
+        sessions: ``--sessions``, live states kept resident in memory (1 = the one live
+            session; ``ds4mlx.kv.resident``). Independent of the disk directory.
 
     Raises:
         ValueError: negative values, ``min_tokens`` < 1, ``disk_space_mb`` < 1, or a
@@ -99,6 +101,7 @@ class KVCacheSettings:
     reject_different_quant: bool = False
     prompt_end: bool = True
     write_queue_mb: int = DEFAULT_WRITE_QUEUE_MB
+    sessions: int = 1
 
     def __post_init__(self) -> None:
         for name in (
@@ -113,6 +116,8 @@ class KVCacheSettings:
             raise ValueError(f"min_tokens must be >= 1, got {self.min_tokens}")
         if self.disk_space_mb < 1:
             raise ValueError(f"disk_space_mb must be >= 1, got {self.disk_space_mb}")
+        if self.sessions < 1:
+            raise ValueError(f"sessions must be >= 1, got {self.sessions}")
         if self.write_queue_mb < 1:
             raise ValueError(f"write_queue_mb must be >= 1, got {self.write_queue_mb}")
         if 0 < self.cold_max_tokens < self.min_tokens:
@@ -178,6 +183,7 @@ class KVCacheSettings:
             reject_different_quant=args.kv_cache_reject_different_quant,
             prompt_end=not args.kv_cache_no_prompt_end,
             write_queue_mb=args.kv_write_queue_mb,
+            sessions=args.sessions,
         )
 
 
@@ -213,7 +219,7 @@ def derived_budget_mb(disk_dir: str | os.PathLike) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``--kv-disk-*`` / ``--kv-cache-*`` flags (defaults as in ds4)."""
-    g = parser.add_argument_group("disk KV cache")
+    g = parser.add_argument_group("prompt cache (disk tier, resident states)")
     g.add_argument("--kv-disk-dir", metavar="DIR", default=None,
                    help=f"directory of disk KV snapshots; 'none' turns the disk cache off "
                         f"(default {default_disk_dir()})")  # fmt: skip
@@ -242,6 +248,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-write-queue-mb", type=int, metavar="MB", default=DEFAULT_WRITE_QUEUE_MB,
                    help="pending snapshot bytes the writer thread holds before it drops the "
                         "oldest pending save (default %(default)s)")  # fmt: skip
+    g.add_argument("--sessions", type=int, metavar="N", default=1,
+                   help="live KV states kept resident in memory; a job runs on the best "
+                        "match, one at a time (default %(default)s)")  # fmt: skip
 
 
 # --------------------------------------------------------------------------- points

@@ -120,6 +120,13 @@ def banner(engine, config: ServerConfig, url: str) -> None:
     if kv:
         t.add_row("[bold]KV cache[/]", kv)
     t.add_row("[bold]disk cache[/]", _disk_line(config.kv))
+    n = getattr(config.kv, "sessions", 1)
+    t.add_row(
+        "[bold]live states[/]",
+        f"{n} resident (--sessions; a job runs on the best match, one at a time)"
+        if n > 1
+        else "1 (--sessions N keeps N resident for interleaved conversations)",
+    )
     t.add_row("[bold]device[/]", f"{device}, BLAS {blas_label()}")
     t.add_row(
         "[bold]url[/]",
