@@ -690,6 +690,7 @@ class DiskKVStore:
         self.read_only = read_only
         self._clock = clock
         self._lock = threading.RLock()
+        self._write_lock = threading.Lock()
         # name -> (stat signature, Entry | BadFile); re-read only when a file changes.
         self._cache: dict[str, tuple[tuple, Entry | BadFile]] = {}
         self._index: dict[str, dict] = {}
@@ -1041,8 +1042,9 @@ class DiskKVStore:
     def write(self, p: PreparedSave) -> Entry | None:
         """Put a prepared snapshot on disk: room first, temp file, fsync, rename.
 
-        No MLX call: safe on any thread (the store's lock orders it against lookups,
-        loads and evictions of this process).
+        No MLX call: safe on any thread. The store's lock is held to make room and to
+        publish the file, not while the bytes go to disk: lookups and loads of the
+        inference thread do not wait for a write (a temp name matches no snapshot).
 
         Returns:
             The new (or identical existing) `Entry`, or None when the snapshot alone
@@ -1051,66 +1053,83 @@ class DiskKVStore:
         """
         size = len(p.data)
         final = self.dir / f"{p.key}{SUFFIX}"
-        with self._lock:
-            if size > self.budget_bytes:
-                log.warning(
-                    "kv cache: not saving tokens=%d reason=%s: %d bytes exceed the budget %d",
-                    p.tokens, p.reason, size, self.budget_bytes,
-                )  # fmt: skip
-                return None
-            same = self._existing_same(final, p.key, p.tokens, p.tools)
-            if same is not None:
-                log.info(
-                    "kv cache: tokens=%d reason=%s already stored as %s", p.tokens, p.reason, p.key
-                )
-                self._add_aliases(same, p.aliases)
-                return same
-            # Make room first, so the directory stays within budget even if we are killed
-            # between the rename and the eviction pass that follows it.
-            self._evict(self.budget_bytes - size, protect=p.key)
-            tmp = self.dir / _tmp_name(p.key)
+        with self._write_lock:  # one writer at a time: room made is room used
+            with self._lock:
+                if size > self.budget_bytes:
+                    log.warning(
+                        "kv cache: not saving tokens=%d reason=%s: %d bytes exceed the budget %d",
+                        p.tokens, p.reason, size, self.budget_bytes,
+                    )  # fmt: skip
+                    return None
+                same = self._existing_same(final, p.key, p.tokens, p.tools)
+                if same is not None:
+                    log.info(
+                        "kv cache: tokens=%d reason=%s already stored as %s",
+                        p.tokens, p.reason, p.key,
+                    )  # fmt: skip
+                    self._add_aliases(same, p.aliases)
+                    return same
+                # Make room first, so the directory stays within budget even if we are
+                # killed between the rename and the eviction pass that follows it.
+                self._evict(self.budget_bytes - size, protect=p.key)
             t0 = time.perf_counter()
-            try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(p.data)
-                    f.flush()
-                    # Data must be durable before the rename publishes the name; otherwise
-                    # a power loss could leave a complete-looking name over missing blocks.
-                    _fsync_file(f.fileno())
-                os.replace(tmp, final)
-                _fsync_dir(self.dir)
-            except OSError as e:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                log.warning("kv cache: save failed tokens=%d reason=%s: %s", p.tokens, p.reason, e)
+            tmp = self.dir / _tmp_name(p.key)
+            if not self._write_tmp(tmp, p):
                 return None
-            entry = Entry(
-                key=p.key,
-                path=final,
-                tokens=p.tokens,
-                text_bytes=len(p.text_bytes),
-                model_identity=self.model_identity,
-                expert_bits=self.expert_bits,
-                ctx_size=self.ctx_size,
-                hits=0,
-                created=p.created,
-                last_used=p.created,
-                reason=p.reason,
-                size=final.stat().st_size,
-                tool_count=len(p.tools),
-                head=_head(p.text_bytes),
-            )
-            self._failed.pop(p.key, None)
-            # After the rename: an alias never names a file that is not there. A lost
-            # sidecar only loses the aliases (a shorter disk hit), never correctness.
-            self._add_aliases(entry, p.aliases)
-            self._evict(self.budget_bytes, protect=p.key)
-            log.info(
-                "kv cache: stored tokens=%d reason=%s key=%s size=%.2f MiB save=%.1f ms",
-                p.tokens, p.reason, p.key, size / 2**20, (time.perf_counter() - t0) * 1e3,
-            )  # fmt: skip
-            return entry
+            with self._lock:
+                try:
+                    os.replace(tmp, final)
+                    _fsync_dir(self.dir)
+                    st_size = final.stat().st_size
+                except OSError as e:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
+                    log.warning("kv cache: save failed tokens=%d: %s", p.tokens, e)
+                    return None
+                entry = Entry(
+                    key=p.key,
+                    path=final,
+                    tokens=p.tokens,
+                    text_bytes=len(p.text_bytes),
+                    model_identity=self.model_identity,
+                    expert_bits=self.expert_bits,
+                    ctx_size=self.ctx_size,
+                    hits=0,
+                    created=p.created,
+                    last_used=p.created,
+                    reason=p.reason,
+                    size=st_size,
+                    tool_count=len(p.tools),
+                    head=_head(p.text_bytes),
+                )
+                self._failed.pop(p.key, None)
+                # After the rename: an alias never names a file that is not there. A lost
+                # sidecar only loses the aliases (a shorter disk hit), never correctness.
+                self._add_aliases(entry, p.aliases)
+                self._evict(self.budget_bytes, protect=p.key)
+        log.info(
+            "kv cache: stored tokens=%d reason=%s key=%s size=%.2f MiB save=%.1f ms",
+            p.tokens, p.reason, p.key, size / 2**20, (time.perf_counter() - t0) * 1e3,
+        )  # fmt: skip
+        return entry
+
+    def _write_tmp(self, tmp: Path, p: PreparedSave) -> bool:
+        """Write ``p``'s bytes to ``tmp`` and fsync them; False (logged, no file left)
+        on failure."""
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with os.fdopen(fd, "wb") as f:
+                f.write(p.data)
+                f.flush()
+                # Data must be durable before the rename publishes the name; otherwise a
+                # power loss could leave a complete-looking name over missing blocks.
+                _fsync_file(f.fileno())
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            log.warning("kv cache: save failed tokens=%d reason=%s: %s", p.tokens, p.reason, e)
+            return False
+        return True
 
     def _existing_same(
         self, final: Path, key: str, n_tokens: int, tools: Mapping[str, str]
