@@ -55,7 +55,7 @@ class Server:
         scripted: pass ``--enable-scripted-decoding``.
         kv_dir: the disk KV cache directory. The disk tier is on by default
             (``~/.cache/ds4mlx/kv``); unless ``extra`` names one, every server gets a
-            fresh temporary directory of its own (removed on a clean stop), so no test
+            fresh temporary directory of its own (removed by `stop`), so no test
             sees another's snapshots — or the user's. False passes no
             ``--kv-disk-dir`` (the server's default; set ``XDG_CACHE_HOME`` in ``env``).
     """
@@ -149,6 +149,8 @@ class Server:
                 raise
         if self._log:
             self._log.close()
+        if self._tmp_kv is not None:
+            shutil.rmtree(self._tmp_kv, ignore_errors=True)
         return self.proc.returncode
 
     def kill(self) -> None:
@@ -185,8 +187,6 @@ class Server:
         if exc[0] is None:
             assert rc == 0, f"server exited with {rc}:\n{self.log()[-3000:]}"
             self.log_path.unlink(missing_ok=True)  # kept when something failed
-        if self._tmp_kv is not None:
-            shutil.rmtree(self._tmp_kv, ignore_errors=True)
 
 
 @contextlib.contextmanager
