@@ -9,6 +9,15 @@ The roofline column relates decode speed to memory bandwidth: a decoded token mu
 every active weight once (non-expert weights, the shared expert, ``top-k`` of the routed
 experts, one embedding row), so ``bandwidth / active_bytes`` bounds decode tokens/s.
 Bandwidth is measured here as an MLX array copy (bytes read + bytes written per second).
+
+Graph columns (docs/KERNELS.md): at each frontier one decode step is counted
+(primitives and non-view primitives of the logits + every cache array) and a few steps
+are timed split into Python graph build and evaluation, on a copy of the frontier's
+state (the timed decode loop itself is unchanged).
+
+``run_flash_shape`` measures real Flash layer dimensions without a checkpoint: a random
+model with quantized experts generated directly (``model/synth.py``), timed layer by
+layer in prefill and decode.
 """
 
 from __future__ import annotations
@@ -24,7 +33,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ds4mlx.engine import DEFAULT_CHUNK, Engine, SamplingParams
+from ds4mlx.engine import DEFAULT_CHUNK, Engine, SamplingParams, TurnSpec, run_turn
+from ds4mlx.model.graph import decode_step_primitives, time_decode
 
 # Tensors read one row per token: the token embedding and the hash-routing table.
 _ROW_LOOKUP = re.compile(r"\.(embed|embed_tokens|tid2eid)(\.|$)")
@@ -44,6 +54,12 @@ class BenchRow:
     kv_bytes: int
     roofline_tok_s: float
     roofline_fraction: float
+    kv_used_bytes: int = 0
+    decode_primitives: int = 0
+    decode_non_view: int = 0
+    build_ms: float = float("nan")
+    eval_ms: float = float("nan")
+    decode_sync_tok_s: float = float("nan")
 
 
 @dataclass
@@ -138,13 +154,12 @@ def run_bench(
     # Ordinary vocabulary only: ids below the added special tokens (128000+).
     rng = np.random.default_rng(seed)
     prompt = rng.integers(1000, 100000, size=frontiers[-1]).tolist()
-    greedy = SamplingParams(temperature=0)
 
     # Warm-up on a throwaway session: first calls build kernels / compiled graphs.
     warm = engine.new_session()
-    warm.prefill(prompt[: min(chunk_size, frontiers[0])], chunk_size=chunk_size)
-    for _ in range(2):
-        warm.decode(warm.sample(greedy))
+    run_turn(
+        warm, engine.tokenizer, _decode_spec(2), prefill=prompt[: min(chunk_size, frontiers[0])]
+    )
     del warm
 
     active, total = weight_bytes(engine.model, engine.args)
@@ -166,16 +181,19 @@ def run_bench(
         kv = s.kv_bytes()
 
         snap = s.snapshot()
-        tok = s.sample(greedy)
-        t0 = time.perf_counter()
-        for _ in range(decode_tokens):
-            s.decode(tok)
-            tok = s.sample(greedy)
-        t_dec = time.perf_counter() - t0
-        s.restore(snap)
+        tok = int(mx.argmax(s.logits).item())
+        graph = graph_figures(engine.model, snap, tok, steps=min(decode_tokens, 8))
+        # The shared turn loop, pipelined then synchronous, from the same frontier; the
+        # last sampled token is not fed (feeding rule), hence decode_tokens + 1 samples.
+        rates = []
+        for pipeline in (True, False):
+            res = run_turn(s, engine.tokenizer, _decode_spec(decode_tokens + 1, pipeline))
+            rates.append((res.fed, res.decode_s))
+            s.restore(snap)
         del snap
-
-        dec_tps = decode_tokens / t_dec if t_dec > 0 else float("nan")
+        fed, t_dec = rates[0]
+        dec_tps = fed / t_dec if t_dec > 0 else float("nan")
+        sync_tps = rates[1][0] / rates[1][1] if rates[1][1] > 0 else float("nan")
         row = BenchRow(
             frontier=f,
             prefill_tokens=len(chunk),
@@ -187,12 +205,17 @@ def run_bench(
             kv_bytes=kv,
             roofline_tok_s=roof,
             roofline_fraction=dec_tps / roof if roof else float("nan"),
+            decode_sync_tok_s=sync_tps,
+            **graph,
         )
         rows.append(row)
         say(
             f"{f:>7} tokens: prefill {row.prefill_tok_s:8.1f} tok/s, decode "
-            f"{row.decode_tok_s:7.2f} tok/s ({100 * row.roofline_fraction:.2f}% of roofline), "
-            f"KV {kv / 1e6:.2f} MB"
+            f"{row.decode_tok_s:7.2f} tok/s pipelined / {sync_tps:.2f} synchronous "
+            f"({100 * row.roofline_fraction:.2f}% of roofline), "
+            f"KV {kv / 1e6:.2f} MB ({row.kv_used_bytes / 1e6:.2f} MB used); step graph "
+            f"{row.decode_primitives} primitives, {row.decode_non_view} non-view; build "
+            f"{row.build_ms:.2f} ms + eval {row.eval_ms:.2f} ms"
         )
         prev = f
     return BenchResult(
@@ -205,10 +228,57 @@ def run_bench(
     )
 
 
-def to_csv(rows: Sequence[BenchRow]) -> str:
-    """CSV text with a header row (columns = ``BenchRow`` fields)."""
+def _decode_spec(max_tokens: int, pipeline: bool = True) -> TurnSpec:
+    """Greedy raw decoding of exactly ``max_tokens`` samples (EOS is an ordinary token)."""
+    return TurnSpec(
+        SamplingParams(temperature=0),
+        max_tokens,
+        parse=False,
+        ignore_eos=True,
+        pipeline=pipeline,
+    )
+
+
+def caches_from_snapshot(model, snap) -> list:
+    """Fresh per-layer caches holding a session snapshot's cache arrays (``cache.I.name``)."""
+    caches = model.make_cache()
+    per_layer: list[dict] = [{} for _ in caches]
+    for key, a in snap.arrays.items():
+        parts = key.split(".", 2)
+        if len(parts) == 3 and parts[0] == "cache" and parts[1].isdigit():
+            per_layer[int(parts[1])][parts[2]] = a
+    for c, st in zip(caches, per_layer, strict=True):
+        c.state = st
+    return caches
+
+
+def graph_figures(model, snap, token: int, *, steps: int = 8) -> dict:
+    """Graph size of one decode step and the build / evaluation split of ``steps`` steps.
+
+    Runs on caches rebuilt from ``snap`` (the session is not touched). Returns the
+    ``BenchRow`` fields ``decode_primitives``, ``decode_non_view``, ``build_ms``,
+    ``eval_ms`` (medians per step) and ``kv_used_bytes`` (KV bytes in use, without the
+    spare rows that ``kv_bytes`` includes).
+    """
+    caches = caches_from_snapshot(model, snap)
+    used = sum(getattr(c, "used_nbytes", c.nbytes) for c in caches)
+    r = decode_step_primitives(model, caches, token)
+    t = time_decode(model, caches, [token] * max(1, steps))
+    return {
+        "kv_used_bytes": int(used),
+        "decode_primitives": r["primitives"],
+        "decode_non_view": r["non_view"],
+        "build_ms": float(np.median(t["build_ms"])),
+        "eval_ms": float(np.median(t["eval_ms"])),
+    }
+
+
+def to_csv(rows: Sequence) -> str:
+    """CSV text with a header row (columns = the dataclass fields of the rows:
+    ``BenchRow`` or ``LayerCost``)."""
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=[f.name for f in fields(BenchRow)], lineterminator="\n")
+    cls = type(rows[0]) if rows else BenchRow
+    w = csv.DictWriter(buf, fieldnames=[f.name for f in fields(cls)], lineterminator="\n")
     w.writeheader()
     for r in rows:
         d = asdict(r)
@@ -245,3 +315,124 @@ def plot(result: BenchResult, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- Flash shape
+@dataclass
+class LayerCost:
+    """Wall time of one layer (or of embedding + head: ``layer`` -1) at Flash shape.
+
+    ``prefill_ms`` covers the whole prompt; ``decode_ms`` is the median per token. Layer
+    times include building that layer's graph; layer 0 includes the embedding lookup.
+    """
+
+    layer: int
+    kind: str
+    hash_routed: bool
+    weight_bytes: int
+    active_bytes: int
+    prefill_ms: float
+    prefill_ms_per_token: float
+    decode_ms: float
+
+
+@dataclass
+class FlashShapeResult:
+    rows: list[LayerCost]
+    prompt_tokens: int
+    decode_tokens: int
+    expert_bits: int
+    other_bits: int | None
+    build_s: float
+    peak_rss_bytes: int
+    includes_embedding_and_head: bool = True
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (bytes)."""
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def _timed_forward(model, tokens: mx.array, cache, *, last_only: bool) -> list[float]:
+    """Seconds per layer, then embedding + head last: evaluation after every layer."""
+    marks: list[float] = []
+
+    def probe(_i, x, c):
+        mx.eval(x, c.arrays())
+        marks.append(time.perf_counter())
+
+    t0 = time.perf_counter()
+    mx.eval(model(tokens, cache, last_only=last_only, probe=probe))
+    end = time.perf_counter()
+    starts = [t0, *marks]
+    return [b - a for a, b in zip(starts, marks, strict=False)] + [end - marks[-1]]
+
+
+def run_flash_shape(
+    layers: int = 2,
+    *,
+    first: int = 0,
+    expert_bits: int = 2,
+    other_bits: int | None = 8,
+    prompt_tokens: int = 32,
+    decode_tokens: int = 3,
+    seed: int = 0,
+    log: Callable[[str], object] | None = None,
+) -> FlashShapeResult:
+    """Per-layer prefill and decode cost at real Flash dimensions (random weights).
+
+    Builds ``synth.flash_model`` (Flash's layers ``first …``; experts quantized at ``expert_bits``, generated directly
+    as packed words + scales; the rest at ``other_bits``; embedding and head included),
+    prefills ``prompt_tokens`` random tokens and decodes ``decode_tokens`` more, timing
+    every layer separately.
+    """
+    from ds4mlx.model.synth import flash_model
+
+    say = log or (lambda _s: None)
+    t0 = time.perf_counter()
+    model = flash_model(
+        layers, first=first, expert_bits=expert_bits, other_bits=other_bits, seed=seed
+    )
+    build_s = time.perf_counter() - t0
+    args = model.args
+    say(f"built a {layers}-layer Flash-shape model in {build_s:.1f} s")
+    rng = np.random.default_rng(seed)
+    prompt = mx.array(rng.integers(1000, 100000, prompt_tokens), dtype=mx.int32)[None]
+    cache = model.make_cache()
+    pre = _timed_forward(model, prompt, cache, last_only=True)
+    say(f"prefill {prompt_tokens} tokens: {sum(pre):.2f} s")
+    dec = []
+    for t in rng.integers(1000, 100000, decode_tokens).tolist():
+        dec.append(_timed_forward(model, mx.array([[t]], dtype=mx.int32), cache, last_only=False))
+        say(f"decode step: {sum(dec[-1]):.2f} s")
+    dec_med = np.median(np.array(dec), axis=0)
+    rows = []
+    for i, layer in enumerate(model.layers):
+        active, total = weight_bytes(layer, args)
+        rows.append(
+            LayerCost(first + i, args.layer_kind(i), args.hash_layers[i], total, active,
+                      1e3 * pre[i], 1e3 * pre[i] / prompt_tokens, 1e3 * float(dec_med[i]))
+        )  # fmt: skip
+    # The embedding is read one row per token; head and final norm entirely.
+    emb = sum(p.nbytes for _, p in tree_flatten(model.embed.parameters()))
+    head_total = emb + sum(
+        p.nbytes for m in (model.head, model.norm) for _, p in tree_flatten(m.parameters())
+    )
+    head_active = head_total - emb + emb // args.vocab_size
+    rows.append(
+        LayerCost(-1, "embed+head", False, head_total, head_active, 1e3 * pre[-1],
+                  1e3 * pre[-1] / prompt_tokens, 1e3 * float(dec_med[-1]))
+    )  # fmt: skip
+    return FlashShapeResult(
+        rows=rows,
+        prompt_tokens=prompt_tokens,
+        decode_tokens=decode_tokens,
+        expert_bits=expert_bits,
+        other_bits=other_bits,
+        build_s=build_s,
+        peak_rss_bytes=peak_rss_bytes(),
+    )

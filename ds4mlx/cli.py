@@ -1,4 +1,4 @@
-"""The ds4mlx command line: serve, agent, generate, bench, tokenize, make-tiny, kv.
+"""The ds4mlx command line: serve, agent, generate, bench, convert, tokenize, make-tiny, kv.
 
 Each subcommand's arguments are declared here; its work lives in the room that owns
 it (docs/ARCHITECTURE.md §1). Modules are imported lazily so ``ds4mlx --help`` stays fast.
@@ -19,7 +19,16 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
     else:
         expert_bits = args.expert_bits
         other_bits = None if args.other_bits == "none" else int(args.other_bits)
-    make_tiny(args.dir, seed=args.seed, expert_bits=expert_bits, other_bits=other_bits)
+    if args.layers is not None and args.layers < 1:
+        print("ds4mlx make-tiny: --layers must be at least 1", file=sys.stderr)
+        return 2
+    make_tiny(
+        args.dir,
+        seed=args.seed,
+        expert_bits=expert_bits,
+        other_bits=other_bits,
+        layers=args.layers,
+    )
     size = sum(f.stat().st_size for f in Path(args.dir).glob("*.safetensors"))
     quant = (
         "float32"
@@ -29,7 +38,11 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
             f"other={'q' + str(other_bits) if other_bits else 'f32'}"
         )
     )
-    print(f"wrote tiny DS4 checkpoint to {args.dir} ({quant}, {size / 1e6:.1f} MB of weights)")
+    depth = "4 test layers" if args.layers is None else f"{args.layers} layers, Flash layout"
+    print(
+        f"wrote tiny DS4 checkpoint to {args.dir} ({depth}, {quant}, "
+        f"{size / 1e6:.1f} MB of weights)"
+    )
     return 0
 
 
@@ -60,6 +73,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from ds4mlx.blas import blas_label
     from ds4mlx.engine import ContextOverflowError, SamplingParams
 
+    _apply_memory_limit(args)
     engine = _load_engine(args.model, args.ctx)
     if engine is None:
         return 1
@@ -156,9 +170,50 @@ def _output_path_error(path: str | None) -> str | None:
     return None
 
 
+def _cmd_bench_flash(args: argparse.Namespace) -> int:
+    from ds4mlx.bench import run_flash_shape, to_csv
+    from ds4mlx.blas import active_blas
+
+    other = None if args.other_bits == "none" else int(args.other_bits)
+    print(
+        f"Flash shape, layers {args.first_layer}..{args.first_layer + args.layers - 1}, experts q{args.expert_bits}, other "
+        f"{'f32' if other is None else f'q{other}'}, BLAS {active_blas()}; embedding and head "
+        f"included (row -1); prompt {args.prompt_tokens} tokens, {args.decode_tokens or 3} decode",
+        file=sys.stderr,
+    )
+    res = run_flash_shape(
+        args.layers,
+        first=args.first_layer,
+        expert_bits=args.expert_bits,
+        other_bits=other,
+        prompt_tokens=args.prompt_tokens,
+        decode_tokens=args.decode_tokens or 3,
+        seed=args.seed,
+        log=lambda s: print(s, file=sys.stderr),
+    )
+    text = to_csv(res.rows)
+    if args.csv:
+        Path(args.csv).write_text(text)
+    else:
+        sys.stdout.write(text)
+    print(
+        f"peak RSS {res.peak_rss_bytes / 1e9:.2f} GB, model built in {res.build_s:.1f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from ds4mlx.bench import plot, run_bench, to_csv
     from ds4mlx.blas import blas_label
+
+    if args.shape == "flash":
+        return _cmd_bench_flash(args)
+    if not args.model:
+        print("ds4mlx bench: -m/--model is required (or --shape flash)", file=sys.stderr)
+        return 2
+    if args.decode_tokens is None:
+        args.decode_tokens = 32
 
     try:
         frontiers = [int(x) for x in args.frontiers.split(",") if x.strip()]
@@ -220,12 +275,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from ds4mlx.server.cli import run_serve
 
+    _apply_memory_limit(args)
     return run_serve(args)
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
     from ds4mlx.agent.app import run
 
+    _apply_memory_limit(args)
     return run(args)
 
 
@@ -239,6 +296,246 @@ def _version() -> str:
     from ds4mlx import __version__
 
     return __version__
+
+
+def _memory_limit_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--memory-limit",
+        default=None,
+        metavar="SIZE",
+        help="memory the fit check may assume, e.g. 96GB (default: Metal's recommended "
+        "working set on a Mac, else RAM; also $DS4MLX_MEMORY_LIMIT)",
+    )
+
+
+def _apply_memory_limit(args: argparse.Namespace) -> None:
+    """Hand ``--memory-limit`` to the loader's fit check (it reads $DS4MLX_MEMORY_LIMIT)."""
+    import os
+
+    from ds4mlx.model.fit import MEMORY_ENV
+
+    if getattr(args, "memory_limit", None):
+        os.environ[MEMORY_ENV] = args.memory_limit
+
+
+def _convert_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="source checkpoint directory")
+    p.add_argument("dst", nargs="?", default=None, help="output directory (created)")
+    p.add_argument(
+        "--expert-mode",
+        choices=("mxfp4", "affine", "keep"),
+        default=None,
+        help="routed experts: mxfp4 (DeepSeek's own FP4, lossless from the release), affine "
+        "(at --expert-bits), keep (as stored). Default: keep for a quantized source, else affine",
+    )
+    p.add_argument(
+        "--expert-bits",
+        type=int,
+        choices=(2, 3, 4, 5, 6, 8),
+        default=None,
+        help="affine bits of the routed experts (4 when --expert-mode affine is given alone)",
+    )
+    p.add_argument(
+        "--bits",
+        default=None,
+        help="every other quantizable module: mxfp8 (lossless from the release), 8, 6, 4 "
+        "(affine), none (float), keep. Default: keep for a quantized source, else 8",
+    )
+    p.add_argument(
+        "--group-size",
+        type=int,
+        choices=(32, 64, 128),
+        default=64,
+        help="affine group size (64); a spec may carry its own, e.g. 4:32",
+    )
+    p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="PART=SPEC",
+        help="per-part choice, repeatable: PART is embed, head, attn, indexer, shared, experts "
+        "or a regex over module paths; SPEC as --bits (e.g. --override head=8 --override "
+        "attn=mxfp8)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default=None,
+        help="dtype of float tensors (bfloat16 on a Mac, float32 on the CPU by default)",
+    )
+    p.add_argument("--shard-size", default="5GB", help="output shard size; bounds memory use (5GB)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="measure top-1 agreement and mean KL vs the unquantized network for each "
+        "--report-bits choice (DST, if given, holds the scratch conversions)",
+    )
+    p.add_argument(
+        "--report-bits",
+        default="4,3,2",
+        help="comma-separated expert choices for --report (4,3,2; mxfp4 too)",
+    )
+    p.add_argument("--report-tokens", type=int, default=96, help="tokens per report prompt (96)")
+
+
+# Fixed prompts of the quantization report: code, prose, Chinese, arithmetic.
+REPORT_PROMPTS = (
+    'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n'
+    "    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+    "def is_prime(n: int) -> bool:\n",
+    "The mitochondrion is the powerhouse of the cell. In eukaryotic organisms it produces "
+    "most of the chemical energy needed to power biochemical reactions, stored in ATP. ",
+    "请用简单的语言解释量子纠缠是什么，以及它为什么不能用来传递信息。量子纠缠是指",
+    "Q: A train leaves at 3 pm travelling at 80 km/h. How far has it gone by 5:30 pm?\n"
+    "A: From 3 pm to 5:30 pm is 2.5 hours, so the distance is ",
+)
+
+
+def _convert_options(args: argparse.Namespace):
+    """``ConvertOptions`` from the flags; ValueError on a bad combination."""
+    from ds4mlx.model.convert import ConvertOptions
+    from ds4mlx.model.formats import parse_spec
+    from ds4mlx.model.units import parse_size
+
+    if args.expert_mode == "mxfp4" and args.expert_bits not in (None, 4):
+        raise ValueError("--expert-mode mxfp4 is 4-bit; drop --expert-bits")
+    if args.expert_mode in ("mxfp4", "keep"):
+        expert = args.expert_mode
+    elif args.expert_bits is not None or args.expert_mode == "affine":
+        expert = str(args.expert_bits or 4)
+    else:
+        expert = None
+    overrides = []
+    for o in args.override:
+        key, sep, spec = o.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--override {o!r}: expected PART=SPEC")
+        parse_spec(spec, args.group_size)
+        overrides.append((key, spec))
+    if args.bits is not None:
+        parse_spec(args.bits, args.group_size)
+    return ConvertOptions(
+        expert=expert,
+        rest=args.bits,
+        group_size=args.group_size,
+        overrides=overrides,
+        dtype=args.dtype,
+        shard_size=parse_size(args.shard_size),
+        overwrite=args.overwrite,
+    )
+
+
+def _report_prompts(src: str, n_tokens: int) -> tuple[list[list[int]], str]:
+    """The report's prompts as token ids, and a note on how they were made."""
+    import json
+    import os
+
+    import numpy as np
+
+    from ds4mlx.tokenizer import Tokenizer
+
+    with open(os.path.join(src, "config.json")) as f:
+        vocab = int(json.load(f).get("vocab_size", 129280))
+    tok = Tokenizer.load(src if os.path.isfile(os.path.join(src, "tokenizer.json")) else None)
+    prompts = [[tok.bos_id, *tok.encode(t)][:n_tokens] for t in REPORT_PROMPTS]
+    if max(max(p) for p in prompts) < vocab:
+        return prompts, f"{len(prompts)} fixed prompts"
+    # A test checkpoint with a small vocabulary: seeded token ids it can embed.
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, vocab, size=n_tokens).tolist() for _ in REPORT_PROMPTS]
+    return prompts, f"{len(prompts)} seeded random prompts (vocabulary {vocab} < tokenizer's)"
+
+
+def _convert_report(args, opts, console) -> int:
+    import tempfile
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from ds4mlx.model.report import quant_report
+    from ds4mlx.model.units import format_bytes
+
+    choices = [c.strip() for c in args.report_bits.split(",") if c.strip()]
+    prompts, how = _report_prompts(args.src, args.report_tokens)
+    console.print(f"report on {args.src}: {how}, {sum(map(len, prompts))} positions")
+    with tempfile.TemporaryDirectory(dir=args.dst, prefix="ds4mlx-report-") as work:
+        rows = quant_report(
+            args.src, choices, prompts, work, base=opts, log=lambda s: console.print(f"  {s}")
+        )
+    table = Table(title="routed-expert quantization vs the unquantized network")
+    for col in ("experts", "top-1 agreement", "mean KL (nats)", "weights", "positions"):
+        table.add_column(col, justify="left" if col == "experts" else "right")
+    for r in rows:
+        table.add_row(
+            r.choice,
+            f"{r.agreement:.4f}",
+            f"{r.mean_kl:.5f}",
+            format_bytes(r.weight_bytes),
+            str(r.positions),
+        )
+    Console(width=100).print(table)
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+    from rich.table import Table
+
+    from ds4mlx.model.convert import convert
+    from ds4mlx.model.errors import LoadError
+    from ds4mlx.model.units import format_bytes
+
+    console = Console(stderr=True)
+    try:
+        opts = _convert_options(args)
+    except ValueError as e:
+        print(f"ds4mlx convert: {e}", file=sys.stderr)
+        return 2
+    try:
+        if args.report:
+            return _convert_report(args, opts, console)
+        if not args.dst:
+            print("ds4mlx convert: DST is required (or use --report)", file=sys.stderr)
+            return 2
+        columns = (
+            TextColumn("{task.description:<40.40}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+        )
+        with Progress(*columns, console=console, disable=args.quiet) as bar:
+            task = bar.add_task("reading headers", total=None)
+
+            def advance(done: int, total: int, path: str) -> None:
+                bar.update(task, completed=done, total=total, description=path)
+
+            summary = convert(args.src, args.dst, opts, progress=advance)
+    except (LoadError, OSError, ValueError) as e:
+        print(f"ds4mlx convert: {e}", file=sys.stderr)
+        return 1
+    table = Table(title=f"wrote {args.dst} ({len(summary.shards)} shards, {summary.seconds:.1f}s)")
+    for col in ("part", "format", "params", "bytes", "bits/weight"):
+        table.add_column(col, justify="left" if col in ("part", "format") else "right")
+    for row in summary.rows():
+        table.add_row(*row)
+    Console(width=100).print(table)
+    for note in summary.notes:
+        console.print(f"note: {note}")
+    console.print(
+        f"weights {format_bytes(summary.total_bytes)}; load with: ds4mlx serve -m {args.dst}"
+    )
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -267,7 +564,25 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no quantization at all (float32 weights, the test oracle's format)",
     )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="N layers in Flash's layout: 2 window-only, 3 hash-routed, then ratio 4 / "
+        "ratio 128 alternating (default: the 4-layer test model)",
+    )
     p.set_defaults(func=_cmd_make_tiny)
+
+    p = sub.add_parser(
+        "convert",
+        help="convert DeepSeek's FP8/FP4 release or any checkpoint to ds4mlx's layout",
+        description="Convert a checkpoint (DeepSeek's FP8/FP4 release, transformers, MLX "
+        "conversions) into ds4mlx's own layout: experts stacked, MLX-quantized per part, "
+        "loadable without copies. With --report: measure top-1 agreement and KL of lower-bit "
+        "routed experts against the unquantized network instead.",
+    )
+    _convert_arguments(p)
+    p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("generate", help="generate text from a prompt")
     p.add_argument("-m", "--model", required=True, help="checkpoint directory")
@@ -281,6 +596,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nothink", action="store_true", help="chat mode: open the reply with </think>")
     p.add_argument("--raw", action="store_true", help="feed the prompt text as is, no chat format")
     p.add_argument("--ctx", type=int, default=None, help="context size in tokens")
+    _memory_limit_flag(p)
     p.add_argument("-v", "--verbose", action="store_true", help="model banner and speed on stderr")
     p.set_defaults(func=_cmd_generate)
 
@@ -296,11 +612,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_tokenize)
 
     p = sub.add_parser("bench", help="prefill/decode tokens/s at context frontiers")
-    p.add_argument("-m", "--model", required=True, help="checkpoint directory")
+    p.add_argument("-m", "--model", default=None, help="checkpoint directory")
+    p.add_argument(
+        "--shape",
+        choices=("checkpoint", "flash"),
+        default="checkpoint",
+        help="flash: no checkpoint; a random model at real Flash dimensions with "
+        "quantized experts, timed layer by layer (default: checkpoint)",
+    )
+    p.add_argument("--layers", type=int, default=2, help="--shape flash: layers (2)")
+    p.add_argument(
+        "--first-layer",
+        type=int,
+        default=0,
+        help="--shape flash: Flash's index of the first layer built (0; 2 = first CSA layer)",
+    )
+    p.add_argument(
+        "--expert-bits", type=int, choices=(2, 3, 4, 8), default=2, help="--shape flash (2)"
+    )
+    p.add_argument(
+        "--other-bits", choices=("4", "8", "none"), default="8", help="--shape flash (8)"
+    )
+    p.add_argument("--prompt-tokens", type=int, default=32, help="--shape flash prefill (32)")
     p.add_argument(
         "--frontiers", default="512,1024,2048", help="comma-separated context sizes (512,1024,2048)"
     )
-    p.add_argument("--decode-tokens", type=int, default=32, help="decoded tokens per frontier (32)")
+    p.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=None,
+        help="decoded tokens per frontier (32; --shape flash: 3)",
+    )
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk size (512)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
     p.add_argument("--ctx", type=int, default=None, help="context size (default: what is needed)")
@@ -371,12 +713,14 @@ def build_parser() -> argparse.ArgumentParser:
     _kv_cache_flags(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no per-request log lines")
     p.add_argument("--enable-scripted-decoding", action="store_true", help=argparse.SUPPRESS)
+    _memory_limit_flag(p)
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("agent", help="terminal coding agent")
     from ds4mlx.agent.app import configure_parser as _agent_parser
 
     _agent_parser(p)
+    _memory_limit_flag(p)
     p.set_defaults(func=_cmd_agent)
 
     p = sub.add_parser("kv", help="inspect the disk KV cache")

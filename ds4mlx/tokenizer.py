@@ -19,24 +19,20 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-# Special tokens of DeepSeek V4 (docs/ARCHITECTURE.md §2). Ids are checked against the loaded
-# file in Tokenizer.__init__, so a foreign tokenizer.json fails loudly.
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
-THINK = "<think>"
-THINK_END = "</think>"
-DSML = "｜DSML｜"
-LATEST_REMINDER = "<｜latest_reminder｜>"
+from ds4mlx.dsml.tokens import (
+    ASSISTANT,
+    BOS,
+    DSML,
+    EOS,
+    LATEST_REMINDER,
+    THINK_END,
+    USER,
+)
+from ds4mlx.dsml.tokens import THINK_START as THINK
 
+# The special tokens every DeepSeek V4 tokenizer has (spellings in ds4mlx.dsml.tokens);
+# their ids are read from the loaded file, so a foreign tokenizer.json fails loudly.
 SPECIAL_TOKENS = (BOS, EOS, USER, ASSISTANT, THINK, THINK_END, DSML, LATEST_REMINDER)
-
-BOS_ID = 0
-EOS_ID = 1
-THINK_ID = 128821
-THINK_END_ID = 128822
-DSML_ID = 128825
 
 
 class TokenizerError(RuntimeError):

@@ -27,29 +27,23 @@ PROMPT = "Write a long story about a lighthouse keeper."
 
 
 def engine_only(e, n: int, ctx: int) -> tuple[float, str, int]:
-    from ds4mlx.dsml import render_prompt
+    """Decode tokens/s of the engine's own turn loop (no HTTP), the text and its length."""
+    from ds4mlx.dsml import render
     from ds4mlx.dsml.conversation import Conversation, Message
-    from ds4mlx.engine import SamplingParams
+    from ds4mlx.engine import SamplingParams, TurnSpec, run_turn
 
     s = e.session
     s.reset()
-    text = render_prompt(
+    prompt = render(
         Conversation(messages=[Message("user", PROMPT)], thinking=False), context_size=ctx
     )
-    s.prefill(e.tokenizer.encode(text))
-    greedy = SamplingParams(temperature=0)
-    out: list[int] = []
-    t_first = None
-    for _ in range(n):
-        tok = s.sample(greedy)
-        if t_first is None:
-            t_first = time.perf_counter()
-        out.append(tok)
-        if tok == e.tokenizer.eos_id or len(out) == n:
-            break
-        s.decode(tok)
-    t_last = time.perf_counter()
-    return (len(out) - 1) / (t_last - t_first), e.tokenizer.decode(out), len(out)
+    ids = e.tokenizer.encode(prompt.text, content=prompt.content)
+    spec = TurnSpec(SamplingParams(temperature=0), n, parse=False)
+    pieces: list[str] = []
+    res = run_turn(s, e.tokenizer, spec, prefill=ids, emit=lambda ev: pieces.append(ev.text))
+    n_out = res.completion_tokens
+    rate = (n_out - 1) / res.decode_s if n_out > 1 and res.decode_s > 0 else float("nan")
+    return rate, "".join(pieces), n_out
 
 
 def start_server(model: str, ctx: int) -> tuple[subprocess.Popen, str]:

@@ -4,6 +4,7 @@ OpenBLAS must be preloaded at process start for MLX's CPU GEMMs to be usable
 (see ds4mlx/blas.py), so the test process re-executes itself once with it.
 """
 
+import os
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,16 @@ def workspace(tmp_path) -> Path:
     ws = tmp_path / "ws"
     ws.mkdir()
     return ws
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under CI (``CI`` set) a skipped test fails: oracle, parity and client tests skip
+    locally when their dependency is missing, but CI installs everything, so a skip
+    there means a check silently stopped running."""
+    outcome = yield
+    report = outcome.get_result()
+    if os.environ.get("CI") and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"skipped under CI (a dependency is missing?): {reason}"

@@ -97,6 +97,24 @@ class Trace:
                 out.append(rec)
         return out
 
+    def jobs(self) -> list[dict]:
+        """One record per planned job, in order: its ``plan`` fields plus the ``path`` of
+        its ``prompt`` record (the endpoint; ``ws /v1/responses`` for the WebSocket)."""
+        if not self.path.exists():
+            return []
+        paths: dict[int, str] = {}
+        out = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("kind") == "prompt":
+                paths[rec["job"]] = rec.get("path")
+            elif rec.get("kind") == "plan":
+                out.append({**rec, "path": paths.get(rec["job"])})
+        return out
+
     def last(self, timeout: float = 5.0) -> dict:
         """The newest plan record (waits briefly for the server to flush it)."""
         deadline = time.monotonic() + timeout

@@ -14,7 +14,6 @@ from ds4mlx.dsml import (
     ToolCall,
     ToolSpec,
     render_prompt,
-    thinking_visible_key,
 )
 from ds4mlx.dsml.tokens import ASSISTANT, EOS, USER
 from ds4mlx.kv.live import (
@@ -24,9 +23,9 @@ from ds4mlx.kv.live import (
     tool_results_suffix,
     trailing_tool_ids,
     unexplained_tool_ids,
-    unknown_id_message,
     visible_keys,
 )
+from ds4mlx.routes import anthropic, openai, responses
 
 TOOLS = [ToolSpec("read", "Read", {"type": "object", "properties": {"p": {"type": "string"}}})]
 
@@ -40,7 +39,7 @@ def _calls(*ids):
 
 
 def test_suffix_for_exactly_the_bound_ids_in_sampled_order():
-    b = ToolBinding(("t1", "t2"), 100, "anthropic")
+    b = ToolBinding(("t1", "t2"), 100)
     conv = _conv(
         Message("user", "go"),
         Message("assistant", tool_calls=_calls("t1", "t2")),
@@ -110,13 +109,14 @@ def test_unexplained_ids_and_messages():
         Message("tool", "3", tool_call_id="b"),
     )
     assert unexplained_tool_ids(conv) == ["b"]
-    assert unknown_id_message("anthropic", "toolu_x") == (
+    # Each protocol words the 400 with its own id field and history (kv knows none).
+    assert anthropic.NAMES.unknown_id("toolu_x") == (
         "unknown tool_use_id toolu_x; replay the full messages history"
     )
-    assert unknown_id_message("chat", "call_x") == (
+    assert openai.NAMES.unknown_id("call_x") == (
         "unknown tool_call_id call_x; replay the full messages history"
     )
-    assert unknown_id_message("responses", "call_y") == (
+    assert responses.NAMES.unknown_id("call_y") == (
         "unknown call_id call_y; replay the full input history"
     )
 
@@ -132,12 +132,12 @@ def test_thinking_suffix_starts_at_the_unfed_eos():
 def test_visible_keys_match_both_ways_of_dropping_reasoning():
     """No tools: the format drops old reasoning. Tools: it keeps the slot, and a client
     that does not send the reasoning back renders it empty. Both select the live turn."""
-    turn = Message("assistant", reasoning="secret", content="Hi.")
     for tools in ([], TOOLS):
         first = Conversation([Message("user", "q")], tools=tools)
         prompt = render_prompt(first)
         keys = visible_keys(prompt, "Hi.", "")
-        assert keys[0] == thinking_visible_key(prompt, turn)
+        # The format's drop: the turn as the next prompt renders it without reasoning.
+        assert keys[0] == prompt.removesuffix("<think>") + "</think>Hi." + EOS
         dropped = Message("assistant", content="Hi.")  # the client sent no reasoning
         nxt = render_prompt(
             Conversation([*first.messages, dropped, Message("user", "q2")], tools=tools)
@@ -161,7 +161,7 @@ def engine(tmp_path_factory):
     return Engine.load(d, ctx_size=4096)
 
 
-def _job(engine, conv, protocol="anthropic", text=None):
+def _job(engine, conv, protocol=anthropic.NAMES, text=None):
     text = text if text is not None else render_prompt(conv, context_size=engine.ctx_size)
     req = SimpleNamespace(
         prompt_tokens=engine.tokenizer.encode(text),
@@ -231,8 +231,9 @@ def test_planner_order_live_then_prefix_then_cold(engine):
 
     # A request with an unexplained id is rejected and keeps the binding.
     bad = _conv(Message("system", "sys " * 50), user, Message("tool", "x", tool_call_id="nope"))
-    with pytest.raises(PlanRejected, match="unknown tool_use_id nope"):
+    with pytest.raises(PlanRejected, match="unknown tool_use_id nope") as rejected:
         _plan(engine, planner, _job(engine, bad), None)
+    assert rejected.value.tool_id == "nope"
     assert planner.bound_tool_ids() == {"toolu_1", "toolu_2"}
 
     conv2 = _conv(
@@ -252,6 +253,35 @@ def test_planner_order_live_then_prefix_then_cold(engine):
     assert planner.bound_tool_ids() == frozenset()
     p = _plan(engine, planner, _job(engine, conv2), None)
     assert not p.decision.startswith("live-")
+
+
+def test_planner_without_caller_names_is_neutral(engine):
+    """kv knows no protocol: without the caller's names the decision, the log detail
+    and the rejection text are its own neutral ones."""
+    from ds4mlx.dsml import ToolMemory
+    from ds4mlx.kv.plan import Planner, PlanRejected
+
+    engine.session.reset()
+    planner = Planner(engine, ToolMemory())
+    conv1 = _conv(Message("system", "sys " * 50), Message("user", "go"))
+    calls = _calls("c1")
+    dsml = (
+        '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="read">\n<｜DSML｜parameter name="p" '
+        'string="true">c1</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+    )
+    _run(engine, planner, _job(engine, conv1, None), "hmm</think>" + dsml, calls)
+    bad = _conv(*conv1.messages, Message("tool", "x", tool_call_id="nope"))
+    with pytest.raises(PlanRejected) as rejected:
+        _plan(engine, planner, _job(engine, bad, None), None)
+    assert rejected.value.tool_id == "nope"
+    assert rejected.value.message == "unknown tool result id nope; replay the full history"
+    conv2 = _conv(
+        *conv1.messages,
+        Message("assistant", reasoning="hmm", tool_calls=calls),
+        Message("tool", "A", tool_call_id="c1"),
+    )
+    p = _plan(engine, planner, _job(engine, conv2, None))
+    assert (p.decision, p.detail) == ("live-tools", "match=tool-result-ids ids=1")
 
 
 def test_checkpointed_prefill_pauses_at_each_point(engine):

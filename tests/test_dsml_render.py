@@ -150,17 +150,16 @@ def test_suffix_rejects_non_tool_endings():
 
 
 def test_thinking_visible_key_is_prefix_of_next_prompt():
-    from ds4mlx.dsml import thinking_visible_key
+    from ds4mlx.kv.live import visible_keys
 
     first = Conversation([Message("system", "s"), Message("user", "q1")], thinking=True)
     prompt = render_prompt(first)
     turn = Message("assistant", "answer 1", "hidden reasoning")
-    key = thinking_visible_key(prompt, turn)
+    key = visible_keys(prompt, turn.content, "")[0]
     nxt = Conversation(first.messages + [turn, Message("user", "q2")], thinking=True)
     assert render_prompt(nxt).startswith(key)
     assert "hidden reasoning" not in key
-    with pytest.raises(ValueError):
-        thinking_visible_key(render_prompt(Conversation(first.messages, thinking=False)), turn)
+    assert visible_keys(render_prompt(Conversation(first.messages, thinking=False)), "x", "") == ()
 
 
 def test_canonical_invoke_formats_and_wraps_non_objects():
@@ -175,3 +174,23 @@ def test_canonical_invoke_formats_and_wraps_non_objects():
     )
     assert canonical_invoke("f", {}) == '<｜DSML｜invoke name="f">\n\n</｜DSML｜invoke>'
     assert 'name="arguments" string="true">not json<' in canonical_invoke("f", "not json")  # type: ignore[arg-type]
+
+
+def test_late_system_text_renders_after_the_tools_section():
+    """Mid-conversation system text (Claude Code's environment block, developer messages)
+    goes after the tools, so the top-level system text + tools are a shared prefix."""
+    from ds4mlx.dsml import ToolSpec
+
+    tools = [ToolSpec("read", "Read a file", {"type": "object"})]
+    base = [Message("system", "You are terse."), Message("user", "hi")]
+    first = Conversation(base, tools=tools, late_system="Skills: a, b, c")
+    retry = Conversation(
+        [base[0], Message("user", "<system-reminder>Skills: a, b, c</system-reminder>\nhi")],
+        tools=tools,
+    )
+    a, b = render_prompt(first), render_prompt(retry)
+    tools_end = a.index("invoke tool calls.\n") + len("invoke tool calls.\n")
+    assert a[:tools_end] == b[:tools_end]
+    assert a[tools_end:].startswith("\nSkills: a, b, c<｜User｜>hi")
+    only_late = render_prompt(Conversation([Message("user", "q")], late_system="env"))
+    assert only_late.startswith("<｜begin▁of▁sentence｜>env<｜User｜>q")

@@ -13,14 +13,17 @@ import os
 import subprocess
 
 import pytest
+from kv_server_util import Trace
 from server_util import EOS, REPO, Server, require_cli, tiny_model_dir, tool_call_dsml  # noqa: F401
 
 WRAPPER = REPO / "examples" / "claude-code.sh"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):  # noqa: F811 (fixture from server_util)
-    with Server(tiny_model_dir, ctx=32768) as s:
+def server(tiny_model_dir, tmp_path_factory):  # noqa: F811 (fixture from server_util)
+    trace = tmp_path_factory.mktemp("e2e") / "trace.jsonl"
+    with Server(tiny_model_dir, ctx=32768, extra=["--trace", str(trace)]) as s:
+        s.trace = Trace(trace)
         yield s
 
 
@@ -57,7 +60,7 @@ def test_claude_code_runs_a_bash_tool_call_and_completes(server, tmp_path):
         ),
         "It ran.</think>Wrote the marker file." + EOS,
     )
-    n0 = len(server.request_lines())
+    n0 = len(server.trace.jobs())
     r = _claude(
         server,
         tmp_path,
@@ -70,10 +73,10 @@ def test_claude_code_runs_a_bash_tool_call_and_completes(server, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Wrote the marker file." in r.stdout
     assert marker.read_text().strip() == "ds4mlx-e2e"  # Claude Code really ran the tool
-    lines = [ln for ln in server.request_lines()[n0:] if "/v1/messages" in ln]
-    assert len(lines) == 2, server.log()[-3000:]
+    jobs = [j for j in server.trace.jobs()[n0:] if j["path"] == "/v1/messages"]
+    assert len(jobs) == 2, server.log()[-3000:]
     # The tool-result turn continued the live state (the sampled call stayed in the KV).
-    assert "cold" not in lines[1], lines
+    assert jobs[1]["decision"] == "live-anthropic", jobs
 
 
 def test_claude_code_bare_text_turn(server, tmp_path):

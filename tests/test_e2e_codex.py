@@ -19,6 +19,7 @@ import time
 import tomllib
 
 import pytest
+from kv_server_util import Trace
 from server_util import EOS, REPO, Server, require_cli, tiny_model_dir, tool_call_dsml  # noqa: F401
 
 EXAMPLE = REPO / "examples" / "codex-config.toml"
@@ -40,8 +41,10 @@ def _toml(config: dict) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):  # noqa: F811 (fixture from server_util)
-    with Server(tiny_model_dir, ctx=32768) as s:
+def server(tiny_model_dir, tmp_path_factory):  # noqa: F811 (fixture from server_util)
+    trace = tmp_path_factory.mktemp("e2e") / "trace.jsonl"
+    with Server(tiny_model_dir, ctx=32768, extra=["--trace", str(trace)]) as s:
+        s.trace = Trace(trace)
         yield s
 
 
@@ -89,17 +92,18 @@ def test_codex_exec_function_call_round_trip(server, tmp_path, websockets):
         "Run it.</think>" + tool_call_dsml("exec_command", cmd=f"echo {word}"),
         f"Done.</think>The command printed {word}." + EOS,
     )
-    n0 = len(server.request_lines())
+    n0 = len(server.trace.jobs())
     r, took = _codex(server, tmp_path, "run the echo", websockets=websockets)
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout + r.stderr
     assert f"The command printed {word}." in r.stdout
     assert word in out  # the command's own output, shown by Codex
-    lines = [ln for ln in server.request_lines()[n0:] if "/v1/responses" in ln]
-    assert len(lines) == 2, server.log()[-3000:]
-    assert all(ln.split()[1] == ("ws" if websockets else "/v1/responses") for ln in lines), lines
+    path = "ws /v1/responses" if websockets else "/v1/responses"
+    jobs = [j for j in server.trace.jobs()[n0:] if j["path"].endswith("/v1/responses")]
+    assert len(jobs) == 2, server.log()[-3000:]
+    assert all(j["path"] == path for j in jobs), jobs
     # The function_call_output turn continued the live state.
-    assert "cold" not in lines[1], lines
+    assert jobs[1]["decision"] == "live-responses", jobs
     if websockets:
         # Served over the WebSocket: no fallback (five failed upgrades cost seconds each).
         assert "falling back" not in out.lower() and "reconnecting" not in out.lower(), out[-2000:]

@@ -14,7 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ds4mlx.dsml import render, render_prompt, wire
+from ds4mlx.dsml import render, render_prompt
+from ds4mlx.routes import anthropic, openai, responses
+from ds4mlx.routes.common import validate
 from ds4mlx.tokenizer import Tokenizer
 
 TOK = Tokenizer.load()
@@ -113,10 +115,15 @@ def responses_body(h: str) -> dict:
     }  # fmt: skip
 
 
+def _mapping(module, request_model):
+    """A protocol module's mapping from a JSON body (validated as the route does)."""
+    return lambda body, **kw: module.to_conversation(validate(request_model, body), **kw)
+
+
 PROTOCOLS = {
-    "chat": (chat_body, wire.openai_chat_to_conversation),
-    "anthropic": (anthropic_body, wire.anthropic_to_conversation),
-    "responses": (responses_body, wire.responses_to_conversation),
+    "chat": (chat_body, _mapping(openai, openai.ChatRequest)),
+    "anthropic": (anthropic_body, _mapping(anthropic, anthropic.CountTokensRequest)),
+    "responses": (responses_body, _mapping(responses, responses.ResponsesRequest)),
 }
 
 
@@ -138,7 +145,7 @@ def test_content_never_becomes_special_tokens(protocol, h, thinking):
 
 
 def test_without_spellings_the_tokens_are_the_whole_text_tokenization():
-    conv = wire.openai_chat_to_conversation(chat_body("plain words, no markers"))
+    conv = PROTOCOLS["chat"][1](chat_body("plain words, no markers"))
     r = render(conv)
     assert TOK.encode(r.text, content=r.content) == TOK.encode(r.text)
 

@@ -187,7 +187,13 @@ def _check_shape(path: str, r: httpx.Response) -> None:
     if path.startswith("/v1/messages"):
         assert body["type"] == "error" and set(body["error"]) >= {"type", "message"}, body
     else:
-        assert set(body["error"]) == {"message", "type", "param", "code"}, body
+        # A context-length error also names its counts (n_prompt_tokens, n_ctx).
+        extra = (
+            {"n_prompt_tokens", "n_ctx"}
+            if body["error"].get("code") == "context_length_exceeded"
+            else set()
+        )
+        assert set(body["error"]) == {"message", "type", "param", "code"} | extra, body
 
 
 def test_bad_input_gets_protocol_shaped_4xx_and_server_survives(client):

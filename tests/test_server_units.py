@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from ds4mlx.kv.plan import Planner
-from ds4mlx.routes.common import APIError, ReasoningCarrier, _loc_to_path, error_body
+from ds4mlx.routes.anthropic import error_body as anthropic_error
+from ds4mlx.routes.common import APIError, ReasoningCarrier, _loc_to_path, openai_error
 from ds4mlx.tokenizer import Tokenizer
 
 
@@ -120,7 +121,7 @@ def test_reasoning_carrier_round_trip_and_forgery():
 
 def test_error_shapes():
     e = APIError(400, "bad", param="messages.0.role", code="x")
-    assert error_body("openai", e) == {
+    assert openai_error(e) == {
         "error": {
             "message": "bad",
             "type": "invalid_request_error",
@@ -128,11 +129,11 @@ def test_error_shapes():
             "code": "x",
         }
     }
-    assert error_body("anthropic", e) == {
+    assert anthropic_error(e) == {
         "type": "error",
         "error": {"type": "invalid_request_error", "message": "bad"},
     }
-    assert error_body("anthropic", APIError(413, "big"))["error"]["type"] == "request_too_large"
+    assert anthropic_error(APIError(413, "big"))["error"]["type"] == "request_too_large"
     assert (
         _loc_to_path(("messages", 0, "content", "list[Block]", 1, "text", "text"))
         == "messages.0.content.1.text.text"
@@ -220,3 +221,93 @@ def test_job_events_never_swallow_a_cancel_that_races_an_event(steps):
 
     cancelled, _ = asyncio.run(main())
     assert cancelled
+
+
+# --------------------------------------------------------------------------- encoders
+
+
+def _turn_events(cut: bool = False):
+    """A turn as the decoder reports it: reasoning, text, one tool call (cut or whole)."""
+    from ds4mlx.dsml import (
+        TextDelta,
+        ThinkingDelta,
+        ToolCall,
+        ToolCallArgsDelta,
+        ToolCallEnd,
+        ToolCallStart,
+    )
+
+    call = ToolCall("toolu_1", "read", {"path": "a.py"})
+    return [
+        ThinkingDelta("let me "),
+        ThinkingDelta("look"),
+        TextDelta("Reading."),
+        ToolCallStart(0, "toolu_1", "read"),
+        ToolCallArgsDelta(0, '{"path": "a'),
+        *([] if cut else [ToolCallArgsDelta(0, '.py"}')]),
+        ToolCallEnd(0, call, '{"path": "a.py"}', closed=not cut),
+    ]
+
+
+def _done(finish="stop"):
+    from ds4mlx.server.jobs import JobDone
+
+    return JobDone(finish, None, 10, 4, 7)
+
+
+def test_anthropic_encoder_stream_and_body_agree():
+    """One encoder: the message the stream spells out is the non-streaming body."""
+    from ds4mlx.routes.anthropic import MessageEncoder
+    from ds4mlx.server.jobs import JobStarted
+
+    carrier = ReasoningCarrier(b"k" * 32)
+    for cut in (False, True):
+        enc = MessageEncoder("msg_1", "m", omitted=False, carrier=carrier)
+        evs = enc.started(JobStarted(10, 4, "cold"))
+        for e in _turn_events(cut):
+            evs += enc.feed(e)
+        evs += enc.done(_done("length" if cut else "stop"))
+        blocks: list[dict] = []
+        for ev in evs:
+            if ev["type"] == "content_block_start":
+                blocks.append(dict(ev["content_block"]))
+            elif ev["type"] == "content_block_delta":
+                d, b = ev["delta"], blocks[ev["index"]]
+                if d["type"] == "thinking_delta":
+                    b["thinking"] += d["thinking"]
+                elif d["type"] == "signature_delta":
+                    b["signature"] = d["signature"]
+                elif d["type"] == "text_delta":
+                    b["text"] += d["text"]
+        body = enc.result()
+        assert [b["type"] for b in body["content"]] == (
+            ["thinking", "text"] if cut else ["thinking", "text", "tool_use"]
+        )
+        assert body["content"][:2] == blocks[:2]
+        assert carrier.open(body["content"][0]["signature"]) == "let me look"
+        assert body["stop_reason"] == ("max_tokens" if cut else "tool_use")
+        assert evs[-2]["delta"]["stop_reason"] == body["stop_reason"]
+        if not cut:
+            assert body["content"][2]["input"] == {"path": "a.py"}
+
+
+def test_chat_encoder_stream_and_body_agree():
+    from ds4mlx.routes.openai import ChatEncoder
+
+    meta = {"id": "c", "created": 0, "model": "m", "system_fingerprint": "x"}
+    for cut in (False, True):
+        enc = ChatEncoder(meta, thinking=True, include_usage=True, logprobs=False)
+        chunks = enc.opening()
+        for e in _turn_events(cut):
+            chunks += enc.feed(e)
+        chunks += enc.done(_done("length" if cut else "stop"))
+        assert chunks[-1] == "[DONE]" and chunks[-2]["usage"]["prompt_tokens"] == 10
+        deltas = [c["choices"][0]["delta"] for c in chunks if isinstance(c, dict) and c["choices"]]
+        msg = enc.result()["choices"][0]
+        assert msg["message"]["reasoning_content"] == "".join(
+            d.get("reasoning_content", "") for d in deltas
+        )
+        assert msg["message"]["content"] == "".join(d.get("content") or "" for d in deltas)
+        assert msg["finish_reason"] == chunks[-3]["choices"][0]["finish_reason"]
+        assert msg["finish_reason"] == ("length" if cut else "tool_calls")
+        assert ("tool_calls" in msg["message"]) is not cut

@@ -194,3 +194,95 @@ def test_raw_logprobs_one_per_token(engine, session):
         # Greedy: the sampled token is the most likely one.
         assert isinstance(lp, TokenLogprob) and lp.token == t and len(lp.top) == 3
         assert lp.top[0][0] == t and lp.logprob == pytest.approx(lp.top[0][1])
+
+
+# --------------------------------------------------------------------------- pipelining
+
+
+def _one_run(session, tokenizer, spec, prompt, script, cancel_after):
+    n = [0]
+    seen: list[tuple[int, bytes]] = []
+
+    def cancel() -> bool:
+        return cancel_after is not None and n[0] >= cancel_after
+
+    def saw(sess) -> None:  # a disk save's view: the state right after a fed token
+        n[0] += 1
+        snap = sess.snapshot()
+        seen.append((len(sess.tokens), bytes(memoryview(snap.arrays["logits"]))))
+
+    res = run_turn(
+        session, tokenizer, spec, prefill=prompt, script=script, cancel=cancel, after_token=saw
+    )
+    return res, (list(session.tokens), session.snapshot().arrays), seen
+
+
+def _run_both(engine, make_spec, prompt, *, script=None, cancel_after=None, ctx=None):
+    """The same turn pipelined and synchronous, each on a fresh session: the results,
+    end states (tokens, arrays), and the states every ``after_token`` call saw."""
+    eng = ctx or engine
+    return [
+        _one_run(eng.new_session(), eng.tokenizer, make_spec(p), prompt, script, cancel_after)
+        for p in (True, False)
+    ]
+
+
+def _assert_same(both):
+    (r1, (t1, a1), seen1), (r2, (t2, a2), seen2) = both
+    assert (r1.finish, r1.completion_tokens, r1.fed, r1.text) == (
+        r2.finish,
+        r2.completion_tokens,
+        r2.fed,
+        r2.text,
+    )
+    assert t1 == t2 and sorted(a1) == sorted(a2)
+    for k in a1:
+        assert mx.array_equal(a1[k], a2[k]).item(), k
+    assert seen1 == seen2
+
+
+@pytest.mark.parametrize(
+    "case", ["eos", "stop_string", "length", "length_on_block_end", "cap", "cancel"]
+)
+def test_pipelined_decode_leaves_the_synchronous_state(engine, case):
+    """Issue 9, must-hold 3: whatever ends the turn, the pipelined loop leaves tokens,
+    logits and every cache tensor exactly as the synchronous one (an abandoned step
+    is never evaluated), and per-token saves see the same states."""
+    tok = engine.tokenizer
+    prompt = _ids(engine, PROMPT + "</think>")
+    words = _ids(engine, "one two three four five six seven eight nine ten eleven twelve")
+    script, cancel_after = words, None
+    max_tokens, stops, cap = 10, (), False
+    if case == "eos":
+        script = words[:5] + [tok.eos_id]
+    elif case == "stop_string":
+        stops = ("five",)
+    elif case == "length_on_block_end":
+        # The last fed token completes a ratio-4 block (and its indexer row).
+        max_tokens = 4 - (len(prompt) % 4) + 4 + 1
+    elif case == "cap":
+        cap = True
+    elif case == "cancel":
+        cancel_after = 3
+
+    def spec(pipeline: bool) -> TurnSpec:
+        return TurnSpec(GREEDY, max_tokens, stops=stops, cap_is_eos=cap, pipeline=pipeline)
+
+    both = _run_both(engine, spec, prompt, script=script, cancel_after=cancel_after)
+    _assert_same(both)
+    expected = {"eos": "stop", "stop_string": "stop_sequence", "cap": "stop", "cancel": "cancelled"}
+    assert both[0][0].finish == expected.get(case, "length")
+    if case == "length_on_block_end":
+        assert len(both[0][1][0]) % 4 == 0
+
+
+def test_pipelined_decode_at_a_full_context(tiny_f32_dir, engine):
+    small = Engine.load(tiny_f32_dir, ctx_size=24)
+    prompt = _ids(small, PROMPT + "</think>")
+
+    def spec(pipeline: bool) -> TurnSpec:
+        return TurnSpec(GREEDY, 100, parse=False, ignore_eos=True, pipeline=pipeline)
+
+    both = _run_both(engine, spec, prompt, ctx=small)
+    _assert_same(both)
+    assert both[0][0].finish == "context" and len(both[0][1][0]) == 24

@@ -1,11 +1,28 @@
-"""Wire formats → Conversation (ds4mlx.dsml.wire; DESIGN.md §4 "Mapping wire formats")."""
+"""Wire formats → Conversation: each protocol module's mapping of its typed request
+(docs/ARCHITECTURE.md §4)."""
 
 from __future__ import annotations
 
 import pytest
 
-from ds4mlx.dsml import render_prompt, wire
+from ds4mlx.dsml import render_prompt
 from ds4mlx.dsml.conversation import Message, ToolCall
+from ds4mlx.routes import anthropic, openai, responses
+from ds4mlx.routes.common import APIError, validate
+from ds4mlx.routes.mapping import WireError
+
+
+def anthropic_conv(body, **kw):
+    return anthropic.to_conversation(validate(anthropic.CountTokensRequest, body), **kw)
+
+
+def chat_conv(body, **kw):
+    return openai.to_conversation(validate(openai.ChatRequest, body), **kw)
+
+
+def responses_conv(body, **kw):
+    return responses.to_conversation(validate(responses.ResponsesRequest, body), **kw)
+
 
 BILLING = "x-anthropic-billing-header: cc_version=2.1.197.123; cc_entrypoint=sdk-cli;"
 
@@ -31,12 +48,12 @@ def test_anthropic_system_blocks_join_and_billing_header_dropped():
         ],
         "messages": [{"role": "user", "content": "hi"}],
     }
-    conv = wire.anthropic_to_conversation(body)
+    conv = anthropic_conv(body)
     # "\n" inserted only where the previous part does not already end with one.
     assert conv.messages[0] == Message(
         role="system", content="You are a Claude agent.\n\nBe terse.\nThird"
     )
-    kept = wire.anthropic_to_conversation(body, keep_billing_header=True)
+    kept = anthropic_conv(body, keep_billing_header=True)
     assert kept.messages[0].content.startswith(BILLING + "\nYou are")
 
 
@@ -47,8 +64,8 @@ def test_two_sessions_differing_only_in_billing_header_render_the_same():
             "messages": [{"role": "user", "content": "q"}],
         }
 
-    a = render_prompt(wire.anthropic_to_conversation(body(BILLING)))
-    b = render_prompt(wire.anthropic_to_conversation(body(BILLING.replace("123", "999"))))
+    a = render_prompt(anthropic_conv(body(BILLING)))
+    b = render_prompt(anthropic_conv(body(BILLING.replace("123", "999"))))
     assert a == b
 
 
@@ -60,9 +77,12 @@ def test_anthropic_mid_conversation_system_is_hoisted_after_top_level_system():
             {"role": "system", "content": "ENV"},
         ],
     }
-    conv = wire.anthropic_to_conversation(body)
+    conv = anthropic_conv(body)
     assert _roles(conv) == ["system", "user"]
-    assert conv.messages[0].content == "TOP\n\nENV"
+    # Hoisted, after the top-level text and the tools (issue 12, "stable prompts"): the
+    # top-level text + tools stay a prefix that a retry carrying ENV elsewhere shares.
+    assert conv.messages[0].content == "TOP" and conv.late_system == "ENV"
+    assert render_prompt(conv).startswith("<｜begin▁of▁sentence｜>TOP\n\nENV<｜User｜>")
     # Rendered in place the official encoding would not open the assistant turn.
     assert render_prompt(conv).endswith("<｜User｜>hello<｜Assistant｜><think>")
 
@@ -115,7 +135,7 @@ def test_anthropic_tool_results_precede_text_and_lists_render_placeholders():
             }
         ],
     }
-    conv = wire.anthropic_to_conversation(body)
+    conv = anthropic_conv(body)
     assert _roles(conv) == ["user", "assistant", "tool", "tool", "user"]
     a = conv.messages[1]
     assert a.reasoning == "plan" and a.content == "ok"
@@ -140,25 +160,21 @@ def test_anthropic_thinking_signature_carrier_restores_reasoning():
             {"role": "user", "content": "more"},
         ]
     }
-    conv = wire.anthropic_to_conversation(
-        body, decode_reasoning=lambda s: "real reasoning" if s == "SIG" else None
-    )
+    conv = anthropic_conv(body, decode_reasoning=lambda s: "real reasoning" if s == "SIG" else None)
     assert conv.messages[1].reasoning == "real reasoning"
-    conv = wire.anthropic_to_conversation(body, decode_reasoning=lambda s: None)
+    conv = anthropic_conv(body, decode_reasoning=lambda s: None)
     assert conv.messages[1].reasoning == ""
 
 
 def test_anthropic_thinking_modes_and_effort():
     base = {"messages": [{"role": "user", "content": "q"}]}
-    assert wire.anthropic_to_conversation(base).thinking is True
-    assert wire.anthropic_to_conversation(base, default_thinking=False).thinking is False
-    assert (
-        wire.anthropic_to_conversation({**base, "thinking": {"type": "disabled"}}).thinking is False
-    )
-    assert wire.anthropic_to_conversation(
+    assert anthropic_conv(base).thinking is True
+    assert anthropic_conv(base, default_thinking=False).thinking is False
+    assert anthropic_conv({**base, "thinking": {"type": "disabled"}}).thinking is False
+    assert anthropic_conv(
         {**base, "thinking": {"type": "adaptive"}}, default_thinking=False
     ).thinking
-    conv = wire.anthropic_to_conversation({**base, "output_config": {"effort": "max"}})
+    conv = anthropic_conv({**base, "output_config": {"effort": "max"}})
     assert conv.reasoning_effort == "max"
 
 
@@ -170,14 +186,15 @@ def test_anthropic_server_tools_not_offered_and_tool_choice_none():
             {"name": "Read", "input_schema": {"type": "object", "properties": {}}},
         ],
     }
-    assert [t.name for t in wire.anthropic_to_conversation(body).tools] == ["Read"]
-    assert wire.anthropic_to_conversation({**body, "tool_choice": {"type": "none"}}).tools == []
+    assert [t.name for t in anthropic_conv(body).tools] == ["Read"]
+    assert anthropic_conv({**body, "tool_choice": {"type": "none"}}).tools == []
 
 
-def test_anthropic_unknown_role_is_a_wire_error():
-    with pytest.raises(wire.WireError) as e:
-        wire.anthropic_to_conversation({"messages": [{"role": "robot", "content": "x"}]})
-    assert e.value.param == "messages.0.role"
+def test_anthropic_unknown_role_is_a_400_naming_the_field():
+    # The typed request admits no other role: validation names the field.
+    with pytest.raises(APIError) as e:
+        anthropic_conv({"messages": [{"role": "robot", "content": "x"}]})
+    assert e.value.status == 400 and e.value.param == "messages.0.role"
 
 
 # --------------------------------------------------------------------------- OpenAI chat
@@ -215,9 +232,10 @@ def test_openai_chat_roles_tools_and_reasoning():
             {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
         ],
     }
-    conv = wire.openai_chat_to_conversation(body)
+    conv = chat_conv(body)
     assert _roles(conv) == ["system", "user", "assistant", "tool"]
-    assert conv.messages[0].content == "S1\n\nD"
+    # A developer message inside the conversation renders after the tools section.
+    assert conv.messages[0].content == "S1" and conv.late_system == "D"
     assert conv.messages[1].content == "q[image_url]"
     a = conv.messages[2]
     assert a.reasoning == "think"
@@ -241,18 +259,14 @@ def test_openai_chat_roles_tools_and_reasoning():
     ],
 )
 def test_openai_chat_thinking_switches(extra, thinking, effort):
-    conv = wire.openai_chat_to_conversation(
-        {"messages": [{"role": "user", "content": "q"}], **extra}
-    )
+    conv = chat_conv({"messages": [{"role": "user", "content": "q"}], **extra})
     assert (conv.thinking, conv.reasoning_effort) == (thinking, effort)
 
 
 def test_openai_chat_alias_default_and_override():
     body = {"messages": [{"role": "user", "content": "q"}]}
-    assert wire.openai_chat_to_conversation(body, default_thinking=False).thinking is False
-    assert wire.openai_chat_to_conversation(
-        {**body, "thinking": {"type": "enabled"}}, default_thinking=False
-    ).thinking
+    assert chat_conv(body, default_thinking=False).thinking is False
+    assert chat_conv({**body, "thinking": {"type": "enabled"}}, default_thinking=False).thinking
 
 
 # --------------------------------------------------------------------------- Responses
@@ -316,9 +330,7 @@ def test_responses_codex_shape():
         ],
         "reasoning": {"summary": "auto"},
     }
-    conv = wire.responses_to_conversation(
-        body, decode_reasoning=lambda s: "r1" if s == "ENC" else None
-    )
+    conv = responses_conv(body, decode_reasoning=lambda s: "r1" if s == "ENC" else None)
     assert _roles(conv) == ["system", "user", "user", "assistant", "tool", "assistant", "user"]
     assert conv.messages[0].content == "INS\n\nDEV"
     a1 = conv.messages[3]
@@ -326,22 +338,22 @@ def test_responses_codex_shape():
     a2 = conv.messages[5]
     assert (a2.reasoning, a2.content) == ("r2", "done")
     assert [t.name for t in conv.tools] == ["exec_command", "spawn", "apply_patch"]
-    kinds = wire.responses_tool_kinds(body["tools"])
+    kinds = responses.tool_kinds(validate(responses.ResponsesRequest, body).tools)
     assert kinds["spawn"].namespace == "multi_agent_v1"
     assert kinds["apply_patch"].kind == "custom"
     assert "web_search" not in kinds
 
 
 def test_responses_string_input_effort_and_item_reference():
-    conv = wire.responses_to_conversation({"input": "hi", "reasoning": {"effort": "none"}})
+    conv = responses_conv({"input": "hi", "reasoning": {"effort": "none"}})
     assert _roles(conv) == ["user"] and conv.thinking is False
-    with pytest.raises(wire.WireError) as e:
-        wire.responses_to_conversation({"input": [{"type": "item_reference", "id": "x"}]})
+    with pytest.raises(WireError) as e:
+        responses_conv({"input": [{"type": "item_reference", "id": "x"}]})
     assert e.value.param == "input[0]"
 
 
 def test_responses_custom_tool_call_replay():
-    conv = wire.responses_to_conversation(
+    conv = responses_conv(
         {
             "input": [
                 {"role": "user", "content": "patch it"},
@@ -369,7 +381,7 @@ def test_billing_header_line_inside_a_block_keeps_the_rest_of_the_block():
         BILLING + "\nYou are Claude Code.",
     ):
         body = {"system": system, "messages": [{"role": "user", "content": "hi"}]}
-        conv = wire.anthropic_to_conversation(body)
+        conv = anthropic_conv(body)
         assert conv.messages[0] == Message(role="system", content="You are Claude Code.")
         assert "You are Claude Code." in render_prompt(conv)
     body = {
@@ -378,8 +390,8 @@ def test_billing_header_line_inside_a_block_keeps_the_rest_of_the_block():
             {"role": "system", "content": BILLING + "\nEnvironment: linux"},
         ]
     }
-    assert wire.anthropic_to_conversation(body).messages[0].content == "Environment: linux"
-    kept = wire.anthropic_to_conversation(
+    assert anthropic_conv(body).late_system == "Environment: linux"
+    kept = anthropic_conv(
         {"system": BILLING + "\nYou are Claude Code.", "messages": body["messages"][:1]},
         keep_billing_header=True,
     )
@@ -410,7 +422,7 @@ def test_interleaved_thinking_segments_are_not_glued():
             },
         ],
     }
-    conv = wire.anthropic_to_conversation(body)
+    conv = anthropic_conv(body)
     asst = conv.messages[1]
     assert asst.reasoning == "r0\n\nr1"
     assert [c.id for c in asst.tool_calls] == ["toolu_a", "toolu_b"]
@@ -425,7 +437,7 @@ def test_tool_result_is_error_reaches_the_model():
         block = {"type": "tool_result", "tool_use_id": "toolu_a", "content": "No such file"}
         if is_error is not None:
             block["is_error"] = is_error
-        return wire.anthropic_to_conversation(
+        return anthropic_conv(
             {
                 "messages": [
                     {"role": "user", "content": "go"},
@@ -441,7 +453,9 @@ def test_tool_result_is_error_reaches_the_model():
         )
 
     failed = conv(True).messages[-1]
-    assert failed.role == "tool" and failed.content == wire.TOOL_ERROR_PREFIX + "No such file"
-    assert "<tool_result>" + wire.TOOL_ERROR_PREFIX + "No such file" in render_prompt(conv(True))
+    assert failed.role == "tool" and failed.content == anthropic.TOOL_ERROR_PREFIX + "No such file"
+    assert "<tool_result>" + anthropic.TOOL_ERROR_PREFIX + "No such file" in render_prompt(
+        conv(True)
+    )
     for ok in (False, None):
         assert conv(ok).messages[-1].content == "No such file"

@@ -191,16 +191,6 @@ class Job:
         marker = f"{sep}[… {dropped} bytes of output dropped …]\n"
         return text + marker + self._decoder.decode(tail, final=final)
 
-    def wait_output(self, timeout: float) -> None:
-        """Block up to ``timeout`` seconds until there is unread output or the job ended."""
-        deadline = time.monotonic() + timeout
-        with self._new:
-            while not self._buf.head and not self._eof.is_set():
-                left = deadline - time.monotonic()
-                if left <= 0 or not self.running:
-                    return
-                self._new.wait(min(left, 0.1))
-
     # --- lifecycle -------------------------------------------------------------
 
     def wait(self, timeout: float | None = None) -> int | None:

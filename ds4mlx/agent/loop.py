@@ -382,7 +382,6 @@ class Agent(LiveSteps, SessionCommands, Compacting):
                 self.session,
                 finish=FINISH_STOP if gen.stop == "eos" else gen.stop,
                 tool_calls=msg.tool_calls,
-                protocol="agent",
                 transcript_key=self.render() if self.state == "turn_end" else None,
             )
             if gen.stop != "eos":

@@ -57,7 +57,6 @@ class LiveSteps:
             prompt_tokens=self.tok.encode(full.text, content=full.content),
             rendered_text=full,
             conversation=self.conv,
-            protocol="agent",
         )
         if plan.decision in ("disk", "cold"):
             self.state = "dirty" if self.session.tokens else "empty"

@@ -5,7 +5,7 @@ Stdlib only. The public API:
 - `Conversation`, `Message`, `ToolCall`, `ToolSpec`: the neutral conversation model.
 - `render` (text + content spans: `Rendered`), `render_prompt`, `render_segments`, `render_tool_results_suffix`,
   `render_assistant_turn`, `render_tool_calls`, `render_invoke`, `canonical_invoke`,
-  `render_tools_section`, `think_max_active`, `thinking_visible_key`: rendering (byte-identical to
+  `render_tools_section`, `think_max_active`: rendering (byte-identical to
   DeepSeek's ``encoding_dsv4.py``).
 - `StreamDecoder`, `decode_text` and the events `ThinkingDelta`, `TextDelta`,
   `ToolCallStart`, `ToolCallArgsDelta`, `ToolCallEnd`, `ParseError`; `DecodeResult`.
@@ -39,7 +39,6 @@ from .render import (
     render_tool_results_suffix,
     render_tools_section,
     think_max_active,
-    thinking_visible_key,
 )
 from .stops import StopMatcher
 from .tokens import THINK_MAX_MIN_CONTEXT
@@ -78,5 +77,4 @@ __all__ = [
     "render_tool_results_suffix",
     "render_tools_section",
     "think_max_active",
-    "thinking_visible_key",
 ]

@@ -81,6 +81,12 @@ class Conversation:
     ``tool_required`` / ``tool_name``: the client's forced ``tool_choice`` (any tool /
     that tool). It does not change the rendered prompt; the generation loop opens the
     tool-call block itself once the visible reply starts.
+
+    ``late_system``: system instructions that arrive inside the conversation (Claude
+    Code's environment block, OpenAI ``developer`` messages). They render in the leading
+    system block *after* the tools section, joined by a blank line, so the top-level
+    system text and the tools form a prefix that a request and its retry share even when
+    the retry carries the same text elsewhere (docs/ARCHITECTURE.md §4).
     """
 
     messages: list[Message] = field(default_factory=list)
@@ -89,3 +95,4 @@ class Conversation:
     reasoning_effort: str | None = None
     tool_required: bool = False
     tool_name: str | None = None
+    late_system: str = ""

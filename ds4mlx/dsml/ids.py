@@ -10,7 +10,6 @@ from __future__ import annotations
 import secrets
 
 ANTHROPIC_PREFIX = "toolu_"
-OPENAI_PREFIX = "call_"
 
 
 def new_tool_id(prefix: str = ANTHROPIC_PREFIX) -> str:

@@ -73,7 +73,6 @@ __all__ = [
     "render_tool_results_suffix",
     "render_tools_section",
     "think_max_active",
-    "thinking_visible_key",
     "to_json",
     "tool_schema_dict",
 ]
@@ -250,6 +249,8 @@ class _Turn:
     response_format: dict[str, Any] | None = None
     # Merged user turns: ("text", text, None) or ("tool", content, tool_call_id).
     blocks: list[tuple[str, str, str | None]] | None = None
+    # Leading system turn: Conversation.late_system, rendered after the tools section.
+    late: str = ""
 
 
 def _turn_from(msg: Message, idx: int) -> _Turn:
@@ -355,11 +356,11 @@ def _drop_old_thinking(turns: list[_Turn]) -> list[_Turn]:
 def _prepare(conv: Conversation) -> tuple[list[_Turn], bool]:
     """Merged, sorted, thinning-applied turns and whether old reasoning was dropped."""
     turns = _merge(conv)
-    if conv.tools:
-        if turns and turns[0].role == "system":
-            turns[0].tools = list(conv.tools) + turns[0].tools
-        else:
-            turns.insert(0, _Turn(role="system", sources=[], tools=list(conv.tools)))
+    if conv.tools or conv.late_system:
+        if not turns or turns[0].role != "system":
+            turns.insert(0, _Turn(role="system", sources=[]))
+        turns[0].tools = list(conv.tools) + turns[0].tools
+        turns[0].late = conv.late_system
     _sort_tool_results(turns)
     drop = not any(t.tools for t in turns)
     if conv.thinking and drop:
@@ -417,6 +418,10 @@ def _render_turn(
             body += "\n\n" + _tools_section(turn.tools)
         if turn.response_format:
             body += "\n\n" + _RESPONSE_FORMAT_INTRO + content(to_json(turn.response_format))
+        if turn.late:
+            # A blank line before it (the tools section already ends with a newline).
+            sep = "" if not body else "\n" if body.endswith("\n") else "\n\n"
+            body += sep + content(turn.late)
         out += (USER + body) if role == "developer" else body
     elif role == "user":
         parts = []
@@ -554,28 +559,3 @@ def render_tool_results_suffix(
     if not last_assistant.tool_calls:
         raise ValueError("the last assistant turn made no tool calls")
     return Rendered.parse(EOS + "".join(s.text for s in segments[k + 1 :]))
-
-
-def thinking_visible_key(
-    prompt: str, turn: Message, *, tool_memory: ToolMemory | None = None
-) -> str:
-    """How a thinking-mode turn will look in the next request's prompt once its reasoning is dropped.
-
-    ``prompt`` is the prompt the turn was generated from (ending in ``<think>``);
-    ``turn`` the assistant turn (reasoning, content, tool calls). Returns ``prompt``
-    without its ``<think>``, then ``</think>`` + content + tool calls + EOS: the text
-    the next request renders for this turn when no tools are present (reasoning is
-    dropped before the last user turn). docs/ARCHITECTURE.md §3.3: if the next rendered prompt
-    starts with this key, the live tokens (real reasoning included) can be kept and
-    only the bytes after the key tokenized. Raises ``ValueError`` if ``prompt`` does
-    not end with ``<think>``.
-    """
-    if not prompt.endswith(THINK_START):
-        raise ValueError("prompt does not end with <think>")
-    return (
-        prompt[: -len(THINK_START)]
-        + THINK_END
-        + (turn.content or "")
-        + render_tool_calls(turn.tool_calls, tool_memory)
-        + EOS
-    )

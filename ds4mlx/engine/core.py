@@ -13,13 +13,11 @@ from pathlib import Path
 import mlx.core as mx
 
 from ds4mlx.engine.session import Session
-from ds4mlx.tokenizer import Tokenizer
 
-# Default context when the caller does not choose one: the model's own limit (1M for
-# DS4 Flash) is far more than a single machine wants to promise by default. The KV cache
-# grows with the context (compressed rows), so the CPU backend gets the smaller figure.
-DEFAULT_CTX_GPU = 65536
-DEFAULT_CTX_CPU = 32768
+# Default context when the caller does not choose one: one figure for the engine and the
+# loader's fit check.
+from ds4mlx.model.fit import DEFAULT_CTX_CPU, DEFAULT_CTX_GPU, kv_bytes
+from ds4mlx.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -164,10 +162,18 @@ class Engine:
         path = Path(path)
         if dtype is None:
             dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
-        model, args = load_model(str(path), dtype=dtype)
+        # The fit check (weights + KV at this context vs device memory) runs before any
+        # weight is read.
+        model, args = load_model(str(path), dtype=dtype, ctx_size=ctx_size)
         with open(path / "config.json") as f:
             config = json.load(f)
         return cls(model, args, Tokenizer.load(path), path=path, config=config, ctx_size=ctx_size)
+
+    def kv_bytes_at(self, n_tokens: int) -> int:
+        """KV-cache bytes one session allocates at ``n_tokens`` tokens, in the compute
+        dtype (``ds4mlx.model.fit.kv_bytes``: the fit check's figure)."""
+        dtype_bytes = 2 if mx.default_device() == mx.gpu else 4
+        return kv_bytes(self.args, n_tokens, dtype_bytes)
 
     def new_session(self) -> Session:
         """A further, independent session on the same weights (resident states of the

@@ -8,7 +8,6 @@ that only extend the state (the agent's suffixes, benchmarks).
 
 from __future__ import annotations
 
-import io
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -25,7 +24,6 @@ DEFAULT_CHUNK = 512
 
 SNAPSHOT_FORMAT = "ds4mlx-session"
 SNAPSHOT_VERSION = "1"
-_TOKENS_KEY = "tokens"
 _LOGITS_KEY = "logits"
 
 
@@ -61,8 +59,7 @@ class SessionState:
         tokens: the token ids fed to the model (list of int).
         arrays: ``"logits"`` (float32 ``(vocab,)``, absent when no token was fed) and every
             KV-cache tensor as ``"cache.{layer}.{name}"``; names and shapes are the layer
-            caches' own ``.state``. Safetensors-ready (no ``"tokens"`` entry; the file
-            stores the ids as an int32 array under that name).
+            caches' own ``.state``. The disk KV cache (``ds4mlx.kv.store``) stores them.
         meta: str → str (format, version, token count, layer count, model identity, …).
     """
 
@@ -74,61 +71,6 @@ class SessionState:
     def nbytes(self) -> int:
         """Bytes held by ``arrays`` (int)."""
         return sum(a.nbytes for a in self.arrays.values())
-
-    def _payload(self, extra_meta: dict[str, str] | None) -> tuple[dict, dict]:
-        arrays = dict(self.arrays)
-        arrays[_TOKENS_KEY] = mx.array(self.tokens, dtype=mx.int32)
-        meta = {**self.meta, **(extra_meta or {})}
-        bad = [k for k, v in meta.items() if not isinstance(k, str) or not isinstance(v, str)]
-        if bad:
-            raise TypeError(f"snapshot metadata must be str -> str; offending keys: {bad}")
-        return arrays, meta
-
-    def write(self, file: str | os.PathLike | io.IOBase, *, metadata: dict[str, str] | None = None):
-        """Write as safetensors to a path or a binary file object.
-
-        Args:
-            file: destination; a path is written as given (no extension added).
-            metadata: extra str → str entries merged over ``meta`` in the file header.
-        """
-        arrays, meta = self._payload(metadata)
-        if isinstance(file, str | os.PathLike):
-            # Through a file object: mx.save_safetensors appends ".safetensors" to paths.
-            with open(file, "wb") as f:
-                mx.save_safetensors(f, arrays, metadata=meta)
-        else:
-            mx.save_safetensors(file, arrays, metadata=meta)
-
-    def to_bytes(self, *, metadata: dict[str, str] | None = None) -> bytes:
-        """The safetensors encoding of this state (see ``write``)."""
-        buf = io.BytesIO()
-        self.write(buf, metadata=metadata)
-        return buf.getvalue()
-
-    @classmethod
-    def read(cls, file: str | os.PathLike | io.IOBase) -> SessionState:
-        """Read a state written by ``write`` from a path or a binary file object.
-
-        Raises:
-            SnapshotError: not a safetensors file, or not a ds4mlx session snapshot.
-        """
-        try:
-            if isinstance(file, str | os.PathLike):
-                # By path, so MLX reads the file itself (no Python-level buffering).
-                arrays, meta = mx.load(os.fspath(file), format="safetensors", return_metadata=True)
-            else:
-                arrays, meta = mx.load(file, format="safetensors", return_metadata=True)
-        except (OSError, RuntimeError, ValueError) as e:
-            raise SnapshotError(f"cannot read session snapshot: {e}") from e
-        if meta.get("format") != SNAPSHOT_FORMAT or _TOKENS_KEY not in arrays:
-            raise SnapshotError("not a ds4mlx session snapshot")
-        tokens = arrays.pop(_TOKENS_KEY).tolist()
-        return cls(tokens=tokens, arrays=arrays, meta=dict(meta))
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> SessionState:
-        """Inverse of ``to_bytes``. Raises ``SnapshotError``."""
-        return cls.read(io.BytesIO(data))
 
 
 def prefill_chunks(start: int, end: int, chunk_size: int, stops: Sequence[int] = ()) -> list[int]:
@@ -150,6 +92,15 @@ def prefill_chunks(start: int, end: int, chunk_size: int, stops: Sequence[int] =
     if end > start:
         ends.add(end)
     return sorted(ends)
+
+
+@dataclass
+class PendingStep:
+    """A decode step built by `Session.begin_decode` and not yet committed: its lazy
+    float32 logits ``(vocab,)`` and the caches' state captured before building."""
+
+    logits: mx.array
+    saved: list[Any]
 
 
 # --------------------------------------------------------------------------- session
@@ -322,25 +273,74 @@ class Session:
 
         Args:
             params: sampling settings; temperature 0 is argmax.
-            greedy: force argmax (used while emitting protocol structure, docs/ARCHITECTURE.md §4).
+            greedy: force argmax (used while emitting protocol structure,
+                docs/ARCHITECTURE.md §4).
         Returns:
             The token id (int): the next scripted token when a script is set.
         Raises:
             RuntimeError: no logits yet (nothing was fed).
         """
+        return int(self.sample_async(params, greedy=greedy).item())
+
+    def sample_async(self, params: SamplingParams, *, greedy: bool = False) -> mx.array:
+        """`sample` without waiting: a uint32 scalar array whose evaluation is launched
+        (``mx.async_eval``) in its own call, so reading it later waits for the sampling
+        only, not for a forward built on top of it meanwhile. Raises like `sample`."""
         if self._script:
             tok = self._script.popleft()
             if not self._script:
                 self._script = None
-            return tok
+            return mx.array(tok, dtype=mx.uint32)
         if self.logits is None:
             raise RuntimeError("no logits to sample from: feed a prompt first")
         if greedy or params.greedy:
-            return int(mx.argmax(self.logits).item())
-        if self._key is None:
-            self.seed(params.seed)
-        self._key, sub = mx.random.split(self._key)
-        return int(sample_token(self.logits, params, sub).item())
+            t = mx.argmax(self.logits)
+        else:
+            if self._key is None:
+                self.seed(params.seed)
+            self._key, sub = mx.random.split(self._key)
+            t = sample_token(self.logits, params, sub)
+        mx.async_eval(t)
+        return t
+
+    # ---- pipelined decode (docs/ARCHITECTURE.md §3: the feeding rule)
+
+    def begin_decode(self, token: mx.array) -> PendingStep | None:
+        """Build — do not evaluate — the forward pass that feeds ``token`` (a lazy scalar
+        from `sample_async`), so the graph is built while the token is still being
+        sampled. Then `commit` it once the token is known not to end the turn, or
+        `abandon` it. Returns None when the context has no room for it.
+
+        The caches' Python-side state is captured first: building only rebinds arrays
+        and counters (writes are functional), and nothing is evaluated before `commit`,
+        so `abandon` puts them back exactly.
+        """
+        if self.room() < 1:
+            return None
+        saved = [c.capture() for c in self._cache]
+        x = token.reshape(1, 1).astype(mx.int32)
+        try:
+            logits = self.engine._last_logits(x, self._cache)
+        except BaseException:
+            self.reset()
+            raise
+        return PendingStep(logits, saved)
+
+    def commit(self, step: PendingStep, token: int) -> None:
+        """Feed the built step: ``token`` joins the session and its forward pass (logits
+        and every cache array) starts evaluating (``mx.async_eval``)."""
+        self.tokens.append(int(token))
+        self.logits = step.logits
+        mx.async_eval(step.logits, *self._cache_arrays())
+
+    def abandon(self, step: PendingStep) -> None:
+        """Undo a built, uncommitted step: the caches are as before `begin_decode`."""
+        for c, saved in zip(self._cache, step.saved, strict=True):
+            c.rewind(saved)
+
+    def sync(self) -> None:
+        """Wait for every launched evaluation (logits and caches)."""
+        mx.eval(*([self.logits] if self.logits is not None else []), *self._cache_arrays())
 
     # ---- snapshots
 

@@ -82,6 +82,9 @@ class TurnSpec:
         cap_is_eos: reaching ``max_tokens`` ends the turn as ``stop`` and feeds the
             last token (``serve --demo``).
         ignore_eos: EOS is an ordinary token (benchmarks that need N decode steps).
+        pipeline: build each decode step's graph while the previous one evaluates
+            (`Session.begin_decode`); False feeds token by token, synchronously. Both
+            leave exactly the same state.
     """
 
     sampling: SamplingParams
@@ -98,6 +101,7 @@ class TurnSpec:
     greedy_after_script: bool = False
     cap_is_eos: bool = False
     ignore_eos: bool = False
+    pipeline: bool = True
 
 
 class PrefillPlan(Protocol):
@@ -306,15 +310,14 @@ class _Turn:
         lps, top = top_logprobs(self.s.logits, n)
         return lambda t: TokenLogprob(t, float(lps[t].item()), top)
 
-    def _sample(self, greedy_after_script: bool) -> tuple[int, TokenLogprob | None]:
-        """The next token (forced, scripted or sampled) and its `TokenLogprob` if asked."""
+    def _sample(self, greedy_after_script: bool) -> tuple[mx.array, Callable | None]:
+        """The next token as a lazy array (forced, scripted or sampled, its evaluation
+        launched) and ``f(token) -> TokenLogprob`` under the current logits if asked."""
         lp_fn = self._logprob_for(not self.in_thinking)
         if self.forced:
-            t = self.forced.popleft()
-        else:
-            greedy = greedy_after_script or bool(self.decoder and self.decoder.in_structure)
-            t = self.s.sample(self.spec.sampling, greedy=greedy)
-        return t, (lp_fn(t) if lp_fn is not None else None)
+            return mx.array(self.forced.popleft(), dtype=mx.uint32), lp_fn
+        greedy = greedy_after_script or bool(self.decoder and self.decoder.in_structure)
+        return self.s.sample_async(self.spec.sampling, greedy=greedy), lp_fn
 
     def _ends_turn(self, n: int) -> str | None:
         """The finish reason if the ``n``-th sampled token ends the turn, else None.
@@ -329,15 +332,32 @@ class _Turn:
             return FINISH_CONTEXT
         return None
 
-    def _feed(self, t: int) -> None:
-        self.s.decode(t)
-        self.result.fed += 1
+    def _handle(self, t: int, lp: TokenLogprob | None, n: int) -> tuple[str | None, bool]:
+        """Account for sampled token ``t``: ``(finish reason or None, feed it?)``."""
+        spec, r = self.spec, self.result
+        if self.in_thinking:
+            r.reasoning_tokens += 1
+            if t == self.tok.think_end_id:
+                self.in_thinking = False
+                self._open_forced()
+        if t == self.tok.eos_id and not spec.ignore_eos:
+            return FINISH_STOP, False
+        if self._text_of(t, lp):
+            self._stop_matched()
+            return FINISH_STOP_SEQUENCE, False
+        end = self._ends_turn(n)
+        return end, end in (None, FINISH_STOP)
 
     # ---- the loop
 
     def generate(self, after_token) -> None:
+        """Sample and feed until the turn ends. Pipelined (``spec.pipeline``): the forward
+        pass of token N is built while token N is being sampled and launched
+        (``mx.async_eval``) once the token is known not to end the turn, and the next
+        graph is built while it evaluates; a step whose token ends the turn is abandoned
+        unevaluated (feeding rule). On MLX's CPU backend ``async_eval`` returns only when
+        little work remains, so the overlap shows on a GPU."""
         spec, s, r = self.spec, self.s, self.result
-        eos, think_end = self.tok.eos_id, self.tok.think_end_id
         t0 = time.monotonic()
         t_first = None
         n = 0
@@ -348,28 +368,26 @@ class _Turn:
             if n >= spec.max_tokens:
                 r.finish = FINISH_LENGTH
                 break
-            t, lp = self._sample(spec.greedy_after_script)
-            t_first = t_first or time.monotonic()
-            n += 1
-            if self.in_thinking:
-                r.reasoning_tokens += 1
-                if t == think_end:
-                    self.in_thinking = False
-                    self._open_forced()
-            if t == eos and not spec.ignore_eos:
-                r.finish = FINISH_STOP
-                break
-            if self._text_of(t, lp):
-                self._stop_matched()
-                break
-            end = self._ends_turn(n)
-            if end in (None, FINISH_STOP):
-                self._feed(t)
-                if after_token is not None:
-                    after_token(s)
+            t_arr, lp_fn = self._sample(spec.greedy_after_script)
+            step = s.begin_decode(t_arr) if spec.pipeline else None
+            fed = False
+            try:
+                t = int(t_arr.item())
+                t_first = t_first or time.monotonic()
+                n += 1
+                end, fed = self._handle(t, lp_fn(t) if lp_fn else None, n)
+                if fed:
+                    s.commit(step, t) if step is not None else s.decode(t)
+                    r.fed += 1
+            finally:
+                if step is not None and not fed:
+                    s.abandon(step)
+            if fed and after_token is not None:
+                after_token(s)
             if end is not None:
                 r.finish = end
                 break
+        s.sync()
         r.completion_tokens = n
         self._flush()
         r.decode_s = time.monotonic() - (t_first or t0)

@@ -8,8 +8,8 @@ following request may refer to that state without re-rendering it:
   carry exactly that id set continues the live state: only the suffix
   ``<｜end▁of▁sentence｜><｜User｜><tool_result>…</tool_result>…<｜Assistant｜>`` +
   ``<think>``/``</think>`` is tokenized (on its own) and prefilled
-  (`tool_results_suffix`). Anthropic ``tool_use_id``, OpenAI chat ``tool_call_id`` and
-  Responses ``call_id`` all arrive as ``tool`` messages of the neutral conversation.
+  (`tool_results_suffix`). Whatever a caller calls those ids, they arrive as
+  ``tool`` messages of the neutral conversation.
 - `ThinkingBinding` — the *visible keys* of a thinking-mode turn
   (``ds4mlx.dsml.thinking_visible_key``): the next prompt renders that turn without its
   reasoning, so a prompt starting with a key keeps the live tokens, real reasoning
@@ -24,7 +24,11 @@ following request may refer to that state without re-rendering it:
   that conversation, so a prompt starting with the key keeps it, whatever bytes the
   rendering gives the sampled turn.
 
-`LiveBindings` holds at most one of each. It is written by the inference thread and
+`CallerNames` — how a caller names a live tool continuation (its plan decision, its
+ids in the log detail, the rejection text of an id nothing explains). The planner knows
+no protocol: each caller (a route, for its protocol) hands it its own names.
+
+`LiveBindings` holds at most one of each binding. It is written by the inference thread and
 read by routes on the event loop (`bound_tool_ids`, for the unknown-id check before a
 job is queued); bindings are immutable and replaced whole, so a reader sees either
 the old or the new one.
@@ -34,12 +38,15 @@ Stdlib and ``ds4mlx.dsml`` only: no MLX, no tokenizer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ds4mlx.dsml import Conversation, Message, Rendered, ToolCall, render_tool_results_suffix
 from ds4mlx.dsml.tokens import EOS
 
 __all__ = [
+    "CallerNames",
+    "NEUTRAL_NAMES",
     "LiveBindings",
     "ThinkingBinding",
     "ToolBinding",
@@ -49,13 +56,35 @@ __all__ = [
     "visible_keys",
     "trailing_tool_ids",
     "unexplained_tool_ids",
-    "unknown_id_message",
-    "ID_FIELD",
 ]
 
-# What each protocol calls a tool-result id (for error messages and log lines).
-ID_FIELD = {"anthropic": "tool_use_id", "chat": "tool_call_id", "responses": "call_id"}
-_HISTORY = {"anthropic": "messages", "chat": "messages", "responses": "input"}
+
+def _neutral_unknown_id(tool_id: str) -> str:
+    return f"unknown tool result id {tool_id}; replay the full history"
+
+
+@dataclass(frozen=True)
+class CallerNames:
+    """A caller's names for a live tool continuation (kv knows no protocol names).
+
+    Chosen by the caller and carried by its request (``GenRequest.protocol``); the
+    planner only repeats them.
+
+    Attributes:
+        live_tools: the plan decision when the trailing tool results continue the live
+            state (in the log line and the trace).
+        ids: what the caller calls those ids, in the log detail ``match=<ids> ids=<n>``.
+        unknown_id: ``f(tool_id) -> str``, the text of `ds4mlx.kv.plan.PlanRejected`
+            for a tool result nothing explains, in the caller's wording.
+    """
+
+    live_tools: str = "live-tools"
+    ids: str = "tool-result-ids"
+    unknown_id: Callable[[str], str] = _neutral_unknown_id
+
+
+# The names of a caller that brings none (the agent, raw completions).
+NEUTRAL_NAMES = CallerNames()
 
 
 @dataclass(frozen=True)
@@ -66,13 +95,10 @@ class ToolBinding:
         ids: the call ids in sampled order (tuple of str, non-empty).
         n_tokens: live token count right after the turn (int tokens); the binding is
             valid only while the session still holds exactly that many.
-        protocol: protocol of the request that sampled them (``anthropic``, ``chat``,
-            ``responses``), for logging.
     """
 
     ids: tuple[str, ...]
     n_tokens: int
-    protocol: str = ""
 
 
 @dataclass(frozen=True)
@@ -262,13 +288,3 @@ def unexplained_tool_ids(conv: Conversation, bound: frozenset[str] = frozenset()
         if len(trailing) == len(bound) and set(trailing) == bound:
             return []
     return missing
-
-
-def unknown_id_message(protocol: str, tool_id: str) -> str:
-    """The HTTP 400 text for a tool result nothing explains (docs/ARCHITECTURE.md §3).
-
-    E.g. ``unknown tool_use_id toolu_…; replay the full messages history``.
-    """
-    field = ID_FIELD.get(protocol, "tool_call_id")
-    history = _HISTORY.get(protocol, "messages")
-    return f"unknown {field} {tool_id}; replay the full {history} history"

@@ -9,11 +9,11 @@ remembers what a later prompt may continue from.
 
 `Planner` implements the whole matching order; the first rule that fits wins:
 
-1. ``live-responses`` — Responses ``function_call_output.call_id``s are exactly the
-   call ids the live state just sampled (`ds4mlx.kv.live.ToolBinding`);
-2. ``live-anthropic`` / ``live-chat`` — the same for Anthropic ``tool_use_id`` and
-   OpenAI chat ``tool_call_id``. Rules 1–2 append only the tool-results suffix,
-   tokenized on its own; the sampled turn (hidden thinking, exact DSML) stays as is;
+1–2. the caller's live-tools decision (``CallerNames.live_tools``, ``live-tools`` by
+   default; each route names its own, see docs/INTERFACES.md) —
+   the trailing tool results carry exactly the call ids the live state just sampled
+   (`ds4mlx.kv.live.ToolBinding`): only the tool-results suffix is appended, tokenized
+   on its own; the sampled turn (hidden thinking, exact DSML) stays as is;
 3. ``live-transcript`` / ``live-thinking`` — the prompt starts with the agent's own
    rendering of the conversation the live state holds (`ds4mlx.kv.live.TranscriptBinding`),
    or with the visible key of the thinking turn the live state just sampled
@@ -27,8 +27,9 @@ remembers what a later prompt may continue from.
 7. ``cold`` — reset and prefill everything.
 
 A binding a job does not use is cleared. A tool result that neither the live binding
-nor a replayed assistant call explains rejects the job (`PlanRejected`, HTTP 400);
-routes check the same before queueing (`ds4mlx.kv.live.unexplained_tool_ids`).
+nor a replayed assistant call explains rejects the job (`PlanRejected`, a client
+mistake, worded by the caller's `CallerNames`); routes check the same before queueing
+(`ds4mlx.kv.live.unexplained_tool_ids`).
 
 DeepSeek V4 caches cannot be trimmed backwards past the compressed frontier, so a plan
 keeps either all live tokens or none, and a snapshot at ``n`` tokens is taken while the
@@ -47,7 +48,8 @@ from typing import Any, Protocol
 from ds4mlx.dsml import Rendered
 from ds4mlx.dsml.tokens import EOS
 from ds4mlx.kv.live import (
-    ID_FIELD,
+    NEUTRAL_NAMES,
+    CallerNames,
     LiveBindings,
     ThinkingBinding,
     ToolBinding,
@@ -56,19 +58,12 @@ from ds4mlx.kv.live import (
     tool_results_suffix,
     trailing_tool_ids,
     unexplained_tool_ids,
-    unknown_id_message,
     visible_keys,
 )
 from ds4mlx.kv.resident import Resident, ResidentStates
 
 log = logging.getLogger("ds4mlx.kv")
 
-# Prefill chunk (tokens per forward pass); the engine's DEFAULT_CHUNK. Chunks end at
-# absolute multiples of it, so a prompt restored from disk at an aligned point and
-# continued is prefilled in the same chunks as a cold prefill of the whole prompt.
-CHUNK = 512
-
-_LIVE_DECISION = {"responses": "live-responses", "anthropic": "live-anthropic"}
 # Plans that are not live continuations (rules 4-7): their prompt end gets a ``prompt``
 # snapshot (docs/ARCHITECTURE.md §5).
 _NOT_CONTINUATIONS = frozenset({"exact-token-prefix", "text-prefix", "disk", "cold"})
@@ -101,11 +96,16 @@ class _Tokenizer(Protocol):
 
 
 class PlanRejected(Exception):
-    """The prompt cannot be served as sent (a client mistake): ``message`` says why."""
+    """The prompt cannot be served as sent (a client mistake).
 
-    def __init__(self, message: str):
+    ``tool_id``: the tool-result id nothing explains; ``message``: why, in the caller's
+    wording (`ds4mlx.kv.live.CallerNames.unknown_id`).
+    """
+
+    def __init__(self, message: str, tool_id: str | None = None):
         super().__init__(message)
         self.message = message
+        self.tool_id = tool_id
 
 
 @dataclass
@@ -115,9 +115,10 @@ class Plan:
     Attributes:
         keep: live tokens kept (the planner reset the session when 0).
         suffix_tokens: token ids to prefill after the kept ones.
-        decision: the matching rule that fired (``live-responses``, ``live-anthropic``,
-            ``live-chat``, ``live-thinking``, ``exact-token-prefix``, ``text-prefix``,
-            ``disk``, ``cold``); in the per-request log line and the trace.
+        decision: the matching rule that fired (the caller's
+            ``CallerNames.live_tools``, ``live-transcript``, ``live-thinking``,
+            ``exact-token-prefix``, ``text-prefix``, ``disk``, ``cold``); in the
+            per-request log line and the trace.
         cached: prompt tokens served from existing state (== ``keep``; a disk restore
             is done by the planner before it returns, so it counts as kept).
         detail: extra ``key=value`` words for the log line (``ids=2`` …).
@@ -369,13 +370,14 @@ class _Residency:
         if self.disk is not None:
             self.disk.tracker = r.tracker
 
-    def _match(self, r: Resident, rendered, conversation, protocol: str, prompt) -> tuple | None:
+    def _match(self, r: Resident, rendered, conversation, protocol, prompt) -> tuple | None:
         """``(tier, kept tokens)`` of the best live rule for state ``r``, or None. No side
         effects: the chosen state is planned again for real."""
         if not r.live:
             return None
         s, b = r.session, r.bindings
-        tier, plan = 3, self._live_tools(s, conversation, protocol, b.tool)
+        names = protocol if isinstance(protocol, CallerNames) else NEUTRAL_NAMES
+        tier, plan = 3, self._live_tools(s, conversation, names, b.tool)
         if plan is None and rendered is not None:
             tier = 2
             plan = self._live_text(s, rendered, b.transcript, "live-transcript", "")
@@ -386,7 +388,7 @@ class _Residency:
             return None
         return tier, plan.keep
 
-    def _choose(self, rendered, conversation, protocol: str, prompt) -> Resident:
+    def _choose(self, rendered, conversation, protocol, prompt) -> Resident:
         """Pick the state for a job and make it current (see the class docstring)."""
         best: tuple | None = None
         for r in self.residents.states:
@@ -495,7 +497,7 @@ class Planner(_Residency, _DiskTier):
         prompt_tokens: list[int],
         rendered_text: Rendered | str | None,
         conversation=None,
-        protocol: str = "chat",
+        protocol: CallerNames | None = None,
     ) -> Plan:
         """Decide how to serve a prompt and bring ``session`` to the state to extend.
 
@@ -507,8 +509,10 @@ class Planner(_Residency, _DiskTier):
                 tokenized with its content as plain text), a raw ``str``, or None for
                 token-id prompts.
             conversation: the ``ds4mlx.dsml.Conversation`` it was rendered from, or None.
-            protocol: ``anthropic``, ``chat``, ``responses``, ``completions``, ``agent``
-                (names the id field in decisions and errors).
+            protocol: the caller's `CallerNames` (the live-tools decision, the ids in the
+                log detail, the rejection wording); None or anything else (a legacy
+                name string) means `NEUTRAL_NAMES`. (The keyword keeps the worker's
+                call: it passes ``GenRequest.protocol``.)
         Returns:
             A `Plan`.
         Raises:
@@ -538,7 +542,8 @@ class Planner(_Residency, _DiskTier):
         self.bindings.clear()
         tool_b, think_b, transcript_b = saved
         self._live_keys = self._keys_of(session, think_b)
-        plan = self._live_tools(session, conversation, protocol, tool_b) if live_ok else None
+        names = protocol if isinstance(protocol, CallerNames) else NEUTRAL_NAMES
+        plan = self._live_tools(session, conversation, names, tool_b) if live_ok else None
         if plan is None and conversation is not None:
             # Tool results must be live (above) or replayed with their calls.
             bad = unexplained_tool_ids(conversation)
@@ -546,7 +551,7 @@ class Planner(_Residency, _DiskTier):
                 # A rejected prompt changes nothing: the client may still send the right
                 # results and continue live.
                 self.bindings.restore(saved)
-                raise PlanRejected(unknown_id_message(protocol, bad[0]))
+                raise PlanRejected(names.unknown_id(bad[0]), bad[0])
         if plan is None and live_ok and rendered is not None:
             plan = self._live_text(session, rendered, transcript_b, "live-transcript", "")
             plan = plan or self._live_text(
@@ -586,7 +591,9 @@ class Planner(_Residency, _DiskTier):
         )
         return False
 
-    def _live_tools(self, session, conv, protocol: str, binding: ToolBinding | None) -> Plan | None:
+    def _live_tools(
+        self, session, conv, names: CallerNames, binding: ToolBinding | None
+    ) -> Plan | None:
         """Rules 1-2: the trailing tool results answer exactly the calls just sampled."""
         n = len(session.tokens)
         if conv is None or binding is None or binding.n_tokens != n:
@@ -594,13 +601,12 @@ class Planner(_Residency, _DiskTier):
         suffix = tool_results_suffix(conv, binding, context_size=self.engine.ctx_size)
         if suffix is None:
             return None
-        field_ = ID_FIELD.get(protocol, "tool_call_id").replace("_", "-")
         return Plan(
             keep=n,
             suffix_tokens=self.engine.tokenizer.encode(suffix.text, content=suffix.content),
-            decision=_LIVE_DECISION.get(protocol, "live-chat"),
+            decision=names.live_tools,
             cached=n,
-            detail=f"match={field_}s ids={len(binding.ids)}",
+            detail=f"match={names.ids} ids={len(binding.ids)}",
         )
 
     def _live_text(
@@ -652,7 +658,7 @@ class Planner(_Residency, _DiskTier):
         prompt_text: str | None = None,
         thinking: bool = False,
         text: str = "",
-        protocol: str = "chat",
+        protocol: CallerNames | None = None,
         transcript_key: str | None = None,
     ) -> None:
         """Remember what the next prompt may continue from (on the inference thread).
@@ -664,7 +670,8 @@ class Planner(_Residency, _DiskTier):
             prompt_text: the rendered prompt of the turn, or None for a raw turn.
             thinking: the prompt opened ``<think>``.
             text: the visible text the client saw (after stop strings).
-            protocol: as in `plan`.
+            protocol: as in `plan` (unused here: the binding is the same for every
+                caller; accepted for the worker's call).
             transcript_key: a caller that keeps the conversation (the agent): its
                 rendering through this turn, ending with the turn's EOS
                 (`TranscriptBinding`); kept whatever the finish, since the caller's
@@ -690,7 +697,7 @@ class Planner(_Residency, _DiskTier):
             return
         calls = list(tool_calls)
         if calls and all(c.id for c in calls):
-            self.bindings.tool = ToolBinding(tuple(c.id for c in calls), n, protocol)
+            self.bindings.tool = ToolBinding(tuple(c.id for c in calls), n)
         if thinking and prompt_text.endswith(THINK_START):
             keys = visible_keys(prompt_text, text, render_tool_calls(calls, self.tool_memory))
             self.bindings.thinking = ThinkingBinding(keys, n)

@@ -19,6 +19,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+# Model generations this network implements. DeepSeek ships V4 Flash, its updates and V4
+# Pro under one model_type; other generations (V3, a future V4.1 ...) differ in structure.
+SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
+
 # transformers' layer-type labels (configuration_deepseek_v4.py).
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -128,54 +132,18 @@ class ModelArgs:
         the official ``inference/config.json`` keys (and this class's own ``to_dict``).
 
         Raises:
-            ValueError: when the config has no attention schedule or is inconsistent.
+            ValueError: an unsupported ``model_type`` (the message names the supported
+                ones), no attention schedule, or inconsistent dimensions.
         """
+        check_model_type(cfg)
 
         def get(*names, default=None):
-            for n in names:
-                if n in cfg and cfg[n] is not None:
-                    return cfg[n]
-            return default
+            return _get(cfg, *names, default=default)
 
         n_layers = int(get("n_layers", "num_hidden_layers", default=43))
         head_dim = int(get("head_dim", default=512))
-        csa_ratio = 4
-
-        # Attention schedule: transformers layer_types win; else official compress_ratios.
-        layer_types = cfg.get("layer_types")
-        if layer_types is not None:
-            rates = {CSA: 4, HCA: 128}
-            rates.update(cfg.get("compress_rates") or {})
-            for legacy, key in (("compress_rate_csa", CSA), ("compress_rate_hca", HCA)):
-                if cfg.get(legacy) is not None:
-                    rates[key] = int(cfg[legacy])
-            csa_ratio = int(rates[CSA])
-            if int(rates[HCA]) == csa_ratio:
-                raise ValueError("CSA and HCA compress rates must differ")
-            table = {SLIDING: 0, CSA: csa_ratio, HCA: int(rates[HCA])}
-            try:
-                ratios = [table[t] for t in layer_types[:n_layers]]
-            except KeyError as e:
-                raise ValueError(f"unknown layer type {e.args[0]!r} in layer_types") from None
-        elif cfg.get("compress_ratios") is not None:
-            # Official configs list one extra entry per MTP layer after the main layers.
-            ratios = [int(r) for r in cfg["compress_ratios"][:n_layers]]
-            csa_ratio = int(cfg.get("csa_ratio", 4))
-        else:
-            raise ValueError(
-                "config has neither layer_types nor compress_ratios (no attention schedule)"
-            )
-        if len(ratios) != n_layers:
-            raise ValueError(f"attention schedule has {len(ratios)} entries for {n_layers} layers")
-
-        # MoE schedule.
-        if cfg.get("hash_layers") is not None:
-            hash_layers = [bool(h) for h in cfg["hash_layers"]]
-        elif cfg.get("mlp_layer_types") is not None:
-            hash_layers = [t == "hash_moe" for t in cfg["mlp_layer_types"][:n_layers]]
-        else:
-            n_hash = int(get("n_hash_layers", "num_hash_layers", default=0))
-            hash_layers = [i < n_hash for i in range(n_layers)]
+        ratios, csa_ratio = _attention_schedule(cfg, n_layers)
+        hash_layers = _hash_schedule(cfg, n_layers)
 
         # Rotary dims.
         rope_head_dim = get("rope_head_dim", "qk_rope_head_dim")
@@ -183,37 +151,7 @@ class ModelArgs:
             prf = get("partial_rotary_factor")
             rope_head_dim = int(head_dim * prf) if prf is not None else 64
         rope_head_dim = int(rope_head_dim)
-
-        # RoPE / YaRN. transformers nests {"main", "compress"}; DeepSeek's HF config has
-        # rope_scaling; the inference config has flat rope_factor/original_seq_len keys.
-        rope_theta = float(get("rope_theta", default=10000.0))
-        compress_theta = float(get("compress_rope_theta", default=160000.0))
-        yarn: dict[str, Any] = {}
-        rp = cfg.get("rope_parameters")
-        if isinstance(rp, dict) and isinstance(rp.get("main"), dict):
-            rope_theta = float(rp["main"].get("rope_theta", rope_theta))
-            comp = rp.get("compress") or {}
-            compress_theta = float(comp.get("rope_theta", compress_theta))
-            if comp.get("rope_type", comp.get("type")) == "yarn":
-                yarn = comp
-        else:
-            rs = cfg.get("rope_scaling") or (rp if isinstance(rp, dict) else None) or {}
-            if rs.get("rope_type", rs.get("type")) == "yarn":
-                yarn = rs
-        if yarn:
-            rope_factor = float(yarn.get("factor", 1.0))
-            original_seq_len = int(yarn.get("original_max_position_embeddings", 0))
-            beta_fast = float(yarn.get("beta_fast") or 32)
-            beta_slow = float(yarn.get("beta_slow") or 1)
-        elif "original_seq_len" in cfg:
-            rope_factor = float(get("rope_factor", default=1.0))
-            original_seq_len = int(cfg["original_seq_len"])
-            beta_fast = float(get("beta_fast", default=32))
-            beta_slow = float(get("beta_slow", default=1))
-        else:
-            rope_factor, original_seq_len, beta_fast, beta_slow = 1.0, 0, 32.0, 1.0
-        # Note: YaRN's attention factor / mscale is deliberately ignored — DeepSeek V4
-        # applies the frequency ramp only (docs/ARCHITECTURE.md §2).
+        rope = _rope(cfg)
 
         mtp = get("n_mtp_layers", "num_nextn_predict_layers", default=0)
         known = {f for f in cls.__dataclass_fields__}
@@ -239,12 +177,7 @@ class ModelArgs:
             route_scale=float(get("route_scale", "routed_scaling_factor", default=1.0)),
             swiglu_limit=float(get("swiglu_limit", default=0.0)),
             norm_eps=float(get("norm_eps", "rms_norm_eps", default=1e-6)),
-            rope_theta=rope_theta,
-            compress_rope_theta=compress_theta,
-            rope_factor=rope_factor,
-            original_seq_len=original_seq_len,
-            beta_fast=beta_fast,
-            beta_slow=beta_slow,
+            **rope,
             index_n_heads=int(get("index_n_heads", default=64)),
             index_head_dim=int(get("index_head_dim", default=128)),
             index_topk=int(get("index_topk", default=512)),
@@ -261,4 +194,116 @@ class ModelArgs:
             quantization=cfg.get("quantization"),
             model_type=str(cfg.get("model_type", "deepseek_v4")),
             extra={k: v for k, v in cfg.items() if k not in known},
+        )
+
+
+def _get(cfg: dict[str, Any], *names: str, default=None):
+    """The first of ``names`` present (and not null) in ``cfg``, else ``default``."""
+    for n in names:
+        if n in cfg and cfg[n] is not None:
+            return cfg[n]
+    return default
+
+
+def _attention_schedule(cfg: dict[str, Any], n_layers: int) -> tuple[list[int], int]:
+    """``(compress ratio per layer, CSA ratio)``: transformers ``layer_types`` win, else the
+    official ``compress_ratios`` (whose extra MTP entries are dropped).
+
+    Raises:
+        ValueError: no schedule, an unknown layer type, equal CSA/HCA rates, wrong length.
+    """
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:
+        rates = {CSA: 4, HCA: 128}
+        rates.update(cfg.get("compress_rates") or {})
+        for legacy, key in (("compress_rate_csa", CSA), ("compress_rate_hca", HCA)):
+            if cfg.get(legacy) is not None:
+                rates[key] = int(cfg[legacy])
+        csa_ratio = int(rates[CSA])
+        if int(rates[HCA]) == csa_ratio:
+            raise ValueError("CSA and HCA compress rates must differ")
+        table = {SLIDING: 0, CSA: csa_ratio, HCA: int(rates[HCA])}
+        try:
+            ratios = [table[t] for t in layer_types[:n_layers]]
+        except KeyError as e:
+            raise ValueError(f"unknown layer type {e.args[0]!r} in layer_types") from None
+    elif cfg.get("compress_ratios") is not None:
+        ratios = [int(r) for r in cfg["compress_ratios"][:n_layers]]
+        csa_ratio = int(cfg.get("csa_ratio", 4))
+    else:
+        raise ValueError(
+            "config has neither layer_types nor compress_ratios (no attention schedule)"
+        )
+    if len(ratios) != n_layers:
+        raise ValueError(f"attention schedule has {len(ratios)} entries for {n_layers} layers")
+    return ratios, csa_ratio
+
+
+def _hash_schedule(cfg: dict[str, Any], n_layers: int) -> list[bool]:
+    """Per layer, whether its MoE is hash-routed."""
+    if cfg.get("hash_layers") is not None:
+        return [bool(h) for h in cfg["hash_layers"]]
+    if cfg.get("mlp_layer_types") is not None:
+        return [t == "hash_moe" for t in cfg["mlp_layer_types"][:n_layers]]
+    n_hash = int(_get(cfg, "n_hash_layers", "num_hash_layers", default=0))
+    return [i < n_hash for i in range(n_layers)]
+
+
+def _rope(cfg: dict[str, Any]) -> dict[str, Any]:
+    """RoPE / YaRN fields of ``ModelArgs``.
+
+    transformers nests ``{"main", "compress"}`` under ``rope_parameters``; DeepSeek's HF
+    config has ``rope_scaling``; the inference config has flat ``rope_factor`` /
+    ``original_seq_len`` keys. YaRN's attention factor / mscale is deliberately ignored:
+    DeepSeek V4 applies the frequency ramp only.
+    """
+    rope_theta = float(_get(cfg, "rope_theta", default=10000.0))
+    compress_theta = float(_get(cfg, "compress_rope_theta", default=160000.0))
+    yarn: dict[str, Any] = {}
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict) and isinstance(rp.get("main"), dict):
+        rope_theta = float(rp["main"].get("rope_theta", rope_theta))
+        comp = rp.get("compress") or {}
+        compress_theta = float(comp.get("rope_theta", compress_theta))
+        if comp.get("rope_type", comp.get("type")) == "yarn":
+            yarn = comp
+    else:
+        rs = cfg.get("rope_scaling") or (rp if isinstance(rp, dict) else None) or {}
+        if rs.get("rope_type", rs.get("type")) == "yarn":
+            yarn = rs
+    out = {"rope_theta": rope_theta, "compress_rope_theta": compress_theta}
+    if yarn:
+        out.update(
+            rope_factor=float(yarn.get("factor", 1.0)),
+            original_seq_len=int(yarn.get("original_max_position_embeddings", 0)),
+            beta_fast=float(yarn.get("beta_fast") or 32),
+            beta_slow=float(yarn.get("beta_slow") or 1),
+        )
+    elif "original_seq_len" in cfg:
+        out.update(
+            rope_factor=float(_get(cfg, "rope_factor", default=1.0)),
+            original_seq_len=int(cfg["original_seq_len"]),
+            beta_fast=float(_get(cfg, "beta_fast", default=32)),
+            beta_slow=float(_get(cfg, "beta_slow", default=1)),
+        )
+    else:
+        out.update(rope_factor=1.0, original_seq_len=0, beta_fast=32.0, beta_slow=1.0)
+    return out
+
+
+def check_model_type(cfg: dict[str, Any]) -> None:
+    """Refuse a ``config.json`` of another model generation.
+
+    A config without ``model_type`` is taken as DeepSeek V4 (DeepSeek's own
+    ``inference/config.json`` has none).
+
+    Raises:
+        ValueError: naming the model type found and the supported ones.
+    """
+    mt = cfg.get("model_type", SUPPORTED_MODEL_TYPES[0])
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model_type {mt!r} is not supported: ds4mlx runs DeepSeek V4 checkpoints "
+            f"(model_type {', '.join(map(repr, SUPPORTED_MODEL_TYPES))}: V4 Flash, its updates "
+            "and V4 Pro); other generations have a different network"
         )

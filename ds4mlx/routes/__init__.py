@@ -1,11 +1,19 @@
 """HTTP routes of ``ds4mlx serve``: one module per protocol (docs/ARCHITECTURE.md §1, §6).
 
-- `ds4mlx.routes.openai`: ``/v1/chat/completions``, ``/v1/completions``
 - `ds4mlx.routes.anthropic`: ``/v1/messages``, ``/v1/messages/count_tokens``
+- `ds4mlx.routes.openai`: ``/v1/chat/completions``
 - `ds4mlx.routes.responses`: ``/v1/responses`` (HTTP + WebSocket)
+- `ds4mlx.routes.completions`: ``/v1/completions`` (raw text)
 - `ds4mlx.routes.models`: ``/v1/models``, ``/v1/tokenize``, ``/v1/detokenize``,
   ``/health``, ``/debug/script``
+- `ds4mlx.routes.pipeline`: the shared request pipeline (tool-id check, render,
+  tokenize, context check, ``GenRequest``) and the stream driver over an encoder
+- `ds4mlx.routes.mapping`: mapping rules the protocol modules share
 - `ds4mlx.routes.common`: errors, body parsing, SSE framing, auth, reasoning carrier
+
+Each protocol module owns its schema, its mapping onto the neutral ``Conversation``,
+its ``CallerNames`` for the planner (``NAMES``), its error wording and one encoder for
+streaming and non-streaming answers (docs/INTERFACES.md).
 
 `register` adds them to a Quart app with protocol-shaped error handlers, the API-key
 check and (opt-in) CORS.
@@ -18,21 +26,27 @@ import logging
 log = logging.getLogger("ds4mlx.server")
 
 
+def _answer(err):
+    """``err`` as a response in its protocol's error shape: Anthropic's on the Messages
+    API's paths, OpenAI's on every other route."""
+    from quart import request
+
+    from ds4mlx.routes import anthropic
+    from ds4mlx.routes.common import error_response, openai_error
+
+    anthropic_path = request.path.startswith(anthropic.PATH_PREFIX)
+    return error_response(err, anthropic.error_body if anthropic_path else openai_error)
+
+
 def register(app) -> None:
     """Register every blueprint, error handler and request hook on ``app``."""
     from quart import request
     from werkzeug.exceptions import HTTPException
 
-    from ds4mlx.routes import anthropic, models, openai, responses
-    from ds4mlx.routes.common import (
-        APIError,
-        check_auth,
-        error_response,
-        http_exception_to_api,
-        state,
-    )
+    from ds4mlx.routes import anthropic, completions, models, openai, responses
+    from ds4mlx.routes.common import APIError, check_auth, http_exception_to_api, state
 
-    for mod in (openai, anthropic, responses, models):
+    for mod in (openai, completions, anthropic, responses, models):
         app.register_blueprint(mod.bp)
 
     def rejected(e: APIError) -> None:
@@ -44,20 +58,18 @@ def register(app) -> None:
     @app.errorhandler(APIError)
     async def _api_error(e: APIError):
         rejected(e)
-        return error_response(e)
+        return _answer(e)
 
     @app.errorhandler(HTTPException)
     async def _http_error(e: HTTPException):
         err = http_exception_to_api(e)
         rejected(err)
-        return error_response(err)
+        return _answer(err)
 
     @app.errorhandler(Exception)
     async def _any_error(e: Exception):
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(
-            APIError(500, f"internal error: {type(e).__name__}", type="server_error")
-        )
+        return _answer(APIError(500, f"internal error: {type(e).__name__}", type="server_error"))
 
     @app.before_request
     async def _auth():
@@ -68,7 +80,7 @@ def register(app) -> None:
         err = check_auth()
         if err is not None:
             rejected(err)
-            return error_response(err)
+            return _answer(err)
         return None
 
     @app.after_request

@@ -15,51 +15,121 @@ Thinking blocks carry a ``signature`` that is the server's reasoning carrier
 (``ds4mlx.routes.common.ReasoningCarrier``), so a client that got the thinking
 without text (``thinking.display: "omitted"``) can replay it exactly. Thinking blocks
 coming back with an empty or foreign signature are accepted.
+
+This module owns the whole protocol: the request schema, its mapping onto the neutral
+``Conversation`` (`to_conversation`), its names for the planner (`NAMES`), its error
+shape (`error_body`) and one encoder (`MessageEncoder`) for
+the stream and the JSON body alike.
+
+Mapping rules (docs/ARCHITECTURE.md §4): ``system`` blocks join with ``\\n`` (inserted
+only where the previous part lacks one); lines starting with ``x-anthropic-`` (Claude
+Code's per-session billing header) are dropped unless ``--keep-billing-header`` (the rest
+of their block stays; a block of only such lines is dropped); ``role: "system"``
+messages are hoisted after the top-level system text; an assistant message's thinking
+blocks (interleaved with its tool calls) become the one DS4 reasoning block, joined by a
+blank line; ``tool_result`` blocks become ``tool`` messages (text in the same user
+message follows them), ``is_error: true`` prefixing `TOOL_ERROR_PREFIX`; server tools
+(no ``input_schema``) are not offered to the model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 from quart import Blueprint, request
 
 from ds4mlx.dsml import (
-    ParseError,
+    Conversation,
+    Message,
     TextDelta,
     ThinkingDelta,
+    ToolCall,
     ToolCallArgsDelta,
     ToolCallEnd,
     ToolCallStart,
-    wire,
+    ToolSpec,
 )
+from ds4mlx.kv.live import CallerNames
 from ds4mlx.routes.common import (
-    SSE_COMMENT,
     APIError,
-    Keepalive,
     OpenModel,
-    check_tool_results,
-    clamp_max_tokens,
-    collect,
-    context_check,
-    demo_cap_ends_turn,
-    error_body,
     failed_to_api,
-    guard,
     json_response,
     model_thinking,
     new_id,
     parse_body,
-    render,
-    sampling_params,
     sse,
-    sse_response,
     state,
+)
+from ds4mlx.routes.mapping import (
+    WireError,
+    checked_choice,
+    effort_to_reasoning,
+    empty_schema,
+    hoisted_system,
+    join_blank,
+    join_newline,
+    late_system,
+    placeholder,
+)
+from ds4mlx.routes.pipeline import (
+    prepare,
+    render,
+    respond,
+    sampling_params,
+    stream,
     tokenize,
 )
-from ds4mlx.server.jobs import GenRequest, JobDone, JobFailed, JobStarted, PrefillProgress
+from ds4mlx.server.jobs import JobDone, JobFailed, JobStarted
 
 bp = Blueprint("anthropic", __name__)
+
+
+def _unknown_id(tool_id: str) -> str:
+    return f"unknown tool_use_id {tool_id}; replay the full messages history"
+
+
+# The planner's names for this protocol: decision ``live-anthropic``, log detail
+# ``match=tool-use-ids ids=N``, and the 400 for a ``tool_use_id`` nothing explains.
+NAMES = CallerNames(live_tools="live-anthropic", ids="tool-use-ids", unknown_id=_unknown_id)
+
+# The Messages API's paths: errors there take this protocol's shape (`error_body`).
+PATH_PREFIX = "/v1/messages"
+
+# Error "type" per HTTP status (https://docs.anthropic.com/en/api/errors).
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def error_body(err: APIError) -> dict[str, Any]:
+    """The Anthropic error object for ``err``: ``{"type": "error", "error": {"type",
+    "message", …fields}}``, the type from the status unless ``err.anthropic_type``."""
+    default = "api_error" if err.status >= 500 else "invalid_request_error"
+    return {
+        "type": "error",
+        "error": {
+            "type": err.anthropic_type or _ERROR_TYPES.get(err.status, default),
+            "message": err.message,
+            **err.fields,
+        },
+    }
+
+
+BILLING_PREFIX = "x-anthropic-"
+# ``tool_result.is_error``: the DS4 format has no error flag, so the text says it.
+TOOL_ERROR_PREFIX = "[tool error] "
 
 
 # --------------------------------------------------------------------------- schemas
@@ -164,31 +234,216 @@ class MessagesRequest(CountTokensRequest):
     context_management: dict[str, Any] | None = None
 
 
-# --------------------------------------------------------------------------- helpers
+# --------------------------------------------------------------------------- mapping
 
 
-def _conversation(body: dict[str, Any], model: str):
+def strip_billing_lines(text: str) -> str | None:
+    """``text`` without its ``x-anthropic-…`` lines (client metadata, docs/ARCHITECTURE.md §4).
+
+    Returns None when the text was nothing but such lines (the block is dropped, not
+    rendered as an empty part), else the remaining lines, unchanged.
+    """
+    if BILLING_PREFIX not in text:
+        return text
+    lines = text.splitlines(keepends=True)
+    kept = [ln for ln in lines if not ln.startswith(BILLING_PREFIX)]
+    if len(kept) == len(lines):
+        return text
+    return "".join(kept) if kept else None
+
+
+def system_text(
+    system: str | list[SystemBlock] | None, *, keep_billing_header: bool = False
+) -> str:
+    """The top-level ``system`` (string or text blocks) as one string.
+
+    Blocks are joined with ``\\n`` (inserted only when missing); lines beginning with
+    ``x-anthropic-`` are dropped unless ``keep_billing_header`` (the rest of their block
+    is kept; a block of only such lines is dropped).
+    """
+    if system is None:
+        return ""
+    if isinstance(system, str):
+        return system if keep_billing_header else (strip_billing_lines(system) or "")
+    parts = [b.text for b in system]
+    if not keep_billing_header:
+        parts = [p for p in map(strip_billing_lines, parts) if p is not None]
+    return join_newline(parts)
+
+
+def _blocks(content: str | list[Any]) -> list[Any]:
+    return [TextBlock(type="text", text=content)] if isinstance(content, str) else content
+
+
+def _result_text(content: str | list[dict[str, Any]] | None) -> str:
+    """A ``tool_result``'s content: text blocks joined by a blank line, other blocks as
+    placeholders."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return join_blank(
+        (b.get("text") or "") if b.get("type") == "text" else placeholder(b.get("type"))
+        for b in content
+    )
+
+
+def _user_turn(blocks: list[Any]) -> list[Message]:
+    """A user message: its tool results (``tool`` messages), then its text, if any."""
+    out: list[Message] = []
+    texts: list[str] = []
+    for b in blocks:
+        if isinstance(b, ToolResultBlock):
+            result = _result_text(b.content)
+            if b.is_error is True:
+                result = TOOL_ERROR_PREFIX + result
+            out.append(Message(role="tool", tool_call_id=b.tool_use_id, content=result))
+        elif isinstance(b, TextBlock):
+            texts.append(b.text)
+        else:
+            texts.append(placeholder(b.type))
+    if texts or not out:
+        out.append(Message(role="user", content=join_newline(texts)))
+    return out
+
+
+def _assistant_turn(
+    blocks: list[Any], decode_reasoning: Callable[[str], str | None] | None
+) -> Message:
+    """An assistant message; its thinking blocks become the one DS4 reasoning block."""
+    texts: list[str] = []
+    reasoning: list[str] = []
+    calls: list[ToolCall] = []
+    for b in blocks:
+        if isinstance(b, TextBlock):
+            texts.append(b.text)
+        elif isinstance(b, ThinkingBlock):
+            text = decode_reasoning(b.signature) if decode_reasoning and b.signature else None
+            reasoning.append(text if text is not None else b.thinking)
+        elif isinstance(b, ToolUseBlock):
+            calls.append(ToolCall(id=b.id, name=b.name, arguments=b.input))
+        # redacted_thinking and server tool results carry nothing we can render.
+    return Message(
+        role="assistant",
+        content="".join(texts),
+        # Interleaved thinking (thinking, tool_use, thinking, tool_use): the DS4 format
+        # has one reasoning block; never glue its segments together.
+        reasoning=join_blank(reasoning) if reasoning else None,
+        tool_calls=calls,
+    )
+
+
+def _tools(req: CountTokensRequest) -> list[ToolSpec]:
+    """The callable tools offered (none with ``tool_choice: none``; server tools such as
+    ``web_search_20250305`` have no ``input_schema`` and are not offered)."""
+    if (req.tool_choice or {}).get("type") == "none":
+        return []
+    return [
+        ToolSpec(
+            name=t.name,
+            description=t.description or "",
+            parameters=t.input_schema or empty_schema(),
+        )
+        for t in req.tools or []
+        if t.input_schema is not None
+    ]
+
+
+def _tool_choice(choice: dict[str, Any] | None, tools: list[ToolSpec]) -> tuple[bool, str | None]:
+    """``tool_choice`` (``{"type": "auto" | "any" | "tool" | "none", "name"}``) →
+    ``(tool_required, tool_name)``.
+
+    Raises:
+        WireError: an unknown type, ``tool`` without a name, a forced choice without
+            tools, or a named tool that is not offered.
+    """
+    if choice is None:
+        return False, None
+    typ = choice.get("type")
+    if typ in ("auto", "none"):
+        return False, None
+    if typ == "any":
+        return checked_choice(True, None, tools)
+    if typ == "tool":
+        name = choice.get("name")
+        if not isinstance(name, str) or not name:
+            raise WireError("tool_choice.name: required for type 'tool'", "tool_choice.name")
+        return checked_choice(True, name, tools)
+    raise WireError(
+        f"tool_choice.type: {typ!r} is not one of 'auto', 'any', 'tool', 'none'",
+        "tool_choice.type",
+    )
+
+
+def to_conversation(
+    req: CountTokensRequest,
+    *,
+    default_thinking: bool = True,
+    keep_billing_header: bool = False,
+    decode_reasoning: Callable[[str], str | None] | None = None,
+) -> Conversation:
+    """Map a validated Messages request onto a `Conversation`.
+
+    Args:
+        req: the request (`MessagesRequest` or `CountTokensRequest`).
+        default_thinking: the mode when ``thinking`` is absent (the served model's
+            default; False for the ``deepseek-chat`` alias).
+        keep_billing_header: keep ``x-anthropic-…`` system lines.
+        decode_reasoning: maps a thinking block's ``signature`` to the reasoning it
+            carries (the server's integrity-checked carrier, None when it does not
+            verify); lets a client that received the thinking without its text
+            (``display: "omitted"``) replay it exactly. Empty or foreign signatures are
+            accepted and the block's own ``thinking`` text is used.
+    Raises:
+        WireError: an invalid ``tool_choice`` (param ``tool_choice…``).
+    """
+    system_parts = [system_text(req.system, keep_billing_header=keep_billing_header)]
+    late: list[str] = []  # role "system" messages (Claude Code's environment, skills)
+    msgs: list[Message] = []
+    for m in req.messages:
+        blocks = _blocks(m.content)
+        if m.role == "system":
+            text = join_newline(b.text for b in blocks if isinstance(b, TextBlock))
+            kept = text if keep_billing_header else strip_billing_lines(text)
+            if kept is not None:
+                late.append(kept)
+        elif m.role == "user":
+            msgs.extend(_user_turn(blocks))
+        else:
+            msgs.append(_assistant_turn(blocks, decode_reasoning))
+    tools = _tools(req)
+    thinking = req.thinking.type != "disabled" if req.thinking else default_thinking
+    _, effort = effort_to_reasoning((req.output_config or {}).get("effort"))
+    required, name = _tool_choice(req.tool_choice, tools)
+    return Conversation(
+        messages=hoisted_system(msgs, system_parts),
+        late_system=late_system(late),
+        tools=tools,
+        thinking=thinking,
+        reasoning_effort=effort if thinking else None,
+        tool_required=required,
+        tool_name=name,
+    )
+
+
+def _conversation(req: CountTokensRequest) -> Conversation:
+    """`to_conversation` with the server's settings (400 on a mapping error)."""
     st = state()
     try:
-        return wire.anthropic_to_conversation(
-            body,
-            default_thinking=model_thinking(model),
+        return to_conversation(
+            req,
+            default_thinking=model_thinking(req.model),
             keep_billing_header=st.config.keep_billing_header,
             decode_reasoning=st.carrier.open,
         )
-    except wire.WireError as e:
+    except WireError as e:
         raise APIError(400, e.message, param=e.param) from None
 
 
-def _stop_reason(d: JobDone, tools: bool) -> str:
-    if d.finish == "length":
-        return "max_tokens"
-    if d.finish == "stop_sequence":
-        return "stop_sequence"
-    return "tool_use" if tools else "end_turn"
+# --------------------------------------------------------------------------- encoder
 
 
-def _usage(d: JobDone | None, prompt: int, cached: int, output: int) -> dict[str, Any]:
+def _usage(prompt: int, cached: int, output: int) -> dict[str, Any]:
     return {
         "input_tokens": prompt - cached,
         "cache_creation_input_tokens": 0,
@@ -197,237 +452,200 @@ def _usage(d: JobDone | None, prompt: int, cached: int, output: int) -> dict[str
     }
 
 
+class MessageEncoder:
+    """Job events → Messages SSE events, and (fed everything) the ``message`` object.
+
+    Blocks open as the model starts them (``thinking``, ``text``, ``tool_use``) and
+    close when another starts or the turn ends; a thinking block closes with its
+    ``signature_delta`` (the reasoning carrier). ``omitted`` (``thinking.display:
+    "omitted"``) sends thinking blocks without their text. A tool call cut by the end
+    of the turn (``ToolCallEnd.closed`` False) was streamed but is left out of the
+    message object and does not make the stop reason ``tool_use``.
+    """
+
+    def __init__(self, msg_id: str, model: str, *, omitted: bool, carrier):
+        self.carrier = carrier
+        self.omitted = omitted
+        self.started_ = False
+        self.blocks: list[dict[str, Any]] = []  # every block, in stream order
+        self.cut: list[dict[str, Any]] = []  # tool_use blocks of cut calls
+        self.open: dict[str, Any] | None = None
+        self.reasoning: list[str] = []  # the open thinking block's text
+        self.calls = 0  # complete tool calls
+        self.message: dict[str, Any] = {
+            "id": msg_id,
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": _usage(0, 0, 0),
+        }
+        self._feed = {
+            ThinkingDelta: self._thinking,
+            TextDelta: self._text,
+            ToolCallStart: self._tool_start,
+            ToolCallArgsDelta: self._tool_args,
+            ToolCallEnd: self._tool_end,
+        }
+
+    # ---- framing
+
+    @staticmethod
+    def _ev(name: str, **data: Any) -> dict[str, Any]:
+        return {"type": name, **data}
+
+    def frame(self, ev: dict[str, Any]) -> bytes:
+        return sse(ev, ev["type"])
+
+    def opening(self) -> list[Any]:
+        return []
+
+    def idle(self) -> dict[str, Any] | None:
+        # Before message_start only an SSE comment is valid; after it, a ping event.
+        return self._ev("ping") if self.started_ else None
+
+    # ---- blocks
+
+    def _close(self) -> list[dict[str, Any]]:
+        block, self.open = self.open, None
+        if block is None:
+            return []
+        index = len(self.blocks) - 1
+        out = []
+        if block["type"] == "thinking":
+            text = "".join(self.reasoning)
+            block["signature"] = self.carrier.seal(text)
+            block["thinking"] = "" if self.omitted else text
+            delta = {"type": "signature_delta", "signature": block["signature"]}
+            out.append(self._ev("content_block_delta", index=index, delta=delta))
+        out.append(self._ev("content_block_stop", index=index))
+        return out
+
+    def _start(self, block: dict[str, Any]) -> list[dict[str, Any]]:
+        out = self._close()
+        self.blocks.append(block)
+        self.open = block
+        out.append(
+            self._ev("content_block_start", index=len(self.blocks) - 1, content_block=dict(block))
+        )
+        return out
+
+    def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
+        return self._ev("content_block_delta", index=len(self.blocks) - 1, delta=delta)
+
+    def _thinking(self, e: ThinkingDelta) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if self.open is None or self.open["type"] != "thinking":
+            out = self._start({"type": "thinking", "thinking": "", "signature": ""})
+            self.reasoning = []
+        self.reasoning.append(e.text)
+        if not self.omitted and e.text:
+            out.append(self._delta({"type": "thinking_delta", "thinking": e.text}))
+        return out
+
+    def _text(self, e: TextDelta) -> list[dict[str, Any]]:
+        if not e.text:
+            return []
+        out: list[dict[str, Any]] = []
+        if self.open is None or self.open["type"] != "text":
+            out = self._start({"type": "text", "text": ""})
+        self.open["text"] += e.text
+        out.append(self._delta({"type": "text_delta", "text": e.text}))
+        return out
+
+    def _tool_start(self, e: ToolCallStart) -> list[dict[str, Any]]:
+        return self._start({"type": "tool_use", "id": e.id, "name": e.name, "input": {}})
+
+    def _tool_args(self, e: ToolCallArgsDelta) -> list[dict[str, Any]]:
+        if self.open is None or self.open["type"] != "tool_use" or not e.text:
+            return []
+        return [self._delta({"type": "input_json_delta", "partial_json": e.text})]
+
+    def _tool_end(self, e: ToolCallEnd) -> list[dict[str, Any]]:
+        if self.open is None or self.open["type"] != "tool_use":
+            return []
+        if e.closed:
+            self.open["input"] = e.call.arguments
+            self.calls += 1
+        else:
+            self.cut.append(self.open)
+        return self._close()
+
+    # ---- the job
+
+    def started(self, e: JobStarted) -> list[dict[str, Any]]:
+        self.started_ = True
+        self.message["usage"] = _usage(e.prompt_tokens, e.cached_tokens, 0)
+        return [self._ev("message_start", message={**self.message, "content": []})]
+
+    def feed(self, e: Any) -> list[dict[str, Any]]:
+        handler = self._feed.get(type(e))
+        return handler(e) if handler is not None else []
+
+    def done(self, e: JobDone) -> list[dict[str, Any]]:
+        out = self._close()
+        if e.finish == "cancelled":
+            err = {"type": "api_error", "message": "generation cancelled"}
+            return [*out, self._ev("error", error=err)]
+        if e.finish == "length":
+            reason = "max_tokens"
+        elif e.finish == "stop_sequence":
+            reason = "stop_sequence"
+        else:
+            reason = "tool_use" if self.calls else "end_turn"
+        usage = _usage(e.prompt_tokens, e.cached_tokens, e.completion_tokens)
+        self.message.update(stop_reason=reason, stop_sequence=e.stop_sequence, usage=usage)
+        delta = {"stop_reason": reason, "stop_sequence": e.stop_sequence}
+        return [*out, self._ev("message_delta", delta=delta, usage=usage), self._ev("message_stop")]
+
+    def failed(self, e: JobFailed) -> list[dict[str, Any]]:
+        err = error_body(failed_to_api(e))["error"]
+        return [*self._close(), self._ev("error", error=err)]
+
+    def result(self) -> dict[str, Any]:
+        content = [b for b in self.blocks if not any(b is c for c in self.cut)]
+        return {**self.message, "content": content}
+
+
 # --------------------------------------------------------------------------- routes
 
 
 @bp.post("/v1/messages/count_tokens")
 async def count_tokens():
     """Token count of the rendered prompt: ``{"input_tokens": n}``."""
-    req, body = await parse_body(CountTokensRequest)
-    conv = _conversation(body, req.model)
-    toks = await tokenize(render(conv))
+    req = await parse_body(CountTokensRequest)
+    toks = await tokenize(render(_conversation(req)))
     return json_response({"input_tokens": len(toks)})
 
 
 @bp.post("/v1/messages")
 async def messages():
     """Anthropic Messages (streaming and not). Errors: Anthropic error shapes."""
-    req, body = await parse_body(MessagesRequest)
+    req = await parse_body(MessagesRequest)
     st = state()
-    conv = _conversation(body, req.model)
-    check_tool_results(conv, "anthropic")
-    text = render(conv)
-    toks = await tokenize(text)
-    context_check(len(toks))
-    gen = GenRequest(
+    conv = _conversation(req)
+    sampling = sampling_params(
+        conv.thinking, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k
+    )
+    gen = await prepare(
+        conv,
+        NAMES,
         path=request.path,
-        prompt_tokens=toks,
-        prompt_text=text,
-        sampling=sampling_params(
-            conv.thinking, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k
-        ),
-        max_tokens=clamp_max_tokens(req.max_tokens, len(toks)),
-        cap_is_eos=demo_cap_ends_turn(req.max_tokens, len(toks)),
-        stops=list(req.stop_sequences or []),
-        thinking=conv.thinking,
-        tools=conv.tools,
+        param="messages",
+        max_tokens=req.max_tokens,
+        sampling=sampling,
         id_prefix="toolu_",
-        conversation=conv,
-        protocol="anthropic",
-        tool_required=conv.tool_required,
-        tool_name=conv.tool_name,
+        stops=req.stop_sequences,
     )
     job = st.submit(gen)
-    omitted = bool(req.thinking and req.thinking.display == "omitted")
-    meta = {"id": new_id("msg_"), "model": req.model or st.config.model_name}
-    if req.stream:
-        return sse_response(
-            guard(job, _stream(job, meta, omitted, st.config.keepalive_s, st.carrier))
-        )
-    events, done = await collect(job)
-    if done.finish == "cancelled":
-        raise APIError(503, "generation cancelled (server shutting down)", type="server_error")
-    content: list[dict[str, Any]] = []
-    for ev in events:
-        last = content[-1] if content else None
-        if isinstance(ev, ThinkingDelta):
-            if last is None or last["type"] != "thinking":
-                last = {"type": "thinking", "thinking": "", "signature": ""}
-                content.append(last)
-            last["thinking"] += ev.text
-        elif isinstance(ev, TextDelta):
-            if last is None or last["type"] != "text":
-                last = {"type": "text", "text": ""}
-                content.append(last)
-            last["text"] += ev.text
-        elif isinstance(ev, ToolCallEnd) and ev.closed:  # a cut call is left out
-            content.append(
-                {
-                    "type": "tool_use",
-                    "id": ev.call.id,
-                    "name": ev.call.name,
-                    "input": ev.call.arguments,
-                }
-            )
-    for b in content:
-        if b["type"] == "thinking":
-            b["signature"] = st.carrier.seal(b["thinking"])
-            if omitted:
-                b["thinking"] = ""
-    tools = any(b["type"] == "tool_use" for b in content)
-    return json_response(
-        {
-            "id": meta["id"],
-            "type": "message",
-            "role": "assistant",
-            "model": meta["model"],
-            "content": content,
-            "stop_reason": _stop_reason(done, tools),
-            "stop_sequence": done.stop_sequence,
-            "usage": _usage(done, done.prompt_tokens, done.cached_tokens, done.completion_tokens),
-        }
+    enc = MessageEncoder(
+        new_id("msg_"),
+        req.model or st.config.model_name,
+        omitted=bool(req.thinking and req.thinking.display == "omitted"),
+        carrier=st.carrier,
     )
-
-
-async def _stream(job, meta: dict[str, Any], omitted: bool, keepalive_s: float, carrier):
-    # Runs outside the app context (Quart streams bodies after the handler returned).
-    ka = Keepalive(keepalive_s)
-    started = False
-    index = -1
-    open_kind: str | None = None
-    thinking_text: list[str] = []
-    saw_tools = False
-
-    def ev(name: str, data: dict[str, Any]) -> bytes:
-        return sse({"type": name, **data}, name)
-
-    def close() -> list[bytes]:
-        nonlocal open_kind
-        out = []
-        if open_kind == "thinking":
-            sig = carrier.seal("".join(thinking_text))
-            out.append(
-                ev(
-                    "content_block_delta",
-                    {"index": index, "delta": {"type": "signature_delta", "signature": sig}},
-                )
-            )
-        if open_kind is not None:
-            out.append(ev("content_block_stop", {"index": index}))
-        open_kind = None
-        return out
-
-    def open_block(kind: str, block: dict[str, Any]) -> list[bytes]:
-        nonlocal index, open_kind
-        out = close()
-        index += 1
-        open_kind = kind
-        out.append(ev("content_block_start", {"index": index, "content_block": block}))
-        return out
-
-    async for e in job.events(keepalive_s):
-        out: list[bytes] = []
-        if e is None or isinstance(e, PrefillProgress):
-            if ka.due():
-                ka.sent()
-                yield ev("ping", {}) if started else SSE_COMMENT
-            continue
-        if isinstance(e, JobStarted):
-            started = True
-            out.append(
-                ev(
-                    "message_start",
-                    {
-                        "message": {
-                            "id": meta["id"],
-                            "type": "message",
-                            "role": "assistant",
-                            "model": meta["model"],
-                            "content": [],
-                            "stop_reason": None,
-                            "stop_sequence": None,
-                            "usage": _usage(None, e.prompt_tokens, e.cached_tokens, 0),
-                        }
-                    },
-                )
-            )
-        elif isinstance(e, ThinkingDelta):
-            if open_kind != "thinking":
-                thinking_text.clear()
-                out += open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-            thinking_text.append(e.text)
-            if not omitted and e.text:
-                out.append(
-                    ev(
-                        "content_block_delta",
-                        {"index": index, "delta": {"type": "thinking_delta", "thinking": e.text}},
-                    )
-                )
-        elif isinstance(e, TextDelta):
-            if not e.text:
-                continue
-            if open_kind != "text":
-                out += open_block("text", {"type": "text", "text": ""})
-            out.append(
-                ev(
-                    "content_block_delta",
-                    {"index": index, "delta": {"type": "text_delta", "text": e.text}},
-                )
-            )
-        elif isinstance(e, ToolCallStart):
-            saw_tools = True
-            out += open_block(
-                "tool_use", {"type": "tool_use", "id": e.id, "name": e.name, "input": {}}
-            )
-        elif isinstance(e, ToolCallArgsDelta):
-            if open_kind == "tool_use" and e.text:
-                out.append(
-                    ev(
-                        "content_block_delta",
-                        {
-                            "index": index,
-                            "delta": {"type": "input_json_delta", "partial_json": e.text},
-                        },
-                    )
-                )
-        elif isinstance(e, ToolCallEnd):
-            if open_kind == "tool_use":
-                out += close()
-        elif isinstance(e, ParseError):
-            continue
-        elif isinstance(e, JobFailed):
-            out += close()
-            out.append(ev("error", {"error": error_body("anthropic", failed_to_api(e))["error"]}))
-            for b in out:
-                yield b
-            return
-        elif isinstance(e, JobDone):
-            if e.finish == "cancelled":
-                out += close()
-                out.append(
-                    ev("error", {"error": {"type": "api_error", "message": "generation cancelled"}})
-                )
-            else:
-                out += close()
-                out.append(
-                    ev(
-                        "message_delta",
-                        {
-                            "delta": {
-                                "stop_reason": _stop_reason(e, saw_tools),
-                                "stop_sequence": e.stop_sequence,
-                            },
-                            "usage": _usage(
-                                e, e.prompt_tokens, e.cached_tokens, e.completion_tokens
-                            ),
-                        },
-                    )
-                )
-                out.append(ev("message_stop", {}))
-            for b in out:
-                yield b
-            return
-        if out:
-            ka.sent()
-            for b in out:
-                yield b
+    if req.stream:
+        return stream(job, enc)
+    return json_response(await respond(job, enc))

@@ -1,11 +1,10 @@
-"""Shared route plumbing: protocol-shaped errors, body parsing, SSE framing, auth, CORS.
+"""Shared route plumbing: protocol-shaped errors, body parsing, SSE framing, auth, the
+reasoning carrier. (The request pipeline and the stream driver are `ds4mlx.routes.pipeline`.)
 
-Errors follow each protocol's own shape:
-
-- Anthropic (``/v1/messages*``): ``{"type": "error", "error": {"type", "message"}}``
-  (https://docs.anthropic.com/en/api/errors).
-- OpenAI (everything else): ``{"error": {"message", "type", "param", "code"}}``
-  (https://platform.openai.com/docs/guides/error-codes).
+Errors follow each protocol's own shape: OpenAI's (`openai_error`, every route but the
+Messages API's): ``{"error": {"message", "type", "param", "code"}}``
+(https://platform.openai.com/docs/guides/error-codes); Anthropic's is
+``ds4mlx.routes.anthropic.error_body``.
 
 Client mistakes (malformed JSON, invalid UTF-8, wrong types, unknown roles, oversized
 bodies, prompts over the context) are 4xx; only server faults are 5xx.
@@ -21,7 +20,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,20 +30,6 @@ from werkzeug.exceptions import HTTPException
 
 M = TypeVar("M", bound=BaseModel)
 
-# Anthropic error "type" per HTTP status (https://docs.anthropic.com/en/api/errors).
-_ANTHROPIC_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    503: "overloaded_error",
-    529: "overloaded_error",
-}
-
 
 class APIError(Exception):
     """An error answered in the protocol's shape.
@@ -53,7 +38,8 @@ class APIError(Exception):
         status: HTTP status (int).
         message: human-readable text.
         type: OpenAI ``type`` (``invalid_request_error``…); Anthropic's type is derived
-            from the status unless ``anthropic_type`` is given.
+            from the status (``ds4mlx.routes.anthropic.error_body``) unless
+            ``anthropic_type`` is given.
         param: the offending field path, or None.
         code: OpenAI ``code`` (e.g. ``context_length_exceeded``), or None.
         fields: extra members of the error object in both shapes, for clients that
@@ -82,25 +68,8 @@ class APIError(Exception):
         self.anthropic_type = anthropic_type
 
 
-def protocol_of(path: str) -> str:
-    """``"anthropic"`` for the Messages API paths, else ``"openai"``."""
-    return "anthropic" if path.startswith("/v1/messages") else "openai"
-
-
-def error_body(protocol: str, err: APIError) -> dict[str, Any]:
-    """The JSON error object of ``protocol`` for ``err``."""
-    if protocol == "anthropic":
-        return {
-            "type": "error",
-            "error": {
-                "type": err.anthropic_type
-                or _ANTHROPIC_TYPES.get(
-                    err.status, "api_error" if err.status >= 500 else "invalid_request_error"
-                ),
-                "message": err.message,
-                **err.fields,
-            },
-        }
+def openai_error(err: APIError) -> dict[str, Any]:
+    """The OpenAI error object for ``err`` (every route but the Messages API's)."""
     return {
         "error": {
             "message": err.message,
@@ -112,15 +81,16 @@ def error_body(protocol: str, err: APIError) -> dict[str, Any]:
     }
 
 
-def error_response(err: APIError, protocol: str | None = None) -> Response:
-    """A JSON `Response` for ``err`` in the current request's protocol shape."""
-    protocol = protocol or protocol_of(request.path)
-    resp = current_app.response_class(
-        json.dumps(error_body(protocol, err), ensure_ascii=False),
+def error_response(
+    err: APIError, shape: Callable[[APIError], dict[str, Any]] = openai_error
+) -> Response:
+    """A JSON `Response` for ``err`` in the protocol's ``shape`` (OpenAI's by default;
+    the Messages API passes ``ds4mlx.routes.anthropic.error_body``)."""
+    return current_app.response_class(
+        json.dumps(shape(err), ensure_ascii=False),
         status=err.status,
         mimetype="application/json",
     )
-    return resp
 
 
 def http_exception_to_api(e: HTTPException) -> APIError:
@@ -231,8 +201,8 @@ async def read_json() -> Any:
         raise APIError(400, f"malformed JSON: {e}") from None
 
 
-async def parse_body(model: type[M]) -> tuple[M, dict[str, Any]]:
-    """Read and validate the body with ``model``; return the model and its dump.
+async def parse_body(model: type[M]) -> M:
+    """Read and validate the body with ``model``; return the typed request.
 
     Unknown fields are tolerated (the models allow extras: clients send beta fields).
 
@@ -288,7 +258,7 @@ def _lone_surrogate_path(data: Any) -> str | None:
     return None
 
 
-def validate(model: type[M], data: Any) -> tuple[M, dict[str, Any]]:
+def validate(model: type[M], data: Any) -> M:
     """Validate ``data`` with ``model``; 400 `APIError` with the field path on failure.
 
     Also rejects a body that is not an object and strings holding a lone UTF-16
@@ -310,7 +280,7 @@ def validate(model: type[M], data: Any) -> tuple[M, dict[str, Any]]:
         raise validation_error_to_api(e, data) from None
     except RecursionError:
         raise APIError(400, "request JSON is nested too deeply") from None
-    return obj, obj.model_dump()
+    return obj
 
 
 # --------------------------------------------------------------------------- SSE
@@ -324,20 +294,6 @@ class OpenModel(BaseModel):
     """
 
     model_config = ConfigDict(extra="allow")
-
-
-class Keepalive:
-    """Decides when a streaming route sends a keepalive (idle for ``every`` seconds)."""
-
-    def __init__(self, every: float):
-        self.every = every
-        self.last = time.monotonic()
-
-    def sent(self) -> None:
-        self.last = time.monotonic()
-
-    def due(self) -> bool:
-        return time.monotonic() - self.last >= self.every
 
 
 def sse(data: Any, event: str | None = None) -> bytes:
@@ -434,153 +390,11 @@ def check_auth(headers=None) -> APIError | None:
     )
 
 
-def context_check(n_prompt: int, param: str = "messages") -> None:
-    """Reject a prompt that leaves no room to generate (before queueing).
-
-    ``param``: the request field holding the prompt (``messages``, ``input``, ``prompt``).
-
-    Raises:
-        APIError: 400 ``context_length_exceeded`` with the counts in the message and as
-            the error's ``n_prompt_tokens`` / ``n_ctx`` fields.
-    """
-    ctx = state().ctx_size
-    if n_prompt >= ctx:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {ctx} tokens. However, your prompt "
-            f"resulted in {n_prompt} tokens, leaving no room for output. Shorten the "
-            "conversation or restart the server with a larger --ctx.",
-            code="context_length_exceeded",
-            param=param,
-            fields={"n_prompt_tokens": n_prompt, "n_ctx": ctx},
-        )
-
-
-def clamp_max_tokens(requested: int | None, n_prompt: int) -> int:
-    """Output limit: the request's (or ``--tokens``) capped by the context left
-    (and by ``--demo``'s per-request cap).
-
-    A limit beyond the context is not an error (docs/ARCHITECTURE.md §6): generation stops when
-    the context is full and reports ``length`` / ``max_tokens``.
-    """
-    st = state()
-    room = st.ctx_size - n_prompt
-    want = requested if requested is not None else st.config.default_max_tokens
-    cap = st.config.max_tokens_cap
-    if cap is not None:
-        want = cap if want is None else min(int(want), cap)
-    if want is None:
-        return max(1, room)
-    return max(1, min(int(want), room))
-
-
-def demo_cap_ends_turn(requested: int | None, n_prompt: int) -> bool:
-    """True when ``--demo``'s per-request cap, not the request's own limit (nor
-    ``--tokens`` for a request that sets none, nor the context), bounds the output.
-
-    The demo model is noise and never samples EOS: the cap stands in for its EOS, so a
-    turn that reaches it ends as a natural end of turn (``end_turn`` / ``stop`` /
-    ``completed``), not ``max_tokens`` (Claude Code retries those and then fails).
-    Real models (no cap) are unaffected.
-    """
-    st = state()
-    cap = st.config.max_tokens_cap
-    if cap is None:
-        return False
-    room = st.ctx_size - n_prompt
-    if requested is not None:
-        return cap < min(int(requested), room)
-    default = st.config.default_max_tokens
-    return cap < room and (default is None or cap <= default)
-
-
-def sampling_params(
-    thinking: bool, *, temperature=None, top_p=None, top_k=None, min_p=None, seed=None
-):
-    """``SamplingParams`` for a request (docs/ARCHITECTURE.md §6).
-
-    Thinking mode ignores the client's knobs, as DeepSeek's API does: temperature 1,
-    top_p 1, min_p 0.05. Otherwise the client's values with those defaults; top_k
-    ``-1`` (vLLM's "off") is 0; a temperature below 1e-4 is greedy. ``seed`` is any
-    int (taken modulo 2**64).
-    """
-    from ds4mlx.sampling import SamplingParams
-    from ds4mlx.server.jobs import DEFAULT_MIN_P, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
-
-    if seed is not None:
-        seed = int(seed) % 2**64  # MLX keys take an unsigned 64-bit seed
-    if thinking:
-        return SamplingParams(DEFAULT_TEMPERATURE, DEFAULT_TOP_P, 0, DEFAULT_MIN_P, seed)
-    if temperature is not None and temperature < 1e-4:
-        temperature = 0.0  # 1/T would overflow the logits: this is greedy
-    return SamplingParams(
-        DEFAULT_TEMPERATURE if temperature is None else float(temperature),
-        DEFAULT_TOP_P if top_p is None else float(top_p),
-        0 if top_k is None or top_k < 0 else int(top_k),
-        DEFAULT_MIN_P if min_p is None else float(min_p),
-        seed,
-    )
-
-
-async def tokenize(text) -> list[int]:
-    """Tokenize off the event loop (long prompts take tens of milliseconds).
-
-    ``text``: a rendered conversation (``ds4mlx.dsml.Rendered``: its content is plain
-    text, only the renderer's markers are special tokens), or a raw ``str`` (raw
-    endpoints: special-token spellings are recognized, users write templates there).
-    """
-    import asyncio
-
-    tok = state().tokenizer
-    if isinstance(text, str):
-        return await asyncio.to_thread(tok.encode, text)
-    return await asyncio.to_thread(lambda: tok.encode(text.text, content=text.content))
-
-
-def check_tool_results(conv, protocol: str) -> None:
-    """Reject tool results whose ids nothing explains, before the job is queued.
-
-    A tool result must answer a call the request replays (an assistant turn with that
-    id), or the trailing results must answer exactly the calls the live state just
-    sampled (docs/ARCHITECTURE.md §3). The worker checks again when the job runs (the live state
-    may change while it waits) and then fails it with the same 400.
-
-    Args:
-        conv: the request's ``Conversation``.
-        protocol: ``"anthropic"``, ``"chat"`` or ``"responses"`` (names the id field).
-    Raises:
-        APIError: 400 ``unknown tool_use_id …; replay the full messages history`` (or
-            the protocol's equivalent).
-    """
-    from ds4mlx.kv.live import unexplained_tool_ids, unknown_id_message
-
-    kv = getattr(state(), "kv", None)
-    bound = kv.bound_tool_ids() if kv is not None else frozenset()
-    bad = unexplained_tool_ids(conv, bound)
-    if bad:
-        param = {"anthropic": "messages", "chat": "messages", "responses": "input"}[protocol]
-        raise APIError(400, unknown_id_message(protocol, bad[0]), param=param)
-
-
-def render(conv):
-    """Render ``conv`` with the server's context size and tool memory (400 on errors).
-
-    Returns a ``ds4mlx.dsml.Rendered`` (text + content spans, for `tokenize`).
-    """
-    from ds4mlx.dsml import render as render_conv
-
-    st = state()
-    try:
-        return render_conv(conv, context_size=st.ctx_size, tool_memory=st.tool_memory)
-    except (ValueError, TypeError, RecursionError) as e:
-        raise APIError(400, f"cannot render the conversation: {e}") from None
-
-
 # --------------------------------------------------------------------------- reasoning carrier
 
 
 def load_reasoning_key() -> bytes:
-    """AES-256-GCM key for reasoning carriers (`ReasoningCarrier`).
+    """The secret reasoning carriers (`ReasoningCarrier`) derive their AES-SIV key from.
 
     ``DS4MLX_REASONING_KEY`` when set; else a random key kept in
     ``$XDG_CACHE_HOME/ds4mlx/reasoning.key`` (created 0600) so carriers handed out
@@ -619,29 +433,30 @@ class ReasoningCarrier:
     Used as the Responses reasoning item's ``encrypted_content`` and the Anthropic
     thinking block's ``signature``: a stateless client hands it back and the server
     recovers the exact reasoning, so a replay renders the exact prefix the model
-    sampled (docs/ARCHITECTURE.md §6: opaque, integrity-protected). Format: ``ds4r2.`` +
-    base64url(12-byte nonce + AES-256-GCM ciphertext and tag of the UTF-8 text), the
-    prefix as associated data. A tampered, foreign-key or foreign-format carrier opens
-    to None.
-
-    The nonce is synthetic (HMAC of the text under a separate subkey), so the same
-    reasoning always seals to the same carrier: replies stay reproducible, and a
-    nonce repeats only with its own plaintext (which reveals only that equality).
+    sampled (docs/ARCHITECTURE.md §6: opaque, integrity-protected). Format: ``ds4r3.`` +
+    base64url(AES-SIV (RFC 5297, ``cryptography``'s ``AESSIV``) of the UTF-8 text, the
+    prefix as associated data). AES-SIV is deterministic by design: the same reasoning
+    always seals to the same carrier, so replies stay reproducible, and equal carriers
+    reveal only equal texts. A tampered, foreign-key or foreign-format carrier opens to
+    None.
     """
 
-    PREFIX = "ds4r2."
-    _AAD = b"ds4r2"
+    PREFIX = "ds4r3."
+    _AAD = b"ds4r3"
 
     def __init__(self, key: bytes):
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.ciphers.aead import AESSIV
+        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-        self._aead = AESGCM(hmac.new(key, b"ds4r2 enc", hashlib.sha256).digest())
-        self._nonce_key = hmac.new(key, b"ds4r2 nonce", hashlib.sha256).digest()
+        # AES-256-SIV takes a 512-bit key (two AES-256 keys), derived from the secret.
+        siv_key = HKDF(
+            algorithm=hashes.SHA256(), length=64, salt=None, info=b"ds4mlx reasoning carrier"
+        ).derive(key)
+        self._aead = AESSIV(siv_key)
 
     def seal(self, text: str) -> str:
-        plain = text.encode("utf-8")
-        nonce = hmac.new(self._nonce_key, plain, hashlib.sha256).digest()[:12]
-        blob = nonce + self._aead.encrypt(nonce, plain, self._AAD)
+        blob = self._aead.encrypt(text.encode("utf-8"), [self._AAD])
         return self.PREFIX + base64.urlsafe_b64encode(blob).rstrip(b"=").decode()
 
     def open(self, token: str | None) -> str | None:
@@ -655,11 +470,10 @@ class ReasoningCarrier:
             blob = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
         except (ValueError, TypeError):
             return None
-        if len(blob) < 12 + 16:
+        if len(blob) < 16:  # the synthetic IV alone
             return None
         try:
-            plain = self._aead.decrypt(blob[:12], blob[12:], self._AAD)
-            return plain.decode("utf-8")
+            return self._aead.decrypt(blob, [self._AAD]).decode("utf-8")
         except (InvalidTag, UnicodeDecodeError, ValueError):
             return None
 
@@ -673,37 +487,3 @@ def failed_to_api(ev) -> APIError:
     typ = "invalid_request_error" if ev.status < 500 else "server_error"
     fields = getattr(ev, "fields", None) or {}
     return APIError(ev.status, ev.message, type=typ, code=code, fields=fields)
-
-
-async def collect(job) -> tuple[list[Any], Any]:
-    """Drain a job for a non-streaming response: ``(events, JobDone)``.
-
-    Cancels the job if the handler is cancelled (client gone).
-
-    Raises:
-        APIError: the job failed.
-    """
-    from ds4mlx.server.jobs import JobDone, JobFailed
-
-    events: list[Any] = []
-    try:
-        async for ev in job.events():
-            if isinstance(ev, JobFailed):
-                raise failed_to_api(ev)
-            if isinstance(ev, JobDone):
-                return events, ev
-            events.append(ev)
-    finally:
-        if not job.done:
-            job.cancel.set()
-    raise APIError(500, "job ended without a result", type="server_error")  # pragma: no cover
-
-
-async def guard(job, gen: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Wrap a streaming generator so that a client disconnect cancels ``job``."""
-    try:
-        async for chunk in gen:
-            yield chunk
-    finally:
-        if not job.done:
-            job.cancel.set()

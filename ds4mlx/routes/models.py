@@ -31,10 +31,10 @@ from ds4mlx.routes.common import (
     json_response,
     model_thinking,
     parse_body,
-    render,
     state,
-    tokenize,
+    validate,
 )
+from ds4mlx.routes.pipeline import render, tokenize
 
 bp = Blueprint("models", __name__)
 
@@ -93,20 +93,12 @@ class DetokenizeRequest(OpenModel):
 @bp.post("/v1/tokenize")
 async def tokenize_route():
     """Tokenize raw text (special tokens recognized) or chat ``messages`` (rendered)."""
-    from ds4mlx.dsml import wire
-    from ds4mlx.routes.common import validate
-    from ds4mlx.routes.openai import ChatRequest
+    from ds4mlx.routes import openai
 
-    req, body = await parse_body(TokenizeRequest)
+    req = await parse_body(TokenizeRequest)
     if req.messages is not None:
-        _, chat = validate(ChatRequest, body)
-        try:
-            conv = wire.openai_chat_to_conversation(
-                chat, default_thinking=model_thinking(req.model)
-            )
-        except wire.WireError as e:
-            raise APIError(400, e.message, param=e.param) from None
-        text = render(conv)
+        chat = validate(openai.ChatRequest, req.model_dump())
+        text = render(openai.conversation(chat))
     else:
         text = req.text if req.text is not None else req.prompt
         if text is None:
@@ -117,7 +109,7 @@ async def tokenize_route():
 
 @bp.post("/v1/detokenize")
 async def detokenize_route():
-    req, _ = await parse_body(DetokenizeRequest)
+    req = await parse_body(DetokenizeRequest)
     tok = state().tokenizer
     bad = [t for t in req.tokens if not 0 <= t < tok.vocab_size]
     if bad:
@@ -161,7 +153,7 @@ async def debug_script():
         raise APIError(404, "no route POST /debug/script", type="not_found_error", code="not_found")
     from ds4mlx.server.jobs import Script
 
-    req, _ = await parse_body(ScriptRequest)
+    req = await parse_body(ScriptRequest)
     if not req.texts and not req.tokens and not req.reset:
         raise APIError(400, "give texts or tokens (or reset)", param="texts")
     vocab = st.tokenizer.vocab_size

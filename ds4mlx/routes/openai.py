@@ -1,14 +1,21 @@
-"""OpenAI Chat Completions and (legacy) Completions.
+"""OpenAI Chat Completions: ``POST /v1/chat/completions``.
 
-- ``POST /v1/chat/completions`` — https://platform.openai.com/docs/api-reference/chat/create
-  (plus DeepSeek's ``reasoning_content`` and ``thinking`` extensions,
-  https://api-docs.deepseek.com/guides/thinking_mode).
-- ``POST /v1/completions`` — https://platform.openai.com/docs/api-reference/completions/create
-  (prompt as text or token ids, ``logprobs`` top-N, ``echo``).
+Reference: https://platform.openai.com/docs/api-reference/chat/create (plus DeepSeek's
+``reasoning_content`` and ``thinking`` extensions,
+https://api-docs.deepseek.com/guides/thinking_mode).
 
-Streaming uses ``chat.completion.chunk`` / ``text_completion`` SSE frames ending with
-``data: [DONE]``; reasoning streams as ``delta.reasoning_content``; tool calls stream
-as a header (id, name) then argument deltas as soon as the DSML is recognized.
+Streaming uses ``chat.completion.chunk`` SSE frames ending with ``data: [DONE]``;
+reasoning streams as ``delta.reasoning_content``; tool calls stream as a header (id,
+name) then argument deltas as soon as the DSML is recognized.
+
+This module owns the whole protocol: the request schema, its mapping onto the neutral
+``Conversation`` (`to_conversation`), its names for the planner (`NAMES`), and one
+encoder (`ChatEncoder`) for the stream and the JSON body alike. Mapping rules
+(docs/ARCHITECTURE.md §4): ``system``/``developer`` messages are hoisted into the
+leading system block; ``tool`` messages become tool results; assistant
+``reasoning_content`` (DeepSeek's field; ``reasoning`` also accepted) is the turn's
+reasoning; tool-call arguments that are not a JSON object are kept under
+``"arguments"``. The legacy ``/v1/completions`` is `ds4mlx.routes.completions`.
 """
 
 from __future__ import annotations
@@ -19,52 +26,55 @@ from pydantic import Field
 from quart import Blueprint, request
 
 from ds4mlx.dsml import (
-    ParseError,
+    Conversation,
+    Message,
     TextDelta,
     ThinkingDelta,
+    ToolCall,
     ToolCallArgsDelta,
     ToolCallEnd,
     ToolCallStart,
-    wire,
+    ToolSpec,
 )
+from ds4mlx.kv.live import CallerNames
 from ds4mlx.routes.common import (
-    SSE_COMMENT,
     APIError,
-    Keepalive,
     OpenModel,
-    check_tool_results,
-    clamp_max_tokens,
-    collect,
-    context_check,
-    demo_cap_ends_turn,
-    error_body,
     failed_to_api,
-    guard,
     json_response,
     model_thinking,
     new_id,
     now,
+    openai_error,
     parse_body,
-    render,
-    sampling_params,
     sse,
-    sse_response,
     state,
-    tokenize,
 )
-from ds4mlx.server.jobs import (
-    GenRequest,
-    JobDone,
-    JobFailed,
-    JobStarted,
-    PrefillProgress,
-    RawText,
-    TokenLogprob,
+from ds4mlx.routes.mapping import (
+    WireError,
+    effort_to_reasoning,
+    empty_schema,
+    hoisted_system,
+    json_object,
+    late_system,
+    openai_tool_choice,
+    parts_text,
 )
+from ds4mlx.routes.pipeline import prepare, respond, sampling_params, stream
+from ds4mlx.server.jobs import JobDone, JobFailed, JobStarted, TokenLogprob
 
 bp = Blueprint("openai", __name__)
 
 SYSTEM_FINGERPRINT = "ds4mlx"
+
+
+def _unknown_id(tool_id: str) -> str:
+    return f"unknown tool_call_id {tool_id}; replay the full messages history"
+
+
+# The planner's names for this protocol: decision ``live-chat``, log detail
+# ``match=tool-call-ids ids=N``, and the 400 for a ``tool_call_id`` nothing explains.
+NAMES = CallerNames(live_tools="live-chat", ids="tool-call-ids", unknown_id=_unknown_id)
 
 
 # --------------------------------------------------------------------------- schemas
@@ -134,22 +144,17 @@ class ChatRequest(SamplingFields):
     reasoning_effort: str | None = None
     thinking: dict[str, Any] | bool | None = None
     think: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
-class CompletionRequest(SamplingFields):
-    """Body of ``POST /v1/completions`` (unknown fields tolerated)."""
+def stops_of(stop: str | list[str] | None) -> list[str]:
+    """The ``stop`` field as a list (at most 16 strings).
 
-    model: str = ""
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
-    best_of: int | None = Field(None, ge=1, le=1)
-
-
-def _stops(stop: str | list[str] | None) -> list[str]:
+    Raises:
+        APIError: 400 for more than 16 stop sequences.
+    """
     if stop is None:
         return []
     stops = [stop] if isinstance(stop, str) else list(stop)
@@ -158,7 +163,8 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
-def _usage(d: JobDone) -> dict[str, Any]:
+def usage_of(d: JobDone) -> dict[str, Any]:
+    """OpenAI ``usage`` of a finished job (chat and completions)."""
     return {
         "prompt_tokens": d.prompt_tokens,
         "completion_tokens": d.completion_tokens,
@@ -168,115 +174,125 @@ def _usage(d: JobDone) -> dict[str, Any]:
     }
 
 
-def _finish(d: JobDone, tools: bool) -> str:
+def finish_of(d: JobDone, tools: bool) -> str:
+    """OpenAI ``finish_reason``: ``length``, ``tool_calls`` or ``stop``."""
     if d.finish == "length":
         return "length"
-    if tools:
-        return "tool_calls"
-    return "stop"
+    return "tool_calls" if tools else "stop"
 
 
-# --------------------------------------------------------------------------- chat
+# --------------------------------------------------------------------------- mapping
 
 
-@bp.post("/v1/chat/completions")
-async def chat_completions():
-    """OpenAI Chat Completions (streaming and not). Errors: 400 shapes of OpenAI."""
-    req, body = await parse_body(ChatRequest)
-    st = state()
-    try:
-        conv = wire.openai_chat_to_conversation(body, default_thinking=model_thinking(req.model))
-    except wire.WireError as e:
-        raise APIError(400, e.message, param=e.param) from None
-    check_tool_results(conv, "chat")
-    text = render(conv)
-    toks = await tokenize(text)
-    context_check(len(toks))
-    requested = req.max_completion_tokens or req.max_tokens
-    max_tokens = clamp_max_tokens(requested, len(toks))
-    gen = GenRequest(
-        path=request.path,
-        prompt_tokens=toks,
-        prompt_text=text,
-        sampling=sampling_params(
-            conv.thinking,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
-            seed=req.seed,
-        ),
-        max_tokens=max_tokens,
-        cap_is_eos=demo_cap_ends_turn(requested, len(toks)),
-        stops=_stops(req.stop),
-        thinking=conv.thinking,
-        tools=conv.tools,
-        id_prefix="call_",
-        conversation=conv,
-        protocol="chat",
-        tool_required=conv.tool_required,
-        tool_name=conv.tool_name,
-        top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+def chat_thinking(req: ChatRequest, default_thinking: bool) -> tuple[bool, str | None]:
+    """Thinking mode and reasoning effort of a chat request.
+
+    Accepted spellings, later ones winning: OpenAI's ``reasoning_effort`` (``"none"``
+    disables, ``"max"``/``"xhigh"`` = Think-Max), ``chat_template_kwargs: {"thinking"|
+    "enable_thinking": bool}``, ``think: bool``, DeepSeek's ``thinking: {"type":
+    "enabled"|"disabled"}`` (or a bool).
+    """
+    thinking = default_thinking
+    forced, effort = effort_to_reasoning(req.reasoning_effort)
+    if forced is not None:
+        thinking = forced
+    kw = req.chat_template_kwargs or {}
+    for key in ("thinking", "enable_thinking"):
+        if isinstance(kw.get(key), bool):
+            thinking = kw[key]
+    if req.think is not None:
+        thinking = req.think
+    th = req.thinking
+    if isinstance(th, dict) and th.get("type"):
+        thinking = th["type"] != "disabled"
+    elif isinstance(th, bool):
+        thinking = th
+    return thinking, (effort if thinking else None)
+
+
+def _assistant_turn(m: ChatMessage) -> Message:
+    calls = [
+        ToolCall(id=tc.id, name=tc.function.name, arguments=json_object(tc.function.arguments))
+        for tc in m.tool_calls or []
+    ]
+    reasoning = m.reasoning_content
+    if reasoning is None:
+        reasoning = getattr(m, "reasoning", None)  # an alias some clients send
+    return Message(
+        role="assistant",
+        content=parts_text(m.content),
+        reasoning=reasoning if isinstance(reasoning, str) else None,
+        tool_calls=calls,
     )
-    job = st.submit(gen)
-    meta = {
-        "id": new_id("chatcmpl-"),
-        "created": now(),
-        "model": req.model or st.config.model_name,
-        "system_fingerprint": SYSTEM_FINGERPRINT,
-    }
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return sse_response(
-            guard(
-                job,
-                _chat_stream(job, meta, include_usage, st.config.keepalive_s, bool(req.logprobs)),
-            )
+
+
+def _tools(req: ChatRequest) -> list[ToolSpec]:
+    if req.tool_choice == "none":
+        return []
+    return [
+        ToolSpec(
+            name=t.function.name,
+            description=t.function.description or "",
+            parameters=t.function.parameters or empty_schema(),
         )
-    events, done = await collect(job)
-    if done.finish == "cancelled":
-        raise APIError(503, "generation cancelled (server shutting down)", type="server_error")
-    reasoning, content, calls = [], [], []
-    lps = [ev for ev in events if isinstance(ev, TokenLogprob)]
-    for ev in events:
-        if isinstance(ev, ThinkingDelta):
-            reasoning.append(ev.text)
-        elif isinstance(ev, TextDelta):
-            content.append(ev.text)
-        elif isinstance(ev, ToolCallEnd) and ev.closed:  # a cut call is left out
-            calls.append(
-                {
-                    "id": ev.call.id,
-                    "type": "function",
-                    "function": {"name": ev.call.name, "arguments": ev.arguments_json},
-                }
-            )
-    message: dict[str, Any] = {
-        "role": "assistant",
-        "content": "".join(content) if (content or not calls) else None,
-    }
-    if conv.thinking:
-        message["reasoning_content"] = "".join(reasoning)
-    if calls:
-        message["tool_calls"] = calls
-    return json_response(
-        {
-            **{k: meta[k] for k in ("id",)},
-            "object": "chat.completion",
-            "created": meta["created"],
-            "model": meta["model"],
-            "system_fingerprint": SYSTEM_FINGERPRINT,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": message,
-                    "logprobs": _chat_logprobs(lps) if req.logprobs else None,
-                    "finish_reason": _finish(done, bool(calls)),
-                }
-            ],
-            "usage": _usage(done),
-        }
+        for t in req.tools or []
+        if t.type == "function"
+    ]
+
+
+def _allowed_mode(choice: dict[str, Any]) -> Any:
+    inner = choice.get("allowed_tools")
+    return inner.get("mode", choice.get("mode")) if isinstance(inner, dict) else choice.get("mode")
+
+
+def to_conversation(req: ChatRequest, *, default_thinking: bool = True) -> Conversation:
+    """Map a validated chat request onto a `Conversation`.
+
+    Raises:
+        WireError: an invalid ``tool_choice`` (param ``tool_choice…``).
+    """
+    system_parts: list[str] = []  # leading system/developer messages: the system prompt
+    late: list[str] = []  # later ones: instructions met inside the conversation
+    msgs: list[Message] = []
+    for m in req.messages:
+        if m.role in ("system", "developer"):
+            (late if msgs else system_parts).append(parts_text(m.content))
+        elif m.role == "user":
+            msgs.append(Message(role="user", content=parts_text(m.content)))
+        elif m.role == "assistant":
+            msgs.append(_assistant_turn(m))
+        else:  # tool, function
+            tool_id = m.tool_call_id or m.name
+            msgs.append(Message(role="tool", tool_call_id=tool_id, content=parts_text(m.content)))
+    tools = _tools(req)
+    thinking, effort = chat_thinking(req, default_thinking)
+    required, name = openai_tool_choice(
+        req.tool_choice,
+        tools,
+        named_types=("function",),
+        name_field="function.name",
+        mode_of=_allowed_mode,
     )
+    return Conversation(
+        messages=hoisted_system(msgs, system_parts),
+        late_system=late_system(late),
+        tools=tools,
+        thinking=thinking,
+        reasoning_effort=effort,
+        tool_required=required,
+        tool_name=name,
+    )
+
+
+def conversation(req: ChatRequest) -> Conversation:
+    """`to_conversation` with the server's model default (400 on a mapping error)."""
+    try:
+        return to_conversation(req, default_thinking=model_thinking(req.model))
+    except WireError as e:
+        raise APIError(400, e.message, param=e.param) from None
+
+
+# --------------------------------------------------------------------------- encoder
 
 
 def _chat_logprobs(lps: list[TokenLogprob]) -> dict[str, Any]:
@@ -297,284 +313,179 @@ def _chat_logprobs(lps: list[TokenLogprob]) -> dict[str, Any]:
     }
 
 
-async def _chat_stream(
-    job, meta: dict[str, Any], include_usage: bool, keepalive_s: float, logprobs: bool = False
-):
-    base = {**meta, "object": "chat.completion.chunk"}
-    pending_lp: list[TokenLogprob] = []
+class ChatEncoder:
+    """Job events → ``chat.completion.chunk`` frames, and (fed everything) the
+    ``chat.completion`` object.
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-        lp = None
-        if logprobs and (pending_lp or finish) and "reasoning_content" not in delta:
-            # A token's entry rides on the next visible chunk (its text may be held
-            # back across tokens); what is left goes out with the finish chunk.
-            lp = _chat_logprobs(pending_lp)
-            pending_lp.clear()
-        return sse(
-            {
-                **base,
-                "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}],
-            }
-        )
-
-    ka = Keepalive(keepalive_s)
-    yield chunk({"role": "assistant", "content": ""})
-    ka.sent()
-    saw_tools = False
-    async for ev in job.events(keepalive_s):
-        if ev is None or isinstance(ev, PrefillProgress | JobStarted):
-            if ka.due():
-                ka.sent()
-                yield SSE_COMMENT
-            continue
-        if isinstance(ev, ThinkingDelta):
-            out = chunk({"reasoning_content": ev.text})
-        elif isinstance(ev, TextDelta):
-            out = chunk({"content": ev.text})
-        elif isinstance(ev, ToolCallStart):
-            saw_tools = True
-            out = chunk(
-                {
-                    "tool_calls": [
-                        {
-                            "index": ev.index,
-                            "id": ev.id,
-                            "type": "function",
-                            "function": {"name": ev.name, "arguments": ""},
-                        }
-                    ]
-                }
-            )
-        elif isinstance(ev, ToolCallArgsDelta):
-            out = chunk({"tool_calls": [{"index": ev.index, "function": {"arguments": ev.text}}]})
-        elif isinstance(ev, TokenLogprob):
-            pending_lp.append(ev)
-            continue
-        elif isinstance(ev, ToolCallEnd | ParseError):
-            continue
-        elif isinstance(ev, JobFailed):
-            yield sse(error_body("openai", failed_to_api(ev)))
-            yield sse("[DONE]")
-            return
-        elif isinstance(ev, JobDone):
-            if ev.finish == "cancelled":
-                yield sse(
-                    {
-                        "error": {
-                            "message": "generation cancelled",
-                            "type": "server_error",
-                            "param": None,
-                            "code": None,
-                        }
-                    }
-                )
-                yield sse("[DONE]")
-                return
-            yield chunk({}, _finish(ev, saw_tools))
-            if include_usage:
-                yield sse({**base, "choices": [], "usage": _usage(ev)})
-            yield sse("[DONE]")
-            return
-        else:
-            continue
-        ka.sent()
-        yield out
-
-
-# --------------------------------------------------------------------------- completions
-
-
-@bp.post("/v1/completions")
-async def completions():
-    """OpenAI legacy Completions: raw text continuation (no chat template).
-
-    A text prompt gets BOS prepended unless it starts with it; token-id prompts are
-    used as given. ``echo`` prepends the prompt text; ``logprobs`` (0–20) returns the
-    sampled tokens' logprobs with that many alternatives. With ``echo`` the prompt's
-    tokens are listed too, with null logprobs (scoring them would need a prefill that
-    keeps every position's logits; OpenAI itself gives null for the first token).
+    A token's logprob entry rides on the next visible chunk (its text may be held back
+    across tokens); what is left goes out with the finish chunk. A tool call cut by the
+    end of the turn (``ToolCallEnd.closed`` False) was streamed but is left out of the
+    object and does not make the finish reason ``tool_calls``.
     """
-    from ds4mlx.dsml.tokens import BOS
 
-    req, _ = await parse_body(CompletionRequest)
+    def __init__(
+        self, meta: dict[str, Any], *, thinking: bool, include_usage: bool, logprobs: bool
+    ):
+        self.meta = meta
+        self.base = {**meta, "object": "chat.completion.chunk"}
+        self.thinking = thinking
+        self.include_usage = include_usage
+        self.logprobs = logprobs
+        self.pending: list[TokenLogprob] = []
+        self.all_logprobs: list[TokenLogprob] = []
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+        self.calls: list[dict[str, Any]] = []
+        self.finish: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self._feed = {
+            ThinkingDelta: self._thinking,
+            TextDelta: self._text,
+            ToolCallStart: self._tool_start,
+            ToolCallArgsDelta: self._tool_args,
+            ToolCallEnd: self._tool_end,
+            TokenLogprob: self._logprob,
+        }
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        lp = None
+        if self.logprobs and (self.pending or finish) and "reasoning_content" not in delta:
+            lp = _chat_logprobs(self.pending)
+            self.pending = []
+        choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return {**self.base, "choices": [choice]}
+
+    def frame(self, ev: dict[str, Any] | str) -> bytes:
+        return sse(ev)
+
+    def opening(self) -> list[Any]:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def idle(self) -> None:
+        return None
+
+    def started(self, e: JobStarted) -> list[Any]:
+        return []
+
+    def feed(self, e: Any) -> list[Any]:
+        handler = self._feed.get(type(e))
+        return handler(e) if handler is not None else []
+
+    def _thinking(self, e: ThinkingDelta) -> list[Any]:
+        self.reasoning.append(e.text)
+        return [self._chunk({"reasoning_content": e.text})]
+
+    def _text(self, e: TextDelta) -> list[Any]:
+        self.content.append(e.text)
+        return [self._chunk({"content": e.text})]
+
+    def _tool_start(self, e: ToolCallStart) -> list[Any]:
+        fn = {"name": e.name, "arguments": ""}
+        call = {"index": e.index, "id": e.id, "type": "function", "function": fn}
+        return [self._chunk({"tool_calls": [call]})]
+
+    def _tool_args(self, e: ToolCallArgsDelta) -> list[Any]:
+        return [
+            self._chunk({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]})
+        ]
+
+    def _tool_end(self, e: ToolCallEnd) -> list[Any]:
+        if e.closed:  # a cut call is left out
+            fn = {"name": e.call.name, "arguments": e.arguments_json}
+            self.calls.append({"id": e.call.id, "type": "function", "function": fn})
+        return []
+
+    def _logprob(self, e: TokenLogprob) -> list[Any]:
+        self.pending.append(e)
+        self.all_logprobs.append(e)
+        return []
+
+    def done(self, e: JobDone) -> list[Any]:
+        if e.finish == "cancelled":
+            err = {
+                "message": "generation cancelled",
+                "type": "server_error",
+                "param": None,
+                "code": None,
+            }
+            return [{"error": err}, "[DONE]"]
+        self.finish = finish_of(e, bool(self.calls))
+        self.usage = usage_of(e)
+        out = [self._chunk({}, self.finish)]
+        if self.include_usage:
+            out.append({**self.base, "choices": [], "usage": self.usage})
+        return [*out, "[DONE]"]
+
+    def failed(self, e: JobFailed) -> list[Any]:
+        return [openai_error(failed_to_api(e)), "[DONE]"]
+
+    def result(self) -> dict[str, Any]:
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": "".join(self.content) if (self.content or not self.calls) else None,
+        }
+        if self.thinking:
+            message["reasoning_content"] = "".join(self.reasoning)
+        if self.calls:
+            message["tool_calls"] = self.calls
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": _chat_logprobs(self.all_logprobs) if self.logprobs else None,
+            "finish_reason": self.finish,
+        }
+        return {
+            "id": self.meta["id"],
+            "object": "chat.completion",
+            "created": self.meta["created"],
+            "model": self.meta["model"],
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "choices": [choice],
+            "usage": self.usage,
+        }
+
+
+# --------------------------------------------------------------------------- route
+
+
+@bp.post("/v1/chat/completions")
+async def chat_completions():
+    """OpenAI Chat Completions (streaming and not). Errors: 400 shapes of OpenAI."""
+    req = await parse_body(ChatRequest)
     st = state()
-    tok = st.tokenizer
-    p = req.prompt
-    if isinstance(p, list) and p and isinstance(p[0], list | str):
-        if len(p) != 1:
-            raise APIError(400, "prompt: only one prompt per request is supported", param="prompt")
-        p = p[0]
-    if isinstance(p, str):
-        text = p if p.startswith(BOS) else BOS + p
-        toks = await tokenize(text)
-        echo_text = p
-        echo_ids = toks if p.startswith(BOS) else toks[1:]
-    else:
-        toks = list(p)
-        bad = [t for t in toks if not 0 <= t < tok.vocab_size]
-        if bad:
-            raise APIError(
-                400,
-                f"prompt: token id {bad[0]} outside the vocabulary (0..{tok.vocab_size - 1})",
-                param="prompt",
-            )
-        if not toks:
-            raise APIError(400, "prompt: empty", param="prompt")
-        text = None
-        echo_text = tok.decode(toks)
-        echo_ids = toks
-    context_check(len(toks), "prompt")
-    model_thinking(req.model)  # logs a model name the server does not list
-    gen = GenRequest(
+    conv = conversation(req)
+    sampling = sampling_params(
+        conv.thinking,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        seed=req.seed,
+    )
+    gen = await prepare(
+        conv,
+        NAMES,
         path=request.path,
-        prompt_tokens=toks,
-        prompt_text=text,
-        sampling=sampling_params(
-            False,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
-            seed=req.seed,
-        ),
-        max_tokens=clamp_max_tokens(
-            req.max_tokens if req.max_tokens is not None else 16, len(toks)
-        ),
-        cap_is_eos=demo_cap_ends_turn(
-            req.max_tokens if req.max_tokens is not None else 16, len(toks)
-        ),
-        stops=_stops(req.stop),
-        parse=False,
-        thinking=False,
-        logprobs=req.logprobs,
-        protocol="completions",
+        param="messages",
+        max_tokens=req.max_completion_tokens or req.max_tokens,
+        sampling=sampling,
+        id_prefix="call_",
+        stops=stops_of(req.stop),
+        top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
     )
     job = st.submit(gen)
     meta = {
-        "id": new_id("cmpl-"),
-        "object": "text_completion",
+        "id": new_id("chatcmpl-"),
         "created": now(),
         "model": req.model or st.config.model_name,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
     }
+    enc = ChatEncoder(
+        meta,
+        thinking=conv.thinking,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        logprobs=bool(req.logprobs),
+    )
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return sse_response(
-            guard(
-                job,
-                _completion_stream(
-                    job,
-                    meta,
-                    echo_text if req.echo else "",
-                    req.logprobs,
-                    _echo_logprobs(tok, echo_ids)
-                    if req.echo and req.logprobs is not None
-                    else None,
-                    include_usage,
-                    st.config.keepalive_s,
-                ),
-            )
-        )
-    events, done = await collect(job)
-    if done.finish == "cancelled":
-        raise APIError(503, "generation cancelled (server shutting down)", type="server_error")
-    pieces = [ev for ev in events if isinstance(ev, RawText)]
-    out = (echo_text if req.echo else "") + "".join(ev.text for ev in pieces)
-    lp = (
-        _logprobs_obj(pieces, len(echo_text) if req.echo else 0)
-        if req.logprobs is not None
-        else None
-    )
-    if lp is not None and req.echo:
-        head = _echo_logprobs(tok, echo_ids)
-        lp = {k: head[k] + lp[k] for k in lp}
-    return json_response(
-        {
-            **meta,
-            "choices": [
-                {"text": out, "index": 0, "logprobs": lp, "finish_reason": _finish(done, False)}
-            ],
-            "usage": _usage(done),
-        }
-    )
-
-
-def _echo_logprobs(tok, ids: list[int]) -> dict[str, Any]:
-    """``logprobs`` entries of echoed prompt tokens: their texts, null logprobs."""
-    tokens, offsets, offset = [], [], 0
-    for t in ids:
-        piece = tok.decode([t])
-        tokens.append(piece)
-        offsets.append(offset)
-        offset += len(piece)
-    n = len(tokens)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [None] * n,
-        "top_logprobs": [None] * n,
-        "text_offset": offsets,
-    }
-
-
-def _logprobs_obj(pieces: list[RawText], offset: int) -> dict[str, Any]:
-    tokens, token_lps, tops, offsets = [], [], [], []
-    for ev in pieces:
-        for text, lp, top in ev.logprobs:
-            tokens.append(text)
-            token_lps.append(lp)
-            tops.append(top)
-            offsets.append(offset)
-            offset += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_lps,
-        "top_logprobs": tops,
-        "text_offset": offsets,
-    }
-
-
-async def _completion_stream(
-    job,
-    meta,
-    echo: str,
-    logprobs: int | None,
-    echo_lp: dict[str, Any] | None,
-    include_usage: bool,
-    keepalive_s: float,
-):
-    ka = Keepalive(keepalive_s)
-    offset = len(echo)
-
-    def chunk(text: str, lp=None, finish=None) -> bytes:
-        return sse(
-            {
-                **meta,
-                "choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}],
-            }
-        )
-
-    if echo:
-        yield chunk(echo, echo_lp)
-        ka.sent()
-    async for ev in job.events(keepalive_s):
-        if ev is None or isinstance(ev, PrefillProgress | JobStarted):
-            if ka.due():
-                ka.sent()
-                yield SSE_COMMENT
-            continue
-        if isinstance(ev, RawText):
-            lp = _logprobs_obj([ev], offset) if logprobs is not None else None
-            offset += (
-                sum(len(t) for t, _, _ in ev.logprobs) if logprobs is not None else len(ev.text)
-            )
-            ka.sent()
-            yield chunk(ev.text, lp)
-        elif isinstance(ev, JobFailed):
-            yield sse(error_body("openai", failed_to_api(ev)))
-            yield sse("[DONE]")
-            return
-        elif isinstance(ev, JobDone):
-            yield chunk("", None, _finish(ev, False))
-            if include_usage:
-                yield sse({**meta, "choices": [], "usage": _usage(ev)})
-            yield sse("[DONE]")
-            return
+        return stream(job, enc)
+    return json_response(await respond(job, enc))

@@ -25,54 +25,79 @@ are rejected with a clear 400. On the WebSocket transport (``GET /v1/responses``
 upgrade, one JSON event per text frame, as Codex's ``responses_websockets`` client
 speaks it) the connection keeps its own responses, so a ``response.create`` that
 continues the previous response of the same connection by id is served.
+
+This module owns the whole protocol: the request schema, its mapping onto the neutral
+``Conversation`` (`to_conversation`), its names for the planner (`NAMES`), and one
+encoder (`ResponseEncoder`) for the SSE stream, the WebSocket and the JSON body alike.
+Mapping rules (docs/ARCHITECTURE.md §4): ``instructions`` and ``system``/``developer``
+message items form the system block; consecutive assistant-side items (``reasoning``,
+assistant ``message``, ``function_call``, ``custom_tool_call``) form one assistant turn;
+``function_call_output`` items become tool results; custom tools are offered as a
+function with one string parameter ``input``; hosted tools (``web_search`` …) are
+accepted and not offered.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 from quart import Blueprint, request, websocket
 
 from ds4mlx.dsml import (
-    ParseError,
+    Conversation,
+    Message,
     TextDelta,
     ThinkingDelta,
+    ToolCall,
     ToolCallArgsDelta,
     ToolCallEnd,
     ToolCallStart,
-    wire,
+    ToolSpec,
 )
+from ds4mlx.kv.live import CallerNames
 from ds4mlx.routes.common import (
-    SSE_COMMENT,
     APIError,
-    Keepalive,
     OpenModel,
     check_auth,
-    check_tool_results,
-    clamp_max_tokens,
-    collect,
-    context_check,
-    demo_cap_ends_turn,
     failed_to_api,
-    guard,
     json_response,
     model_thinking,
     new_id,
     now,
     read_json,
-    render,
-    sampling_params,
     sse,
-    sse_response,
     state,
-    tokenize,
     validate,
 )
-from ds4mlx.server.jobs import GenRequest, JobDone, JobFailed, JobStarted, PrefillProgress
+from ds4mlx.routes.mapping import (
+    WireError,
+    effort_to_reasoning,
+    empty_schema,
+    hoisted_system,
+    join_blank,
+    json_object,
+    late_system,
+    openai_tool_choice,
+    parts_text,
+    placeholder,
+)
+from ds4mlx.routes.pipeline import events, prepare, respond, sampling_params, stream
+from ds4mlx.server.jobs import GenRequest, JobDone, JobFailed, JobStarted
 
 bp = Blueprint("responses", __name__)
+
+
+def _unknown_id(tool_id: str) -> str:
+    return f"unknown call_id {tool_id}; replay the full input history"
+
+
+# The planner's names for this protocol: decision ``live-responses``, log detail
+# ``match=call-ids ids=N``, and the 400 for a ``call_id`` nothing explains.
+NAMES = CallerNames(live_tools="live-responses", ids="call-ids", unknown_id=_unknown_id)
 
 
 # --------------------------------------------------------------------------- schemas
@@ -196,27 +221,280 @@ class ResponsesRequest(OpenModel):
     metadata: dict[str, Any] | None = None
 
 
+# --------------------------------------------------------------------------- mapping
+
+
+@dataclass
+class ToolKind:
+    """How a tool the model may call is reported back in a Responses stream.
+
+    ``kind`` is ``"function"`` (item ``function_call``, JSON ``arguments``) or
+    ``"custom"`` (item ``custom_tool_call``, free-form ``input``; offered to the model
+    as a function with one string parameter ``input``). ``namespace`` is the
+    ``namespace`` tool group the function was declared in, or None.
+    """
+
+    kind: str
+    namespace: str | None = None
+
+
+CUSTOM_INPUT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"input": {"type": "string", "description": "the raw tool input"}},
+    "required": ["input"],
+}
+
+
+def tool_kinds(tools: list[ResponsesTool] | None) -> dict[str, ToolKind]:
+    """Callable tools of a request by name; hosted tool types are left out."""
+    out: dict[str, ToolKind] = {}
+    for t in tools or []:
+        if t.type in ("function", "custom"):
+            out[t.name or ""] = ToolKind(t.type)
+        elif t.type == "namespace":
+            for sub in t.tools or []:
+                if sub.get("type", "function") == "function":
+                    out[sub.get("name") or ""] = ToolKind("function", t.name)
+    return out
+
+
+def _custom_spec(t: ResponsesTool) -> ToolSpec:
+    desc = t.description or ""
+    fmt = t.format or {}
+    if fmt.get("type") == "grammar" and fmt.get("definition"):
+        desc += (
+            f"\n\nThe input must follow this {fmt.get('syntax', '')} grammar:\n{fmt['definition']}"
+        )
+    return ToolSpec(name=t.name or "", description=desc, parameters=CUSTOM_INPUT_SCHEMA)
+
+
+def _namespace_specs(t: ResponsesTool) -> list[ToolSpec]:
+    ns_desc = t.description or ""
+    specs = []
+    for sub in t.tools or []:
+        if sub.get("type", "function") != "function":
+            continue
+        desc = sub.get("description") or ""
+        specs.append(
+            ToolSpec(
+                name=sub.get("name") or "",
+                description=f"{desc}\n({t.name}: {ns_desc})" if ns_desc else desc,
+                parameters=sub.get("parameters") or empty_schema(),
+            )
+        )
+    return specs
+
+
+def tool_specs(tools: list[ResponsesTool] | None) -> list[ToolSpec]:
+    """The tools offered to the model.
+
+    Hosted tools (web_search, file_search, code_interpreter, image_generation, mcp,
+    computer_use, local_shell…) are accepted and not offered.
+
+    Raises:
+        WireError: a function or custom tool without a name.
+    """
+    specs: list[ToolSpec] = []
+    for i, t in enumerate(tools or []):
+        if t.type in ("function", "custom") and not t.name:
+            raise WireError(f"tools[{i}].name: required for a {t.type} tool", f"tools.{i}.name")
+        if t.type == "function":
+            specs.append(
+                ToolSpec(
+                    name=t.name or "",
+                    description=t.description or "",
+                    parameters=t.parameters or empty_schema(),
+                )
+            )
+        elif t.type == "custom":
+            specs.append(_custom_spec(t))
+        elif t.type == "namespace":
+            specs.extend(_namespace_specs(t))
+    return specs
+
+
+def _output_text(output: str | list[dict[str, Any]] | None) -> str:
+    """Text of a ``function_call_output.output`` (string or list of content parts)."""
+    if output is None:
+        return ""
+    if isinstance(output, str):
+        return output
+    return join_blank(
+        (p.get("text") or "")
+        if p.get("type") in ("input_text", "output_text", "text")
+        else placeholder(p.get("type"))
+        for p in output
+    )
+
+
+class _Turns:
+    """The messages of an input item list. An assistant turn stays open (later
+    assistant-side items join it) until a user or tool item arrives."""
+
+    def __init__(self, decode_reasoning: Callable[[str], str | None] | None):
+        self.decode_reasoning = decode_reasoning
+        self.msgs: list[Message] = []
+        self.system: list[str] = []  # instructions + leading system/developer items
+        self.late: list[str] = []  # system/developer items met after the conversation began
+        self.open = False
+
+    def _assistant(self, fresh: bool = False) -> Message:
+        if self.open and not fresh and self.msgs and self.msgs[-1].role == "assistant":
+            return self.msgs[-1]
+        self.msgs.append(Message(role="assistant"))
+        self.open = True
+        return self.msgs[-1]
+
+    def _other(self, m: Message) -> None:
+        self.open = False
+        self.msgs.append(m)
+
+    def message(self, it: MessageItem) -> None:
+        text = parts_text(it.content)
+        if it.role in ("system", "developer"):
+            (self.late if self.msgs else self.system).append(text)
+        elif it.role == "user":
+            self._other(Message(role="user", content=text))
+        else:
+            m = self._assistant()
+            # Text after a call starts a new turn: DSML puts content before calls.
+            m = self._assistant(fresh=True) if m.tool_calls else m
+            m.content += text
+
+    def reasoning(self, it: ReasoningItem) -> None:
+        m = self._assistant()
+        if m.content or m.tool_calls:
+            m = self._assistant(fresh=True)
+        text = None
+        if it.encrypted_content and self.decode_reasoning is not None:
+            text = self.decode_reasoning(it.encrypted_content)
+        if text is None:
+            texts = [c.get("text") or "" for c in it.content or []]
+            text = "".join(texts) if texts else None
+        if text is not None:
+            m.reasoning = (m.reasoning or "") + text
+
+    def call(self, it: FunctionCallItem | CustomToolCallItem) -> None:
+        if isinstance(it, FunctionCallItem):
+            args = json_object(it.arguments)
+        else:
+            args = {"input": it.input}
+        self._assistant().tool_calls.append(ToolCall(id=it.call_id, name=it.name, arguments=args))
+
+    def output(self, it: FunctionCallOutputItem | CustomToolCallOutputItem) -> None:
+        self._other(Message(role="tool", tool_call_id=it.call_id, content=_output_text(it.output)))
+
+
+def _add_item(turns: _Turns, i: int, it: Any) -> None:
+    if isinstance(it, MessageItem):
+        turns.message(it)
+    elif isinstance(it, ReasoningItem):
+        turns.reasoning(it)
+    elif isinstance(it, FunctionCallItem | CustomToolCallItem):
+        turns.call(it)
+    elif isinstance(it, FunctionCallOutputItem | CustomToolCallOutputItem):
+        turns.output(it)
+    elif it.type == "item_reference":
+        raise WireError(
+            "item_reference needs a server-side response store, which this server does not keep; "
+            "send the full input items (store: false)",
+            f"input[{i}]",
+        )
+    # Other item types (web_search_call, compaction, local_shell_call…) describe
+    # hosted actions this server never performs; they carry nothing to render.
+
+
+def to_conversation(
+    req: ResponsesRequest,
+    *,
+    default_thinking: bool = True,
+    decode_reasoning: Callable[[str], str | None] | None = None,
+) -> Conversation:
+    """Map a validated Responses request onto a `Conversation`.
+
+    A reasoning item's text comes from ``decode_reasoning(encrypted_content)`` (the
+    server's integrity-checked carrier; None when it does not verify) or its
+    ``content`` reasoning text.
+
+    Raises:
+        WireError: ``item_reference`` items (no server-side store), an unnamed
+            function/custom tool, an invalid ``tool_choice``.
+    """
+    turns = _Turns(decode_reasoning)
+    turns.system.append(req.instructions or "")
+    items = (
+        [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    )
+    for i, it in enumerate(items):
+        _add_item(turns, i, it)
+    thinking = default_thinking
+    forced, effort = effort_to_reasoning(req.reasoning.effort if req.reasoning else None)
+    if forced is not None:
+        thinking = forced
+    tools = [] if req.tool_choice == "none" else tool_specs(req.tools)
+    required, name = openai_tool_choice(
+        req.tool_choice,
+        tools,
+        named_types=("function", "custom"),
+        name_field="name",
+        mode_of=lambda c: c.get("mode"),
+    )
+    return Conversation(
+        messages=hoisted_system(turns.msgs, turns.system),
+        late_system=late_system(turns.late),
+        tools=tools,
+        thinking=thinking,
+        reasoning_effort=effort if thinking else None,
+        tool_required=required,
+        tool_name=name,
+    )
+
+
 # --------------------------------------------------------------------------- preparing a job
 
 
+@dataclass
 class _Prepared:
-    def __init__(self, req: ResponsesRequest, body: dict[str, Any], gen: GenRequest, conv):
-        self.req = req
-        self.body = body
-        self.gen = gen
-        self.conv = conv
+    """A validated request, its input items as sent (dicts, a previous response's
+    prepended) and the job to submit."""
+
+    req: ResponsesRequest
+    items: list[Any]
+    gen: GenRequest
 
 
-async def _prepare(
-    data: Any, *, path: str, store: dict[str, list[dict[str, Any]]] | None = None
-) -> _Prepared:
+def _raw_items(inp: Any) -> list[Any]:
+    return (
+        [{"type": "message", "role": "user", "content": inp}] if isinstance(inp, str) else list(inp)
+    )
+
+
+def _resolve_previous(data: dict[str, Any], req: ResponsesRequest, store) -> dict[str, Any]:
+    """``data`` with the items of the stored response ``previous_response_id`` names
+    prepended (WebSocket connections only).
+
+    Raises:
+        APIError: 400 ``previous_response_not_found`` when no such response is stored.
+    """
+    prev = store.get(req.previous_response_id) if store is not None else None
+    if prev is None:
+        raise APIError(
+            400,
+            f"previous_response_id {req.previous_response_id!r} is not supported: this server keeps "
+            "no response store over HTTP; send the full history in input with store: false",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    return {**data, "input": prev + _raw_items(data["input"])}
+
+
+async def _prepare(data: Any, *, path: str, store: dict[str, list[Any]] | None = None) -> _Prepared:
     """Validate a Responses body and build its `GenRequest` (raises `APIError`).
 
     ``store`` is a WebSocket connection's own responses (id → full item list); with it,
     ``previous_response_id`` naming one of them is resolved by prepending its items.
     """
-    req, body = validate(ResponsesRequest, data)
-    st = state()
+    req = validate(ResponsesRequest, data)
     if req.conversation is not None:
         raise APIError(
             400,
@@ -225,75 +503,69 @@ async def _prepare(
             param="conversation",
         )
     if req.previous_response_id is not None:
-        prev = store.get(req.previous_response_id) if store is not None else None
-        if prev is None:
-            raise APIError(
-                400,
-                f"previous_response_id {req.previous_response_id!r} is not supported: this server keeps "
-                "no response store over HTTP; send the full history in input with store: false",
-                param="previous_response_id",
-                code="previous_response_not_found",
-            )
-        items = (
-            body["input"]
-            if isinstance(body["input"], list)
-            else [{"type": "message", "role": "user", "content": body["input"]}]
-        )
-        body["input"] = prev + items
-        body["previous_response_id"] = None
-    if not body.get("input"):
+        data = _resolve_previous(data, req, store)
+        req = validate(ResponsesRequest, data)
+    if not req.input:
         raise APIError(400, "input: must not be empty", param="input")
+    st = state()
     try:
-        conv = wire.responses_to_conversation(
-            body,
-            default_thinking=model_thinking(req.model),
-            decode_reasoning=st.carrier.open,
+        conv = to_conversation(
+            req, default_thinking=model_thinking(req.model), decode_reasoning=st.carrier.open
         )
-    except wire.WireError as e:
+    except WireError as e:
         raise APIError(400, e.message, param=e.param) from None
     if not any(m.role in ("user", "tool") for m in conv.messages):
         raise APIError(400, "input: needs at least one user message or tool output", param="input")
-    check_tool_results(conv, "responses")
-    text = render(conv)
-    toks = await tokenize(text)
-    context_check(len(toks), "input")
-    gen = GenRequest(
-        path=path,
-        prompt_tokens=toks,
-        prompt_text=text,
-        sampling=sampling_params(
-            conv.thinking,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
-            seed=req.seed,
-        ),
-        max_tokens=clamp_max_tokens(req.max_output_tokens, len(toks)),
-        cap_is_eos=demo_cap_ends_turn(req.max_output_tokens, len(toks)),
-        thinking=conv.thinking,
-        tools=conv.tools,
-        id_prefix="call_",
-        conversation=conv,
-        protocol="responses",
-        tool_required=conv.tool_required,
-        tool_name=conv.tool_name,
+    sampling = sampling_params(
+        conv.thinking,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        seed=req.seed,
     )
-    return _Prepared(req, body, gen, conv)
+    gen = await prepare(
+        conv,
+        NAMES,
+        path=path,
+        param="input",
+        max_tokens=req.max_output_tokens,
+        sampling=sampling,
+        id_prefix="call_",
+    )
+    return _Prepared(req, _raw_items(data["input"]), gen)
 
 
-# --------------------------------------------------------------------------- event builder
+# --------------------------------------------------------------------------- encoder
 
 
-class _Builder:
-    """Turns worker events into Responses stream events and the final response object."""
+def _usage(d: JobDone) -> dict[str, Any]:
+    return {
+        "input_tokens": d.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": d.cached_tokens},
+        "output_tokens": d.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": d.reasoning_tokens},
+        "total_tokens": d.prompt_tokens + d.completion_tokens,
+    }
 
-    def __init__(self, prep: _Prepared):
-        st = state()
-        req = prep.req
-        self.carrier = st.carrier
+
+def _output_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+class ResponseEncoder:
+    """Job events → Responses stream events, and the response object (`result`).
+
+    The same events serve SSE (`frame`), the WebSocket (one JSON text frame each) and,
+    fed at once, the non-streaming body. A function call cut by the end of the turn
+    ends its item ``incomplete`` (no ``function_call_arguments.done``) and is dropped
+    from the final response; a custom tool call is reported once it ends, whole.
+    """
+
+    def __init__(self, req: ResponsesRequest, model: str, carrier):
+        self.carrier = carrier
         self.include_encrypted = "reasoning.encrypted_content" in (req.include or [])
-        self.kinds = wire.responses_tool_kinds(prep.body.get("tools"))
+        self.kinds = tool_kinds(req.tools)
         self.seq = 0
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item being streamed
@@ -309,7 +581,7 @@ class _Builder:
             "incomplete_details": None,
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
-            "model": req.model or st.config.model_name,
+            "model": model,
             "output": [],
             "parallel_tool_calls": req.parallel_tool_calls
             if req.parallel_tool_calls is not None
@@ -323,11 +595,18 @@ class _Builder:
             "temperature": req.temperature if req.temperature is not None else 1.0,
             "text": {"format": {"type": "text"}},
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
-            "tools": prep.body.get("tools") or [],
+            "tools": [t.model_dump() for t in req.tools or []],
             "top_p": req.top_p if req.top_p is not None else 1.0,
             "truncation": "disabled",
             "usage": None,
             "metadata": req.metadata or {},
+        }
+        self._feed = {
+            ThinkingDelta: self._thinking,
+            TextDelta: self._text,
+            ToolCallStart: self._tool_start,
+            ToolCallArgsDelta: self._tool_args,
+            ToolCallEnd: self._tool_end,
         }
 
     def _ev(self, typ: str, **fields: Any) -> dict[str, Any]:
@@ -335,224 +614,173 @@ class _Builder:
         self.seq += 1
         return d
 
-    def _snapshot(self) -> dict[str, Any]:
+    def result(self) -> dict[str, Any]:
+        """The response object as it stands (the final one after `done`/`failed`)."""
         return {**self.response, "output": list(self.output)}
 
-    def created(self) -> list[dict[str, Any]]:
-        return [self._ev("response.created", response=self._snapshot())]
+    def frame(self, ev: dict[str, Any]) -> bytes:
+        return sse(ev, ev["type"])
 
-    def in_progress(self) -> dict[str, Any]:
-        return self._ev("response.in_progress", response=self._snapshot())
+    def opening(self) -> list[dict[str, Any]]:
+        return [self._ev("response.created", response=self.result())]
+
+    def idle(self) -> dict[str, Any]:
+        # Codex's idle timer counts events, not comments: send in_progress.
+        return self._ev("response.in_progress", response=self.result())
+
+    def started(self, e: JobStarted) -> list[dict[str, Any]]:
+        return [self.idle()]
 
     # ---- items
+
+    def _index(self) -> int:
+        return len(self.output) - 1
 
     def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         self.output.append(item)
         self.open = item
-        return [
-            self._ev(
-                "response.output_item.added", output_index=len(self.output) - 1, item=dict(item)
-            )
-        ]
+        return [self._ev("response.output_item.added", output_index=self._index(), item=dict(item))]
 
     def _close(self) -> list[dict[str, Any]]:
         item, self.open = self.open, None
         if item is None:
             return []
         idx = self.output.index(item)
+        text = "".join(self.text)
+        self.text = []
+        ids = {"item_id": item["id"], "output_index": idx, "content_index": 0}
         out: list[dict[str, Any]] = []
         if item["type"] == "reasoning":
-            text = "".join(self.text)
             item["content"] = [{"type": "reasoning_text", "text": text}]
             if self.include_encrypted:
                 item["encrypted_content"] = self.carrier.seal(text)
-            out.append(
-                self._ev(
-                    "response.reasoning_text.done",
-                    item_id=item["id"],
-                    output_index=idx,
-                    content_index=0,
-                    text=text,
-                )
-            )
+            out.append(self._ev("response.reasoning_text.done", **ids, text=text))
         elif item["type"] == "message":
-            text = "".join(self.text)
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            part = _output_part(text)
             item["content"] = [part]
             item["status"] = "completed"
-            out.append(
-                self._ev(
-                    "response.output_text.done",
-                    item_id=item["id"],
-                    output_index=idx,
-                    content_index=0,
-                    text=text,
-                    logprobs=[],
-                )
-            )
-            out.append(
-                self._ev(
-                    "response.content_part.done",
-                    item_id=item["id"],
-                    output_index=idx,
-                    content_index=0,
-                    part=part,
-                )
-            )
-        self.text = []
+            out.append(self._ev("response.output_text.done", **ids, text=text, logprobs=[]))
+            out.append(self._ev("response.content_part.done", **ids, part=part))
         out.append(self._ev("response.output_item.done", output_index=idx, item=dict(item)))
         return out
 
-    def feed(self, e: Any) -> list[dict[str, Any]]:
-        """Stream events for one worker event (empty for events with no wire form)."""
+    def _thinking(self, e: ThinkingDelta) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        if isinstance(e, ThinkingDelta):
-            if self.open is None or self.open["type"] != "reasoning":
-                out += self._close()
-                out += self._add({"id": new_id("rs_"), "type": "reasoning", "summary": []})
-            self.text.append(e.text)
-            if e.text:
-                idx = len(self.output) - 1
-                out.append(
-                    self._ev(
-                        "response.reasoning_text.delta",
-                        item_id=self.open["id"],
-                        output_index=idx,
-                        content_index=0,
-                        delta=e.text,
-                    )
-                )
-        elif isinstance(e, TextDelta):
-            if not e.text:
-                return out
-            if self.open is None or self.open["type"] != "message":
-                out += self._close()
-                item = {
-                    "id": new_id("msg_"),
-                    "type": "message",
-                    "status": "in_progress",
-                    "role": "assistant",
-                    "content": [],
-                }
-                out += self._add(item)
-                out.append(
-                    self._ev(
-                        "response.content_part.added",
-                        item_id=item["id"],
-                        output_index=len(self.output) - 1,
-                        content_index=0,
-                        part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
-                    )
-                )
-            self.text.append(e.text)
-            out.append(
-                self._ev(
-                    "response.output_text.delta",
-                    item_id=self.open["id"],
-                    output_index=len(self.output) - 1,
-                    content_index=0,
-                    delta=e.text,
-                    logprobs=[],
-                )
-            )
-        elif isinstance(e, ToolCallStart):
-            out += self._close()
-            kind = self.kinds.get(e.name) or wire.ResponsesToolKind("function")
-            if kind.kind == "custom":
-                # Free-form input is the "input" argument; it is known once the call ends.
-                self.custom[e.index] = {"name": e.name, "id": e.id}
-                return out
-            item = {
-                "id": new_id("fc_"),
-                "type": "function_call",
-                "status": "in_progress",
-                "call_id": e.id,
-                "name": e.name,
-                "arguments": "",
-            }
-            if kind.namespace:
-                item["namespace"] = kind.namespace
-            out += self._add(item)
-        elif isinstance(e, ToolCallArgsDelta):
-            if self.open is not None and self.open["type"] == "function_call" and e.text:
-                self.open["arguments"] += e.text
-                out.append(
-                    self._ev(
-                        "response.function_call_arguments.delta",
-                        item_id=self.open["id"],
-                        output_index=len(self.output) - 1,
-                        delta=e.text,
-                    )
-                )
-        elif isinstance(e, ToolCallEnd):
-            if e.index in self.custom:
-                info = self.custom.pop(e.index)
-                if not e.closed:
-                    return out  # cut by the end of the turn: never shown as a call
-                raw = e.call.arguments.get("input")
-                text = raw if isinstance(raw, str) else e.arguments_json
-                item = {
-                    "id": new_id("ctc_"),
-                    "type": "custom_tool_call",
-                    "status": "in_progress",
-                    "call_id": info["id"],
-                    "name": info["name"],
-                    "input": "",
-                }
-                out += self._add(item)
-                idx = len(self.output) - 1
-                out.append(
-                    self._ev(
-                        "response.custom_tool_call_input.delta",
-                        item_id=item["id"],
-                        output_index=idx,
-                        delta=text,
-                    )
-                )
-                out.append(
-                    self._ev(
-                        "response.custom_tool_call_input.done",
-                        item_id=item["id"],
-                        output_index=idx,
-                        input=text,
-                    )
-                )
-                item["input"] = text
-                item["status"] = "completed"
-                out += self._close()
-            elif self.open is not None and self.open["type"] == "function_call" and not e.closed:
-                # Cut by the end of the turn: never a runnable call. Streamed clients see
-                # the item end as incomplete, its arguments unterminated; the final
-                # response leaves it out (`done`).
-                self.open["status"] = "incomplete"
-                out += self._close()
-            elif self.open is not None and self.open["type"] == "function_call":
-                item = self.open
-                idx = len(self.output) - 1
-                item["arguments"] = e.arguments_json
-                item["status"] = "completed"
-                out.append(
-                    self._ev(
-                        "response.function_call_arguments.done",
-                        item_id=item["id"],
-                        output_index=idx,
-                        name=item["name"],
-                        arguments=e.arguments_json,
-                    )
-                )
-                out += self._close()
-        elif isinstance(e, ParseError):
-            pass
+        if self.open is None or self.open["type"] != "reasoning":
+            out = self._close()
+            out += self._add({"id": new_id("rs_"), "type": "reasoning", "summary": []})
+        self.text.append(e.text)
+        if e.text:
+            ids = {"item_id": self.open["id"], "output_index": self._index(), "content_index": 0}
+            out.append(self._ev("response.reasoning_text.delta", **ids, delta=e.text))
         return out
 
-    def usage(self, d: JobDone) -> dict[str, Any]:
-        return {
-            "input_tokens": d.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": d.cached_tokens},
-            "output_tokens": d.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": d.reasoning_tokens},
-            "total_tokens": d.prompt_tokens + d.completion_tokens,
+    def _text(self, e: TextDelta) -> list[dict[str, Any]]:
+        if not e.text:
+            return []
+        out: list[dict[str, Any]] = []
+        if self.open is None or self.open["type"] != "message":
+            out = self._close()
+            item = {
+                "id": new_id("msg_"),
+                "type": "message",
+                "status": "in_progress",
+                "role": "assistant",
+                "content": [],
+            }
+            out += self._add(item)
+            ids = {"item_id": item["id"], "output_index": self._index(), "content_index": 0}
+            out.append(self._ev("response.content_part.added", **ids, part=_output_part("")))
+        self.text.append(e.text)
+        ids = {"item_id": self.open["id"], "output_index": self._index(), "content_index": 0}
+        out.append(self._ev("response.output_text.delta", **ids, delta=e.text, logprobs=[]))
+        return out
+
+    def _tool_start(self, e: ToolCallStart) -> list[dict[str, Any]]:
+        out = self._close()
+        kind = self.kinds.get(e.name) or ToolKind("function")
+        if kind.kind == "custom":
+            # Free-form input is the "input" argument; it is known once the call ends.
+            self.custom[e.index] = {"name": e.name, "id": e.id}
+            return out
+        item = {
+            "id": new_id("fc_"),
+            "type": "function_call",
+            "status": "in_progress",
+            "call_id": e.id,
+            "name": e.name,
+            "arguments": "",
         }
+        if kind.namespace:
+            item["namespace"] = kind.namespace
+        return out + self._add(item)
+
+    def _open_call(self) -> dict[str, Any] | None:
+        return self.open if self.open is not None and self.open["type"] == "function_call" else None
+
+    def _tool_args(self, e: ToolCallArgsDelta) -> list[dict[str, Any]]:
+        item = self._open_call()
+        if item is None or not e.text:
+            return []
+        item["arguments"] += e.text
+        ev = self._ev(
+            "response.function_call_arguments.delta",
+            item_id=item["id"],
+            output_index=self._index(),
+            delta=e.text,
+        )
+        return [ev]
+
+    def _tool_end(self, e: ToolCallEnd) -> list[dict[str, Any]]:
+        if e.index in self.custom:
+            return self._custom_call(self.custom.pop(e.index), e)
+        item = self._open_call()
+        if item is None:
+            return []
+        if not e.closed:
+            # Cut by the end of the turn: never a runnable call. Streamed clients see the
+            # item end as incomplete, its arguments unterminated; the final response
+            # leaves it out (`done`).
+            item["status"] = "incomplete"
+            return self._close()
+        item["arguments"] = e.arguments_json
+        item["status"] = "completed"
+        ev = self._ev(
+            "response.function_call_arguments.done",
+            item_id=item["id"],
+            output_index=self._index(),
+            name=item["name"],
+            arguments=e.arguments_json,
+        )
+        return [ev, *self._close()]
+
+    def _custom_call(self, info: dict[str, Any], e: ToolCallEnd) -> list[dict[str, Any]]:
+        if not e.closed:
+            return []  # cut by the end of the turn: never shown as a call
+        raw = e.call.arguments.get("input")
+        text = raw if isinstance(raw, str) else e.arguments_json
+        item = {
+            "id": new_id("ctc_"),
+            "type": "custom_tool_call",
+            "status": "in_progress",
+            "call_id": info["id"],
+            "name": info["name"],
+            "input": "",
+        }
+        out = self._add(item)
+        ids = {"item_id": item["id"], "output_index": self._index()}
+        out.append(self._ev("response.custom_tool_call_input.delta", **ids, delta=text))
+        out.append(self._ev("response.custom_tool_call_input.done", **ids, input=text))
+        item["input"] = text
+        item["status"] = "completed"
+        return out + self._close()
+
+    def feed(self, e: Any) -> list[dict[str, Any]]:
+        """Stream events for one job event (empty for events with no wire form)."""
+        handler = self._feed.get(type(e))
+        return handler(e) if handler is not None else []
+
+    # ---- the end
 
     def done(self, d: JobDone) -> list[dict[str, Any]]:
         out = self._close()
@@ -561,17 +789,17 @@ class _Builder:
             for it in self.output
             if not (it["type"] == "function_call" and it["status"] == "incomplete")
         ]
-        self.response["usage"] = self.usage(d)
+        self.response["usage"] = _usage(d)
         if d.finish == "cancelled":
             self.response["status"] = "failed"
             self.response["error"] = {"code": "server_error", "message": "generation cancelled"}
-            return [*out, self._ev("response.failed", response=self._snapshot())]
+            return [*out, self._ev("response.failed", response=self.result())]
         if d.finish == "length":
             self.response["status"] = "incomplete"
             self.response["incomplete_details"] = {"reason": "max_output_tokens"}
-            return [*out, self._ev("response.incomplete", response=self._snapshot())]
+            return [*out, self._ev("response.incomplete", response=self.result())]
         self.response["status"] = "completed"
-        return [*out, self._ev("response.completed", response=self._snapshot())]
+        return [*out, self._ev("response.completed", response=self.result())]
 
     def failed(self, f: JobFailed) -> list[dict[str, Any]]:
         out = self._close()
@@ -582,66 +810,26 @@ class _Builder:
             "message": err.message,
             **err.fields,
         }
-        return [*out, self._ev("response.failed", response=self._snapshot())]
-
-
-async def _events(job, builder: _Builder, keepalive_s: float, *, comments: bool):
-    """Yield Responses stream events (dicts) for ``job``; None means an SSE comment."""
-    ka = Keepalive(keepalive_s)
-    for d in builder.created():
-        yield d
-    ka.sent()
-    async for e in job.events(keepalive_s):
-        if e is None or isinstance(e, PrefillProgress):
-            if ka.due():
-                ka.sent()
-                # Codex's idle timer counts events, not comments: send in_progress.
-                yield builder.in_progress()
-            continue
-        if isinstance(e, JobStarted):
-            ka.sent()
-            yield builder.in_progress()
-            continue
-        if isinstance(e, JobFailed):
-            for d in builder.failed(e):
-                yield d
-            return
-        if isinstance(e, JobDone):
-            for d in builder.done(e):
-                yield d
-            return
-        out = builder.feed(e)
-        if out:
-            ka.sent()
-        for d in out:
-            yield d
+        return [*out, self._ev("response.failed", response=self.result())]
 
 
 # --------------------------------------------------------------------------- HTTP
 
 
+def _encoder(prep: _Prepared) -> ResponseEncoder:
+    st = state()
+    return ResponseEncoder(prep.req, prep.req.model or st.config.model_name, st.carrier)
+
+
 @bp.post("/v1/responses")
 async def create_response():
     """Create a response (SSE when ``stream`` is true, else the response object)."""
-    data = await read_json()
-    prep = await _prepare(data, path=request.path)
-    st = state()
-    job = st.submit(prep.gen)
-    builder = _Builder(prep)
+    prep = await _prepare(await read_json(), path=request.path)
+    job = state().submit(prep.gen)
+    enc = _encoder(prep)
     if prep.req.stream:
-
-        async def gen():
-            async for d in _events(job, builder, st.config.keepalive_s, comments=True):
-                yield SSE_COMMENT if d is None else sse(d, d["type"])
-
-        return sse_response(guard(job, gen()))
-    events, done = await collect(job)
-    for e in events:
-        builder.feed(e)
-    builder.done(done)
-    if done.finish == "cancelled":
-        raise APIError(503, "generation cancelled (server shutting down)", type="server_error")
-    return json_response(builder._snapshot())
+        return stream(job, enc)
+    return json_response(await respond(job, enc))
 
 
 @bp.get("/v1/responses/<path:response_id>")
@@ -673,7 +861,7 @@ async def responses_ws():
         return
     await websocket.accept()
     st = state()
-    store: dict[str, list[dict[str, Any]]] = {}
+    store: dict[str, list[Any]] = {}
     while True:
         raw = await websocket.receive()
         try:
@@ -697,22 +885,17 @@ async def responses_ws():
             await websocket.send(_ws_error(e))
             continue
         job = st.submit(prep.gen)
-        builder = _Builder(prep)
+        enc = _encoder(prep)
         try:
-            async for d in _events(job, builder, st.config.keepalive_s, comments=False):
+            async for d in events(job, enc, st.config.keepalive_s):
                 if d is not None:
                     await websocket.send(json.dumps(d, ensure_ascii=False))
         finally:
             if not job.done:
                 job.cancel.set()
-        if builder.response["status"] in ("completed", "incomplete"):
-            items = (
-                prep.body["input"]
-                if isinstance(prep.body["input"], list)
-                else [{"type": "message", "role": "user", "content": prep.body["input"]}]
-            )
+        if enc.response["status"] in ("completed", "incomplete"):
             store.clear()  # only the latest response can be continued
-            store[builder.response["id"]] = list(items) + [dict(i) for i in builder.output]
+            store[enc.response["id"]] = prep.items + [dict(i) for i in enc.output]
 
 
 def _ws_error(e: APIError) -> str:

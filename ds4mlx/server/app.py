@@ -141,25 +141,6 @@ def banner(engine, config: ServerConfig, url: str) -> None:
     Console(stderr=True).print(t)
 
 
-def kv_bytes_at(args, n_tokens: int, dtype_bytes: int) -> int:
-    """KV-cache bytes of a session holding ``n_tokens`` (docs/ARCHITECTURE.md §3 layout).
-
-    Per layer: the raw ring of ``window_size`` rows, plus for compressed layers one row
-    per ``ratio`` tokens, plus (ratio-``csa_ratio`` layers) the Lightning Indexer's rows.
-    The compressor frontiers (a few rows) are left out.
-    """
-    total = 0
-    ratios = list(args.compress_ratios) or [0] * args.n_layers
-    for ratio in ratios[: args.n_layers]:
-        rows = min(n_tokens, args.window_size) * args.head_dim
-        if ratio:
-            rows += (n_tokens // ratio) * args.head_dim
-            if ratio == args.csa_ratio:
-                rows += (n_tokens // ratio) * args.index_head_dim
-        total += rows * dtype_bytes
-    return total
-
-
 def _disk_line(kv) -> str:
     """The banner's disk-cache row: directory and budget, or how to turn it on."""
     if kv is None or not kv.enabled:
@@ -172,13 +153,7 @@ def _disk_line(kv) -> str:
 
 def _kv_estimate(engine) -> str:
     """KV bytes at a full context, in the compute dtype (bf16 on GPU, float32 on CPU)."""
-    try:
-        import mlx.core as mx
-
-        dtype_bytes = 2 if mx.default_device() == mx.gpu else 4
-        n = kv_bytes_at(engine.args, engine.ctx_size, dtype_bytes)
-    except Exception:  # pragma: no cover - an args object without the layout fields
-        return ""
+    n = engine.kv_bytes_at(engine.ctx_size)
     return f"≈{n / 2**20:.1f} MiB at {engine.ctx_size} tokens (window ring + compressed rows)"
 
 

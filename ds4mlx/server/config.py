@@ -38,7 +38,7 @@ class ServerConfig:
         keepalive_s: seconds between SSE keepalives while a stream has nothing to send.
         max_body_bytes: larger request bodies get 413.
         host, port: where Hypercorn binds.
-        reasoning_key: key of the reasoning carrier (AES-GCM) (Responses ``encrypted_content``,
+        reasoning_key: secret of the reasoning carrier (AES-SIV) (Responses ``encrypted_content``,
             Anthropic thinking ``signature``); None derives one (see
             ``ds4mlx.routes.common.load_reasoning_key``).
         kv: ``ds4mlx.kv.policy.KVCacheSettings`` (``--kv-disk-dir``, ``--kv-cache-*``);

@@ -156,7 +156,9 @@ class GenRequest:
         id_prefix: prefix of new tool-call ids (``toolu_`` / ``call_``).
         logprobs: top-N logprobs per token for completions, or None.
         conversation: the ``Conversation`` (for the prefill planner; issue 5), or None.
-        protocol: ``"anthropic"``, ``"chat"``, ``"responses"``, ``"completions"``.
+        protocol: the route's ``ds4mlx.kv.live.CallerNames`` (its live-tools decision,
+            its id words for the log line, its unknown-id wording), handed to the planner;
+            None for a route without tool results (neutral names).
         tool_required: the client forced a tool call (``tool_choice`` required / any /
             a named tool): the worker opens the DSML tool-call block itself as soon as
             the visible reply starts.
@@ -165,7 +167,7 @@ class GenRequest:
         top_logprobs: chat ``logprobs``: None (off) or how many alternatives per token
             (0..20); the worker attaches `TokenLogprob`s to the events it emits.
         cap_is_eos: ``max_tokens`` is ``--demo``'s cap (see
-            ``ds4mlx.routes.common.demo_cap_ends_turn``): reaching it ends the job as
+            ``ds4mlx.routes.pipeline.demo_cap_ends_turn``): reaching it ends the job as
             ``"stop"`` (the noise model never samples EOS), not ``"length"``.
     """
 
@@ -181,7 +183,7 @@ class GenRequest:
     id_prefix: str = "toolu_"
     logprobs: int | None = None
     conversation: Any = None
-    protocol: str = "chat"
+    protocol: Any = None
     tool_required: bool = False
     tool_name: str | None = None
     top_logprobs: int | None = None

@@ -1,0 +1,301 @@
+"""Will this checkpoint run here? Weights + KV + working memory vs device memory.
+
+Checked before any weight is read (only ``config.json`` and the safetensors headers), so a
+checkpoint that cannot fit is refused in a second instead of swapping a Mac to a halt:
+
+* **weights** — every tensor the loader keeps, at the size it will have in memory (a bf16
+  float tensor loaded for float32 compute doubles; routed experts stored per expert need
+  one layer's worth of extra room while they are stacked);
+* **KV** — per layer the raw window ring, the compressed rows of ``ctx`` tokens (CSA rows
+  and their indexer rows, HCA rows) and the compressor frontier, in the compute dtype,
+  times the number of resident session states;
+* **working memory** — one prefill chunk's activations (hyper-connection streams, query
+  heads, attention score blocks, expert activations) and the logits.
+
+The device budget is Metal's recommended working set on a Mac (what the GPU may keep
+resident without paging), else physical RAM (or a lower cgroup limit). ``memory_limit`` /
+``DS4MLX_MEMORY_LIMIT`` override it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from .checkpoint import TensorInfo, scan
+from .config import ModelArgs
+from .errors import FitError
+from .names import KEEP_F32, PER_EXPERT, official_name
+from .units import format_bytes, parse_size
+
+MEMORY_ENV = "DS4MLX_MEMORY_LIMIT"
+PREFILL_CHUNK = 512  # tokens per prefill forward (the engine's default chunk)
+SCORE_BUDGET = 1 << 25  # elements of one transient attention-score block (network.py)
+# The default context when none is asked for: the model's limit capped per device.
+DEFAULT_CTX_GPU = 65536
+DEFAULT_CTX_CPU = 32768
+
+
+@dataclass
+class FitReport:
+    """Memory estimate of one checkpoint at one context size, in bytes.
+
+    Attributes:
+        weights: parameters as held in memory after loading.
+        kv_per_session: KV cache of one session state at ``ctx_size`` tokens.
+        sessions: resident session states.
+        working: transient memory of one prefill chunk and the logits.
+        available: what the device can use (see ``source``).
+        source: where ``available`` comes from ("Metal recommended working set", "RAM",
+            "cgroup memory limit", "memory limit override").
+        ctx_size: context size in tokens.
+        suggestions: flags that would make it fit (empty when it fits).
+    """
+
+    weights: int
+    kv_per_session: int
+    sessions: int
+    working: int
+    available: int
+    source: str
+    ctx_size: int
+    suggestions: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_per_session * self.sessions + self.working
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.available
+
+    def describe(self) -> str:
+        """One line: ``weights … + KV … (ctx N × S) + working … = total of available (source)``."""
+        return (
+            f"weights {format_bytes(self.weights)} + KV {format_bytes(self.kv_per_session)} "
+            f"(ctx {self.ctx_size} × {self.sessions} session{'s' if self.sessions > 1 else ''}) "
+            f"+ working {format_bytes(self.working)} = {format_bytes(self.total)} of "
+            f"{format_bytes(self.available)} ({self.source})"
+        )
+
+
+def device_memory() -> tuple[int, str]:
+    """``(bytes, source)`` the device can use for weights and activations.
+
+    On Apple silicon with Metal: ``max_recommended_working_set_size`` (wired GPU memory
+    beyond it pages). Elsewhere: physical RAM, or the cgroup limit when that is lower.
+    """
+    import mlx.core as mx
+
+    if mx.metal.is_available():
+        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+        size = info.get("max_recommended_working_set_size") or info.get("memory_size")
+        if size:
+            return int(size), "Metal recommended working set"
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit.isdigit() and int(limit) < ram:
+            return int(limit), "cgroup memory limit"
+    except OSError:
+        pass
+    return int(ram), "RAM"
+
+
+def memory_budget(memory_limit: int | str | None = None) -> tuple[int, str]:
+    """The memory the fit check compares against: ``memory_limit``, else ``$DS4MLX_MEMORY_LIMIT``,
+    else ``device_memory()``.
+
+    Raises:
+        ValueError: an unparsable limit.
+    """
+    if memory_limit is None:
+        memory_limit = os.environ.get(MEMORY_ENV) or None
+    if memory_limit is not None:
+        return parse_size(memory_limit), "memory limit override"
+    return device_memory()
+
+
+def default_ctx(args: ModelArgs, gpu: bool) -> int:
+    """Context used when none is requested: the model's limit capped per device."""
+    cap = DEFAULT_CTX_GPU if gpu else DEFAULT_CTX_CPU
+    return min(args.max_position_embeddings, cap) if args.max_position_embeddings else cap
+
+
+def kv_bytes(args: ModelArgs, ctx: int, dtype_bytes: int) -> int:
+    """KV cache bytes of one session at ``ctx`` tokens (allocated capacity, compute dtype).
+
+    Compressed-row buffers grow by half their size, so up to 1.5× the rows are allocated.
+    """
+    total = 0
+    for i in range(args.n_layers):
+        total += args.window_size * args.head_dim  # raw window ring
+        r = args.compress_ratios[i]
+        if not r:
+            continue
+        coff = 2 if args.layer_kind(i) == "csa" else 1
+        rows = ctx // r
+        cap = max(rows + rows // 2, rows + 256) if rows else 0
+        # Rows + frontier (pending kv/score of one block, previous block with overlap).
+        total += (
+            cap * args.head_dim + 2 * r * coff * args.head_dim + (coff - 1) * 2 * r * args.head_dim
+        )
+        if coff == 2:  # the Lightning Indexer keeps its own compressed rows and frontier
+            d = args.index_head_dim
+            total += cap * d + 4 * r * d + 2 * r * d
+    return total * dtype_bytes
+
+
+def working_bytes(args: ModelArgs, dtype_bytes: int, chunk: int = PREFILL_CHUNK) -> int:
+    """Transient bytes of one prefill forward of ``chunk`` tokens plus the logits.
+
+    Counts the live tensors of the largest step: hyper-connection streams (float32, a few
+    copies), query heads, one attention-score block (the network caps it at
+    ``SCORE_BUDGET`` elements; scores, exponentials and probabilities coexist), the routed
+    experts' gathered inputs and activations, and the float32 logits of the last row.
+    """
+    f32 = 4
+    streams = 4 * chunk * args.hc_mult * args.dim * f32
+    queries = 3 * chunk * args.n_heads * args.head_dim * dtype_bytes
+    scores = 3 * min(SCORE_BUDGET, chunk * args.n_heads * (args.window_size + chunk)) * f32
+    k = args.n_activated_experts
+    experts = chunk * k * (args.dim + 3 * args.moe_inter_dim) * dtype_bytes
+    logits = 2 * args.vocab_size * f32
+    return streams + queries + scores + experts + logits
+
+
+def loaded_weight_bytes(tensors: dict[str, TensorInfo], dtype_bytes: int) -> tuple[int, int]:
+    """``(bytes held after loading, extra bytes while stacking one per-expert tensor)``.
+
+    Float tensors take the compute dtype (float32 for the precision-critical small ones);
+    packed and integer tensors keep their size. MTP tensors are dropped by the loader.
+    """
+    held = 0
+    stacks: dict[tuple[str, str], int] = {}
+    for t in tensors.values():
+        name = official_name(t.name)
+        if name is None:
+            continue
+        if t.is_float:
+            size = t.numel * (4 if KEEP_F32.search(name) else dtype_bytes)
+        else:
+            size = t.nbytes
+        held += size
+        if m := PER_EXPERT.match(name):
+            key = (m.group(1), m.group(3) + m.group(4))
+            stacks[key] = stacks.get(key, 0) + size
+    return held, max(stacks.values(), default=0)
+
+
+def _expert_bytes(tensors: dict[str, TensorInfo]) -> int:
+    total = 0
+    for t in tensors.values():
+        name = official_name(t.name)
+        if name and ".ffn.experts." in name:
+            total += t.nbytes
+    return total
+
+
+def _max_ctx(args, fixed: int, available: int, sessions: int, dtype_bytes: int, ctx: int) -> int:
+    """Largest context ≤ ``ctx`` whose KV still fits next to ``fixed`` bytes (0 if none)."""
+    if fixed + sessions * kv_bytes(args, 1, dtype_bytes) > available:
+        return 0
+    lo, hi = 1, ctx
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fixed + sessions * kv_bytes(args, mid, dtype_bytes) <= available:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _suggestions(report: FitReport, args, tensors, dtype_bytes: int) -> list[str]:
+    """Flags that would make it fit: a smaller ``--ctx``, fewer sessions, lower expert bits."""
+    out = []
+    fixed = report.weights + report.working
+    best = _max_ctx(args, fixed, report.available, report.sessions, dtype_bytes, report.ctx_size)
+    if best >= 1024:
+        out.append(f"--ctx {best // 1024 * 1024} (the largest context that fits)")
+    if report.sessions > 1:
+        one = _max_ctx(args, fixed, report.available, 1, dtype_bytes, report.ctx_size)
+        if one >= 1024:
+            out.append(f"1 resident session at --ctx {min(one, report.ctx_size) // 1024 * 1024}")
+    # Re-converting the routed experts: bits + 32/64 per weight (bf16 scale and bias per 64).
+    params = args.n_layers * args.n_routed_experts * 3 * args.dim * args.moe_inter_dim
+    rest = report.total - _expert_bytes(tensors)
+    for bits in (4, 3, 2):
+        size = rest + params * (bits + 0.5) / 8
+        if size <= report.available:
+            out.append(
+                f"a lower-bit conversion: ds4mlx convert SRC DST --expert-bits {bits} "
+                f"(≈ {format_bytes(size)} in all at this context)"
+            )
+            break
+    else:
+        out.append("even 2-bit routed experts do not fit: this machine needs more memory")
+    return out
+
+
+def check_fit(
+    path: str,
+    ctx_size: int | None = None,
+    sessions: int = 1,
+    memory_limit: int | str | None = None,
+    *,
+    dtype_bytes: int | None = None,
+    gpu: bool | None = None,
+) -> FitReport:
+    """Estimate the memory of running ``path`` and refuse when it exceeds the budget.
+
+    Reads ``config.json`` and the safetensors headers only.
+
+    Args:
+        path: checkpoint directory.
+        ctx_size: context in tokens (default: ``default_ctx``).
+        sessions: session states kept resident (each has its own KV).
+        memory_limit: bytes or a size string overriding the device budget (else
+            ``$DS4MLX_MEMORY_LIMIT``, else ``device_memory()``).
+        dtype_bytes: bytes per element of the compute dtype (default: 2 on a GPU, 4 on the
+            CPU, as the engine chooses).
+        gpu: whether MLX runs on a GPU (default: ``mx.default_device()``).
+
+    Returns:
+        the ``FitReport`` (when it fits).
+
+    Raises:
+        FitError: it does not fit; the message has the numbers and the flags that would help.
+        ValueError: a bad config or memory limit.
+    """
+    from .checkpoint import read_config
+
+    if gpu is None:
+        import mlx.core as mx
+
+        gpu = mx.default_device() == mx.gpu
+    if dtype_bytes is None:
+        dtype_bytes = 2 if gpu else 4
+    args = ModelArgs.from_dict(read_config(path))
+    ctx = int(ctx_size) if ctx_size else default_ctx(args, gpu)
+    tensors = scan(path)
+    held, stacking = loaded_weight_bytes(tensors, dtype_bytes)
+    available, source = memory_budget(memory_limit)
+    report = FitReport(
+        weights=held,
+        kv_per_session=kv_bytes(args, ctx, dtype_bytes),
+        sessions=max(1, int(sessions)),
+        working=working_bytes(args, dtype_bytes) + stacking,
+        available=available,
+        source=source,
+        ctx_size=ctx,
+    )
+    if not report.fits:
+        report.suggestions = _suggestions(report, args, tensors, dtype_bytes)
+        hint = "; ".join(report.suggestions)
+        raise FitError(
+            f"{path} does not fit: {report.describe()}. Would fit with: {hint}. "
+            f"(Override the budget with --memory-limit or {MEMORY_ENV}.)",
+            report,
+        )
+    return report

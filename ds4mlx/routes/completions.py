@@ -1,0 +1,258 @@
+"""OpenAI legacy Completions: ``POST /v1/completions`` (raw text, no chat template).
+
+Reference: https://platform.openai.com/docs/api-reference/completions/create (prompt as
+text or token ids, ``logprobs`` top-N, ``echo``). Streaming uses ``text_completion``
+SSE frames ending with ``data: [DONE]``. One encoder (`CompletionEncoder`) serves the
+stream and the JSON body alike. The prompt is raw: special-token spellings in it are
+tokens (users write templates here), and no conversation is involved, so no tool
+results and no live tool continuation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+from quart import Blueprint, request
+
+from ds4mlx.dsml.tokens import BOS
+from ds4mlx.routes.common import (
+    APIError,
+    failed_to_api,
+    json_response,
+    model_thinking,
+    new_id,
+    now,
+    openai_error,
+    parse_body,
+    sse,
+    state,
+)
+from ds4mlx.routes.openai import SamplingFields, finish_of, stops_of, usage_of
+from ds4mlx.routes.pipeline import (
+    clamp_max_tokens,
+    context_check,
+    demo_cap_ends_turn,
+    respond,
+    sampling_params,
+    stream,
+    tokenize,
+)
+from ds4mlx.server.jobs import GenRequest, JobDone, JobFailed, JobStarted, RawText
+
+bp = Blueprint("completions", __name__)
+
+
+class CompletionRequest(SamplingFields):
+    """Body of ``POST /v1/completions`` (unknown fields tolerated)."""
+
+    model: str = ""
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=1)
+
+
+def _echo_logprobs(tok, ids: list[int]) -> dict[str, Any]:
+    """``logprobs`` entries of echoed prompt tokens: their texts, null logprobs."""
+    tokens, offsets, offset = [], [], 0
+    for t in ids:
+        piece = tok.decode([t])
+        tokens.append(piece)
+        offsets.append(offset)
+        offset += len(piece)
+    n = len(tokens)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None] * n,
+        "top_logprobs": [None] * n,
+        "text_offset": offsets,
+    }
+
+
+def _logprobs_obj(piece: RawText, offset: int) -> dict[str, Any]:
+    """``logprobs`` entries of one generated piece whose text starts at ``offset``."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for text, lp, top in piece.logprobs:
+        tokens.append(text)
+        token_lps.append(lp)
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_lps,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+class CompletionEncoder:
+    """Job events → ``text_completion`` frames, and (fed everything) the response body.
+
+    ``echo``: the prompt text sent first ("" without ``echo``); ``echo_logprobs``: its
+    tokens' entries (null logprobs), or None; ``logprobs``: the request's top-N, or None.
+    """
+
+    def __init__(
+        self,
+        meta: dict[str, Any],
+        *,
+        echo: str,
+        echo_logprobs: dict[str, Any] | None,
+        logprobs: int | None,
+        include_usage: bool,
+    ):
+        self.meta = meta
+        self.echo = echo
+        self.echo_logprobs = echo_logprobs
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+        self.offset = len(echo)
+        self.text: list[str] = []
+        self.lp: dict[str, list[Any]] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+        self.finish: str | None = None
+        self.usage: dict[str, Any] | None = None
+
+    def _chunk(self, text: str, lp=None, finish=None) -> dict[str, Any]:
+        choice = {"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}
+        return {**self.meta, "choices": [choice]}
+
+    def frame(self, ev: dict[str, Any] | str) -> bytes:
+        return sse(ev)
+
+    def opening(self) -> list[Any]:
+        return [self._chunk(self.echo, self.echo_logprobs)] if self.echo else []
+
+    def idle(self) -> None:
+        return None
+
+    def started(self, e: JobStarted) -> list[Any]:
+        return []
+
+    def feed(self, e: Any) -> list[Any]:
+        if not isinstance(e, RawText):
+            return []
+        self.text.append(e.text)
+        lp = None
+        if self.logprobs is not None:
+            lp = _logprobs_obj(e, self.offset)
+            for k, v in lp.items():
+                self.lp[k] += v
+            self.offset += sum(len(t) for t, _, _ in e.logprobs)
+        else:
+            self.offset += len(e.text)
+        return [self._chunk(e.text, lp)]
+
+    def done(self, e: JobDone) -> list[Any]:
+        self.finish = finish_of(e, False)
+        self.usage = usage_of(e)
+        out = [self._chunk("", None, self.finish)]
+        if self.include_usage:
+            out.append({**self.meta, "choices": [], "usage": self.usage})
+        return [*out, "[DONE]"]
+
+    def failed(self, e: JobFailed) -> list[Any]:
+        return [openai_error(failed_to_api(e)), "[DONE]"]
+
+    def result(self) -> dict[str, Any]:
+        lp = None
+        if self.logprobs is not None:
+            head = self.echo_logprobs
+            lp = {k: head[k] + v for k, v in self.lp.items()} if head else self.lp
+        text = self.echo + "".join(self.text)
+        choice = {"text": text, "index": 0, "logprobs": lp, "finish_reason": self.finish}
+        return {**self.meta, "choices": [choice], "usage": self.usage}
+
+
+async def _prompt(req: CompletionRequest, tok) -> tuple[str | None, list[int], str, list[int]]:
+    """``(prompt text or None, prompt ids, echo text, echoed ids)`` of a request.
+
+    A text prompt gets BOS prepended unless it starts with it; token-id prompts are
+    used as given.
+
+    Raises:
+        APIError: 400 for several prompts, an empty prompt or an id outside the vocabulary.
+    """
+    p = req.prompt
+    if isinstance(p, list) and p and isinstance(p[0], list | str):
+        if len(p) != 1:
+            raise APIError(400, "prompt: only one prompt per request is supported", param="prompt")
+        p = p[0]
+    if isinstance(p, str):
+        text = p if p.startswith(BOS) else BOS + p
+        toks = await tokenize(text)
+        return text, toks, p, toks if p.startswith(BOS) else toks[1:]
+    toks = list(p)
+    bad = [t for t in toks if not 0 <= t < tok.vocab_size]
+    if bad:
+        raise APIError(
+            400,
+            f"prompt: token id {bad[0]} outside the vocabulary (0..{tok.vocab_size - 1})",
+            param="prompt",
+        )
+    if not toks:
+        raise APIError(400, "prompt: empty", param="prompt")
+    return None, toks, tok.decode(toks), toks
+
+
+@bp.post("/v1/completions")
+async def completions():
+    """OpenAI legacy Completions: raw text continuation (no chat template).
+
+    ``echo`` prepends the prompt text; ``logprobs`` (0–20) returns the sampled tokens'
+    logprobs with that many alternatives. With ``echo`` the prompt's tokens are listed
+    too, with null logprobs (scoring them would need a prefill that keeps every
+    position's logits; OpenAI itself gives null for the first token).
+    """
+    req = await parse_body(CompletionRequest)
+    st = state()
+    tok = st.tokenizer
+    text, toks, echo_text, echo_ids = await _prompt(req, tok)
+    context_check(len(toks), "prompt")
+    model_thinking(req.model)  # logs a model name the server does not list
+    requested = req.max_tokens if req.max_tokens is not None else 16
+    gen = GenRequest(
+        path=request.path,
+        prompt_tokens=toks,
+        prompt_text=text,
+        sampling=sampling_params(
+            False,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            seed=req.seed,
+        ),
+        max_tokens=clamp_max_tokens(requested, len(toks)),
+        cap_is_eos=demo_cap_ends_turn(requested, len(toks)),
+        stops=stops_of(req.stop),
+        parse=False,
+        thinking=False,
+        logprobs=req.logprobs,
+    )
+    job = st.submit(gen)
+    meta = {
+        "id": new_id("cmpl-"),
+        "object": "text_completion",
+        "created": now(),
+        "model": req.model or st.config.model_name,
+    }
+    enc = CompletionEncoder(
+        meta,
+        echo=echo_text if req.echo else "",
+        echo_logprobs=_echo_logprobs(tok, echo_ids)
+        if req.echo and req.logprobs is not None
+        else None,
+        logprobs=req.logprobs,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+    )
+    if req.stream:
+        return stream(job, enc)
+    return json_response(await respond(job, enc))

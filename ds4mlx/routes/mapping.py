@@ -1,0 +1,204 @@
+"""Mapping rules shared by the protocol modules (typed request → neutral `Conversation`).
+
+Each protocol module (`ds4mlx.routes.anthropic`, `.openai`, `.responses`) owns its own
+mapping; this module holds only the rules they share (docs/ARCHITECTURE.md §4), so each
+rule exists once:
+
+- system text joins: ``\\n`` between Anthropic system blocks (only where the previous
+  part lacks one), a blank line between hoisted system parts;
+- a non-text content block renders as a short placeholder naming its type;
+- tool-call arguments that are not a JSON object are kept under ``"arguments"``;
+- an "effort" word maps onto DeepSeek's thinking switch and Think-Max;
+- a forced ``tool_choice`` needs a callable tool, and a named one must be offered;
+- the OpenAI ``tool_choice`` shapes (chat and Responses differ only in where the name
+  and the ``allowed_tools`` mode live).
+
+Nothing here knows HTTP, tokens or the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from ds4mlx.dsml import Message, ToolSpec
+
+
+class WireError(ValueError):
+    """A request that validated structurally but cannot be mapped (client error → 400).
+
+    ``param`` names the offending field path (e.g. ``"input[3]"``) or is None.
+    """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+def empty_schema() -> dict[str, Any]:
+    """A fresh empty JSON-Schema object: the parameters of a tool that declares none."""
+    return {"type": "object", "properties": {}}
+
+
+def join_newline(parts: Iterable[str]) -> str:
+    """Join parts with ``\\n``, inserted only when the previous part lacks one."""
+    out = ""
+    for p in parts:
+        if out and not out.endswith("\n"):
+            out += "\n"
+        out += p
+    return out
+
+
+def join_blank(parts: Iterable[str]) -> str:
+    """Join the non-empty parts with a blank line."""
+    return "\n\n".join(p for p in parts if p)
+
+
+def placeholder(kind: str | None) -> str:
+    """Short text standing in for a non-text block (image, document, audio…) of ``kind``."""
+    return f"[{kind or 'content'}]"
+
+
+def parts_text(content: str | list[Any] | None) -> str:
+    """Text of an OpenAI message ``content``: a string, or typed parts (``.type``,
+    ``.text``; chat's ``ContentPart``, Responses' ``InputPart``) concatenated — text
+    parts (``text``, ``input_text``, ``output_text``) as their text, ``refusal`` as its
+    refusal, anything else as a placeholder."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for p in content:
+        if p.type in ("text", "input_text", "output_text"):
+            parts.append(p.text or "")
+        elif p.type == "refusal":
+            refusal = getattr(p, "refusal", None)  # an undeclared (extra) field
+            parts.append(refusal if isinstance(refusal, str) else "")
+        else:
+            parts.append(placeholder(p.type))
+    return "".join(parts)
+
+
+def json_object(text: str | dict[str, Any] | None) -> dict[str, Any]:
+    """Decode a tool call's JSON arguments string; non-objects are wrapped.
+
+    Clients replay arguments exactly as the server produced them, so this normally
+    succeeds; when it does not (hand-written history) the raw text is kept under
+    ``"arguments"`` rather than failing the request.
+    """
+    if isinstance(text, dict):
+        return text
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return {"arguments": text}
+    return value if isinstance(value, dict) else {"arguments": value}
+
+
+def effort_to_reasoning(effort: str | None) -> tuple[bool | None, str | None]:
+    """Map a client "effort" word onto (thinking override, reasoning_effort).
+
+    ``"none"`` turns thinking off; ``"max"`` and ``"xhigh"`` select DeepSeek's
+    Think-Max (``"max"``); every other value keeps the default thinking with no preamble,
+    as DeepSeek's own API maps low/medium/high onto its single "high" level.
+    """
+    if effort is None:
+        return None, None
+    e = str(effort).lower()
+    if e == "none":
+        return False, None
+    if e in ("max", "xhigh"):
+        return True, "max"
+    return None, "high"
+
+
+def hoisted_system(msgs: list[Message], system_parts: list[str]) -> list[Message]:
+    """Put the top-level system text (if any) first, as one ``system`` message.
+
+    System instructions met later in the conversation go to ``Conversation.late_system``
+    instead (`late_system`): rendered after the tools section, they leave the top-level
+    text + tools a prefix that a retry carrying them elsewhere still shares.
+    """
+    text = join_blank(system_parts)
+    return ([Message(role="system", content=text)] if text else []) + msgs
+
+
+def late_system(parts: list[str]) -> str:
+    """``Conversation.late_system`` from system parts met inside the conversation."""
+    return join_blank(parts)
+
+
+def checked_choice(
+    required: bool, name: str | None, tools: list[ToolSpec]
+) -> tuple[bool, str | None]:
+    """A forced tool choice, checked against the tools offered.
+
+    Raises:
+        WireError: a forced choice without tools, or a named tool that is not offered
+            (param ``tool_choice``).
+    """
+    if required and not tools:
+        raise WireError(
+            "tool_choice forces a tool call but no callable tools were given", "tool_choice"
+        )
+    if name is not None and name not in {t.name for t in tools}:
+        raise WireError(f"tool_choice names tool {name!r}, which is not in tools", "tool_choice")
+    return required, name
+
+
+def openai_tool_choice(
+    choice: str | dict[str, Any] | None,
+    tools: list[ToolSpec],
+    *,
+    named_types: tuple[str, ...],
+    name_field: str,
+    mode_of,
+) -> tuple[bool, str | None]:
+    """OpenAI ``tool_choice`` (chat or Responses) → ``(tool_required, tool_name)``.
+
+    ``"auto"``/``"none"``/None: no forcing; ``"required"``; ``{"type": "allowed_tools",
+    …}`` with mode ``auto``/``required`` (``mode_of(choice)`` reads it where the
+    protocol keeps it); a named choice of a type in ``named_types``, its name read at
+    the dotted ``name_field`` path (``function.name`` or ``name``).
+
+    Raises:
+        WireError: an unknown value, a forced choice without tools, or a named tool that
+            is not offered.
+    """
+    if choice is None or choice in ("auto", "none"):
+        return False, None
+    if choice == "required":
+        return checked_choice(True, None, tools)
+    if not isinstance(choice, dict):
+        raise WireError(
+            f"tool_choice: {choice!r} is not 'auto', 'none', 'required' or a named tool",
+            "tool_choice",
+        )
+    typ = choice.get("type")
+    if typ == "allowed_tools":
+        mode = mode_of(choice)
+        if mode not in ("auto", "required"):
+            raise WireError(
+                f"tool_choice: allowed_tools mode {mode!r} is not 'auto' or 'required'",
+                "tool_choice",
+            )
+        return checked_choice(mode == "required", None, tools)
+    if typ in named_types:
+        node: Any = choice
+        for key in name_field.split("."):
+            node = node.get(key) if isinstance(node, dict) else None
+        if not isinstance(node, str) or not node:
+            field = f"tool_choice.{name_field}"
+            raise WireError(f"{field}: required for a named tool choice", field)
+        return checked_choice(True, node, tools)
+    raise WireError(
+        f"tool_choice: type {typ!r} is not supported by this server "
+        "(use auto, none, required or a named function)",
+        "tool_choice",
+    )
