@@ -228,13 +228,15 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeats):
             # Each restart resumes from the snapshot the first session's clean stop wrote;
             # the restarted server is killed, not stopped, so that it writes none of its own.
-            srv = Server(model, args.ctx, disk_flags, work / "serve.log")
+            # No prompt-end save either: each run measures the resume from that snapshot.
+            no_prompt = [*disk_flags, "--kv-cache-no-prompt-end"]
+            srv = Server(model, args.ctx, no_prompt, work / "serve.log")
             srv.script(call(args.turns + 1))
             t, n_prompt, n_cached = srv.ttft(body)
             restart.append(t)
             srv.proc.kill()
             srv.proc.wait()
-            srv = Server(model, args.ctx, [], work / "serve-cold.log")
+            srv = Server(model, args.ctx, ["--kv-disk-dir", "none"], work / "serve-cold.log")
             srv.script(call(args.turns + 1))
             t, n_cold, _ = srv.ttft(body)
             cold.append(t)

@@ -53,6 +53,11 @@ class Server:
         extra: more CLI flags.
         env: extra environment variables.
         scripted: pass ``--enable-scripted-decoding``.
+        kv_dir: the disk KV cache directory. The disk tier is on by default
+            (``~/.cache/ds4mlx/kv``); unless ``extra`` names one, every server gets a
+            fresh temporary directory of its own (removed by `stop`), so no test
+            sees another's snapshots — or the user's. False passes no
+            ``--kv-disk-dir`` (the server's default; set ``XDG_CACHE_HOME`` in ``env``).
     """
 
     def __init__(
@@ -64,6 +69,7 @@ class Server:
         env=None,
         scripted: bool = True,
         log_path=None,
+        kv_dir=None,
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -82,6 +88,16 @@ class Server:
         if scripted:
             self.cmd.append("--enable-scripted-decoding")
         self.cmd += list(extra)
+        self._tmp_kv = None
+        if "--kv-disk-dir" in self.cmd:
+            kv_dir = Path(self.cmd[self.cmd.index("--kv-disk-dir") + 1])
+        elif kv_dir is None:
+            import tempfile
+
+            kv_dir = self._tmp_kv = Path(tempfile.mkdtemp(prefix="ds4mlx-kv-"))
+        if "--kv-disk-dir" not in self.cmd and kv_dir is not False:
+            self.cmd += ["--kv-disk-dir", str(kv_dir)]
+        self.kv_dir = kv_dir
         self.env = {**os.environ, "DS4MLX_REASONING_KEY": "tests", **(env or {})}
         self.env.pop("DS4MLX_MODEL", None)
         self.log_path = Path(log_path) if log_path else None
@@ -133,6 +149,8 @@ class Server:
                 raise
         if self._log:
             self._log.close()
+        if self._tmp_kv is not None:
+            shutil.rmtree(self._tmp_kv, ignore_errors=True)
         return self.proc.returncode
 
     def kill(self) -> None:

@@ -65,7 +65,9 @@ SHORT_SYSTEM = long_system(20, seed=3)
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):  # noqa: F811 (fixture from server_util)
     trace = tmp_path_factory.mktemp("live") / "trace.jsonl"
-    with Server(tiny_model_dir, ctx=16384, extra=["--trace", str(trace)]) as s:
+    # No disk tier: the cold references below must be cold, not disk hits.
+    extra = ["--trace", str(trace), "--kv-disk-dir", "none"]
+    with Server(tiny_model_dir, ctx=16384, extra=extra) as s:
         s.trace = Trace(trace)
         yield s
 

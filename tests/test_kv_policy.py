@@ -12,6 +12,8 @@ import pytest
 
 from ds4mlx.engine import prefill_chunks
 from ds4mlx.kv.policy import (
+    MAX_DERIVED_BUDGET_MB,
+    MIN_DERIVED_BUDGET_MB,
     KVCacheSettings,
     SavePoint,
     SaveTracker,
@@ -19,6 +21,8 @@ from ds4mlx.kv.policy import (
     chat_anchor,
     cold_save_point,
     continued_save_points,
+    default_disk_dir,
+    derived_budget_mb,
     prefill_save_points,
     should_save_live,
     store_len,
@@ -50,10 +54,20 @@ def test_settings_validation():
     assert KVCacheSettings(boundary_align_tokens=0).continued_step == 10000
 
 
-def test_flags_round_trip():
+def test_flags_round_trip(tmp_path, monkeypatch):
     p = argparse.ArgumentParser()
     add_arguments(p)
-    assert KVCacheSettings.from_args(p.parse_args([])) == D
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    default = KVCacheSettings.from_args(p.parse_args([]))
+    # On by default, in the user's cache directory, with a budget from the free space.
+    assert default.disk_dir == str(tmp_path / "cache" / "ds4mlx" / "kv")
+    assert default.disk_space_mb == derived_budget_mb(tmp_path / "cache" / "ds4mlx" / "kv")
+    assert default == KVCacheSettings(default.disk_dir, default.disk_space_mb)
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_disk_dir() == tmp_path / "home" / ".cache" / "ds4mlx" / "kv"
+    off = KVCacheSettings.from_args(p.parse_args(["--kv-disk-dir", "none"]))
+    assert not off.enabled and off == D
     s = KVCacheSettings.from_args(
         p.parse_args(
             "--kv-disk-dir /tmp/kv --kv-disk-space-mb 16 --kv-cache-min-tokens 64 "
@@ -64,6 +78,51 @@ def test_flags_round_trip():
     )
     assert s == KVCacheSettings("/tmp/kv", 16, 64, 1000, 300, 4, 128, True)
     assert s.enabled and s.budget_bytes == 16 * 2**20 and s.continued_step == 384
+    s = KVCacheSettings.from_args(
+        p.parse_args("--kv-cache-no-prompt-end --kv-write-queue-mb 8".split())
+    )
+    assert not s.prompt_end and s.write_queue_bytes == 8 * 2**20
+
+
+def test_derived_budget_is_a_quarter_of_free_space_within_bounds(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    free = [100 * 2**30]
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(0, 0, free[0]))
+    d = tmp_path / "not" / "yet"  # asks the filesystem the directory will be on
+    assert derived_budget_mb(d) == 25 * 1024
+    free[0] = 10 * 2**20
+    assert derived_budget_mb(d) == MIN_DERIVED_BUDGET_MB
+    free[0] = 10 * 2**40
+    assert derived_budget_mb(d) == MAX_DERIVED_BUDGET_MB
+    # What the cache already holds counts as free: a restart does not shrink the budget.
+    d.mkdir(parents=True)
+    (d / ("0" * 40 + ".safetensors")).write_bytes(b"x" * (4 * 2**20))
+    free[0] = 1024 * 2**20
+    assert derived_budget_mb(d) == (1024 + 4) // 4
+
+
+def test_prompt_end_point():
+    on = KVCacheSettings(disk_dir="/x")
+    pts = prefill_save_points(on, cached=3000, prompt_tokens=5000, prompt_end=True)
+    assert pts == [SavePoint(5000, "prompt")]
+    # A live continuation (prompt_end False) or the setting off: none.
+    assert prefill_save_points(on, cached=3000, prompt_tokens=5000) == []
+    off = KVCacheSettings(disk_dir="/x", prompt_end=False)
+    assert prefill_save_points(off, cached=3000, prompt_tokens=5000, prompt_end=True) == []
+    # Below min_tokens, already saved there, or nothing to prefill: none.
+    assert prefill_save_points(on, cached=0, prompt_tokens=400, prompt_end=True) == []
+    assert (
+        prefill_save_points(on, cached=10, prompt_tokens=900, last_saved=900, prompt_end=True) == []
+    )
+    assert prefill_save_points(on, cached=900, prompt_tokens=900, prompt_end=True) == []
+    # Cold: the stable point and the end (a frontier there keeps its own name).
+    pts = prefill_save_points(on, cached=0, prompt_tokens=11011, prompt_end=True)
+    assert pts == [SavePoint(10240, "cold"), SavePoint(11011, "prompt")]
+    pts = prefill_save_points(on, cached=100, prompt_tokens=10240, prompt_end=True)
+    assert pts == [SavePoint(10240, "continued")]
 
 
 def test_store_len_trims_and_aligns():

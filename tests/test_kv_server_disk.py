@@ -141,7 +141,9 @@ def test_restart_resumes_from_disk_with_exact_dsml_replay(disk):
     r3 = post(server, "/v1/messages", body2)
     plan = server.trace.last()
     assert plan["decision"] == "disk", plan
-    assert anthropic_usage(r3) == (p2, c2)  # only the new suffix prefilled
+    # body2 was not a live continuation: its end was saved (``prompt``) before it
+    # generated, so the replay after the restart resumes with the whole prompt cached.
+    assert anthropic_usage(r3) == (p2, p2)
     assert r3["content"] == r2["content"]  # same greedy output as before the restart
 
     # Without exact replay the canonical "[1, 2]" breaks the prefix: no such disk hit.

@@ -492,6 +492,11 @@ def test_cli_ls_show_rm(tmp_path, capsys, monkeypatch):
     assert "first line" in out and "second" not in out
     assert "600" in out and "shutdown" in out and "BAD" in out
     assert "2 snapshots, 1 bad" in out
+    # Without a directory: the server's default one ($XDG_CACHE_HOME/ds4mlx/kv).
+    (tmp_path / "xdg" / "ds4mlx").mkdir(parents=True)
+    (tmp_path / "xdg" / "ds4mlx" / "kv").symlink_to(store.dir)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert run_cli(capsys, "ls")[1].count(e1.key[:12]) == 1
 
     rc, out = run_cli(capsys, "show", d, e2.key[:8])
     assert rc == 0

@@ -194,8 +194,12 @@ class Agent(LiveSteps, SessionCommands, Compacting):
         self._last_prefill = (0, 0.0)
         disk = None
         if store is not None:
+            # No prompt-end saves: the agent keeps its transcript and continues it live;
+            # it has no client retries or replays to serve, and saves synchronously.
             settings = KVCacheSettings(
-                disk_dir=str(store.dir), disk_space_mb=max(1, store.budget_bytes >> 20)
+                disk_dir=str(store.dir),
+                disk_space_mb=max(1, store.budget_bytes >> 20),
+                prompt_end=False,
             )
             disk = DiskCache(engine, settings, store=store)
         # The same planner as the server's: live continuation, prefixes, disk tier.

@@ -176,7 +176,8 @@ class Engine:
         return kv_bytes(self.args, n_tokens, dtype_bytes)
 
     def new_session(self) -> Session:
-        """A further, independent session on the same weights (tests, benchmarks)."""
+        """A further, independent session on the same weights (resident states of the
+        prompt cache, tests, benchmarks). Call on the inference thread."""
         return Session(self)
 
 

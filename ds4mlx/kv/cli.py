@@ -25,8 +25,13 @@ if TYPE_CHECKING:  # imported lazily: build_parser() imports this module on ever
 def configure_parser(p: argparse.ArgumentParser) -> None:
     """Add the ``ls``/``show``/``rm`` subcommands to the ``kv`` parser."""
     sub = p.add_subparsers(dest="kv_command", required=True, metavar="{ls,show,rm}")
+    from ds4mlx.kv.policy import default_disk_dir
+
     q = sub.add_parser("ls", help="list snapshots (tokens, hits, age, reason, size, text)")
-    q.add_argument("dir")
+    q.add_argument(
+        "dir", nargs="?", default=str(default_disk_dir()),
+        help="cache directory (default: the server's, %(default)s)",
+    )  # fmt: skip
     q.add_argument(
         "--verify", action="store_true", help="also check every tensor's digest (reads all)"
     )

@@ -14,7 +14,10 @@
   DSML replay survives a restart.
 
 Every method runs on the inference thread (MLX arrays belong to the thread that made
-them). Disk errors never fail a request: they are logged and the cache is skipped.
+them); with ``background=True`` (the server) only the serialization of a snapshot does,
+and its file I/O runs on a `ds4mlx.kv.writer.SnapshotWriter` thread, so an ``evict`` save
+does not delay the request that caused it. Disk errors never fail a request: they are
+logged and the cache is skipped.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from collections.abc import Iterable, Sequence
 
 from ds4mlx.kv import policy
 from ds4mlx.kv.store import DiskKVStore, Loaded
+from ds4mlx.kv.writer import SnapshotWriter
 
 log = logging.getLogger("ds4mlx.kv")
 
@@ -39,12 +43,16 @@ class DiskCache:
         settings: ``ds4mlx.kv.policy.KVCacheSettings`` with ``disk_dir`` set.
         store: an open `DiskKVStore` of that directory to use (the agent opens its own),
             or None to open one from ``settings``.
+        background: write snapshot files on a `ds4mlx.kv.writer.SnapshotWriter` thread
+            (the server); False writes them before `save_live` returns (the agent, which
+            records the key of what it saved).
 
     Attributes:
         store: the `DiskKVStore`.
         settings: the settings.
-        tracker: the largest token count saved for the current live session
+        tracker: the largest token count saved (or queued) for the current live session
             (``policy.SaveTracker``); reset by the caller when the live state is replaced.
+        writer: the `SnapshotWriter`, or None (synchronous saves).
 
     Raises:
         ValueError: ``settings.disk_dir`` is None.
@@ -52,7 +60,12 @@ class DiskCache:
     """
 
     def __init__(
-        self, engine, settings: policy.KVCacheSettings, *, store: DiskKVStore | None = None
+        self,
+        engine,
+        settings: policy.KVCacheSettings,
+        *,
+        store: DiskKVStore | None = None,
+        background: bool = False,
     ):
         if settings.disk_dir is None:
             raise ValueError("DiskCache needs settings.disk_dir")
@@ -67,18 +80,30 @@ class DiskCache:
             expert_bits=engine.quant.expert_bits,
             reject_different_quant=settings.reject_different_quant,
         )
+        self.writer = (
+            SnapshotWriter(self.store.write, max_bytes=settings.write_queue_bytes)
+            if background
+            else None
+        )
 
     # ---------------------------------------------------------------- save points
 
     def checkpoints(
-        self, *, cached: int, prompt_tokens: Sequence[int], rendered_text: str | None
+        self,
+        *,
+        cached: int,
+        prompt_tokens: Sequence[int],
+        rendered_text: str | None,
+        prompt_end: bool = False,
     ) -> list[policy.SavePoint]:
         """Snapshots to take while prefilling ``prompt_tokens`` from ``cached`` tokens.
 
         ``prompt_tokens`` are the ids the session will hold after prefill (kept live
-        tokens + suffix). A point whose tokens end inside a UTF-8 character, or whose
+        tokens + suffix); ``prompt_end``: the prompt is not a live continuation, so its
+        end is a ``prompt`` save point (`ds4mlx.kv.policy.prefill_save_points`). A point whose tokens end inside a UTF-8 character, or whose
         text is not a prefix of ``rendered_text``, could never be found by a text
-        lookup: it moves back (at most 8 tokens) to a clean boundary, or is dropped.
+        lookup: it moves back (at most 8 tokens) to a clean boundary, or is dropped. The
+        point at the prompt's end stays: it is saved under ``rendered_text`` too.
         """
         tok = self.engine.tokenizer
         points = policy.prefill_save_points(
@@ -88,10 +113,18 @@ class DiskCache:
             last_saved=self.tracker.last_saved,
             user_token_id=tok.user_id,
             assistant_token_id=tok.assistant_id,
+            prompt_end=prompt_end,
         )
         out: list[policy.SavePoint] = []
         for p in points:
             n = p.tokens
+            if n == len(prompt_tokens) and rendered_text is not None:
+                # The prompt's end is saved with the rendered prompt as a lookup key of
+                # its own (``save_live(keys=…)``): a replay renders the same text even
+                # when the tokens decode to other bytes (reasoning kept by a live or
+                # alias hit, re-tokenized turn boundaries).
+                out.append(p)
+                continue
             while n > max(cached, p.tokens - 8):
                 text = tok.decode(prompt_tokens[:n])
                 if not text.endswith("\ufffd") and (
@@ -125,18 +158,32 @@ class DiskCache:
 
     # ---------------------------------------------------------------- save / load
 
-    def save_live(self, session, reason: str, tool_memory=None, tool_ids: Iterable[str] = ()):
-        """Snapshot the live session to disk now (on the inference thread).
+    def save_live(
+        self,
+        session,
+        reason: str,
+        tool_memory=None,
+        tool_ids: Iterable[str] = (),
+        *,
+        keys: Sequence[str] = (),
+    ):
+        """Snapshot the live session (on the inference thread; the file I/O runs on the
+        writer thread when the cache has one).
 
         Args:
             session: the live ``Session``.
-            reason: ``cold``, ``continued``, ``evict`` or ``shutdown``.
+            reason: ``cold``, ``continued``, ``prompt``, ``evict`` or ``shutdown``.
             tool_memory: the ``ToolMemory`` to take entries from, or None.
             tool_ids: ids whose DSML may be inside the live text; the store keeps those
                 whose DSML really occurs in it.
+            keys: more lookup texts standing for the same state (the visible keys of a
+                thinking turn, `ds4mlx.kv.live.visible_keys`, without their trailing
+                EOS); recorded as aliases of the snapshot (no second payload).
         Returns:
-            The written ``Entry``, or None when nothing was written (empty or
-            mid-character text, over budget, disk error — logged).
+            The written ``Entry`` (synchronous cache), the queued
+            ``ds4mlx.kv.store.PreparedSave`` (background writer: both have ``key`` and
+            ``tokens``), or None when nothing was saved (empty or mid-character text,
+            serialization failure — logged).
         """
         n = len(session.tokens)
         if n == 0 or session.logits is None:
@@ -154,26 +201,44 @@ class DiskCache:
         t0 = time.perf_counter()
         try:
             state = session.snapshot()
-            entry = self.store.save(
+            prepared = self.store.prepare_save(
                 text=text,
                 tokens=state.tokens,
                 arrays=state.arrays,
                 reason=reason,
                 meta=state.meta,
                 tool_memory=tools,
+                aliases=[k for k in keys if k and k != text],
             )
+            if prepared is None:
+                return None
+            if self.writer is not None:
+                self.writer.submit(prepared)
+                entry = prepared
+            else:
+                entry = self.store.write(prepared)
         except Exception:  # a full disk or a bad directory must not fail the request
             log.exception("kv cache: save failed tokens=%d reason=%s", n, reason)
             return None
         if entry is not None:
             self.tracker.saved(n)
             log.debug(
-                "kv cache: %s save of %d tokens in %.1f ms",
+                "kv cache: %s save of %d tokens %s in %.1f ms",
                 reason,
                 n,
+                "queued" if self.writer is not None else "written",
                 (time.perf_counter() - t0) * 1e3,
             )
         return entry
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued save is on disk (no-op without a writer)."""
+        return self.writer.flush(timeout) if self.writer is not None else True
+
+    def close(self, timeout: float | None = 300.0) -> None:
+        """Write what is queued and stop the writer thread (clean shutdown)."""
+        if self.writer is not None and not self.writer.close(timeout):
+            log.warning("kv cache: the writer did not drain in %.0f s; pending saves lost", timeout)
 
     def lookup(self, rendered_text: str) -> Loaded | None:
         """The verified snapshot with the longest text that is a prefix of
@@ -181,6 +246,11 @@ class DiskCache:
 
         Corrupt or foreign files are skipped (and reported by the store), never loaded.
         """
+        if self.writer is not None:
+            # A snapshot of a prefix of this prompt may still be queued (an exact replay
+            # right after its prompt): let it reach the disk first, so the lookup sees it.
+            data = rendered_text.encode("utf-8", "surrogatepass")
+            self.writer.wait_for(lambda p: p.prefix_of(data), timeout=60)
         try:
             return self.store.lookup_and_load(rendered_text)
         except Exception:

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ds4mlx.dsml import Rendered
+from ds4mlx.dsml.tokens import EOS
 from ds4mlx.kv.live import (
     NEUTRAL_NAMES,
     CallerNames,
@@ -59,9 +60,13 @@ from ds4mlx.kv.live import (
     unexplained_tool_ids,
     visible_keys,
 )
+from ds4mlx.kv.resident import Resident, ResidentStates
 
 log = logging.getLogger("ds4mlx.kv")
 
+# Plans that are not live continuations (rules 4-7): their prompt end gets a ``prompt``
+# snapshot (docs/ARCHITECTURE.md §5).
+_NOT_CONTINUATIONS = frozenset({"exact-token-prefix", "text-prefix", "disk", "cold"})
 
 def _thinking_detail(conv, tool_b: ToolBinding | None) -> str:
     """Log detail of a ``live-thinking`` plan.
@@ -120,6 +125,8 @@ class Plan:
             at which the prefill pauses and calls ``on_checkpoint``.
         on_checkpoint: ``f(session, n_tokens)``, called at each checkpoint.
         extra: free-form details for the trace.
+        session: the ``Session`` to prefill and generate on: the one passed to
+            `Planner.plan`, or with resident states (``--sessions N``) the one chosen.
     """
 
     keep: int
@@ -130,6 +137,7 @@ class Plan:
     checkpoints: list[int] = field(default_factory=list)
     on_checkpoint: Callable[[Any, int], Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    session: Any = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -172,7 +180,227 @@ def _prefix_plan(
 # --------------------------------------------------------------------------- planner
 
 
-class Planner:
+class _DiskTier:
+    """The disk-tier half of `Planner` (its snapshots: save points, evict/shutdown saves,
+    restores). Split out only to keep each class readable; it uses `Planner`'s
+    attributes (``engine``, ``disk``, ``tool_memory``, ``live_tool_ids``, ``bindings``)
+    and methods (``reset``, ``_replaced``) and is never used on its own.
+    """
+
+    disk: Any
+    engine: Any
+    tool_memory: Any
+    live_tool_ids: dict[str, None]
+    bindings: LiveBindings
+    residents: ResidentStates | None
+    _live_keys: tuple[str, ...]
+
+    def _with_checkpoints(self, plan: Plan, session, rendered: str | None) -> Plan:
+        """Attach the disk-save checkpoints of ``plan`` (cold point, continued frontiers,
+        the prompt's end when it is not a live continuation).
+
+        ``rendered`` (the prompt text, or None to skip the check) must start with a
+        checkpoint's text for that checkpoint to be kept: a snapshot no lookup can find
+        is not worth its disk space. A snapshot at the prompt's end is indexed by
+        ``rendered`` as well (an alias), which a retry or replay renders again.
+        """
+        if self.disk is None:
+            return plan
+        prompt_ids = list(session.tokens[: plan.keep]) + list(plan.suffix_tokens)
+        points = self.disk.checkpoints(
+            cached=plan.cached,
+            prompt_tokens=prompt_ids,
+            rendered_text=rendered,
+            # A retry, replay or sub-agent of a prompt that did not continue the live
+            # state cannot continue it either: its end is saved for them.
+            prompt_end=plan.decision in _NOT_CONTINUATIONS,
+        )
+        if points:
+            reasons = {p.tokens: p.reason for p in points}
+            plan.checkpoints = [p.tokens for p in points]
+            plan.extra["checkpoint_reasons"] = reasons
+
+            end = plan.prompt_tokens
+            keys = (rendered,) if rendered else ()
+
+            def save(session, n: int) -> None:
+                self.disk.save_live(
+                    session,
+                    reasons.get(n, "continued"),
+                    self.tool_memory,
+                    self.live_tool_ids,
+                    keys=keys if n == end else (),
+                )
+
+            plan.on_checkpoint = save
+        return plan
+
+    def _evict_live(self, session) -> None:
+        """Save the live state (``evict``) before an unrelated request replaces it."""
+        if self.disk is not None and self.disk.worth_saving(len(session.tokens)):
+            self.disk.save_live(
+                session, "evict", self.tool_memory, self.live_tool_ids, keys=self._live_keys
+            )
+
+    @staticmethod
+    def _keys_of(session, binding: ThinkingBinding | None) -> tuple[str, ...]:
+        """Lookup texts of the live state besides its own text: a thinking turn's visible
+        keys without their EOS (the next prompt renders the turn without its reasoning,
+        so its text never starts with the live text; `ds4mlx.kv.live.visible_keys`)."""
+        if binding is None or binding.n_tokens != len(session.tokens):
+            return ()
+        return tuple(k[: -len(EOS)] for k in binding.keys if k.endswith(EOS))
+
+    def _from_disk(self, session, rendered: Rendered | None) -> Plan | None:
+        """Rule 6: restore the longest stored rendered-text prefix.
+
+        Loads first, then saves the live state (evict) it replaces: saving first could
+        evict, within the byte budget, the very snapshot about to be loaded.
+        """
+        if self.disk is None or rendered is None:
+            return None
+        t0 = time.perf_counter()
+        loaded = self.disk.lookup(rendered.text)
+        if loaded is None:
+            return None
+        return self._restore(session, rendered, loaded, t0)
+
+    def resume(self, session, key: str) -> int | None:
+        """Restore the disk snapshot stored under ``key`` (the agent's ``/switch``).
+
+        The live state it replaces is saved first (``evict``) when worth it. Returns the
+        tokens restored, or None when the snapshot is gone or unusable (the session is
+        then reset).
+        """
+        from ds4mlx.engine import SessionState, SnapshotError
+
+        loaded = self.disk.load_key(key) if self.disk is not None else None
+        self._live_keys = self._keys_of(session, self.bindings.thinking)
+        self._evict_live(session)
+        self.reset(session)
+        if loaded is None:
+            return None
+        try:
+            session.restore(SessionState(loaded.tokens, loaded.arrays, loaded.meta))
+        except (SnapshotError, ValueError) as e:
+            log.warning("kv cache: cannot restore %s: %s", key[:12], e)
+            return None
+        self._loaded(loaded)
+        return len(loaded.tokens)
+
+    def _loaded(self, loaded) -> None:
+        """Bookkeeping after a snapshot was restored into the live session."""
+        self.disk.tracker.loaded(len(loaded.tokens))
+        if self.tool_memory is not None and loaded.tool_memory:
+            self.tool_memory.load(loaded.tool_memory.items())
+        self.live_tool_ids.update(dict.fromkeys(loaded.tool_memory))
+
+    def _restore(self, session, rendered: Rendered, loaded, t0: float) -> Plan | None:
+        from ds4mlx.engine import SessionState, SnapshotError
+
+        self._evict_live(session)
+        state = SessionState(tokens=loaded.tokens, arrays=loaded.arrays, meta=loaded.meta)
+        try:
+            session.restore(state)
+        except (SnapshotError, ValueError) as e:
+            # Verified by digest but not for this model's caches: treat as a miss.
+            log.warning("kv cache: cannot restore %s: %s", loaded.entry.path.name, e)
+            return None
+        self._replaced()
+        self._loaded(loaded)
+        rest = _encode_tail(self.engine.tokenizer, rendered, len(loaded.text))
+        n = len(loaded.tokens)
+        ms = (time.perf_counter() - t0) * 1e3
+        return Plan(
+            keep=n,
+            suffix_tokens=rest,
+            decision="disk",
+            cached=n,
+            detail=f"ids=0 key={loaded.entry.key[:12]} reason={loaded.entry.reason} load={ms:.0f}ms",
+        )
+
+    def after_token(self, session) -> None:
+        """Called after each generated token is fed: a ``continued`` save when the live
+        state reaches an unsaved frontier."""
+        if self.disk is not None and self.disk.continued_due(len(session.tokens)):
+            self.disk.save_live(session, "continued", self.tool_memory, self.live_tool_ids)
+
+    def on_shutdown(self, session) -> None:
+        """Clean exit: save the live state (``shutdown``) when worth it, then write every
+        queued save (the writer thread is stopped)."""
+        if self.disk is None:
+            return
+        residents = self.residents.states if self.residents is not None else [None]
+        for r in residents:
+            if r is not None:  # every resident state is saved, each with its own ids
+                self._use(r)
+                session = r.session
+            if self.disk.worth_saving(len(session.tokens)):
+                keys = self._keys_of(session, self.bindings.thinking)
+                self.disk.save_live(
+                    session, "shutdown", self.tool_memory, self.live_tool_ids, keys=keys
+                )
+        self.disk.close()
+
+
+class _Residency:
+    """Which resident state a job runs on (``--sessions N``; split out of `Planner` for
+    size, it uses Planner's ``_live_tools``/``_live_text``). With one state (the
+    default) none of this runs.
+
+    The best live match wins: a tool-id continuation over a text key over a prefix,
+    then the most tokens kept. A job that matches no state goes to a free state, else
+    to the least recently used one, which the plan then evict-saves and replaces.
+    """
+
+    disk: Any
+    engine: Any
+    bindings: LiveBindings
+    live_tool_ids: dict[str, None]
+    residents: ResidentStates | None
+    current: Resident | None
+
+    def _use(self, r: Resident) -> None:
+        """Make ``r`` the state the planner's bindings, tool ids and tracker describe
+        (each state keeps its own objects; the planner mutates them in place)."""
+        self.current = r
+        self.bindings = r.bindings
+        self.live_tool_ids = r.live_tool_ids
+        if self.disk is not None:
+            self.disk.tracker = r.tracker
+
+    def _match(self, r: Resident, rendered, conversation, protocol, prompt) -> tuple | None:
+        """``(tier, kept tokens)`` of the best live rule for state ``r``, or None. No side
+        effects: the chosen state is planned again for real."""
+        if not r.live:
+            return None
+        s, b = r.session, r.bindings
+        names = protocol if isinstance(protocol, CallerNames) else NEUTRAL_NAMES
+        tier, plan = 3, self._live_tools(s, conversation, names, b.tool)
+        if plan is None and rendered is not None:
+            tier = 2
+            plan = self._live_text(s, rendered, b.transcript, "live-transcript", "")
+            plan = plan or self._live_text(s, rendered, b.thinking, "live-thinking", "")
+        if plan is None:
+            tier, plan = 1, _prefix_plan(s, self.engine.tokenizer, rendered, prompt)
+        if plan is None or plan.prompt_tokens >= self.engine.ctx_size:
+            return None
+        return tier, plan.keep
+
+    def _choose(self, rendered, conversation, protocol, prompt) -> Resident:
+        """Pick the state for a job and make it current (see the class docstring)."""
+        best: tuple | None = None
+        for r in self.residents.states:
+            score = self._match(r, rendered, conversation, protocol, prompt)
+            if score is not None and (best is None or score > best[0]):
+                best = (score, r)
+        r = best[1] if best is not None else self.residents.room_for()
+        self._use(r)
+        self.residents.touch(r)
+        return r
+
+
+class Planner(_Residency, _DiskTier):
     """The full matching order of docs/ARCHITECTURE.md §3 for one engine's live session.
 
     Args:
@@ -204,15 +432,23 @@ class Planner:
             OSError: the disk directory cannot be created.
         """
         disk = None
+        sessions = settings.sessions if settings is not None else 1
         if settings is not None and settings.enabled:
             from ds4mlx.kv.disk import DiskCache
 
-            disk = DiskCache(engine, settings)
+            # Snapshot files are written on the cache's writer thread: an evict save
+            # must not delay the request that caused it (docs/ARCHITECTURE.md §5).
+            disk = DiskCache(engine, settings, background=True)
             if tool_memory is not None and tool_memory.enabled:
                 n = disk.reload_tool_memory(tool_memory)
                 if n:
                     log.info("kv cache: reloaded %d tool-memory entries", n)
-        return cls(engine, tool_memory, disk)
+        planner = cls(engine, tool_memory, disk)
+        if sessions > 1:
+            first = Resident(0, engine.session)
+            planner.residents = ResidentStates(engine, sessions, first)
+            planner._use(first)
+        return planner
 
     def __init__(self, engine, tool_memory=None, disk=None):
         self.engine = engine
@@ -220,11 +456,20 @@ class Planner:
         self.disk = disk
         self.bindings = LiveBindings()
         self.live_tool_ids: dict[str, None] = {}
+        # The visible keys of the live state while a plan may replace it (the bindings
+        # are cleared when planning starts): its evict save is indexed by them too.
+        self._live_keys: tuple[str, ...] = ()
+        # Resident states (``--sessions N`` > 1, set by `open`): None means one state.
+        self.residents: ResidentStates | None = None
+        self.current: Resident | None = None
 
     # ---------------------------------------------------------------- helpers
 
     def bound_tool_ids(self) -> frozenset[str]:
-        """Ids of the live tool binding (thread-safe; for the routes' pre-queue check)."""
+        """Ids of the live tool bindings of every resident state (thread-safe; for the
+        routes' pre-queue check)."""
+        if self.residents is not None:
+            return self.residents.bound_tool_ids()
         return self.bindings.bound_tool_ids()
 
     def _replaced(self) -> None:
@@ -241,37 +486,6 @@ class Planner:
             for c in m.tool_calls:
                 if c.id and c.id in self.tool_memory:
                     self.live_tool_ids[c.id] = None
-
-    def _with_checkpoints(self, plan: Plan, session, rendered: str | None) -> Plan:
-        """Attach the disk-save checkpoints of ``plan`` (cold point, continued frontiers).
-
-        ``rendered`` (the prompt text, or None to skip the check) must start with a
-        checkpoint's text for that checkpoint to be kept: a snapshot no lookup can find
-        is not worth its disk space.
-        """
-        if self.disk is None:
-            return plan
-        prompt_ids = list(session.tokens[: plan.keep]) + list(plan.suffix_tokens)
-        points = self.disk.checkpoints(
-            cached=plan.cached, prompt_tokens=prompt_ids, rendered_text=rendered
-        )
-        if points:
-            reasons = {p.tokens: p.reason for p in points}
-            plan.checkpoints = [p.tokens for p in points]
-            plan.extra["checkpoint_reasons"] = reasons
-
-            def save(session, n: int) -> None:
-                self.disk.save_live(
-                    session, reasons.get(n, "continued"), self.tool_memory, self.live_tool_ids
-                )
-
-            plan.on_checkpoint = save
-        return plan
-
-    def _evict_live(self, session) -> None:
-        """Save the live state (``evict``) before an unrelated request replaces it."""
-        if self.disk is not None and self.disk.worth_saving(len(session.tokens)):
-            self.disk.save_live(session, "evict", self.tool_memory, self.live_tool_ids)
 
     # ---------------------------------------------------------------- the hooks
 
@@ -303,14 +517,30 @@ class Planner:
         Raises:
             PlanRejected: a tool result that nothing explains (client error); the
                 session and the bindings are unchanged.
+
+        With resident states the job runs on the state `_Residency._choose` picks
+        (``plan.session``; ``session`` is ignored), and ``plan.detail`` names it.
         """
         rendered = Rendered(rendered_text) if isinstance(rendered_text, str) else rendered_text
+        if self.residents is None:
+            plan = self._plan(session, prompt_tokens, rendered, conversation, protocol)
+            plan.session = session
+            return plan
+        r = self._choose(rendered, conversation, protocol, prompt_tokens)
+        plan = self._plan(r.session, prompt_tokens, rendered, conversation, protocol)
+        plan.session = r.session
+        plan.detail = f"{plan.detail} state={r.index}/{self.residents.n}".strip()
+        return plan
+
+    def _plan(self, session, prompt_tokens, rendered, conversation, protocol) -> Plan:
+        """The matching order on one live state (see `plan`)."""
         live_ok = len(session.tokens) > 0 and session.logits is not None
         saved = self.bindings.save()
         # Whatever this prompt does, the bindings describe the state before it: a later
         # prompt can only continue from what *this* turn leaves (after_generation).
         self.bindings.clear()
         tool_b, think_b, transcript_b = saved
+        self._live_keys = self._keys_of(session, think_b)
         names = protocol if isinstance(protocol, CallerNames) else NEUTRAL_NAMES
         plan = self._live_tools(session, conversation, names, tool_b) if live_ok else None
         if plan is None and conversation is not None:
@@ -398,20 +628,6 @@ class Planner:
             detail=detail or "match=transcript",
         )
 
-    def _from_disk(self, session, rendered: Rendered | None) -> Plan | None:
-        """Rule 6: restore the longest stored rendered-text prefix.
-
-        Loads first, then saves the live state (evict) it replaces: saving first could
-        evict, within the byte budget, the very snapshot about to be loaded.
-        """
-        if self.disk is None or rendered is None:
-            return None
-        t0 = time.perf_counter()
-        loaded = self.disk.lookup(rendered.text)
-        if loaded is None:
-            return None
-        return self._restore(session, rendered, loaded, t0)
-
     def _cold(self, session, prompt_tokens: list[int]) -> Plan:
         """Rule 7: save the live state it replaces (evict), reset, prefill everything."""
         self._evict_live(session)
@@ -431,59 +647,6 @@ class Planner:
         self.bindings.clear()
         self._replaced()
         session.reset()
-
-    def resume(self, session, key: str) -> int | None:
-        """Restore the disk snapshot stored under ``key`` (the agent's ``/switch``).
-
-        The live state it replaces is saved first (``evict``) when worth it. Returns the
-        tokens restored, or None when the snapshot is gone or unusable (the session is
-        then reset).
-        """
-        from ds4mlx.engine import SessionState, SnapshotError
-
-        loaded = self.disk.load_key(key) if self.disk is not None else None
-        self._evict_live(session)
-        self.reset(session)
-        if loaded is None:
-            return None
-        try:
-            session.restore(SessionState(loaded.tokens, loaded.arrays, loaded.meta))
-        except (SnapshotError, ValueError) as e:
-            log.warning("kv cache: cannot restore %s: %s", key[:12], e)
-            return None
-        self._loaded(loaded)
-        return len(loaded.tokens)
-
-    def _loaded(self, loaded) -> None:
-        """Bookkeeping after a snapshot was restored into the live session."""
-        self.disk.tracker.loaded(len(loaded.tokens))
-        if self.tool_memory is not None and loaded.tool_memory:
-            self.tool_memory.load(loaded.tool_memory.items())
-        self.live_tool_ids.update(dict.fromkeys(loaded.tool_memory))
-
-    def _restore(self, session, rendered: Rendered, loaded, t0: float) -> Plan | None:
-        from ds4mlx.engine import SessionState, SnapshotError
-
-        self._evict_live(session)
-        state = SessionState(tokens=loaded.tokens, arrays=loaded.arrays, meta=loaded.meta)
-        try:
-            session.restore(state)
-        except (SnapshotError, ValueError) as e:
-            # Verified by digest but not for this model's caches: treat as a miss.
-            log.warning("kv cache: cannot restore %s: %s", loaded.entry.path.name, e)
-            return None
-        self._replaced()
-        self._loaded(loaded)
-        rest = _encode_tail(self.engine.tokenizer, rendered, len(loaded.text))
-        n = len(loaded.tokens)
-        ms = (time.perf_counter() - t0) * 1e3
-        return Plan(
-            keep=n,
-            suffix_tokens=rest,
-            decision="disk",
-            cached=n,
-            detail=f"ids=0 key={loaded.entry.key[:12]} reason={loaded.entry.reason} load={ms:.0f}ms",
-        )
 
     def after_generation(
         self,
@@ -522,6 +685,7 @@ class Planner:
         from ds4mlx.dsml.tokens import THINK_START
 
         self.bindings.clear()
+        self._live_keys = ()
         for c in tool_calls:
             if c.id:
                 self.live_tool_ids[c.id] = None
@@ -536,14 +700,3 @@ class Planner:
         if thinking and prompt_text.endswith(THINK_START):
             keys = visible_keys(prompt_text, text, render_tool_calls(calls, self.tool_memory))
             self.bindings.thinking = ThinkingBinding(keys, n)
-
-    def after_token(self, session) -> None:
-        """Called after each generated token is fed: a ``continued`` save when the live
-        state reaches an unsaved frontier."""
-        if self.disk is not None and self.disk.continued_due(len(session.tokens)):
-            self.disk.save_live(session, "continued", self.tool_memory, self.live_tool_ids)
-
-    def on_shutdown(self, session) -> None:
-        """Clean exit: save the live state (``shutdown``) when worth it."""
-        if self.disk is not None and self.disk.worth_saving(len(session.tokens)):
-            self.disk.save_live(session, "shutdown", self.tool_memory, self.live_tool_ids)

@@ -1,6 +1,6 @@
 """When to write disk KV snapshots (docs/ARCHITECTURE.md §5): pure functions over token counts.
 
-Four save reasons, after ds4's server:
+Five save reasons, after ds4's server plus one for requests that are not continuations:
 
 * ``cold`` — a cold prefill (nothing reused) of a prompt of ``min_tokens`` ..
   ``cold_max_tokens`` tokens saves one stable prefix of it: the chat anchor (everything
@@ -15,6 +15,10 @@ Four save reasons, after ds4's server:
   ``continued_interval_tokens`` rounded up to a multiple of ``boundary_align_tokens``;
   10240 with the defaults) that the live state reaches during prefill or generation,
   once per frontier, if ≥ ``min_tokens``.
+* ``prompt`` — the end of a prompt that was not a live continuation (a cold, disk or
+  prefix plan; see ``prompt_end_save_point``), if ≥ ``min_tokens``: saved after prefill,
+  before generation, so a retry or an exact replay of that prompt, or a sub-agent forked
+  from it, resumes there (docs/ARCHITECTURE.md §5).
 * ``evict`` — the live state, before an unrelated request replaces it, if it holds at
   least ``min_tokens`` tokens.
 * ``shutdown`` — the live state on clean exit, same condition.
@@ -36,10 +40,18 @@ each returned point (:func:`prefill_chunks`), snapshots, and continues.
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
-DEFAULT_DISK_SPACE_MB = 4096
+DEFAULT_DISK_SPACE_MB = 4096  # when a budget cannot be derived from free space
+# A budget derived from free space: a quarter of what is free, within these bounds (MiB).
+BUDGET_FREE_FRACTION = 4
+MIN_DERIVED_BUDGET_MB = 256
+MAX_DERIVED_BUDGET_MB = 64 * 1024
+DEFAULT_WRITE_QUEUE_MB = 1024
 DEFAULT_MIN_TOKENS = 512
 DEFAULT_COLD_MAX_TOKENS = 30000
 DEFAULT_CONTINUED_INTERVAL_TOKENS = 10000
@@ -52,8 +64,10 @@ class KVCacheSettings:
     """Disk-cache settings; each field mirrors a ``ds4mlx serve`` flag.
 
     Attributes:
-        disk_dir: ``--kv-disk-dir``; None disables the disk cache.
-        disk_space_mb: ``--kv-disk-space-mb``, byte budget of the directory in MiB.
+        disk_dir: ``--kv-disk-dir`` (default `default_disk_dir`); None disables the disk
+            cache (``--kv-disk-dir none``).
+        disk_space_mb: ``--kv-disk-space-mb``, byte budget of the directory in MiB
+            (default `derived_budget_mb` of the directory).
         min_tokens: ``--kv-cache-min-tokens``, smallest snapshot (tokens).
         cold_max_tokens: ``--kv-cache-cold-max-tokens``, longest prompt that gets a
             cold save (tokens; 0 disables cold saves).
@@ -65,6 +79,12 @@ class KVCacheSettings:
             saves and continued frontiers (tokens; 0 = none).
         reject_different_quant: ``--kv-cache-reject-different-quant``, load only
             snapshots written with the same routed-expert bits.
+        prompt_end: ``prompt`` saves at the end of prompts that were not live
+            continuations (off with ``--kv-cache-no-prompt-end``).
+        write_queue_mb: ``--kv-write-queue-mb``, bound of the writer thread's queue of
+            pending saves (MiB; the oldest pending save is dropped beyond it).
+        sessions: ``--sessions``, live states kept resident in memory (1 = the one live
+            session; ``ds4mlx.kv.resident``). Independent of the disk directory.
 
     Raises:
         ValueError: negative values, ``min_tokens`` < 1, ``disk_space_mb`` < 1, or a
@@ -79,6 +99,9 @@ class KVCacheSettings:
     boundary_trim_tokens: int = DEFAULT_BOUNDARY_TRIM_TOKENS
     boundary_align_tokens: int = DEFAULT_BOUNDARY_ALIGN_TOKENS
     reject_different_quant: bool = False
+    prompt_end: bool = True
+    write_queue_mb: int = DEFAULT_WRITE_QUEUE_MB
+    sessions: int = 1
 
     def __post_init__(self) -> None:
         for name in (
@@ -93,6 +116,10 @@ class KVCacheSettings:
             raise ValueError(f"min_tokens must be >= 1, got {self.min_tokens}")
         if self.disk_space_mb < 1:
             raise ValueError(f"disk_space_mb must be >= 1, got {self.disk_space_mb}")
+        if self.sessions < 1:
+            raise ValueError(f"sessions must be >= 1, got {self.sessions}")
+        if self.write_queue_mb < 1:
+            raise ValueError(f"write_queue_mb must be >= 1, got {self.write_queue_mb}")
         if 0 < self.cold_max_tokens < self.min_tokens:
             raise ValueError(
                 f"cold_max_tokens ({self.cold_max_tokens}) is below min_tokens "
@@ -110,6 +137,11 @@ class KVCacheSettings:
         return self.disk_space_mb * 1024 * 1024
 
     @property
+    def write_queue_bytes(self) -> int:
+        """Bound of the writer's pending saves (int bytes)."""
+        return self.write_queue_mb * 1024 * 1024
+
+    @property
     def continued_step(self) -> int:
         """Distance between continued frontiers (tokens): the interval rounded up to a
         multiple of the alignment; 0 when continued saves are off."""
@@ -123,26 +155,77 @@ class KVCacheSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> KVCacheSettings:
-        """Settings from a namespace parsed with :func:`add_arguments`' flags."""
+        """Settings from a namespace parsed with :func:`add_arguments`' flags.
+
+        ``--kv-disk-dir`` unset means `default_disk_dir`, ``none`` (any case) means no
+        disk cache; ``--kv-disk-space-mb`` unset means `derived_budget_mb` of that
+        directory.
+
+        Raises:
+            ValueError: a setting out of range.
+        """
+        disk_dir = args.kv_disk_dir
+        if disk_dir is None:
+            disk_dir = str(default_disk_dir())
+        elif disk_dir.strip().lower() == "none":
+            disk_dir = None
+        budget = args.kv_disk_space_mb
+        if budget is None:
+            budget = derived_budget_mb(disk_dir) if disk_dir else DEFAULT_DISK_SPACE_MB
         return cls(
-            disk_dir=args.kv_disk_dir,
-            disk_space_mb=args.kv_disk_space_mb,
+            disk_dir=disk_dir,
+            disk_space_mb=budget,
             min_tokens=args.kv_cache_min_tokens,
             cold_max_tokens=args.kv_cache_cold_max_tokens,
             continued_interval_tokens=args.kv_cache_continued_interval_tokens,
             boundary_trim_tokens=args.kv_cache_boundary_trim_tokens,
             boundary_align_tokens=args.kv_cache_boundary_align_tokens,
             reject_different_quant=args.kv_cache_reject_different_quant,
+            prompt_end=not args.kv_cache_no_prompt_end,
+            write_queue_mb=args.kv_write_queue_mb,
+            sessions=args.sessions,
         )
+
+
+def default_disk_dir() -> Path:
+    """The server's disk-cache directory by default: ``$XDG_CACHE_HOME/ds4mlx/kv``, else
+    ``~/.cache/ds4mlx/kv`` (the agent keeps its own, ``…/ds4mlx/agent-kv``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ds4mlx" / "kv"
+
+
+def derived_budget_mb(disk_dir: str | os.PathLike) -> int:
+    """A byte budget for ``disk_dir`` from the free space of its filesystem (MiB).
+
+    A quarter of the free space (snapshots plus what they already use count as free:
+    a restart must not shrink the budget below what is stored), within
+    [`MIN_DERIVED_BUDGET_MB`, `MAX_DERIVED_BUDGET_MB`]; `DEFAULT_DISK_SPACE_MB` when the
+    filesystem cannot be asked.
+    """
+    p = Path(disk_dir)
+    while not p.exists() and p != p.parent:
+        p = p.parent  # the directory is created later; ask the filesystem it will be on
+    try:
+        free = shutil.disk_usage(p).free
+    except OSError:
+        return DEFAULT_DISK_SPACE_MB
+    used = 0
+    d = Path(disk_dir)
+    if d.is_dir():
+        used = sum(f.stat().st_size for f in d.glob("*.safetensors") if f.is_file())
+    mb = (free + used) // BUDGET_FREE_FRACTION // 2**20
+    return int(min(MAX_DERIVED_BUDGET_MB, max(MIN_DERIVED_BUDGET_MB, mb)))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``--kv-disk-*`` / ``--kv-cache-*`` flags (defaults as in ds4)."""
-    g = parser.add_argument_group("disk KV cache")
+    g = parser.add_argument_group("prompt cache (disk tier, resident states)")
     g.add_argument("--kv-disk-dir", metavar="DIR", default=None,
-                   help="directory of disk KV snapshots (off when unset)")  # fmt: skip
-    g.add_argument("--kv-disk-space-mb", type=int, metavar="MB", default=DEFAULT_DISK_SPACE_MB,
-                   help="byte budget of the directory in MiB (default %(default)s)")  # fmt: skip
+                   help=f"directory of disk KV snapshots; 'none' turns the disk cache off "
+                        f"(default {default_disk_dir()})")  # fmt: skip
+    g.add_argument("--kv-disk-space-mb", type=int, metavar="MB", default=None,
+                   help="byte budget of the directory in MiB (default: a quarter of the free "
+                        f"space, {MIN_DERIVED_BUDGET_MB} MiB to {MAX_DERIVED_BUDGET_MB // 1024} GiB)")  # fmt: skip
     g.add_argument("--kv-cache-min-tokens", type=int, metavar="N", default=DEFAULT_MIN_TOKENS,
                    help="smallest snapshot in tokens (default %(default)s)")  # fmt: skip
     g.add_argument("--kv-cache-cold-max-tokens", type=int, metavar="N",
@@ -160,6 +243,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="align cold saves and frontiers to this many tokens (default %(default)s)")  # fmt: skip
     g.add_argument("--kv-cache-reject-different-quant", action="store_true",
                    help="load only snapshots written with the same routed-expert bits")  # fmt: skip
+    g.add_argument("--kv-cache-no-prompt-end", action="store_true",
+                   help="no snapshot at the end of prompts that were not live continuations")  # fmt: skip
+    g.add_argument("--kv-write-queue-mb", type=int, metavar="MB", default=DEFAULT_WRITE_QUEUE_MB,
+                   help="pending snapshot bytes the writer thread holds before it drops the "
+                        "oldest pending save (default %(default)s)")  # fmt: skip
+    g.add_argument("--sessions", type=int, metavar="N", default=1,
+                   help="live KV states kept resident in memory; a job runs on the best "
+                        "match, one at a time (default %(default)s)")  # fmt: skip
 
 
 # --------------------------------------------------------------------------- points
@@ -275,18 +366,29 @@ def prefill_save_points(
     last_saved: int = 0,
     user_token_id: int | None = None,
     assistant_token_id: int | None = None,
+    prompt_end: bool = False,
 ) -> list[SavePoint]:
     """Every snapshot to take while prefilling ``prompt_tokens`` from ``cached`` tokens.
 
-    A cold point (only when ``cached == 0``, i.e. nothing was reused) and the continued
-    frontiers in ``(cached, len(prompt)]``; a frontier that coincides with the cold
-    point is reported once, as ``cold``. Ascending by ``tokens``; all points are >
-    ``cached`` and ≤ the prompt length.
+    A cold point (only when ``cached == 0``, i.e. nothing was reused), the continued
+    frontiers in ``(cached, len(prompt)]`` and, with ``prompt_end`` (the prompt is not a
+    live continuation) and ``settings.prompt_end``, the prompt's end when it is ≥
+    ``min_tokens`` and > ``last_saved``. A point reached for several reasons is reported
+    once, as ``cold`` before ``continued`` before ``prompt``. Ascending by ``tokens``; all
+    points are > ``cached`` and ≤ the prompt length.
     """
     n = prompt_tokens if isinstance(prompt_tokens, int) else len(prompt_tokens)
-    points: dict[int, str] = {
-        p: "continued" for p in continued_save_points(settings, cached, n, last_saved=last_saved)
-    }
+    points: dict[int, str] = {}
+    if (
+        prompt_end
+        and settings.prompt_end
+        and n >= settings.min_tokens
+        and n > max(cached, last_saved)
+    ):
+        points[n] = "prompt"
+    points.update(
+        (p, "continued") for p in continued_save_points(settings, cached, n, last_saved=last_saved)
+    )
     if cached == 0:
         cold = cold_save_point(
             settings,

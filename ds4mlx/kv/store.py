@@ -11,7 +11,7 @@ cheap header scans, the ``safetensors`` package):
   ``format`` = ``"ds4mlx-kv"``, ``version`` = ``"1"``, ``model_identity``,
   ``expert_bits`` (``""`` when unknown), ``ctx_size``, ``tokens`` (count),
   ``text_bytes``, ``hits`` (at creation, always ``"0"``), ``created`` and ``last_used``
-  (Unix seconds, ``repr(float)``), ``reason`` (``cold|continued|evict|shutdown``),
+  (Unix seconds, ``repr(float)``), ``reason`` (``cold|continued|prompt|evict|shutdown``),
   ``tool_count``, ``session_meta`` (JSON of the engine's ``SessionState.meta``) and
   ``digest`` (``crc32:<hex>`` over every tensor; safetensors itself has no checksum and
   a bit-flipped KV tensor would silently corrupt generations).
@@ -33,12 +33,16 @@ while its ``created`` equals the file's, so a stale record never applies to a re
 file; a lost or corrupt sidecar only resets statistics. The snapshot files are never
 modified after their rename into place.
 
-Writes go to ``.<key>.<pid>.<random>.tmp`` in the same directory (same filesystem, so
+A save has two halves: :meth:`DiskKVStore.prepare_save` serializes the whole file into
+memory (the only MLX work, on the thread that owns the arrays) and
+:meth:`DiskKVStore.write` puts those bytes on disk (no MLX, any thread; the server runs it
+on ``ds4mlx.kv.writer.SnapshotWriter``'s thread). Writes go to
+``.<key>.<pid>.<random>.tmp`` in the same directory (same filesystem, so
 the rename is atomic), are fsynced, renamed over the final name, and the directory is
 fsynced. A reader therefore sees either no file or a complete one; a killed writer
 leaves only a temp file, which the next :class:`DiskKVStore` opened after the writer's
-death removes. Room for a new file is made *before* it is written (from an upper bound
-on its size), so the directory stays within budget even if the writer dies between the
+death removes. Room for a new file is made *before* it is written (its exact size is known
+from the prepared bytes), so the directory stays within budget even if the writer dies between the
 rename and the eviction pass that follows it.
 
 Eviction score (lower is evicted first; ties: least recently used first)::
@@ -58,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import io
 import json
 import logging
 import math
@@ -81,7 +86,7 @@ FORMAT = "ds4mlx-kv"
 VERSION = 1
 SUFFIX = ".safetensors"
 INDEX_NAME = "index.json"
-REASONS = ("cold", "continued", "evict", "shutdown")
+REASONS = ("cold", "continued", "prompt", "evict", "shutdown")
 HIT_HALF_LIFE_S = 6 * 3600.0
 MIN_EFFECTIVE_HITS = 0.01
 
@@ -129,6 +134,8 @@ class Entry:
         size: file size (int bytes).
         tool_count: tool-memory entries stored with it.
         head: the text's first line (at most 200 characters), for listings.
+        via_alias: set by `DiskKVStore.lookup` when the prompt matched one of the
+            snapshot's aliases: the length of that alias text (int bytes); 0 otherwise.
     """
 
     key: str
@@ -145,6 +152,7 @@ class Entry:
     size: int
     tool_count: int = 0
     head: str = ""
+    via_alias: int = 0
 
 
 @dataclass(frozen=True)
@@ -200,6 +208,41 @@ class Loaded:
         if not data.startswith(mine):
             raise ValueError("snapshot text is not a prefix of the prompt")
         return data[len(mine) :].decode("utf-8", "surrogatepass")
+
+
+@dataclass(frozen=True)
+class PreparedSave:
+    """A snapshot serialized in memory, ready for `DiskKVStore.write` on any thread.
+
+    Attributes:
+        key: SHA-1 hex of ``text_bytes`` (the file name stem).
+        text_bytes: the lookup text, UTF-8.
+        tokens: token count (int tokens).
+        reason: the save reason (one of `REASONS`).
+        created: creation time written in the header (float Unix seconds).
+        tools: the tool-memory entries stored in it (id -> exact DSML).
+        data: the complete safetensors file (bytes-like; ``len`` is its size in bytes).
+        aliases: more lookup texts (UTF-8) that stand for the same state, recorded in
+            the sidecar index once the file is in place.
+    """
+
+    key: str
+    text_bytes: bytes
+    tokens: int
+    reason: str
+    created: float
+    tools: dict[str, str]
+    data: memoryview | bytes = field(repr=False)
+    aliases: tuple[bytes, ...] = ()
+
+    def prefix_of(self, prompt: bytes) -> bool:
+        """Whether its text or one of its aliases is a prefix of ``prompt`` (UTF-8)."""
+        return any(prompt.startswith(t) for t in (self.text_bytes, *self.aliases))
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the file to write (int bytes)."""
+        return len(self.data)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -288,6 +331,23 @@ def _bytes_array(data: bytes) -> mx.array:
 
 def _array_bytes(a: mx.array) -> bytes:
     return bytes(memoryview(mx.contiguous(a))) if a.size else b""
+
+
+def _tools_in_text(
+    tool_memory: Mapping[str, str] | Iterable[tuple[str, str]] | None, text: str
+) -> dict[str, str]:
+    """The entries of ``tool_memory`` whose DSML occurs in ``text`` (one substring search
+    per distinct DSML block)."""
+    pairs = tool_memory.items() if isinstance(tool_memory, Mapping) else (tool_memory or ())
+    tools: dict[str, str] = {}
+    present: dict[str, bool] = {}
+    for tid, dsml in pairs:
+        ok = present.get(dsml)
+        if ok is None:
+            ok = present[dsml] = bool(dsml) and dsml in text
+        if ok:
+            tools[tid] = dsml
+    return tools
 
 
 def _parse_meta(meta: Mapping[str, str]) -> dict:
@@ -396,7 +456,8 @@ def read_entry(path: str | os.PathLike, *, verify_key: bool = True) -> Entry:
 
 
 def read_index(dir: str | os.PathLike) -> dict[str, dict]:
-    """The sidecar hit statistics ``{key: {"created", "hits", "last_used"}}`` ({} if none)."""
+    """The sidecar records ``{key: {"created", "hits", "last_used", "aliases"}}`` ({} if
+    none); ``aliases`` is a list of ``[sha1 hex, text bytes]`` (possibly empty)."""
     p = Path(dir) / INDEX_NAME
     try:
         data = json.loads(p.read_text("utf-8"))
@@ -406,6 +467,7 @@ def read_index(dir: str | os.PathLike) -> dict[str, dict]:
                 "created": float(v["created"]),
                 "hits": int(v["hits"]),
                 "last_used": float(v["last_used"]),
+                "aliases": [[str(h), int(n)] for h, n in v.get("aliases", [])],
             }
             for k, v in entries.items()
         }
@@ -628,6 +690,7 @@ class DiskKVStore:
         self.read_only = read_only
         self._clock = clock
         self._lock = threading.RLock()
+        self._write_lock = threading.Lock()
         # name -> (stat signature, Entry | BadFile); re-read only when a file changes.
         self._cache: dict[str, tuple[tuple, Entry | BadFile]] = {}
         self._index: dict[str, dict] = {}
@@ -738,20 +801,29 @@ class DiskKVStore:
 
         Only compatible snapshots (same model identity and context size, and same expert
         bits when ``reject_different_quant``) are considered; keys in ``exclude`` are
-        skipped. The comparison is on UTF-8 bytes via the SHA-1 key (the candidate's
-        text itself is checked again by :meth:`load`). Ties in length prefer more tokens.
-        Returns None on a miss.
+        skipped. A snapshot's aliases (sidecar index: the visible keys of a thinking turn)
+        count as texts of it; a match through one sets ``via_alias``. The comparison is
+        on UTF-8 bytes via the SHA-1 key (the candidate's text itself is checked again
+        by :meth:`load`). Ties in length prefer more tokens. Returns None on a miss.
         """
         data = _utf8(rendered_prompt)
         excluded = set(exclude)
-        cands = [e for e in self.entries() if e.text_bytes <= len(data) and e.key not in excluded]
-        cands.sort(key=lambda e: (e.text_bytes, e.tokens), reverse=True)
+        cands: list[tuple[int, int, str, Entry]] = []
+        for e in self.entries():
+            if e.key in excluded:
+                continue
+            cands.append((e.text_bytes, e.tokens, e.key, e))
+            rec = self._index.get(e.key)
+            if rec is not None and rec["created"] == e.created:
+                cands += [(n, e.tokens, h, replace(e, via_alias=n)) for h, n in rec["aliases"]]
+        cands = [c for c in cands if c[0] <= len(data)]
+        cands.sort(key=lambda c: (c[0], c[1]), reverse=True)
         hashes: dict[int, str] = {}
-        for e in cands:
-            h = hashes.get(e.text_bytes)
+        for n, _, key, e in cands:
+            h = hashes.get(n)
             if h is None:
-                h = hashes[e.text_bytes] = hashlib.sha1(data[: e.text_bytes]).hexdigest()
-            if h == e.key:
+                h = hashes[n] = hashlib.sha1(data[:n]).hexdigest()
+            if h == key:
                 return e
         return None
 
@@ -799,9 +871,14 @@ class DiskKVStore:
             if e is None:
                 return None
             try:
-                return self.load(e)
+                loaded = self.load(e)
             except KVStoreError:
                 failed.append(e.key)
+                continue
+            if e.via_alias:
+                # The alias hashed to a prefix of the prompt: that prefix is its text.
+                loaded.text = _utf8(rendered_prompt)[: e.via_alias].decode("utf-8", "surrogatepass")
+            return loaded
 
     def tool_maps(self, *, newest_first: bool = False) -> Iterator[tuple[Entry, dict[str, str]]]:
         """Yield ``(entry, {tool id: exact DSML})`` for each compatible snapshot with tools.
@@ -849,24 +926,54 @@ class DiskKVStore:
         reason: str,
         meta: Mapping[str, str] | None = None,
         tool_memory: Mapping[str, str] | Iterable[tuple[str, str]] | None = None,
+        aliases: Sequence[str] = (),
     ) -> Entry | None:
-        """Write a snapshot atomically, then evict down to the budget.
+        """Write a snapshot atomically now: :meth:`prepare_save` then :meth:`write`.
+
+        Arguments, return value and errors as those two methods'. A caller that must not
+        wait for the disk (the server's inference thread) calls :meth:`prepare_save` and
+        hands the result to a writer thread (``ds4mlx.kv.writer.SnapshotWriter``).
+        """
+        prepared = self.prepare_save(
+            text=text, tokens=tokens, arrays=arrays, reason=reason, meta=meta,
+            tool_memory=tool_memory, aliases=aliases,
+        )  # fmt: skip
+        return self.write(prepared) if prepared is not None else None
+
+    def prepare_save(
+        self,
+        *,
+        text: str,
+        tokens: Sequence[int],
+        arrays: Mapping[str, mx.array],
+        reason: str,
+        meta: Mapping[str, str] | None = None,
+        tool_memory: Mapping[str, str] | Iterable[tuple[str, str]] | None = None,
+        aliases: Sequence[str] = (),
+    ) -> PreparedSave | None:
+        """Serialize a snapshot into memory (the whole safetensors file, as bytes).
+
+        The only part of a save that touches MLX: call it on the thread that owns
+        ``arrays`` (MLX arrays belong to the thread that made them). The result holds no
+        MLX object, so :meth:`write` may run on any thread.
 
         Args:
-            text: the rendered text ``tokens`` decode to (the lookup key; non-empty).
+            text: the rendered text ``tokens`` decode to, or a visible key standing for
+                them (the lookup key; non-empty).
             tokens: token ids (non-empty, each in int32 range).
-            arrays: session arrays (``SessionState.arrays``); evaluated and copied into
-                the file, so later mutation does not matter.
-            reason: ``cold``, ``continued``, ``evict`` or ``shutdown``.
+            arrays: session arrays (``SessionState.arrays``); copied into the bytes, so
+                later mutation does not matter.
+            reason: one of `REASONS`.
             meta: ``SessionState.meta`` (str -> str), returned by :meth:`load`.
             tool_memory: tool id -> exact DSML (mapping or pairs); only entries whose
                 DSML occurs in ``text`` are stored (one substring search per distinct
                 DSML block, so pass the conversation's ids rather than a huge map).
+            aliases: more lookup texts that stand for the same state (a thinking turn's
+                visible keys without their EOS); a prompt starting with one restores it
+                and tokenizes only what follows.
 
         Returns:
-            The new (or identical existing) :class:`Entry`, or None when the snapshot
-            alone would exceed the budget or the write failed (logged; the directory is
-            left as it was apart from evictions).
+            The `PreparedSave`, or None when serializing failed (logged).
 
         Raises:
             ValueError: bad arguments (empty text or tokens, unknown reason, reserved or
@@ -884,16 +991,7 @@ class DiskKVStore:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
             raise ValueError("meta must be str -> str")
         text_b = _utf8(text)
-        key = hashlib.sha1(text_b).hexdigest()
-        pairs = tool_memory.items() if isinstance(tool_memory, Mapping) else (tool_memory or ())
-        tools: dict[str, str] = {}
-        present: dict[str, bool] = {}
-        for tid, dsml in pairs:
-            ok = present.get(dsml)
-            if ok is None:
-                ok = present[dsml] = bool(dsml) and dsml in text
-            if ok:
-                tools[tid] = dsml
+        tools = _tools_in_text(tool_memory, text)
         ids = np.asarray(tokens, dtype=np.int64)
         if ids.ndim != 1 or ids.min() < 0 or ids.max() > np.iinfo(np.int32).max:
             raise ValueError("tokens must be a flat sequence of ids in int32 range")
@@ -906,7 +1004,6 @@ class DiskKVStore:
             if not isinstance(name, str) or not isinstance(a, mx.array):
                 raise ValueError(f"arrays must be str -> mx.array (bad entry {name!r})")
             tensors[SESSION_PREFIX + name] = mx.contiguous(a)
-        mx.eval(list(tensors.values()))
         now = self._clock()
         header = {
             "format": FORMAT,
@@ -922,88 +1019,117 @@ class DiskKVStore:
             "reason": reason,
             "tool_count": str(len(tools)),
             "session_meta": json.dumps(meta, ensure_ascii=False, sort_keys=True),
-            "digest": _digest(tensors),
         }
-        estimate = self._size_upper_bound(tensors, header)
-        final = self.dir / f"{key}{SUFFIX}"
-        with self._lock:
-            if estimate > self.budget_bytes:
-                log.warning(
-                    "kv cache: not saving tokens=%d reason=%s: %d bytes exceed the budget %d",
-                    len(tokens), reason, estimate, self.budget_bytes,
-                )  # fmt: skip
-                return None
-            same = self._existing_same(final, key, len(tokens), tools)
-            if same is not None:
-                log.info(
-                    "kv cache: tokens=%d reason=%s already stored as %s", len(tokens), reason, key
-                )
-                return same
-            # Make room first, so the directory stays within budget even if we are killed
-            # between the rename and the eviction pass that follows it.
-            self._evict(self.budget_bytes - estimate, protect=key)
-            tmp = self.dir / _tmp_name(key)
-            t0 = time.perf_counter()
-            try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                with os.fdopen(fd, "wb") as f:
-                    mx.save_safetensors(f, tensors, header)
-                    f.flush()
-                    # Data must be durable before the rename publishes the name; otherwise
-                    # a power loss could leave a complete-looking name over missing blocks.
-                    _fsync_file(f.fileno())
-                os.replace(tmp, final)
-                _fsync_dir(self.dir)
-            except (OSError, RuntimeError) as e:  # MLX reports write errors as RuntimeError
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                log.warning("kv cache: save failed tokens=%d reason=%s: %s", len(tokens), reason, e)
-                return None
-            size = final.stat().st_size
-            if size > estimate:
-                log.warning("kv cache: size estimate %d < actual %d bytes", estimate, size)
-            entry = Entry(
-                key=key,
-                path=final,
-                tokens=len(tokens),
-                text_bytes=len(text_b),
-                model_identity=self.model_identity,
-                expert_bits=self.expert_bits,
-                ctx_size=self.ctx_size,
-                hits=0,
-                created=now,
-                last_used=now,
-                reason=reason,
-                size=size,
-                tool_count=len(tools),
-                head=_head(text_b),
-            )
-            self._failed.pop(key, None)
-            if size > self.budget_bytes:
-                self._unlink(entry.path)
-                return None
-            self._evict(self.budget_bytes, protect=key)
-            log.info(
-                "kv cache: stored tokens=%d reason=%s key=%s size=%.2f MiB save=%.1f ms",
-                len(tokens), reason, key, size / 2**20, (time.perf_counter() - t0) * 1e3,
-            )  # fmt: skip
-            return entry
-
-    @staticmethod
-    def _size_upper_bound(tensors: Mapping[str, mx.array], header: Mapping[str, str]) -> int:
-        # safetensors = 8-byte length + compact JSON header ({"__metadata__": {...},
-        # name: {"data_offsets": [a, b], "dtype": "XXX", "shape": [...]}, ...}) padded to
-        # 8 bytes + raw data. ASCII-escaped JSON is never shorter than raw UTF-8 JSON, so
-        # its length bounds the metadata whichever way the writer escapes; a tensor entry
-        # is its quoted name plus < 64 bytes of keys and punctuation plus ≤ 21 bytes per
-        # number.
-        meta_json = len(json.dumps(dict(header), ensure_ascii=True, separators=(",", ":")))
-        tensor_json = sum(
-            len(json.dumps(n, ensure_ascii=True)) + 64 + 21 * (2 + len(a.shape))
-            for n, a in tensors.items()
+        try:
+            mx.eval(list(tensors.values()))
+            header["digest"] = _digest(tensors)
+            buf = io.BytesIO()
+            mx.save_safetensors(buf, tensors, header)
+        except (OSError, RuntimeError) as e:  # MLX reports failures as RuntimeError
+            log.warning("kv cache: save failed tokens=%d reason=%s: %s", len(tokens), reason, e)
+            return None
+        return PreparedSave(
+            key=hashlib.sha1(text_b).hexdigest(),
+            text_bytes=text_b,
+            tokens=len(tokens),
+            reason=reason,
+            created=now,
+            tools=tools,
+            data=buf.getbuffer(),
+            aliases=tuple(_utf8(a) for a in aliases if a),
         )
-        data = sum(a.nbytes for a in tensors.values())
-        return 8 + len('{"__metadata__":}') + meta_json + tensor_json + 8 + data
+
+    def write(self, p: PreparedSave) -> Entry | None:
+        """Put a prepared snapshot on disk: room first, temp file, fsync, rename.
+
+        No MLX call: safe on any thread. The store's lock is held to make room and to
+        publish the file, not while the bytes go to disk: lookups and loads of the
+        inference thread do not wait for a write (a temp name matches no snapshot).
+
+        Returns:
+            The new (or identical existing) `Entry`, or None when the snapshot alone
+            would exceed the budget or the write failed (logged; the directory is left
+            as it was apart from evictions).
+        """
+        size = len(p.data)
+        final = self.dir / f"{p.key}{SUFFIX}"
+        with self._write_lock:  # one writer at a time: room made is room used
+            with self._lock:
+                if size > self.budget_bytes:
+                    log.warning(
+                        "kv cache: not saving tokens=%d reason=%s: %d bytes exceed the budget %d",
+                        p.tokens, p.reason, size, self.budget_bytes,
+                    )  # fmt: skip
+                    return None
+                same = self._existing_same(final, p.key, p.tokens, p.tools)
+                if same is not None:
+                    log.info(
+                        "kv cache: tokens=%d reason=%s already stored as %s",
+                        p.tokens, p.reason, p.key,
+                    )  # fmt: skip
+                    self._add_aliases(same, p.aliases)
+                    return same
+                # Make room first, so the directory stays within budget even if we are
+                # killed between the rename and the eviction pass that follows it.
+                self._evict(self.budget_bytes - size, protect=p.key)
+            t0 = time.perf_counter()
+            tmp = self.dir / _tmp_name(p.key)
+            if not self._write_tmp(tmp, p):
+                return None
+            with self._lock:
+                try:
+                    os.replace(tmp, final)
+                    _fsync_dir(self.dir)
+                    st_size = final.stat().st_size
+                except OSError as e:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
+                    log.warning("kv cache: save failed tokens=%d: %s", p.tokens, e)
+                    return None
+                entry = Entry(
+                    key=p.key,
+                    path=final,
+                    tokens=p.tokens,
+                    text_bytes=len(p.text_bytes),
+                    model_identity=self.model_identity,
+                    expert_bits=self.expert_bits,
+                    ctx_size=self.ctx_size,
+                    hits=0,
+                    created=p.created,
+                    last_used=p.created,
+                    reason=p.reason,
+                    size=st_size,
+                    tool_count=len(p.tools),
+                    head=_head(p.text_bytes),
+                )
+                self._failed.pop(p.key, None)
+                # After the rename: an alias never names a file that is not there. A lost
+                # sidecar only loses the aliases (a shorter disk hit), never correctness.
+                self._add_aliases(entry, p.aliases)
+                self._evict(self.budget_bytes, protect=p.key)
+        log.info(
+            "kv cache: stored tokens=%d reason=%s key=%s size=%.2f MiB save=%.1f ms",
+            p.tokens, p.reason, p.key, size / 2**20, (time.perf_counter() - t0) * 1e3,
+        )  # fmt: skip
+        return entry
+
+    def _write_tmp(self, tmp: Path, p: PreparedSave) -> bool:
+        """Write ``p``'s bytes to ``tmp`` and fsync them; False (logged, no file left)
+        on failure."""
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with os.fdopen(fd, "wb") as f:
+                f.write(p.data)
+                f.flush()
+                # Data must be durable before the rename publishes the name; otherwise a
+                # power loss could leave a complete-looking name over missing blocks.
+                _fsync_file(f.fileno())
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            log.warning("kv cache: save failed tokens=%d reason=%s: %s", p.tokens, p.reason, e)
+            return False
+        return True
 
     def _existing_same(
         self, final: Path, key: str, n_tokens: int, tools: Mapping[str, str]
@@ -1030,9 +1156,29 @@ class DiskKVStore:
     # ---------------------------------------------------------------- statistics
 
     def _record_hit(self, e: Entry) -> None:
+        self._update_index(e.key, e.created, hits=e.hits, last_used=e.last_used)
+
+    def _add_aliases(self, e: Entry, aliases: Sequence[bytes]) -> None:
+        """Record ``aliases`` (lookup texts, UTF-8) of the snapshot ``e`` in the sidecar."""
+        if not aliases:
+            return
+        self._refresh_index()
+        rec = self._index.get(e.key)
+        have = rec["aliases"] if rec is not None and rec["created"] == e.created else []
+        new = [[hashlib.sha1(a).hexdigest(), len(a)] for a in aliases]
+        merged = have + [a for a in new if a not in have]
+        if merged != have:
+            self._update_index(e.key, e.created, aliases=merged)
+
+    def _update_index(self, key: str, created: float, **fields) -> None:
+        """Set ``fields`` of ``key``'s sidecar record (a record of an older file of that
+        name starts over) and drop the records of files that are gone."""
         self._refresh_index()
         index = dict(self._index)
-        index[e.key] = {"created": e.created, "hits": e.hits, "last_used": e.last_used}
+        rec = index.get(key)
+        if rec is None or rec["created"] != created:
+            rec = {"created": created, "hits": 0, "last_used": created, "aliases": []}
+        index[key] = {**rec, **fields}
         live = {m.group(1) for de in _list_dir(self.dir) if (m := _FILE_RE.match(de.name))}
         index = {k: v for k, v in index.items() if k in live}
         self._write_index(index)

@@ -126,6 +126,14 @@ def banner(engine, config: ServerConfig, url: str) -> None:
         t.add_row("[bold]output[/]", f"{config.default_max_tokens} tokens when a request sets none")
     if kv:
         t.add_row("[bold]KV cache[/]", kv)
+    t.add_row("[bold]disk cache[/]", _disk_line(config.kv))
+    n = getattr(config.kv, "sessions", 1)
+    t.add_row(
+        "[bold]live states[/]",
+        f"{n} resident (--sessions; a job runs on the best match, one at a time)"
+        if n > 1
+        else "1 (--sessions N keeps N resident for interleaved conversations)",
+    )
     t.add_row("[bold]device[/]", f"{device}, BLAS {blas_label()}")
     t.add_row(
         "[bold]url[/]",
@@ -138,6 +146,16 @@ def banner(engine, config: ServerConfig, url: str) -> None:
     if config.trace_path:
         t.add_row("[bold]trace[/]", config.trace_path)
     Console(stderr=True).print(t)
+
+
+def _disk_line(kv) -> str:
+    """The banner's disk-cache row: directory and budget, or how to turn it on."""
+    if kv is None or not kv.enabled:
+        return "off (--kv-disk-dir DIR turns it on)"
+    return (
+        f"{kv.disk_dir}, budget {kv.disk_space_mb} MiB (--kv-disk-space-mb; "
+        "--kv-disk-dir none turns it off)"
+    )
 
 
 def _kv_estimate(engine) -> str:

@@ -70,6 +70,7 @@ class Worker:
         self._pending = 0
         self._lock = threading.Lock()
         self.current: Job | None = None
+        self._active = None  # the session the running job uses
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.jobs_done = 0
@@ -190,7 +191,7 @@ class Worker:
                 log.exception("job %d failed", job.id)
                 # A failure inside the model may leave half-fed caches: start clean.
                 try:
-                    self.session.reset()
+                    (self._active or self.session).reset()
                 except Exception:  # pragma: no cover
                     log.exception("session reset failed")
                 job.emit(JobFailed(f"internal error: {type(e).__name__}: {e}"))
@@ -227,6 +228,7 @@ class Worker:
         except PlanRejected as e:
             job.emit(JobFailed(e.message, 400, "invalid_request_error"))
             return
+        s = self._active = plan.session or s  # with --sessions N: the state it chose
         script = self.scripts.popleft() if self.scripts else None
         if plan.prompt_tokens >= s.ctx_size or plan.prompt_tokens == 0:
             # The route checked the full tokenization; a text-prefix plan may differ by a
@@ -308,7 +310,7 @@ class Worker:
         )
         try:
             self.planner.after_generation(
-                self.session,
+                plan.session or self.session,
                 finish=finish,
                 tool_calls=calls,
                 prompt_text=_text(req) if req.parse else None,

@@ -1,0 +1,136 @@
+"""Issue 12: resident states (``ds4mlx serve --sessions 2``) through a real server.
+
+Two conversations interleave as Claude Code's main conversation and a side request do:
+each keeps its own live state and bindings, so a tool result of the first still
+continues it live after the second ran; a third conversation replaces the least
+recently used state (saved to disk first). Usage on the resident path is what the
+model processed. Plan decisions and the state each job ran on come from ``--trace``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from kv_server_util import (
+    EOS,
+    Trace,
+    anthropic_usage,
+    chat_usage,
+    invoke,
+    long_system,
+    post,
+    script,
+    tool_calls,
+)
+from server_util import Server, tiny_model_dir  # noqa: F401
+
+from ds4mlx.kv.store import scan_dir
+
+TOOL = {
+    "name": "lookup",
+    "description": "Look a word up",
+    "input_schema": {
+        "type": "object",
+        "properties": {"word": {"type": "string"}},
+        "required": ["word"],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):  # noqa: F811 (fixture from server_util)
+    trace = tmp_path_factory.mktemp("resident") / "trace.jsonl"
+    with Server(tiny_model_dir, ctx=8192, extra=["--trace", str(trace), "--sessions", "2"]) as s:
+        s.trace = Trace(trace)
+        yield s
+
+
+def _side(server, seed: int, messages=None) -> dict:
+    """A side conversation (another system prompt, as a title request has)."""
+    script(server, "Title." + EOS)
+    messages = messages or [
+        {"role": "system", "content": long_system(60, seed=seed)},
+        {"role": "user", "content": f"side {seed}"},
+    ]
+    return post(
+        server,
+        "/v1/chat/completions",
+        {"model": "deepseek-chat", "max_tokens": 20, "messages": messages},
+    )
+
+
+def test_interleaved_conversations_keep_their_own_state(server):
+    assert "live states" in server.log() and "2 resident" in server.log()
+    main = {
+        "model": "deepseek-chat",
+        "max_tokens": 200,
+        "system": long_system(70, seed=71),
+        "tools": [TOOL],
+        "messages": [{"role": "user", "content": "look it up"}],
+    }
+    script(server, "Looking." + tool_calls(invoke("lookup", ("word", "state", None))))
+    r1 = post(server, "/v1/messages", main)
+    p1, _ = anthropic_usage(r1)
+    live_main = p1 + r1["usage"]["output_tokens"] - 1
+    assert server.trace.last()["detail"].endswith("state=0/2")
+    (use,) = [b for b in r1["content"] if b["type"] == "tool_use"]
+
+    side_msgs = [
+        {"role": "system", "content": long_system(60, seed=72)},
+        {"role": "user", "content": "side 72"},
+    ]
+    rs = _side(server, 72, side_msgs)  # another state: the main one stays resident
+    plan = server.trace.last()
+    assert plan["decision"] == "cold" and plan["detail"].endswith("state=1/2"), plan
+
+    # The main conversation's tool result continues its state live: its binding was
+    # not cleared by the side request, which ran on the other state.
+    main2 = {
+        **main,
+        "messages": main["messages"]
+        + [
+            {"role": "assistant", "content": r1["content"]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "ok"}],
+            },
+        ],
+    }
+    script(server, "Done." + EOS)
+    r2 = post(server, "/v1/messages", main2)
+    plan = server.trace.last()
+    assert plan["decision"] == "live-anthropic" and plan["detail"].endswith("state=0/2"), plan
+    total, cached = anthropic_usage(r2)
+    assert cached == live_main
+    assert (total, cached) == (plan["prompt"], plan["cached"])  # usage on this path
+
+    # The side conversation continues its own state too.
+    side2 = side_msgs + [
+        {"role": "assistant", "content": rs["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "again"},
+    ]
+    r3 = _side(server, 72, side2)
+    plan = server.trace.last()
+    assert plan["detail"].endswith("state=1/2"), plan
+    assert plan["decision"] in ("exact-token-prefix", "text-prefix"), plan
+    ps, _ = chat_usage(rs)
+    assert chat_usage(r3)[1] >= ps + rs["usage"]["completion_tokens"] - 1
+    assert chat_usage(r3) == (plan["prompt"], plan["cached"])
+
+    # A third conversation: no state matches and both are live, so the least recently
+    # used (the main one) is saved to disk and replaced.
+    _side(server, 73)
+    plan = server.trace.last()
+    assert plan["decision"] == "cold" and plan["detail"].endswith("state=0/2"), plan
+    # Its evict snapshot (written by the writer thread) holds the main conversation's
+    # whole live state.
+    want = total + r2["usage"]["output_tokens"] - 1
+    deadline = time.monotonic() + 20
+    while want not in (evicts := _evict_sizes(server)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert want in evicts, (want, evicts)
+
+
+def _evict_sizes(server) -> list[int]:
+    return [e.tokens for e in scan_dir(server.kv_dir).entries if e.reason == "evict"]
