@@ -68,6 +68,7 @@ log = logging.getLogger("ds4mlx.kv")
 # snapshot (docs/ARCHITECTURE.md §5).
 _NOT_CONTINUATIONS = frozenset({"exact-token-prefix", "text-prefix", "disk", "cold"})
 
+
 def _thinking_detail(conv, tool_b: ToolBinding | None) -> str:
     """Log detail of a ``live-thinking`` plan.
 
