@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pexpect
 import pytest
+from server_util import pid_alive
 
 from tests.agent_script import invoke, turn
 
@@ -233,19 +234,6 @@ def _spawn(tiny: Path, tmp: Path, script: list[str], *extra: str) -> pexpect.spa
     return child
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped) counts as gone.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
 def test_ctrl_c_at_prompt_with_background_job(tiny, tmp_path):
     """Ctrl+C at the prompt while a background job runs: a notice, not a crash."""
     script = [
@@ -372,7 +360,7 @@ def test_sigterm_sighup_stop_jobs_and_save(tiny, tmp_path, signame):
         pid = int(child.match.group(1))
         child.expect("All done.")
         child.expect("› ")
-        assert _alive(pid)
+        assert pid_alive(pid)
         child.kill(getattr(signal, signame))
         child.expect(pexpect.EOF)
     finally:
@@ -380,6 +368,6 @@ def test_sigterm_sighup_stop_jobs_and_save(tiny, tmp_path, signame):
     log = (tmp_path / "terminal.log").read_text()
     assert child.exitstatus == 128 + getattr(signal, signame), log[-3000:]
     assert "Traceback" not in log, log[-3000:]
-    assert not _alive(pid), "background job left running"
+    assert not pid_alive(pid), "background job left running"
     rec = json.loads((tmp_path / "kv" / "agent-sessions" / "1.json").read_text())
     assert rec["kv_key"], rec
