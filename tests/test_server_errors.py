@@ -187,7 +187,13 @@ def _check_shape(path: str, r: httpx.Response) -> None:
     if path.startswith("/v1/messages"):
         assert body["type"] == "error" and set(body["error"]) >= {"type", "message"}, body
     else:
-        assert set(body["error"]) == {"message", "type", "param", "code"}, body
+        # Issue 13 item 8: a context-length error also carries its counts as fields.
+        extra = (
+            {"n_prompt_tokens", "n_ctx"}
+            if body["error"].get("code") == "context_length_exceeded"
+            else set()
+        )
+        assert set(body["error"]) - extra == {"message", "type", "param", "code"}, body
 
 
 def test_bad_input_gets_protocol_shaped_4xx_and_server_survives(client):
