@@ -252,16 +252,24 @@ class SignalState:
     Attributes:
         reading: the prompt is blocked reading a line (only then does SIGINT raise, and
             only once: the raise clears it).
+        prompting: the prompt is being shown (a SIGINT then is kept in ``pending`` and
+            raised when the read starts, so every Ctrl+C at the prompt is answered).
+        pending: a SIGINT arrived while prompting.
         terminating: SIGTERM or SIGHUP arrived (its number); 0 if not.
     """
 
     def __init__(self) -> None:
         self.reading = False
+        self.prompting = False
+        self.pending = False
         self.terminating = 0
 
     @contextlib.contextmanager
     def read(self):
         """Around the blocking read of a line: SIGINT raises `KeyboardInterrupt` here."""
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt  # from plain code, not inside a signal handler
         self.reading = True
         try:
             yield
@@ -300,6 +308,8 @@ def _signals(*, interactive: bool, exiting: bool = False):
         if state.reading:
             state.reading = False  # first: a nested call (see above) must not raise
             raise KeyboardInterrupt
+        if state.prompting:
+            state.pending = True
 
     def on_term(signum, frame):
         first = not state.terminating
@@ -353,7 +363,11 @@ def repl(agent: Agent, ui: RichUI, sig: SignalState | None = None) -> int:
             ui.line(f"({name}: saving the session and exiting)", "yellow")
             return 128 + sig.terminating
         try:
-            line = ui.read_line(guard=sig.read())
+            sig.prompting, sig.pending = True, False
+            try:
+                line = ui.read_line(guard=sig.read())
+            finally:
+                sig.prompting = False
         except EOFError:
             ui.line("")
             return 0
