@@ -42,9 +42,6 @@ commands:
 Ctrl+C stops the model (or a running tool) and returns to the prompt."""
 
 
-DEMO_MAX_TOKENS = 256
-
-
 def default_kv_dir() -> Path:
     """``$XDG_CACHE_HOME/ds4mlx/agent-kv`` (``~/.cache/…`` by default)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -172,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
         can_ask=sys.stdin.isatty() or interactive,
         show_thinking=not args.hide_thinking,
     )
+    from ds4mlx.model.demo import DEMO_MAX_TOKENS
+
     try:
         agent = Agent(
             engine,
@@ -186,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
             sampling=sampling,
             # The demo model's text is noise that may never end a turn: keep turns short.
             max_tokens=args.max_tokens or (DEMO_MAX_TOKENS if args.demo else None),
+            # ... and the cap ends a turn as an EOS would (its last token fed).
+            cap_is_eos=args.demo and args.max_tokens is None,
             max_steps=args.max_steps,
             tool_output_tokens=args.tool_output_tokens,
             bash_timeout=args.bash_timeout,
@@ -226,9 +227,6 @@ def _print_mode(agent: Agent, ui: RichUI, banner: str, args: argparse.Namespace)
     if sig.terminating:
         return 128 + sig.terminating
     ok = result.ok
-    if not ok and result.status == "length" and args.demo and args.max_tokens is None:
-        ok = True  # the demo cap is the noise model's end of turn, not a failure
-        err.print(f"(demo cap: the turn ended after {DEMO_MAX_TOKENS} tokens)", style="dim")
     answer = _final_answer(agent)
     if answer:
         sys.stdout.write(answer if answer.endswith("\n") else answer + "\n")
