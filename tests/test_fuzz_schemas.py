@@ -38,7 +38,7 @@ BUDGET_S = 180  # the whole run, generation included (the issue's limit)
 # endpoint -> (pydantic model, bodies)
 PLAN = {
     "/v1/chat/completions": ("ds4mlx.routes.openai:ChatRequest", 400),
-    "/v1/completions": ("ds4mlx.routes.openai:CompletionRequest", 300),
+    "/v1/completions": ("ds4mlx.routes.completions:CompletionRequest", 300),
     "/v1/responses": ("ds4mlx.routes.responses:ResponsesRequest", 350),
     "/v1/messages": ("ds4mlx.routes.anthropic:MessagesRequest", 400),
     "/v1/messages/count_tokens": ("ds4mlx.routes.anthropic:CountTokensRequest", 250),
