@@ -194,13 +194,8 @@ class Agent(LiveSteps, SessionCommands, Compacting):
         self._last_prefill = (0, 0.0)
         disk = None
         if store is not None:
-            # No prompt-end saves: the agent keeps its transcript and continues it live;
-            # it has no client retries or replays to serve, and saves synchronously.
-            settings = KVCacheSettings(
-                disk_dir=str(store.dir),
-                disk_space_mb=max(1, store.budget_bytes >> 20),
-                prompt_end=False,
-            )
+            mb = max(1, store.budget_bytes >> 20)  # no prompt-end saves: no client retries
+            settings = KVCacheSettings(disk_dir=str(store.dir), disk_space_mb=mb, prompt_end=False)
             disk = DiskCache(engine, settings, store=store)
         # The same planner as the server's: live continuation, prefixes, disk tier.
         self.planner = Planner(engine, self.tool_memory, disk)

@@ -41,12 +41,10 @@ class Worker:
         tracer: a `Tracer` (may be disabled).
         scripts: deque of scripted continuations (texts or `Script`s) for
             ``--enable-scripted-decoding``; each job pops the next one.
-        kv_settings: ``ds4mlx.kv.policy.KVCacheSettings`` of the prompt cache's disk
-            tier, or None.
+        kv_settings: the prompt cache's ``ds4mlx.kv.policy.KVCacheSettings``, or None.
 
     Attributes:
-        planner: the ``ds4mlx.kv.plan.Planner`` (set once the engine is loaded): what
-            each job reuses, live bindings, disk snapshots.
+        planner: the ``ds4mlx.kv.plan.Planner`` (set once the engine is loaded).
 
     A job: plan (the planner brings the session to the state to extend) → the engine's
     turn loop (``ds4mlx.engine.run_turn``: prefill, sample, feed) with the job's
