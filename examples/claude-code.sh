@@ -22,4 +22,29 @@ export CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1
 # A cold prefill of Claude Code's ~20k-token prompt can take a while on a laptop.
 export API_TIMEOUT_MS="${API_TIMEOUT_MS:-3000000}"
 
+# Tell Claude Code the server's real context window (GET /v1/models: context_length),
+# or it assumes 200k and fails with a context error instead of compacting. Claude Code
+# 2.1.x takes a non-Claude model's window from CLAUDE_CODE_MAX_CONTEXT_TOKENS, and
+# compacts at CLAUDE_CODE_AUTO_COMPACT_WINDOW (capped by that window; it ignores values
+# under 100k on its own). Set either yourself to override.
+if [[ -z "${CLAUDE_CODE_MAX_CONTEXT_TOKENS:-}" ]]; then
+    ctx="$(python3 - "$ANTHROPIC_BASE_URL" "$ANTHROPIC_AUTH_TOKEN" <<'PY' 2>/dev/null || true
+import json, sys, urllib.request
+req = urllib.request.Request(
+    sys.argv[1] + "/v1/models/deepseek-v4-flash", headers={"x-api-key": sys.argv[2]}
+)
+print(json.load(urllib.request.urlopen(req, timeout=10))["context_length"])
+PY
+)"
+    if [[ "$ctx" =~ ^[0-9]+$ ]]; then
+        export CLAUDE_CODE_MAX_CONTEXT_TOKENS="$ctx"
+    else
+        echo "claude-code.sh: cannot read the context size from $ANTHROPIC_BASE_URL" \
+            "(is ds4mlx serve running?); Claude Code will assume 200k" >&2
+    fi
+fi
+if [[ -n "${CLAUDE_CODE_MAX_CONTEXT_TOKENS:-}" ]]; then
+    export CLAUDE_CODE_AUTO_COMPACT_WINDOW="${CLAUDE_CODE_AUTO_COMPACT_WINDOW:-$CLAUDE_CODE_MAX_CONTEXT_TOKENS}"
+fi
+
 exec "${CLAUDE:-claude}" --model deepseek-v4-flash "$@"

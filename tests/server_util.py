@@ -27,6 +27,19 @@ CLIENTS_BIN = REPO / "tests" / "clients" / "node_modules" / ".bin"
 EOS = "<｜end▁of▁sentence｜>"
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie — exited, not yet reaped — does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

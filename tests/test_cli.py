@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -32,6 +33,8 @@ def test_generate_streams_text(tiny):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()  # noise, but text
     assert "tok/s" in r.stderr
+    # The turn loop's finish reason (was stop=None after an EOS).
+    assert re.search(r"stop=(length|stop);", r.stderr), r.stderr
     again = _run("generate", "-m", tiny, "-p", "Say hello 你好", "-n", 12, "--seed", 7)
     assert again.returncode == 0 and again.stdout == r.stdout  # seeded: reproducible
 

@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import httpx
 import pytest
+from kv_server_util import Trace
 from server_util import EOS, Server, sse_events, tiny_model_dir  # noqa: F401
 
 CTX = 2048
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):  # noqa: F811 (fixture from server_util)
-    with Server(tiny_model_dir, ctx=CTX) as s:
+def server(tiny_model_dir, tmp_path_factory):  # noqa: F811 (fixture from server_util)
+    trace = tmp_path_factory.mktemp("hardening") / "trace.jsonl"
+    with Server(tiny_model_dir, ctx=CTX, extra=["--trace", str(trace)]) as s:
+        s.trace = Trace(trace)
         yield s
 
 
@@ -139,8 +141,8 @@ def test_item3_a_complete_call_opened_in_thinking_is_a_tool_call(server, client)
     assert r.status_code == 200, r.text
     assert r.json()["stop_reason"] == "end_turn"
     server.wait_idle()
-    time.sleep(0.2)  # the job's log line follows its last event
-    assert "match=tool-use-ids" in server.request_lines()[-1], server.request_lines()[-2:]
+    plan = server.trace.last()
+    assert plan["decision"] == "live-anthropic" and "match=tool-use-ids" in plan["detail"], plan
 
     server.script("Let me look." + BLOCK + EOS)
     r = client.post(

@@ -35,7 +35,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from kv_server_util import EOS, Trace, long_system, script
-from server_util import free_port, tiny_model_dir  # noqa: F401
+from server_util import free_port, pid_alive, tiny_model_dir  # noqa: F401
 
 KILLS = 20
 BUDGET_MB = 6
@@ -108,14 +108,6 @@ class Zygote:
         self.proc.wait(30)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _snapshot_files(d: Path) -> list[Path]:
     return [
         p for p in d.iterdir() if p.name.endswith(".safetensors") and not p.name.startswith(".")
@@ -174,7 +166,7 @@ def test_kill_9_during_snapshot_writes(tiny_model_dir, tmp_path):  # noqa: F811
             url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + 60
             while True:
-                assert _alive(pid), (tmp_path / f"serve{i}.log").read_text()[-3000:]
+                assert pid_alive(pid), (tmp_path / f"serve{i}.log").read_text()[-3000:]
                 try:
                     if httpx.get(url + "/health", timeout=1).status_code == 200:
                         break
@@ -231,17 +223,17 @@ def test_kill_9_during_snapshot_writes(tiny_model_dir, tmp_path):  # noqa: F811
                     time.sleep(0.0005)
                 time.sleep(rng.uniform(0, 0.002))
             os.kill(pid, signal.SIGKILL)
-            while _alive(pid):
+            while pid_alive(pid):
                 time.sleep(0.01)
             if _temps(kv):
                 mid_write += 1
             _check_dir(kv)
         deadline = time.monotonic() + 30
-        while _alive(pid) and time.monotonic() < deadline:
+        while pid_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(pid)
+        assert not pid_alive(pid)
     finally:
-        if pid is not None and _alive(pid):
+        if pid is not None and pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
         zy.close()
     # The planted file was reported (and later evicted first), never loaded.

@@ -311,3 +311,12 @@ def test_chat_encoder_stream_and_body_agree():
         assert msg["finish_reason"] == chunks[-3]["choices"][0]["finish_reason"]
         assert msg["finish_reason"] == ("length" if cut else "tool_calls")
         assert ("tool_calls" in msg["message"]) is not cut
+
+
+def test_log_line_prefill_field():
+    """Hardening item 14: a request served wholly from cache does not log 0.0 tok/s."""
+    from ds4mlx.server.worker import _prefill_words
+
+    assert _prefill_words(0, 0, 0.0) == "none (all cached)"
+    assert _prefill_words(100, 100, 0.5) == "200.0 tok/s"
+    assert _prefill_words(100, 40, 0.25) == "cancelled after 40/100 tokens in 0.25s"

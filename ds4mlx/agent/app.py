@@ -180,7 +180,9 @@ def run(args: argparse.Namespace) -> int:
             store=store,
             book=book,
             yes=args.yes,
-            thinking=not args.nothink,
+            # --demo (its own cap): no thinking, or the noise model's reasoning would take
+            # the whole cap and the answer would be empty (as serve --demo does).
+            thinking=not args.nothink and not (args.demo and args.max_tokens is None),
             sampling=sampling,
             # The demo model's text is noise that may never end a turn: keep turns short.
             max_tokens=args.max_tokens or (DEMO_MAX_TOKENS if args.demo else None),
@@ -204,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
         pass
-    with _signals(interactive=True) as sig:
+    with _signals(interactive=True, exiting=True) as sig:
         try:
             return repl(agent, ui, sig)
         finally:
@@ -215,7 +217,7 @@ def _print_mode(agent: Agent, ui: RichUI, banner: str, args: argparse.Namespace)
     """``-p``: send one message; the answer on stdout, the transcript on stderr."""
     err = ui.console
     ui.line(banner, "dim")
-    with _signals(interactive=False) as sig:
+    with _signals(interactive=False, exiting=True) as sig:
         try:
             ui.line(f"› {args.prompt}", "bold green")
             result = agent.send(args.prompt)
@@ -248,7 +250,8 @@ class SignalState:
     """What the agent's signal handlers saw (see :func:`_signals`).
 
     Attributes:
-        reading: the prompt is reading a line (only then does SIGINT raise).
+        reading: the prompt is blocked reading a line (only then does SIGINT raise, and
+            only once: the raise clears it).
         terminating: SIGTERM or SIGHUP arrived (its number); 0 if not.
     """
 
@@ -256,9 +259,18 @@ class SignalState:
         self.reading = False
         self.terminating = 0
 
+    @contextlib.contextmanager
+    def read(self):
+        """Around the blocking read of a line: SIGINT raises `KeyboardInterrupt` here."""
+        self.reading = True
+        try:
+            yield
+        finally:
+            self.reading = False
+
 
 @contextlib.contextmanager
-def _signals(*, interactive: bool):
+def _signals(*, interactive: bool, exiting: bool = False):
     """Install the REPL's SIGINT handler and a SIGTERM/SIGHUP handler; yield their state.
 
     SIGINT at the prompt interrupts only the line being read. Anywhere else outside a
@@ -270,6 +282,14 @@ def _signals(*, interactive: bool):
     SIGTERM and SIGHUP work like ``/quit``: they interrupt what runs (as Ctrl+C would),
     then the REPL returns and the caller saves the session and stops background jobs.
     After SIGHUP the terminal is gone; output goes to ``/dev/null`` from then on.
+
+    The SIGINT handler raises at most once per read, and never while it is raising:
+    a second SIGINT that arrives while Python builds the first ``KeyboardInterrupt``
+    runs the handler again inside that call, and a second raise there turned into
+    ``SystemError: <class 'KeyboardInterrupt'> returned a result with an exception
+    set`` (a crash under a double Ctrl+C). With ``exiting`` (the process ends after the
+    block) SIGINT stays ignored afterwards, so a late copy cannot raise inside the
+    interpreter's exit handlers (``weakref.finalize`` at exit).
     """
     state = SignalState()
     if threading.current_thread() is not threading.main_thread():
@@ -278,6 +298,7 @@ def _signals(*, interactive: bool):
 
     def on_int(signum, frame):
         if state.reading:
+            state.reading = False  # first: a nested call (see above) must not raise
             raise KeyboardInterrupt
 
     def on_term(signum, frame):
@@ -303,6 +324,8 @@ def _signals(*, interactive: bool):
     finally:
         for s, h in prev.items():
             signal.signal(s, h)
+        if exiting:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _detach_terminal() -> None:
@@ -330,11 +353,7 @@ def repl(agent: Agent, ui: RichUI, sig: SignalState | None = None) -> int:
             ui.line(f"({name}: saving the session and exiting)", "yellow")
             return 128 + sig.terminating
         try:
-            sig.reading = True
-            try:
-                line = ui.read_line()
-            finally:
-                sig.reading = False
+            line = ui.read_line(guard=sig.read())
         except EOFError:
             ui.line("")
             return 0

@@ -194,8 +194,13 @@ class Agent(LiveSteps, SessionCommands, Compacting):
         self._last_prefill = (0, 0.0)
         disk = None
         if store is not None:
-            mb = max(1, store.budget_bytes >> 20)  # no prompt-end saves: no client retries
-            settings = KVCacheSettings(disk_dir=str(store.dir), disk_space_mb=mb, prompt_end=False)
+            # No prompt-end saves: the agent keeps its transcript and continues it live;
+            # it has no client retries or replays to serve, and saves synchronously.
+            settings = KVCacheSettings(
+                disk_dir=str(store.dir),
+                disk_space_mb=max(1, store.budget_bytes >> 20),
+                prompt_end=False,
+            )
             disk = DiskCache(engine, settings, store=store)
         # The same planner as the server's: live continuation, prefixes, disk tier.
         self.planner = Planner(engine, self.tool_memory, disk)
@@ -260,7 +265,7 @@ class Agent(LiveSteps, SessionCommands, Compacting):
         self.messages.append(Message("user", text))
         self._last_gen = None
         self._last_prefill = (0, 0.0)
-        with self._sigint():
+        with _sigint_to(self):
             try:
                 result = self._loop()
             except ContextOverflowError as e:
@@ -326,27 +331,6 @@ class Agent(LiveSteps, SessionCommands, Compacting):
     def _ask(self, tool: str, summary: str) -> str:
         return self.ui.ask(tool, summary)
 
-    @contextlib.contextmanager
-    def _sigint(self) -> Iterator[None]:
-        """Route SIGINT to ``interrupt`` while the model runs; to KeyboardInterrupt in tools."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        prev = signal.getsignal(signal.SIGINT)
-
-        def handler(signum, frame):
-            # A running command or a permission prompt is stopped by the exception;
-            # MLX work must not be (Session resets itself on exceptions mid-forward).
-            if self._phase == "tools":
-                raise KeyboardInterrupt
-            self._cancel = True
-
-        signal.signal(signal.SIGINT, handler)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, prev)
-
     def _resync(self) -> None:
         """After an unexpected exit: the live tokens no longer sit on a known boundary."""
         self.session.set_script(None)
@@ -403,6 +387,29 @@ class Agent(LiveSteps, SessionCommands, Compacting):
             if rounds >= self.max_steps:
                 self.ui.notice(f"stopped after {rounds} tool rounds (--max-steps)", "warn")
                 return SendResult("steps", turns)
+
+
+@contextlib.contextmanager
+def _sigint_to(agent: Agent) -> Iterator[None]:
+    """Route SIGINT to ``agent.interrupt`` while the model runs; to KeyboardInterrupt while
+    tools run (main thread only: signals are delivered there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    prev = signal.getsignal(signal.SIGINT)
+
+    def handler(signum, frame):
+        # A running command or a permission prompt is stopped by the exception; MLX work
+        # must not be (Session resets itself on exceptions mid-forward).
+        if agent._phase == "tools":
+            raise KeyboardInterrupt
+        agent._cancel = True
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, prev)
 
 
 __all__ = [

@@ -12,6 +12,7 @@ progress bar; the text is the transcript.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from rich.console import Console
@@ -226,11 +227,19 @@ class RichUI(AgentUI):
 
     # ---- REPL helpers
 
-    def read_line(self, prompt: str = "› ") -> str:
-        """One line from the user (``EOFError`` on Ctrl+D, ``KeyboardInterrupt`` on Ctrl+C)."""
+    def read_line(self, prompt: str = "› ", guard=None) -> str:
+        """One line from the user (``EOFError`` on Ctrl+D, ``KeyboardInterrupt`` on Ctrl+C).
+
+        ``guard``: a context manager entered around the blocking read only, after the
+        prompt is printed (the agent's SIGINT handler raises only inside it, so a Ctrl+C
+        never lands inside rich's rendering).
+        """
         self.prefill_done()
         self._newline()
-        return self.console.input(f"[bold green]{escape(prompt)}[/]")
+        self.console.print(f"[bold green]{escape(prompt)}[/]", end="")
+        self.console.file.flush()
+        with guard if guard is not None else contextlib.nullcontext():
+            return input()
 
     def show_sessions(self, records: list[SessionRecord], current: int | None) -> None:
         if not records:

@@ -180,7 +180,7 @@ class _JsonShape:
         for ch in text:
             self._char(ch)
 
-    def _char(self, ch: str) -> None:
+    def _char(self, ch: str) -> None:  # noqa: C901 (docs/ARCHITECTURE.md §1)
         if self.in_string:
             if self.escape:
                 self.escape = False
@@ -361,12 +361,7 @@ class StreamDecoder:
         self._ended = False
         self.tool_block_closed = False
         self._events: list[Event] = []
-        # A tool-call block opened inside reasoning (item "recovered as a tool call"):
-        # a chat-mode decoder parses it on the side; ``_probe_raw`` is its exact text,
-        # which becomes reasoning again if the block never closes.
-        self._probe: StreamDecoder | None = None
-        self._probe_raw: list[str] = []
-        self._probe_events: list[Event] = []
+        self._probe: _ReasoningBlock | None = None  # a tool-call block opened in reasoning
 
     # ------------------------------------------------------------------ public
 
@@ -406,12 +401,7 @@ class StreamDecoder:
             ended=self._ended,
         )
         if self._probe is not None and self.tool_block_closed:
-            # The block recovered from the reasoning decides the rest of the turn.
-            sub = self._probe.result
-            res.content += sub.content
-            res.tool_calls += sub.tool_calls
-            res.errors += sub.errors
-            res.ended = res.ended or sub.ended
+            self._probe.merge_into(res)
         return res
 
     @property
@@ -431,7 +421,7 @@ class StreamDecoder:
             # A block opened inside reasoning is sampled as reasoning is (docs/).
             return False
         if st == _DELEGATE and self._probe is not None:
-            return self._probe.in_structure
+            return self._probe.parser.in_structure
         if st in (_TEXT, _PAR_STR, _SKIP):
             return DSML in self._buf
         if st == _PAR_JSON:
@@ -478,8 +468,8 @@ class StreamDecoder:
             _SKIP: self._st_param_body,
             _AFTER: self._st_after,
             _DONE: self._st_done,
-            _PROBE: self._st_probe,
-            _DELEGATE: self._st_delegate,
+            _PROBE: lambda: self._probe is not None and self._probe.step(),
+            _DELEGATE: lambda: self._probe is not None and self._probe.after(),
         }
         while self._buf and handlers[self._state]():
             pass
@@ -516,55 +506,9 @@ class StreamDecoder:
                 self._state = _TEXT
             return True
         # A tool-call block opens inside the reasoning: parse it on the side.
-        self._probe = StreamDecoder(False, None, self.id_prefix)
-        self._probe._order = self._order
-        self._probe_raw, self._probe_events = [], []
+        self._probe = _ReasoningBlock(self)
         self._state = _PROBE
         return True
-
-    def _st_probe(self) -> bool:
-        """Feed a block opened in reasoning to the side parser until it closes or is cut."""
-        probe = self._probe
-        assert probe is not None
-        buf = self._buf
-        ends = [p for p in (buf.find(m) for m in _PROBE_ENDS) if p >= 0]
-        end = min(ends) if ends else -1
-        n = end if end >= 0 else _safe_cut(buf, len(buf) - _partial(buf, _PROBE_ENDS))
-        if n:
-            piece = self._consume(n)
-            self._probe_raw.append(piece)
-            self._probe_events += probe.feed(piece)
-        if probe.tool_block_closed:
-            # Complete: the calls are real. The reasoning ended where the block began.
-            self._events += self._probe_events
-            self._probe_events = []
-            self.tool_block_closed = True
-            self._state = _DELEGATE
-            return True
-        if end >= 0:
-            self._abandon_probe()  # </think> or EOS cut it: it stays reasoning
-            return True
-        return False
-
-    def _abandon_probe(self) -> None:
-        """The block opened in reasoning never closed: its text is reasoning after all."""
-        self._thinking("".join(self._probe_raw))
-        self._probe, self._probe_raw, self._probe_events = None, [], []
-        self._state = _THINK
-
-    def _st_delegate(self) -> bool:
-        """After a block recovered from reasoning: tolerate one ``</think>``, then the
-        side parser (in its after-the-block state) takes the rest."""
-        probe = self._probe
-        assert probe is not None
-        if not probe.result.ended and self._buf.lstrip(_WS).startswith(THINK_END):
-            self._consume(self._buf.index(THINK_END) + len(THINK_END))
-            return True
-        stripped = self._buf.lstrip(_WS)
-        if stripped and THINK_END.startswith(stripped) and stripped != THINK_END:
-            return False  # a </think> may be arriving
-        self._events += probe.feed(self._consume(len(self._buf)))
-        return False
 
     def _st_text(self) -> bool:
         pos, stop = self._scan_text(_TEXT_STOPS)
@@ -827,11 +771,8 @@ class StreamDecoder:
         # A lone high surrogate at the very end can never be completed now.
         if buf and "\ud800" <= buf[-1] <= "\udbff":
             buf = buf[:-1]
-        if st == _PROBE:
-            self._buf = buf
-            self._flush_probe()
-        elif st == _DELEGATE and self._probe is not None:
-            self._events += self._probe.feed(buf) + self._probe.finish()
+        if st in (_PROBE, _DELEGATE) and self._probe is not None:
+            self._probe.finish(buf)
         elif st == _THINK:
             self._thinking(buf)
         elif st == _TEXT:
@@ -852,11 +793,82 @@ class StreamDecoder:
                 self._close_param(truncated=True)
             self._close_invoke("generation ended inside the call (truncated)", closed=False)
 
-    def _flush_probe(self) -> None:
-        """Generation ended inside a block opened in reasoning: it is reasoning text."""
-        self._probe_raw.append(self._buf)
-        self._buf = ""
-        self._abandon_probe()
+
+class _ReasoningBlock:
+    """A tool-call block the model opened inside its reasoning (see the module doc).
+
+    A chat-mode `StreamDecoder` parses it on the side while ``owner`` holds its events
+    back. When ``</｜DSML｜tool_calls>`` arrives the calls are real: the events go out and
+    this parser decides the rest of the turn. When ``</think>``, EOS or the end of the
+    generation comes first, its exact text (``raw``) becomes reasoning after all.
+    """
+
+    def __init__(self, owner: StreamDecoder) -> None:
+        self.owner = owner
+        self.parser = StreamDecoder(False, None, owner.id_prefix)
+        self.parser._order = owner._order
+        self.raw: list[str] = []
+        self.held: list[Event] = []
+
+    def step(self) -> bool:
+        """Owner state ``_PROBE``: feed the side parser up to a possible end of the block."""
+        own = self.owner
+        buf = own._buf
+        ends = [p for p in (buf.find(m) for m in _PROBE_ENDS) if p >= 0]
+        end = min(ends) if ends else -1
+        n = end if end >= 0 else _safe_cut(buf, len(buf) - _partial(buf, _PROBE_ENDS))
+        if n:
+            piece = own._consume(n)
+            self.raw.append(piece)
+            self.held += self.parser.feed(piece)
+        if self.parser.tool_block_closed:
+            # Complete: the calls are real. The reasoning ended where the block began.
+            own._events += self.held
+            self.held = []
+            own.tool_block_closed = True
+            own._state = _DELEGATE
+            return True
+        if end >= 0:
+            self.abandon()  # </think> or EOS cut it: it stays reasoning
+            return True
+        return False
+
+    def abandon(self) -> None:
+        """The block never closed: its text is reasoning, and the owner thinks on."""
+        own = self.owner
+        own._thinking("".join(self.raw))
+        own._probe = None
+        own._state = _THINK
+
+    def after(self) -> bool:
+        """Owner state ``_DELEGATE``: one ``</think>`` right after the block is accepted;
+        then the side parser (after its block: only EOS is expected) takes the rest."""
+        own = self.owner
+        stripped = own._buf.lstrip(_WS)
+        if not self.parser.result.ended and stripped.startswith(THINK_END):
+            own._consume(own._buf.index(THINK_END) + len(THINK_END))
+            return True
+        if stripped and THINK_END.startswith(stripped) and stripped != THINK_END:
+            return False  # a </think> may be arriving
+        own._events += self.parser.feed(own._consume(len(own._buf)))
+        return False
+
+    def finish(self, buf: str) -> None:
+        """The generation ended with ``buf`` still unconsumed."""
+        own = self.owner
+        if own._state == _DELEGATE:
+            own._events += self.parser.feed(buf) + self.parser.finish()
+        else:
+            self.raw.append(buf)
+            self.abandon()
+
+    def merge_into(self, res: DecodeResult) -> None:
+        """Add what the recovered block decoded to the owner's result."""
+        sub = self.parser.result
+        res.content += sub.content
+        res.tool_calls += sub.tool_calls
+        res.errors += sub.errors
+        res.ended = res.ended or sub.ended
 
 
 def decode_text(text: str, *, thinking: bool, tools: list[ToolSpec] | None = None) -> DecodeResult:

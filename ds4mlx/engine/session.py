@@ -94,6 +94,28 @@ def prefill_chunks(start: int, end: int, chunk_size: int, stops: Sequence[int] =
     return sorted(ends)
 
 
+def _caches_from(caches: list, arrays: dict[str, mx.array]) -> list:
+    """Fill fresh layer ``caches`` with a snapshot's ``cache.{layer}.{name}`` arrays
+    (copied: the snapshot stays reusable). Raises ``SnapshotError`` on a foreign layout."""
+    per_layer: list[dict[str, mx.array]] = [{} for _ in caches]
+    for key, a in arrays.items():
+        if key == _LOGITS_KEY:
+            continue
+        parts = key.split(".", 2)
+        if len(parts) != 3 or parts[0] != "cache" or not parts[1].isdigit():
+            raise SnapshotError(f"unexpected array {key!r} in snapshot")
+        layer = int(parts[1])
+        if layer >= len(caches):
+            raise SnapshotError(f"snapshot has layer {layer}; the model has {len(caches)}")
+        per_layer[layer][parts[2]] = mx.array(a)
+    try:
+        for c, st in zip(caches, per_layer, strict=True):
+            c.state = st
+    except (KeyError, ValueError, TypeError) as e:
+        raise SnapshotError(f"snapshot does not fit this model's caches: {e}") from e
+    return caches
+
+
 @dataclass
 class PendingStep:
     """A decode step built by `Session.begin_decode` and not yet committed: its lazy
@@ -157,7 +179,8 @@ class Session:
             raise ContextOverflowError(len(self.tokens), n, self.ctx_size)
 
     def _cache_arrays(self) -> list[mx.array]:
-        return [a for c in self._cache for a in c.state.values()]
+        # Whole buffers (no view nodes): what to evaluate so no cache write stays pending.
+        return [a for c in self._cache for a in c.arrays()]
 
     # ---- forward
 
@@ -383,23 +406,7 @@ class Session:
             )
         if len(state.tokens) > self.ctx_size:
             raise ContextOverflowError(0, len(state.tokens), self.ctx_size)
-        caches = self.engine.model.make_cache()
-        per_layer: list[dict[str, mx.array]] = [{} for _ in caches]
-        for key, a in state.arrays.items():
-            if key == _LOGITS_KEY:
-                continue
-            parts = key.split(".", 2)
-            if len(parts) != 3 or parts[0] != "cache" or not parts[1].isdigit():
-                raise SnapshotError(f"unexpected array {key!r} in snapshot")
-            layer = int(parts[1])
-            if layer >= len(caches):
-                raise SnapshotError(f"snapshot has layer {layer}; the model has {len(caches)}")
-            per_layer[layer][parts[2]] = mx.array(a)  # copy: the snapshot stays reusable
-        try:
-            for c, st in zip(caches, per_layer, strict=True):
-                c.state = st
-        except (KeyError, ValueError, TypeError) as e:
-            raise SnapshotError(f"snapshot does not fit this model's caches: {e}") from e
+        caches = _caches_from(self.engine.model.make_cache(), state.arrays)
         offsets = {getattr(c, "offset", len(state.tokens)) for c in caches}
         if offsets != {len(state.tokens)}:
             raise SnapshotError(

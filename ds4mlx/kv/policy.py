@@ -34,7 +34,7 @@ frontier past a point cannot be undone), so a snapshot at ``n`` tokens must be t
 *when the live state holds exactly ``n`` tokens*. Every function here therefore returns
 the token counts at which the prefill or decode loop must pause and call
 ``Session.snapshot()``: the prefill loop splits its chunks so that one ends exactly at
-each returned point (:func:`prefill_chunks`), snapshots, and continues.
+each returned point (``ds4mlx.engine.prefill_chunks``), snapshots, and continues.
 """
 
 from __future__ import annotations
@@ -399,28 +399,6 @@ def prefill_save_points(
         if cold is not None:
             points[cold] = "cold"
     return [SavePoint(t, r) for t, r in sorted(points.items())]
-
-
-def prefill_chunks(start: int, end: int, chunk_size: int, stops: Sequence[int] = ()) -> list[int]:
-    """Chunk end positions for prefilling tokens ``[start, end)``.
-
-    Chunks end at multiples of ``chunk_size`` (absolute positions, so the schedule is the
-    same whether or not a prefix was reused), at every stop in ``(start, end]``, and at
-    ``end``. Returns the ascending end positions; the loop feeds
-    ``tokens[prev:stop]`` for each and snapshots when ``stop`` is a save point.
-
-    Raises:
-        ValueError: ``chunk_size`` < 1 or ``end`` < ``start``.
-    """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if end < start:
-        raise ValueError(f"end ({end}) < start ({start})")
-    ends = set(range((start // chunk_size + 1) * chunk_size, end, chunk_size))
-    ends.update(s for s in stops if start < s <= end)
-    if end > start:
-        ends.add(end)
-    return sorted(ends)
 
 
 def should_save_live(settings: KVCacheSettings, live_tokens: int) -> bool:

@@ -75,6 +75,7 @@ from ds4mlx.routes.mapping import (
     placeholder,
 )
 from ds4mlx.routes.pipeline import (
+    demo_policy,
     prepare,
     render,
     respond,
@@ -430,11 +431,13 @@ def _conversation(req: CountTokensRequest) -> Conversation:
     """`to_conversation` with the server's settings (400 on a mapping error)."""
     st = state()
     try:
-        return to_conversation(
-            req,
-            default_thinking=model_thinking(req.model),
-            keep_billing_header=st.config.keep_billing_header,
-            decode_reasoning=st.carrier.open,
+        return demo_policy(
+            to_conversation(
+                req,
+                default_thinking=model_thinking(req.model),
+                keep_billing_header=st.config.keep_billing_header,
+                decode_reasoning=st.carrier.open,
+            )
         )
     except WireError as e:
         raise APIError(400, e.message, param=e.param) from None

@@ -60,7 +60,7 @@ from ds4mlx.routes.mapping import (
     openai_tool_choice,
     parts_text,
 )
-from ds4mlx.routes.pipeline import prepare, respond, sampling_params, stream
+from ds4mlx.routes.pipeline import demo_policy, prepare, respond, sampling_params, stream
 from ds4mlx.server.jobs import JobDone, JobFailed, JobStarted, TokenLogprob
 
 bp = Blueprint("openai", __name__)
@@ -287,7 +287,7 @@ def to_conversation(req: ChatRequest, *, default_thinking: bool = True) -> Conve
 def conversation(req: ChatRequest) -> Conversation:
     """`to_conversation` with the server's model default (400 on a mapping error)."""
     try:
-        return to_conversation(req, default_thinking=model_thinking(req.model))
+        return demo_policy(to_conversation(req, default_thinking=model_thinking(req.model)))
     except WireError as e:
         raise APIError(400, e.message, param=e.param) from None
 

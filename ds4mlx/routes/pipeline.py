@@ -153,13 +153,27 @@ def demo_cap_ends_turn(requested: int | None, n_prompt: int) -> bool:
     """
     st = state()
     cap = st.config.max_tokens_cap
-    if cap is None:
-        return False
+    if cap is None or not st.config.demo_policy:
+        return False  # no cap, or --tokens chose a real output limit
     room = st.ctx_size - n_prompt
     if requested is not None:
         return cap < min(int(requested), room)
     default = st.config.default_max_tokens
     return cap < room and (default is None or cap <= default)
+
+
+def demo_policy(conv: Conversation) -> Conversation:
+    """``serve --demo`` without ``--tokens``: ``conv`` runs without thinking.
+
+    The noise model would spend the whole demo cap inside its reasoning, and a client
+    (Claude Code turns thinking on) would show nothing: in chat mode every token of the
+    cap is visible text. Real models and ``--demo --tokens N`` are unaffected. Returns
+    ``conv`` (changed in place).
+    """
+    if state().config.demo_policy:
+        conv.thinking = False
+        conv.reasoning_effort = None
+    return conv
 
 
 def sampling_params(

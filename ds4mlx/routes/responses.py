@@ -85,7 +85,7 @@ from ds4mlx.routes.mapping import (
     parts_text,
     placeholder,
 )
-from ds4mlx.routes.pipeline import events, prepare, respond, sampling_params, stream
+from ds4mlx.routes.pipeline import demo_policy, events, prepare, respond, sampling_params, stream
 from ds4mlx.server.jobs import GenRequest, JobDone, JobFailed, JobStarted
 
 bp = Blueprint("responses", __name__)
@@ -509,8 +509,10 @@ async def _prepare(data: Any, *, path: str, store: dict[str, list[Any]] | None =
         raise APIError(400, "input: must not be empty", param="input")
     st = state()
     try:
-        conv = to_conversation(
-            req, default_thinking=model_thinking(req.model), decode_reasoning=st.carrier.open
+        conv = demo_policy(
+            to_conversation(
+                req, default_thinking=model_thinking(req.model), decode_reasoning=st.carrier.open
+            )
         )
     except WireError as e:
         raise APIError(400, e.message, param=e.param) from None

@@ -109,11 +109,18 @@ def banner(engine, config: ServerConfig, url: str) -> None:
     )
     t.add_row("[bold]quant[/]", engine.quant_desc)
     t.add_row("[bold]context[/]", f"{engine.ctx_size} tokens")
-    if config.max_tokens_cap is not None:
+    if config.max_tokens_cap is not None and config.demo_policy:
         t.add_row(
             "[bold]output[/]",
-            f"at most {config.max_tokens_cap} tokens per request (demo cap, reported as a "
-            "natural end of turn: the noise model never samples EOS; change with --tokens)",
+            f"at most {config.max_tokens_cap} tokens per request, without thinking (demo "
+            "cap, reported as a natural end of turn: the noise model never samples EOS; "
+            "--tokens N sets a real output limit instead)",
+        )
+    elif config.max_tokens_cap is not None:
+        t.add_row(
+            "[bold]output[/]",
+            f"at most {config.max_tokens_cap} tokens per request (--tokens: a reply it cuts "
+            "ends with max_tokens / length)",
         )
     elif config.default_max_tokens is not None:
         t.add_row("[bold]output[/]", f"{config.default_max_tokens} tokens when a request sets none")

@@ -97,6 +97,7 @@ def run_serve(args) -> int:
         model_name=args.served_model_name,
         default_max_tokens=cap if args.demo else args.tokens,
         max_tokens_cap=cap,
+        demo_policy=bool(args.demo and args.tokens is None),
         api_key=args.api_key or os.environ.get("DS4MLX_API_KEY") or None,
         cors=args.cors,
         trace_path=args.trace,

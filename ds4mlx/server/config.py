@@ -29,6 +29,12 @@ class ServerConfig:
         max_tokens_cap: every request's output limit is capped to this (``--demo``:
             ``--tokens`` or `DEMO_MAX_TOKENS`), or None. The demo model is noise and
             never samples EOS; clients that ask for 32000 tokens would wait minutes.
+        demo_policy: ``--demo`` without ``--tokens``: the cap stands in for the noise
+            model's EOS (a turn it cuts is a natural end) and every request runs without
+            thinking, so a client always gets visible text (the noise model would spend
+            the whole cap reasoning). With an explicit ``--tokens`` the demo behaves as a
+            real model with that output limit: thinking as asked, and a turn the limit
+            cuts ends with ``max_tokens`` / ``length`` (how clients' retries reproduce).
         api_key: required bearer / ``x-api-key`` value, or None (``--api-key``).
         cors: answer CORS preflights and add ``Access-Control-Allow-Origin: *``.
         trace_path: JSON-lines trace file (``--trace``), or None.
@@ -53,6 +59,7 @@ class ServerConfig:
     aliases: dict[str, bool] = field(default_factory=lambda: dict(DEFAULT_ALIASES))
     default_max_tokens: int | None = None
     max_tokens_cap: int | None = None
+    demo_policy: bool = False
     api_key: str | None = None
     cors: bool = False
     trace_path: str | None = None

@@ -41,10 +41,12 @@ class Worker:
         tracer: a `Tracer` (may be disabled).
         scripts: deque of scripted continuations (texts or `Script`s) for
             ``--enable-scripted-decoding``; each job pops the next one.
-        kv_settings: the prompt cache's ``ds4mlx.kv.policy.KVCacheSettings``, or None.
+        kv_settings: ``ds4mlx.kv.policy.KVCacheSettings`` of the prompt cache's disk
+            tier, or None.
 
     Attributes:
-        planner: the ``ds4mlx.kv.plan.Planner`` (set once the engine is loaded).
+        planner: the ``ds4mlx.kv.plan.Planner`` (set once the engine is loaded): what
+            each job reuses, live bindings, disk snapshots.
 
     A job: plan (the planner brings the session to the state to extend) → the engine's
     turn loop (``ds4mlx.engine.run_turn``: prefill, sample, feed) with the job's
@@ -324,21 +326,25 @@ class Worker:
             "done",
             **{k: v for k, v in dataclasses.asdict(outcome).items() if k != "reasoning"},
         )
-        log.info(
-            "%s %s%s prompt=%d cached=%d generated=%d prefill=%s decode=%.1f tok/s finish=%s wait=%.2fs",
-            req.path,
-            plan.decision,
-            f" {plan.detail}" if plan.detail else "",
-            outcome.prompt_tokens,
-            outcome.cached_tokens,
-            outcome.completion_tokens,
-            _prefill_words(len(plan.suffix_tokens), result.prefilled, result.prefill_s),
-            (outcome.completion_tokens - 1) / result.decode_s
-            if result.decode_s > 0 and outcome.completion_tokens > 1
-            else 0.0,
-            outcome.finish,
-            t_start - job.submitted,
-        )
+        _log_job(job, plan, result, outcome, t_start)
+
+
+def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float) -> None:
+    """The one log line per job: path, decision, token counts, rates, finish, queue wait."""
+    n = outcome.completion_tokens
+    log.info(
+        "%s %s%s prompt=%d cached=%d generated=%d prefill=%s decode=%.1f tok/s finish=%s wait=%.2fs",
+        job.request.path,
+        plan.decision,
+        f" {plan.detail}" if plan.detail else "",
+        outcome.prompt_tokens,
+        outcome.cached_tokens,
+        n,
+        _prefill_words(len(plan.suffix_tokens), result.prefilled, result.prefill_s),
+        (n - 1) / result.decode_s if result.decode_s > 0 and n > 1 else 0.0,
+        outcome.finish,
+        t_start - job.submitted,
+    )
 
 
 def _text(req: GenRequest) -> str | None:
@@ -353,7 +359,10 @@ def _prompt_error(n: int, ctx: int) -> JobFailed:
 
 
 def _prefill_words(planned: int, fed: int, seconds: float) -> str:
-    """The log line's prefill field: a rate, or how far a cancelled prefill got."""
+    """The log line's prefill field: a rate, how far a cancelled prefill got, or that
+    nothing needed prefilling (a rate of 0 would read as a stall)."""
+    if planned == 0:
+        return "none (all cached)"
     if fed < planned:
         # Cut short: only what was fed counts; a rate over a partial chunk or none at all
         # would be noise.
