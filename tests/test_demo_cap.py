@@ -9,7 +9,7 @@ import shutil
 from kv_server_util import Trace, post, script
 from server_util import Server, tiny_model_dir  # noqa: F401
 
-from ds4mlx.server.config import DEMO_MAX_TOKENS as CAP
+from ds4mlx.model.demo import DEMO_MAX_TOKENS as CAP
 
 
 def test_demo_cap_binds_the_whole_turn(tiny_model_dir, tmp_path):  # noqa: F811

@@ -100,7 +100,7 @@ def test_readme_curl_examples_work_against_the_demo_server(demo):
 def test_demo_caps_every_request_output(demo):
     """The demo model never samples EOS: Claude Code's max_tokens=32000 (or a request
     with no limit) must still end quickly, at the cap the banner shows."""
-    from ds4mlx.server.config import DEMO_MAX_TOKENS
+    from ds4mlx.model.demo import DEMO_MAX_TOKENS
 
     assert f"at most {DEMO_MAX_TOKENS} tokens per request" in demo.log()
     r = httpx.post(

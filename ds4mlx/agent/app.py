@@ -42,9 +42,6 @@ commands:
 Ctrl+C stops the model (or a running tool) and returns to the prompt."""
 
 
-DEMO_MAX_TOKENS = 256
-
-
 def default_kv_dir() -> Path:
     """``$XDG_CACHE_HOME/ds4mlx/agent-kv`` (``~/.cache/…`` by default)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -172,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
         can_ask=sys.stdin.isatty() or interactive,
         show_thinking=not args.hide_thinking,
     )
+    from ds4mlx.model.demo import DEMO_MAX_TOKENS
+
     try:
         agent = Agent(
             engine,
@@ -186,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
             sampling=sampling,
             # The demo model's text is noise that may never end a turn: keep turns short.
             max_tokens=args.max_tokens or (DEMO_MAX_TOKENS if args.demo else None),
+            # ... and the cap ends a turn as an EOS would (its last token fed).
+            cap_is_eos=args.demo and args.max_tokens is None,
             max_steps=args.max_steps,
             tool_output_tokens=args.tool_output_tokens,
             bash_timeout=args.bash_timeout,
@@ -226,9 +227,6 @@ def _print_mode(agent: Agent, ui: RichUI, banner: str, args: argparse.Namespace)
     if sig.terminating:
         return 128 + sig.terminating
     ok = result.ok
-    if not ok and result.status == "length" and args.demo and args.max_tokens is None:
-        ok = True  # the demo cap is the noise model's end of turn, not a failure
-        err.print(f"(demo cap: the turn ended after {DEMO_MAX_TOKENS} tokens)", style="dim")
     answer = _final_answer(agent)
     if answer:
         sys.stdout.write(answer if answer.endswith("\n") else answer + "\n")
@@ -252,16 +250,24 @@ class SignalState:
     Attributes:
         reading: the prompt is blocked reading a line (only then does SIGINT raise, and
             only once: the raise clears it).
+        prompting: the prompt is being shown (a SIGINT then is kept in ``pending`` and
+            raised when the read starts, so every Ctrl+C at the prompt is answered).
+        pending: a SIGINT arrived while prompting.
         terminating: SIGTERM or SIGHUP arrived (its number); 0 if not.
     """
 
     def __init__(self) -> None:
         self.reading = False
+        self.prompting = False
+        self.pending = False
         self.terminating = 0
 
     @contextlib.contextmanager
     def read(self):
         """Around the blocking read of a line: SIGINT raises `KeyboardInterrupt` here."""
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt  # from plain code, not inside a signal handler
         self.reading = True
         try:
             yield
@@ -300,6 +306,8 @@ def _signals(*, interactive: bool, exiting: bool = False):
         if state.reading:
             state.reading = False  # first: a nested call (see above) must not raise
             raise KeyboardInterrupt
+        if state.prompting:
+            state.pending = True
 
     def on_term(signum, frame):
         first = not state.terminating
@@ -353,7 +361,11 @@ def repl(agent: Agent, ui: RichUI, sig: SignalState | None = None) -> int:
             ui.line(f"({name}: saving the session and exiting)", "yellow")
             return 128 + sig.terminating
         try:
-            line = ui.read_line(guard=sig.read())
+            sig.prompting, sig.pending = True, False
+            try:
+                line = ui.read_line(guard=sig.read())
+            finally:
+                sig.prompting = False
         except EOFError:
             ui.line("")
             return 0

@@ -123,6 +123,8 @@ class Agent(LiveSteps, SessionCommands, Compacting):
         sampling: :class:`~ds4mlx.engine.SamplingParams` (default: temperature 1,
             min_p 0.05, docs/ARCHITECTURE.md §6).
         max_tokens: most tokens one model turn may generate (default: the context).
+        cap_is_eos: reaching ``max_tokens`` ends the turn as an EOS would (the demo
+            model's cap: it practically never samples EOS).
         max_steps: most tool rounds per user message (int).
         tool_output_tokens: token budget of one tool result (default ``ctx // 8``
             clamped to 64..4096).
@@ -151,6 +153,7 @@ class Agent(LiveSteps, SessionCommands, Compacting):
         thinking: bool = True,
         sampling: SamplingParams | None = None,
         max_tokens: int | None = None,
+        cap_is_eos: bool = False,
         max_steps: int = 100,
         tool_output_tokens: int | None = None,
         bash_timeout: float = 120.0,
@@ -168,6 +171,7 @@ class Agent(LiveSteps, SessionCommands, Compacting):
         self.book = book
         self.sampling = sampling or SamplingParams(temperature=1.0, top_p=1.0, min_p=0.05)
         self.max_tokens = max_tokens or self.ctx
+        self.cap_is_eos = cap_is_eos
         self.max_steps = max_steps
         self.policy = policy or cmp.CompactionPolicy()
         self.chunk_size = chunk_size

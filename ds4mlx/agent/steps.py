@@ -134,6 +134,7 @@ class LiveSteps:
         spec = TurnSpec(
             self.sampling,
             max_tokens=max_tokens,
+            cap_is_eos=self.cap_is_eos and kind == "answer",
             thinking=thinking,
             tools=tuple(self.conv.tools) if tools else (),
         )

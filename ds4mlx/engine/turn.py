@@ -345,6 +345,11 @@ class _Turn:
         if self._text_of(t, lp):
             self._stop_matched()
             return FINISH_STOP_SEQUENCE, False
+        if self.in_thinking and self.decoder is not None and self.decoder.tool_block_closed:
+            # A complete tool-call block opened before </think> is the turn's calls: the
+            # reasoning ended where it began, and a forced call is already there.
+            self.in_thinking = False
+            self.force_text = None
         end = self._ends_turn(n)
         return end, end in (None, FINISH_STOP)
 

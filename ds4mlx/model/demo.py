@@ -6,6 +6,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+# Output tokens per turn of the demo model (serve --demo, agent --demo) unless a limit is
+# given: its text is noise and it practically never samples EOS, so the cap stands in for
+# the end of a turn.
+DEMO_MAX_TOKENS = 256
+
 
 def demo_model_dir() -> Path:
     """The cached tiny demo checkpoint directory (``$XDG_CACHE_HOME/ds4mlx/demo``)."""

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import os
 
-from ds4mlx.model.demo import demo_model_dir, ensure_demo_model
+from ds4mlx.model.demo import DEMO_MAX_TOKENS, demo_model_dir, ensure_demo_model
 from ds4mlx.server.app import serve, start_worker
-from ds4mlx.server.config import DEMO_MAX_TOKENS, ServerConfig
+from ds4mlx.server.config import ServerConfig
 
 NO_MODEL_MESSAGE = """\
 ds4mlx serve: no model given.

@@ -9,10 +9,6 @@ DEFAULT_MODEL_NAME = "deepseek-v4-flash"
 # Alias → thinking default. "deepseek-chat" is DeepSeek's own name for non-thinking mode.
 DEFAULT_ALIASES = {"deepseek-chat": False, "deepseek-reasoner": True}
 
-# ``serve --demo``: output tokens per request unless --tokens says otherwise. The demo
-# model's text is noise and it practically never samples EOS.
-DEMO_MAX_TOKENS = 256
-
 
 # --------------------------------------------------------------------------- config
 
@@ -27,7 +23,7 @@ class ServerConfig:
         default_max_tokens: output tokens when a request sets none (``--tokens``);
             None means "until the context is full".
         max_tokens_cap: every request's output limit is capped to this (``--demo``:
-            ``--tokens`` or `DEMO_MAX_TOKENS`), or None. The demo model is noise and
+            ``--tokens`` or ``ds4mlx.model.demo.DEMO_MAX_TOKENS``), or None. The demo model is noise and
             never samples EOS; clients that ask for 32000 tokens would wait minutes.
         demo_policy: ``--demo`` without ``--tokens``: the cap stands in for the noise
             model's EOS (a turn it cuts is a natural end) and every request runs without

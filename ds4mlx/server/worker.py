@@ -261,7 +261,7 @@ class Worker:
                 script=_script_ids(script, tok),
             )
         except ContextOverflowError as e:
-            job.emit(JobFailed(str(e), 400, "context_length_exceeded"))
+            job.emit(_prompt_error(e.have + e.adding, e.ctx_size, str(e)))
             return
         if self.tracer.enabled:
             self.tracer.write(job.id, "output", text=result.raw, finish=result.finish)
@@ -352,10 +352,17 @@ def _text(req: GenRequest) -> str | None:
     return getattr(req.prompt_text, "text", req.prompt_text)
 
 
-def _prompt_error(n: int, ctx: int) -> JobFailed:
+def _prompt_error(n: int, ctx: int, message: str = "") -> JobFailed:
+    """The 400 for an empty prompt or one the context cannot hold (its counts as fields,
+    like the routes' own check before queueing)."""
     if n == 0:
         return JobFailed("empty prompt", 400, "invalid_request_error")
-    return JobFailed(f"prompt is {n} tokens; the context is {ctx}", 400, "context_length_exceeded")
+    return JobFailed(
+        message or f"prompt is {n} tokens; the context is {ctx}",
+        400,
+        "context_length_exceeded",
+        fields={"n_prompt_tokens": n, "n_ctx": ctx},
+    )
 
 
 def _prefill_words(planned: int, fed: int, seconds: float) -> str:
