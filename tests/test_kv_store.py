@@ -94,10 +94,8 @@ def test_tool_memory_pairs_and_lookup_by_id(tmp_path):
     store = make_store(tmp_path)
     save(store, "AAA <inv1> BBB", tool_memory=[("t1", "<inv1>"), ("t2", "<inv2>")])
     save(store, "CCC <inv2>", seed=1, tool_memory=[("t2", "<inv2>")])
-    assert make_store(tmp_path).tool_memory_for(["t1", "t2", "nope"]) == {
-        "t1": "<inv1>",
-        "t2": "<inv2>",
-    }
+    found = {k: v for _, tools in make_store(tmp_path).tool_maps() for k, v in tools.items()}
+    assert found == {"t1": "<inv1>", "t2": "<inv2>"}
 
 
 def test_save_rejects_bad_arguments(tmp_path):
@@ -235,7 +233,7 @@ def test_budget_never_exceeded_and_new_file_kept(tmp_path, caplog):
         text = f"conversation {i} " + "z" * int(rng.integers(0, 3000))
         e = save(store, text, seed=i, reason="continued")
         assert e is not None and e.path.exists(), "the file just written is never evicted"
-        assert store.usage_bytes() <= budget
+        assert store.scan().total_bytes <= budget
         if i % 3 == 0:
             store.lookup_and_load(text + " more")
     assert "size estimate" not in caplog.text  # the pre-write bound held every time
@@ -437,7 +435,7 @@ def test_bad_files_count_toward_budget_and_go_first(tmp_path):
     save(store, "good two", seed=1)
     assert not junk.exists()
     assert {x.head for x in store.entries()} == {"good", "good two"}
-    assert store.usage_bytes() <= store.budget_bytes
+    assert store.scan().total_bytes <= store.budget_bytes
 
 
 def test_stale_temp_files_removed_at_open(tmp_path):

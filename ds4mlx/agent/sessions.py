@@ -12,18 +12,18 @@ version. Unreadable files are skipped by :meth:`SessionBook.list`.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import re
-import tempfile
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ds4mlx.dsml.conversation import Message, ToolCall
+from ds4mlx.fsutil import atomic_write
 
 FORMAT = "ds4mlx-agent-session"
 VERSION = 1
@@ -203,14 +203,5 @@ class SessionBook:
         """Write ``rec`` atomically (temp file, fsync, rename)."""
         rec.updated = time.time()
         data = json.dumps(rec.to_json(), ensure_ascii=False).encode("utf-8", "surrogatepass")
-        fd, tmp = tempfile.mkstemp(prefix=f".{rec.id}.", suffix=".tmp", dir=self.dir)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self._path(rec.id))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        tmp = self.dir / f".{rec.id}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        atomic_write(self._path(rec.id), data, tmp=tmp)

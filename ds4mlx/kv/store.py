@@ -60,7 +60,6 @@ written is never evicted.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import io
 import json
@@ -79,6 +78,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from safetensors import safe_open
+
+from ds4mlx.fsutil import atomic_write, fsync_dir, write_durable
 
 log = logging.getLogger("ds4mlx.kv")
 
@@ -254,35 +255,13 @@ def _utf8(text: str) -> bytes:
     return text.encode("utf-8", "surrogatepass")
 
 
+def _sha1(data: bytes) -> str:
+    return hashlib.sha1(data).hexdigest()
+
+
 def text_key(text: str) -> str:
-    """The cache key of ``text``: SHA-1 hex of its UTF-8 bytes."""
-    return hashlib.sha1(_utf8(text)).hexdigest()
-
-
-def _fsync_file(fd: int) -> None:
-    # On macOS fsync() only reaches the drive's cache; F_FULLFSYNC is the real barrier.
-    full = getattr(fcntl, "F_FULLFSYNC", None)
-    if full is not None:
-        try:
-            fcntl.fcntl(fd, full)
-            return
-        except OSError:
-            pass  # not supported by this filesystem: fall back to fsync
-    os.fsync(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    # Makes the rename itself durable: without it a power loss can forget the new name.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on directories; the rename is still atomic
-    finally:
-        os.close(fd)
+    """The cache key of ``text``: SHA-1 hex of its UTF-8 bytes (file names, aliases)."""
+    return _sha1(_utf8(text))
 
 
 def _tmp_name(stem: str) -> str:
@@ -435,7 +414,7 @@ def read_entry(path: str | os.PathLike, *, verify_key: bool = True) -> Entry:
         raise
     except Exception as e:  # safetensors raises its own error types for bad layouts
         raise KVStoreError(f"unreadable safetensors: {e}") from e
-    if verify_key and hashlib.sha1(text).hexdigest() != key:
+    if verify_key and _sha1(text) != key:
         raise KVStoreError("stored text does not hash to the file name")
     return Entry(
         key=key,
@@ -593,7 +572,7 @@ def load_file(path: str | os.PathLike) -> Loaded:
     if _digest(tensors) != hdr["digest"]:
         raise KVStoreError("digest mismatch: tensor data is corrupt")
     text_b = _array_bytes(tensors.pop(TEXT_KEY))
-    if len(text_b) != hdr["text_bytes"] or hashlib.sha1(text_b).hexdigest() != entry.key:
+    if len(text_b) != hdr["text_bytes"] or _sha1(text_b) != entry.key:
         raise KVStoreError("stored text does not hash to the file name")
     tokens = tensors.pop(TOKENS_KEY)
     if tokens.dtype != mx.int32 or tokens.shape != (hdr["tokens"],):
@@ -790,10 +769,6 @@ class DiskKVStore:
         """Readable snapshots this store may load (same identity, context, quant rule)."""
         return [e for e in self.scan().entries if self._compatible(e)]
 
-    def usage_bytes(self) -> int:
-        """Bytes of every snapshot-named file in the directory (int bytes)."""
-        return self.scan().total_bytes
-
     # ---------------------------------------------------------------- lookup and load
 
     def lookup(self, rendered_prompt: str, *, exclude: Iterable[str] = ()) -> Entry | None:
@@ -822,7 +797,7 @@ class DiskKVStore:
         for n, _, key, e in cands:
             h = hashes.get(n)
             if h is None:
-                h = hashes[n] = hashlib.sha1(data[:n]).hexdigest()
+                h = hashes[n] = _sha1(data[:n])
             if h == key:
                 return e
         return None
@@ -899,21 +874,6 @@ class DiskKVStore:
                 continue
             if isinstance(tools, dict):
                 yield e, {k: v for k, v in tools.items() if isinstance(v, str)}
-
-    def tool_memory_for(self, ids: Iterable[str]) -> dict[str, str]:
-        """Tool-memory entries for ``ids`` found in any compatible snapshot.
-
-        For exact DSML replay after a restart when the snapshot that holds a call is not
-        the one a prompt hits; the newest snapshot holding an id wins.
-        """
-        want = set(ids)
-        found: dict[str, str] = {}
-        for _, tools in self.tool_maps(newest_first=True):
-            if not want - found.keys():
-                break
-            for k in want & tools.keys():
-                found.setdefault(k, tools[k])
-        return found
 
     # ---------------------------------------------------------------- saving
 
@@ -1029,7 +989,7 @@ class DiskKVStore:
             log.warning("kv cache: save failed tokens=%d reason=%s: %s", len(tokens), reason, e)
             return None
         return PreparedSave(
-            key=hashlib.sha1(text_b).hexdigest(),
+            key=_sha1(text_b),
             text_bytes=text_b,
             tokens=len(tokens),
             reason=reason,
@@ -1079,7 +1039,7 @@ class DiskKVStore:
             with self._lock:
                 try:
                     os.replace(tmp, final)
-                    _fsync_dir(self.dir)
+                    fsync_dir(self.dir)
                     st_size = final.stat().st_size
                 except OSError as e:
                     with contextlib.suppress(OSError):
@@ -1117,16 +1077,9 @@ class DiskKVStore:
         """Write ``p``'s bytes to ``tmp`` and fsync them; False (logged, no file left)
         on failure."""
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            with os.fdopen(fd, "wb") as f:
-                f.write(p.data)
-                f.flush()
-                # Data must be durable before the rename publishes the name; otherwise a
-                # power loss could leave a complete-looking name over missing blocks.
-                _fsync_file(f.fileno())
+            # Durable before the rename publishes the name (ds4mlx.fsutil).
+            write_durable(tmp, p.data)
         except OSError as e:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
             log.warning("kv cache: save failed tokens=%d reason=%s: %s", p.tokens, p.reason, e)
             return False
         return True
@@ -1165,7 +1118,7 @@ class DiskKVStore:
         self._refresh_index()
         rec = self._index.get(e.key)
         have = rec["aliases"] if rec is not None and rec["created"] == e.created else []
-        new = [[hashlib.sha1(a).hexdigest(), len(a)] for a in aliases]
+        new = [[_sha1(a), len(a)] for a in aliases]
         merged = have + [a for a in new if a not in have]
         if merged != have:
             self._update_index(e.key, e.created, aliases=merged)
@@ -1185,16 +1138,9 @@ class DiskKVStore:
 
     def _write_index(self, index: Mapping[str, dict]) -> None:
         data = json.dumps({"version": 1, "entries": index}, sort_keys=True).encode()
-        tmp = self.dir / _tmp_name("index")
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.dir / INDEX_NAME)
+            atomic_write(self.dir / INDEX_NAME, data, tmp=self.dir / _tmp_name("index"))
         except OSError as e:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
             log.warning("kv cache: could not write hit index: %s", e)
             return
         self._index = dict(index)
