@@ -201,3 +201,49 @@ def test_default_directory_is_the_user_cache(tiny_model_dir, tmp_path):  # noqa:
     # The chat anchor (cold) and the prompt's end, written before generation; the
     # clean stop flushed the writer.
     assert {"cold", "prompt"} <= reasons, reasons
+
+
+def test_retry_shape_reuses_system_and_tools(server):
+    """Must-hold 3: Claude Code's first request carries its skills list as a ``system``
+    message after the first user message (rendered after the tools section); its
+    "output token limit" retry carries the same text inside the user turn, wrapped in
+    ``<system-reminder>``. The retry is served from the snapshot at the end of the
+    shared top-level system text and tools."""
+    skills = "Skills available: " + long_system(25, seed=82)
+    base = {
+        "model": "deepseek-chat",
+        "max_tokens": 8,
+        "system": long_system(90, seed=81),
+        "tools": [TOOL],
+    }
+    first = {
+        **base,
+        "messages": [
+            {"role": "user", "content": "fix the bug"},
+            {"role": "system", "content": skills},
+        ],
+    }
+    retry = {
+        **base,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": f"<system-reminder>\n{skills}\n</system-reminder>"},
+                    {"type": "text", "text": "fix the bug"},
+                ],
+            }
+        ],
+    }
+    _unrelated(server, 80)
+    script(server, "Working." + EOS)
+    post(server, "/v1/messages", first)
+    _unrelated(server, 83)  # the retry is not a continuation of the live state either
+    script(server, "Working." + EOS)
+    r = post(server, "/v1/messages", retry)
+    plan = server.trace.last()
+    assert plan["decision"] == "disk", plan
+    total, cached = anthropic_usage(r)
+    shared = _count(server, {**base, "messages": [{"role": "user", "content": "x"}]}) - 6
+    print(f"retry shape: {cached}/{total} prompt tokens from cache ({cached / total:.0%})")
+    assert cached >= shared - 8, (cached, shared, total)

@@ -95,6 +95,7 @@ class DiskCache:
         prompt_tokens: Sequence[int],
         rendered_text: str | None,
         prompt_end: bool = False,
+        stable_text: str | None = None,
     ) -> list[policy.SavePoint]:
         """Snapshots to take while prefilling ``prompt_tokens`` from ``cached`` tokens.
 
@@ -104,6 +105,9 @@ class DiskCache:
         text is not a prefix of ``rendered_text``, could never be found by a text
         lookup: it moves back (at most 8 tokens) to a clean boundary, or is dropped. The
         point at the prompt's end stays: it is saved under ``rendered_text`` too.
+        ``stable_text``: a prefix of the prompt that a retry in another shape shares (see
+        ``ds4mlx.kv.plan``); the most tokens whose text lies within it get a ``cold``
+        point.
         """
         tok = self.engine.tokenizer
         points = policy.prefill_save_points(
@@ -115,6 +119,10 @@ class DiskCache:
             assistant_token_id=tok.assistant_id,
             prompt_end=prompt_end,
         )
+        if stable_text:
+            n = self._tokens_within(prompt_tokens, stable_text)
+            if cached < n and n > self.tracker.last_saved and n not in {p.tokens for p in points}:
+                points = sorted([*points, policy.SavePoint(n, "cold")], key=lambda p: p.tokens)
         out: list[policy.SavePoint] = []
         for p in points:
             n = p.tokens
@@ -137,6 +145,18 @@ class DiskCache:
             if n >= self.settings.min_tokens and (not out or out[-1].tokens < n):
                 out.append(policy.SavePoint(n, p.reason))
         return out
+
+    def _tokens_within(self, ids: Sequence[int], text: str) -> int:
+        """The most leading tokens of ``ids`` whose decoded text is a prefix of ``text``
+        (binary search: a few decodes)."""
+        lo, hi = 0, len(ids)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if text.startswith(self.engine.tokenizer.decode(list(ids[:mid]))):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def continued_due(self, n_tokens: int) -> bool:
         """Whether the live state at ``n_tokens`` (during generation) is an unsaved

@@ -40,6 +40,7 @@ session holds exactly ``n``: the prefill pauses at each checkpoint.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,6 +68,27 @@ log = logging.getLogger("ds4mlx.kv")
 # Plans that are not live continuations (rules 4-7): their prompt end gets a ``prompt``
 # snapshot (docs/ARCHITECTURE.md §5).
 _NOT_CONTINUATIONS = frozenset({"exact-token-prefix", "text-prefix", "disk", "cold"})
+
+
+def _stable_prefix(conv, text: str | None, planner) -> str | None:
+    """The start of ``text`` that a retry of ``conv`` shares when its mid-conversation
+    system text (``Conversation.late_system``, rendered after the tools section) comes
+    back inside a user turn instead, as Claude Code's retry sends it: the common prefix
+    of the rendering and the rendering without that text (top-level system text and
+    tools). None without late system text. A snapshot there serves such a retry
+    (docs/ARCHITECTURE.md §5)."""
+    if conv is None or text is None or not getattr(conv, "late_system", ""):
+        return None
+    from dataclasses import replace
+
+    from ds4mlx.dsml import render_prompt
+
+    other = render_prompt(
+        replace(conv, late_system=""),
+        context_size=planner.engine.ctx_size,
+        tool_memory=planner.tool_memory,
+    )
+    return text[: len(os.path.commonprefix([text, other]))]
 
 
 def _thinking_detail(conv, tool_b: ToolBinding | None) -> str:
@@ -196,7 +218,7 @@ class _DiskTier:
     residents: ResidentStates | None
     _live_keys: tuple[str, ...]
 
-    def _with_checkpoints(self, plan: Plan, session, rendered: str | None) -> Plan:
+    def _with_checkpoints(self, plan: Plan, session, rendered: str | None, conv=None) -> Plan:
         """Attach the disk-save checkpoints of ``plan`` (cold point, continued frontiers,
         the prompt's end when it is not a live continuation).
 
@@ -215,6 +237,7 @@ class _DiskTier:
             # A retry, replay or sub-agent of a prompt that did not continue the live
             # state cannot continue it either: its end is saved for them.
             prompt_end=plan.decision in _NOT_CONTINUATIONS,
+            stable_text=_stable_prefix(conv, rendered, self),
         )
         if points:
             reasons = {p.tokens: p.reason for p in points}
@@ -572,7 +595,7 @@ class Planner(_Residency, _DiskTier):
             # route checked that the prompt's own tokenization fits the context.
             plan = self._from_disk(session, rendered) or self._cold(session, prompt_tokens)
         self._note_replayed(conversation)
-        return self._with_checkpoints(plan, session, rendered.text if rendered else None)
+        return self._with_checkpoints(plan, session, rendered and rendered.text, conversation)
 
     def _fits(self, plan: Plan) -> bool:
         """Whether continuing the live state this way leaves room for a token.
