@@ -42,6 +42,8 @@ TOOL = {
 def server(tiny_model_dir, tmp_path_factory):  # noqa: F811 (fixture from server_util)
     trace = tmp_path_factory.mktemp("resident") / "trace.jsonl"
     with Server(tiny_model_dir, ctx=8192, extra=["--trace", str(trace), "--sessions", "2"]) as s:
+        h = s.health()
+        assert h["sessions"] == 2 and 1 <= len(h["states"]) <= 2, h  # states made as needed
         s.trace = Trace(trace)
         yield s
 

@@ -124,6 +124,7 @@ async def detokenize_route():
 @bp.get("/health")
 async def health():
     st = state()
+    residents = getattr(st.kv, "residents", None)
     return json_response(
         {
             "status": "ok",
@@ -134,6 +135,9 @@ async def health():
             "submitted": st.worker.jobs_submitted,
             "done": st.worker.jobs_done,
             "live_tokens": len(st.engine.session.tokens),
+            # --sessions N: the resident states (plain Python counts, no MLX access).
+            "sessions": residents.n if residents is not None else 1,
+            "states": residents.describe() if residents is not None else None,
         }
     )
 
