@@ -629,9 +629,7 @@ async def messages():
     req = await parse_body(MessagesRequest)
     st = state()
     conv = _conversation(req)
-    sampling = sampling_params(
-        conv.thinking, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k
-    )
+    sampling = sampling_params(conv.thinking, req)
     gen = await prepare(
         conv,
         NAMES,

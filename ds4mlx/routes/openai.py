@@ -454,14 +454,7 @@ async def chat_completions():
     req = await parse_body(ChatRequest)
     st = state()
     conv = conversation(req)
-    sampling = sampling_params(
-        conv.thinking,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        min_p=req.min_p,
-        seed=req.seed,
-    )
+    sampling = sampling_params(conv.thinking, req)
     gen = await prepare(
         conv,
         NAMES,

@@ -176,16 +176,22 @@ def demo_policy(conv: Conversation) -> Conversation:
     return conv
 
 
-def sampling_params(
-    thinking: bool, *, temperature=None, top_p=None, top_k=None, min_p=None, seed=None
-) -> SamplingParams:
+def sampling_params(thinking: bool, req: Any) -> SamplingParams:
     """``SamplingParams`` for a request (docs/ARCHITECTURE.md §6).
 
+    ``req``: the validated pydantic request; its ``temperature``, ``top_p``, ``top_k``,
+    ``min_p`` and ``seed`` are read where the protocol declares them (else the default).
     Thinking mode ignores the client's knobs, as DeepSeek's API does: temperature 1,
     top_p 1, min_p 0.05. Otherwise the client's values with those defaults; top_k
     ``-1`` (vLLM's "off") is 0; a temperature below 1e-4 is greedy. ``seed`` is any
     int (taken modulo 2**64).
     """
+    # Declared (validated) fields only: tolerated unknown fields are never read.
+    declared = type(req).model_fields
+    temperature, top_p, top_k, min_p, seed = (
+        getattr(req, k) if k in declared else None
+        for k in ("temperature", "top_p", "top_k", "min_p", "seed")
+    )
     if seed is not None:
         seed = int(seed) % 2**64  # MLX keys take an unsigned 64-bit seed
     if thinking:

@@ -518,14 +518,7 @@ async def _prepare(data: Any, *, path: str, store: dict[str, list[Any]] | None =
         raise APIError(400, e.message, param=e.param) from None
     if not any(m.role in ("user", "tool") for m in conv.messages):
         raise APIError(400, "input: needs at least one user message or tool output", param="input")
-    sampling = sampling_params(
-        conv.thinking,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        min_p=req.min_p,
-        seed=req.seed,
-    )
+    sampling = sampling_params(conv.thinking, req)
     gen = await prepare(
         conv,
         NAMES,
