@@ -265,10 +265,13 @@ class SignalState:
     @contextlib.contextmanager
     def read(self):
         """Around the blocking read of a line: SIGINT raises `KeyboardInterrupt` here."""
-        if self.pending:
-            self.pending = False
-            raise KeyboardInterrupt  # from plain code, not inside a signal handler
+        # Reading first, then the check: a signal after this line raises from its handler,
+        # one before it left ``pending`` (SIGINT) or ``terminating`` (SIGTERM/SIGHUP, which
+        # must not leave the agent blocked in a read nobody will answer).
         self.reading = True
+        if self.pending or self.terminating:
+            self.pending = self.reading = False
+            raise KeyboardInterrupt  # from plain code, not inside a signal handler
         try:
             yield
         finally:
