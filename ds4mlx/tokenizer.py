@@ -112,6 +112,7 @@ class Tokenizer:
         self._bytes: dict[int, bytes] = {}
         added = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items()}
         self._added_ids = added
+        self._special_ids = frozenset(added.values())
         # Leftmost-longest, as the library matches added tokens.
         self._added_re = re.compile(
             "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True))
@@ -149,6 +150,26 @@ class Tokenizer:
             if forged:
                 return self._encode_with_text(text, content)
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def same_markers(
+        self, tokens: Sequence[int], text: str, content: Sequence[tuple[int, int]] = ()
+    ) -> bool:
+        """Whether ``tokens`` hold special tokens exactly where ``text`` has markers.
+
+        ``text`` is a rendered prefix (``content`` its plain-text spans). Keeping a live
+        state whose text equals ``text`` is only right when the two agree on which
+        special-token spellings are tokens: else a spelled marker in the prompt's content
+        would reuse a real one from the state, or the reverse. Checked by counting: the
+        special ids in ``tokens`` against the spellings in ``text`` outside ``content``,
+        with none inside it.
+        """
+        spelled = 0
+        for m in self._added_re.finditer(text):
+            if content and _inside(m.start(), m.end(), content):
+                return False
+            spelled += 1
+        ids = self._special_ids
+        return spelled == sum(1 for t in tokens if t in ids)
 
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of ``text`` with every special-token spelling read as plain text."""

@@ -320,3 +320,29 @@ def test_log_line_prefill_field():
     assert _prefill_words(0, 0, 0.0) == "none (all cached)"
     assert _prefill_words(100, 100, 0.5) == "200.0 tok/s"
     assert _prefill_words(100, 40, 0.25) == "cancelled after 40/100 tokens in 0.25s"
+
+
+def test_text_prefix_requires_the_same_markers(tok):
+    """Issue 12, "keys after the hardening issue": the same bytes are not the same prompt
+    when content spells a marker the live state holds as a token (or the reverse)."""
+    from ds4mlx.dsml import Rendered
+
+    text = BOS + "<｜User｜>a<｜Assistant｜>b"
+    rest = "<｜end▁of▁sentence｜><｜User｜>next<｜Assistant｜></think>"
+    real = tok.encode(text)  # the state holds real User/Assistant tokens
+    # The new prompt has the same bytes, but there "<｜Assistant｜>b" is user content.
+    start = len(BOS + "<｜User｜>")
+    spelled = Rendered(text + rest, ((start, len(text)),))
+    p = plan_prefill(
+        FakeSession(tok, real), tok, spelled, tok.encode(spelled.text, content=spelled.content)
+    )
+    assert p.decision == "cold"
+    # The reverse: the state holds the spelling as text, the prompt has real markers.
+    plain = tok.encode(BOS) + tok.encode_plain(text[len(BOS) :])
+    p = plan_prefill(FakeSession(tok, plain), tok, Rendered(text + rest), tok.encode(text + rest))
+    assert p.decision == "cold"
+    # Same markers: the text prefix is kept.
+    p = plan_prefill(
+        FakeSession(tok, real), tok, Rendered(text + rest), tok.encode(text + "x") + [1]
+    )
+    assert p.decision in ("exact-token-prefix", "text-prefix") and p.keep == len(real)

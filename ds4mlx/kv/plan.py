@@ -175,6 +175,15 @@ def _encode_tail(tokenizer, rendered: Rendered, start: int) -> list[int]:
     return tokenizer.encode(tail.text, content=tail.content)
 
 
+def _same_markers(tokenizer, tokens: list[int], rendered: Rendered, end: int) -> bool:
+    """Whether ``tokens`` (a state whose text is ``rendered.text[:end]``) hold control
+    tokens exactly where the rendering has markers: the same bytes are not the same
+    prompt when content spells a marker (plain text) that the state holds as a token,
+    or the reverse. Text-keyed reuse (text prefix, disk) requires it."""
+    spans = tuple((a, min(b, end)) for a, b in rendered.content if a < end)
+    return tokenizer.same_markers(tokens, rendered.text[:end], spans)
+
+
 def _prefix_plan(
     session: _Session, tokenizer: _Tokenizer, rendered: Rendered | None, prompt: list[int]
 ) -> Plan | None:
@@ -194,6 +203,7 @@ def _prefix_plan(
             and not live_text.endswith("\ufffd")
             and len(live_text) <= len(rendered.text)
             and rendered.text.startswith(live_text)
+            and _same_markers(tokenizer, live, rendered, len(live_text))
         ):
             rest = _encode_tail(tokenizer, rendered, len(live_text))
             return Plan(keep=n, suffix_tokens=rest, decision="text-prefix", cached=n)
@@ -322,6 +332,13 @@ class _DiskTier:
     def _restore(self, session, rendered: Rendered, loaded, t0: float) -> Plan | None:
         from ds4mlx.engine import SessionState, SnapshotError
 
+        # A match on the snapshot's own text must agree on markers (an alias is a visible
+        # key: its text leaves out the reasoning the state holds, by design).
+        if not loaded.entry.via_alias and not _same_markers(
+            self.engine.tokenizer, loaded.tokens, rendered, len(loaded.text)
+        ):
+            log.info("kv cache: %s matches as text, not as tokens; not used", loaded.entry.key[:12])
+            return None
         self._evict_live(session)
         state = SessionState(tokens=loaded.tokens, arrays=loaded.arrays, meta=loaded.meta)
         try:
