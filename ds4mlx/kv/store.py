@@ -853,7 +853,7 @@ class DiskKVStore:
             if e.via_alias:
                 # The alias hashed to a prefix of the prompt: that prefix is its text.
                 loaded.text = _utf8(rendered_prompt)[: e.via_alias].decode("utf-8", "surrogatepass")
-                loaded.entry = e  # says how it matched (``via_alias``)
+                loaded.entry = replace(loaded.entry, via_alias=e.via_alias)  # how it matched
             return loaded
 
     def tool_maps(self, *, newest_first: bool = False) -> Iterator[tuple[Entry, dict[str, str]]]:
