@@ -7,6 +7,7 @@ model and scripted decoding). Each job's plan decision comes from the server's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -148,3 +149,26 @@ def chat_usage(resp: dict) -> tuple[int, int]:
 def responses_usage(resp: dict) -> tuple[int, int]:
     u = resp["usage"]
     return u["input_tokens"], u["input_tokens_details"]["cached_tokens"]
+
+
+@contextlib.contextmanager
+def traced_server(model_dir, tmp_path_factory, *, ctx: int = 8192, extra=()):
+    """A ``ds4mlx serve`` (scripted decoding) with a ``--trace`` file read by ``s.trace``."""
+    from server_util import Server
+
+    trace = tmp_path_factory.mktemp("traced") / "trace.jsonl"
+    with Server(model_dir, ctx=ctx, extra=["--trace", str(trace), *extra]) as s:
+        s.trace = Trace(trace)
+        yield s
+
+
+# A one-parameter Anthropic tool for prompt-cache tests.
+LOOKUP_TOOL = {
+    "name": "lookup",
+    "description": "Look a word up",
+    "input_schema": {
+        "type": "object",
+        "properties": {"word": {"type": "string"}},
+        "required": ["word"],
+    },
+}

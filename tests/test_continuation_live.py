@@ -18,7 +18,6 @@ from kv_server_util import (
     ASSISTANT,
     EOS,
     USER,
-    Trace,
     anthropic_usage,
     chat_usage,
     count_tokens,
@@ -29,6 +28,7 @@ from kv_server_util import (
     script,
     tokenize,
     tool_calls,
+    traced_server,
 )
 from server_util import Server, tiny_model_dir  # noqa: F401
 
@@ -64,11 +64,9 @@ SHORT_SYSTEM = long_system(20, seed=3)
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):  # noqa: F811 (fixture from server_util)
-    trace = tmp_path_factory.mktemp("live") / "trace.jsonl"
     # No disk tier: the cold references below must be cold, not disk hits.
-    extra = ["--trace", str(trace), "--kv-disk-dir", "none"]
-    with Server(tiny_model_dir, ctx=16384, extra=extra) as s:
-        s.trace = Trace(trace)
+    extra = ["--kv-disk-dir", "none"]
+    with traced_server(tiny_model_dir, tmp_path_factory, ctx=16384, extra=extra) as s:
         yield s
 
 

@@ -13,7 +13,7 @@ import os
 import subprocess
 
 import pytest
-from kv_server_util import Trace
+from kv_server_util import traced_server
 from server_util import EOS, REPO, Server, require_cli, tiny_model_dir, tool_call_dsml  # noqa: F401
 
 WRAPPER = REPO / "examples" / "claude-code.sh"
@@ -21,9 +21,7 @@ WRAPPER = REPO / "examples" / "claude-code.sh"
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):  # noqa: F811 (fixture from server_util)
-    trace = tmp_path_factory.mktemp("e2e") / "trace.jsonl"
-    with Server(tiny_model_dir, ctx=32768, extra=["--trace", str(trace)]) as s:
-        s.trace = Trace(trace)
+    with traced_server(tiny_model_dir, tmp_path_factory, ctx=32768) as s:
         yield s
 
 

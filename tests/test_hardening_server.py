@@ -11,7 +11,7 @@ import re
 
 import httpx
 import pytest
-from kv_server_util import Trace
+from kv_server_util import traced_server
 from server_util import EOS, Server, sse_events, tiny_model_dir  # noqa: F401
 
 CTX = 2048
@@ -19,9 +19,7 @@ CTX = 2048
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):  # noqa: F811 (fixture from server_util)
-    trace = tmp_path_factory.mktemp("hardening") / "trace.jsonl"
-    with Server(tiny_model_dir, ctx=CTX, extra=["--trace", str(trace)]) as s:
-        s.trace = Trace(trace)
+    with traced_server(tiny_model_dir, tmp_path_factory, ctx=CTX) as s:
         yield s
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 from kv_server_util import (
     EOS,
-    Trace,
+    LOOKUP_TOOL,
     anthropic_usage,
     chat_usage,
     invoke,
@@ -29,27 +29,18 @@ from kv_server_util import (
     post,
     script,
     tool_calls,
+    traced_server,
 )
 from server_util import Server, tiny_model_dir  # noqa: F401
 
 from ds4mlx.kv.store import scan_dir
 
-TOOL = {
-    "name": "lookup",
-    "description": "Look a word up",
-    "input_schema": {
-        "type": "object",
-        "properties": {"word": {"type": "string"}},
-        "required": ["word"],
-    },
-}
+TOOL = LOOKUP_TOOL
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):  # noqa: F811 (fixture from server_util)
-    trace = tmp_path_factory.mktemp("pc") / "trace.jsonl"
-    with Server(tiny_model_dir, ctx=8192, extra=["--trace", str(trace)]) as s:
-        s.trace = Trace(trace)
+    with traced_server(tiny_model_dir, tmp_path_factory) as s:
         yield s
 
 

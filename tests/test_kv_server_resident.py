@@ -14,7 +14,7 @@ import time
 import pytest
 from kv_server_util import (
     EOS,
-    Trace,
+    LOOKUP_TOOL,
     anthropic_usage,
     chat_usage,
     invoke,
@@ -22,29 +22,20 @@ from kv_server_util import (
     post,
     script,
     tool_calls,
+    traced_server,
 )
 from server_util import Server, tiny_model_dir  # noqa: F401
 
 from ds4mlx.kv.store import scan_dir
 
-TOOL = {
-    "name": "lookup",
-    "description": "Look a word up",
-    "input_schema": {
-        "type": "object",
-        "properties": {"word": {"type": "string"}},
-        "required": ["word"],
-    },
-}
+TOOL = LOOKUP_TOOL
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):  # noqa: F811 (fixture from server_util)
-    trace = tmp_path_factory.mktemp("resident") / "trace.jsonl"
-    with Server(tiny_model_dir, ctx=8192, extra=["--trace", str(trace), "--sessions", "2"]) as s:
+    with traced_server(tiny_model_dir, tmp_path_factory, extra=["--sessions", "2"]) as s:
         h = s.health()
         assert h["sessions"] == 2 and 1 <= len(h["states"]) <= 2, h  # states made as needed
-        s.trace = Trace(trace)
         yield s
 
 
