@@ -59,12 +59,14 @@ _WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo li
 class Server:
     """A ``ds4mlx serve`` subprocess on a free port."""
 
-    def __init__(self, model: str, ctx: int, extra: list[str], log: Path):
+    def __init__(self, model: str | None, ctx: int, extra: list[str], log: Path):
+        """``model`` None serves ``--demo``; ``extra``: more ``serve`` arguments."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "ds4mlx.cli", "serve", "-m", model, "--port", str(self.port)]
+        which = ["--demo"] if model is None else ["-m", model]
+        cmd = [sys.executable, "-m", "ds4mlx.cli", "serve", *which, "--port", str(self.port)]
         cmd += ["--ctx", str(ctx), "--enable-scripted-decoding", *extra]
         env = {**os.environ, "DS4MLX_REASONING_KEY": "agent-loop-benchmark"}
         self.log = log
