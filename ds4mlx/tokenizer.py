@@ -163,13 +163,23 @@ class Tokenizer:
         special ids in ``tokens`` against the spellings in ``text`` outside ``content``,
         with none inside it.
         """
-        spelled = 0
-        for m in self._added_re.finditer(text):
-            if content and _inside(m.start(), m.end(), content):
-                return False
-            spelled += 1
+        if self.plain_markers(text, content):
+            return False
+        spelled = sum(1 for _ in self._added_re.finditer(text))
         ids = self._special_ids
         return spelled == sum(1 for t in tokens if t in ids)
+
+    def plain_markers(self, text: str, content: Sequence[tuple[int, int]] = ()) -> tuple[int, ...]:
+        """Where ``text`` spells a special token as plain text: the start offsets
+        (characters, ascending) of the spellings that overlap a ``content`` span, which
+        `encode` keeps as text. Two renderings with the same ``text`` tokenize their
+        special-token spellings alike exactly when these agree (the text keys of
+        ``ds4mlx.kv``); ``()`` without content spans."""
+        if not content:
+            return ()
+        return tuple(
+            m.start() for m in self._added_re.finditer(text) if _inside(m.start(), m.end(), content)
+        )
 
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of ``text`` with every special-token spelling read as plain text."""
