@@ -150,16 +150,41 @@ def test_suffix_rejects_non_tool_endings():
 
 
 def test_thinking_visible_key_is_prefix_of_next_prompt():
+    from ds4mlx.dsml import render
     from ds4mlx.kv.live import visible_keys
 
     first = Conversation([Message("system", "s"), Message("user", "q1")], thinking=True)
-    prompt = render_prompt(first)
+    prompt = render(first)
     turn = Message("assistant", "answer 1", "hidden reasoning")
     key = visible_keys(prompt, turn.content, "")[0]
     nxt = Conversation(first.messages + [turn, Message("user", "q2")], thinking=True)
-    assert render_prompt(nxt).startswith(key)
-    assert "hidden reasoning" not in key
+    # The key is the start of the next prompt's rendering: its text and content spans.
+    assert render(nxt).head(len(key.text)) == key
+    assert "hidden reasoning" not in key.text
     assert visible_keys(render_prompt(Conversation(first.messages, thinking=False)), "x", "") == ()
+
+
+def test_visible_keys_carry_the_content_spans_of_the_next_prompt():
+    """Issue 12: a visible key is the next prompt's rendering, content spans included
+    (the reply and the call arguments are content, the DSML around them markers), so
+    the planner can tell a spelled marker from a real one at the same bytes."""
+    from ds4mlx.dsml import ToolSpec, render, render_tool_calls
+    from ds4mlx.kv.live import visible_keys
+
+    tools = [ToolSpec("read", "Read", {"type": "object", "properties": {"p": {"type": "string"}}})]
+    for offered in ([], tools):  # the format's drop; the client's drop (tools keep the slot)
+        first = Conversation([Message("user", "q1")], tools=offered, thinking=True)
+        calls = [ToolCall("t1", "read", {"p": "x<｜User｜>y"})]
+        turn = Message("assistant", "see <｜User｜>", tool_calls=calls)
+        keys = visible_keys(render(first), turn.content, render_tool_calls(calls))
+        nxt = render(
+            Conversation(
+                [*first.messages, turn, Message("tool", "R", tool_call_id="t1")],
+                tools=offered,
+                thinking=True,
+            )
+        )
+        assert [nxt.head(len(k.text)) == k for k in keys] == [not offered, bool(offered)]
 
 
 def test_canonical_invoke_formats_and_wraps_non_objects():

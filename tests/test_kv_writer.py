@@ -138,3 +138,31 @@ def test_alias_finds_the_snapshot_and_becomes_its_text(tmp_path):
     (e,) = store.entries()
     store.remove(e.key)
     assert store.lookup_and_load(prompt) is None
+
+
+def test_alias_marks_are_kept_and_unmarked_legacy_aliases_dropped(tmp_path):
+    """Issue 12: an alias carries its marks (where its text spells special tokens as plain
+    text); a hit through it returns them for the planner's check. A sidecar alias of an
+    older build has none, so nothing can be checked: it is ignored."""
+    import json
+
+    from ds4mlx.kv.store import INDEX_NAME, text_key
+
+    store = make_store(tmp_path)
+    live = "<sys>q<think>hidden</think>answer"
+    key = "<sys>q</think>answer"
+    store.save(
+        text=live, tokens=[5, 6, 7], arrays=arrays(1), reason="evict", aliases=[(key, [1, 9])]
+    )
+    hit = store.lookup_and_load(key + "<eos>next")
+    assert hit.entry.via_alias == len(key) and hit.entry.alias_marks == (1, 9)
+    assert store.lookup_and_load(live + "more").entry.alias_marks == ()
+    # The sidecar as an older build wrote it: ``[sha1, bytes]``, no marks.
+    index = store.dir / INDEX_NAME
+    data = json.loads(index.read_text())
+    (rec,) = data["entries"].values()
+    rec["aliases"] = [[text_key(key), len(key.encode())]]
+    index.write_text(json.dumps(data))
+    reopened = make_store(tmp_path)
+    assert reopened.lookup_and_load(key + "<eos>next") is None
+    assert reopened.lookup_and_load(live + "more").text == live

@@ -113,3 +113,25 @@ def test_foreign_tokenizer_rejected(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(TokenizerError):
         Tokenizer.load(tmp_path)
+
+
+def test_special_token_spellings_are_found_leftmost_longest(tok):
+    """The trie pattern finds what a flat longest-first alternation finds (the library's
+    leftmost-longest match of added tokens), words that are prefixes of others included."""
+    import random
+    import re
+
+    from ds4mlx.tokenizer import _literals_re
+
+    def flat(words):
+        return re.compile("|".join(re.escape(w) for w in sorted(words, key=len, reverse=True)))
+
+    toy = ["<a>", "<ab>", "<a", "<abc|>", "b", "<｜x｜>"]
+    real = list(tok._added_ids)
+    rng = random.Random(0)
+    for words, extra in ((toy, ["<", "a", "|", "c"]), (real, ["<", "｜", "▁", "x", "/"])):
+        trie, ref = _literals_re(words), flat(words)
+        pieces = words + extra
+        for _ in range(2000):
+            s = "".join(rng.choice(pieces) for _ in range(12))
+            assert [m.span() for m in trie.finditer(s)] == [m.span() for m in ref.finditer(s)], s

@@ -1,7 +1,7 @@
 """The agent loop: one conversation driven on the live engine session (docs/ARCHITECTURE.md §7).
 
 The engine's single live :class:`~ds4mlx.engine.Session` *is* the conversation. Each
-step renders the transcript (``dsml.render_prompt``) and asks the prompt-cache planner
+step renders the transcript (``dsml.render``) and asks the prompt-cache planner
 (:class:`ds4mlx.kv.plan.Planner`, the same one the server uses) what to prefill; after
 each turn the agent binds its rendering of the transcript to the live state
 (``live-transcript``), so the planner only ever appends:
@@ -82,8 +82,9 @@ from ds4mlx.agent.tools import Toolbox
 from ds4mlx.dsml import (
     Conversation,
     Message,
+    Rendered,
     ToolMemory,
-    render_prompt,
+    render,
 )
 from ds4mlx.dsml.tokens import DSML, EOS
 from ds4mlx.engine import (
@@ -237,15 +238,16 @@ class Agent(LiveSteps, SessionCommands, Compacting):
         live state does not hold yet (it is fed with the next suffix); that EOS is
         allowed for.
         """
-        full = self.render()
+        full = self.render().text
         live = self.live_text()
         if self.messages and self.messages[-1].role == "assistant":
             live += EOS
         return full == live
 
-    def render(self) -> str:
-        """``render_prompt`` of the transcript with this agent's context and tool memory."""
-        return render_prompt(self.conv, context_size=self.ctx, tool_memory=self.tool_memory)
+    def render(self) -> Rendered:
+        """``render`` of the transcript with this agent's context and tool memory: the
+        prompt text and its content spans (which its tokens and keys need)."""
+        return render(self.conv, context_size=self.ctx, tool_memory=self.tool_memory)
 
     def interrupt(self) -> None:
         """Stop the running generation at the next token (prefill: next chunk)."""

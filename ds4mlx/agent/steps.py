@@ -17,7 +17,6 @@ from ds4mlx.dsml import (
     TextDelta,
     ThinkingDelta,
     ToolCall,
-    render,
     render_assistant_turn,
 )
 from ds4mlx.dsml.tokens import THINK_END
@@ -50,7 +49,7 @@ class LiveSteps:
 
         Returns None when ready to generate, else a ``SendResult`` status.
         """
-        full = render(self.conv, context_size=self.ctx, tool_memory=self.tool_memory)
+        full = self.render()
         t0 = time.monotonic()
         plan = self.planner.plan(
             self.session,

@@ -48,6 +48,12 @@ class Rendered:
     content: tuple[tuple[int, int], ...] = ()
 
     @classmethod
+    def of(cls, text: Rendered | str) -> Rendered:
+        """``text`` as a `Rendered`: a ``str`` is a rendering without content spans
+        (every special-token spelling in it is a marker)."""
+        return cls(text) if isinstance(text, str) else text
+
+    @classmethod
     def parse(cls, marked: str) -> Rendered:
         """Strip the content marks of ``marked`` (renderer output) into a `Rendered`.
 
@@ -92,6 +98,11 @@ class Rendered:
         """The part of this rendering from character ``start`` on (spans clipped)."""
         spans = tuple((max(a, start) - start, b - start) for a, b in self.content if b > start)
         return Rendered(self.text[start:], spans)
+
+    def head(self, end: int) -> Rendered:
+        """The part of this rendering before character ``end`` (spans clipped)."""
+        spans = tuple((a, min(b, end)) for a, b in self.content if a < end)
+        return Rendered(self.text[:end], spans)
 
     def __add__(self, other: Rendered) -> Rendered:
         shift = len(self.text)

@@ -209,9 +209,11 @@ def _tool_calls(calls: list[ToolCall], tool_memory: ToolMemory | None) -> str:
     return f"{TOOL_CALLS_SEP}{TOOL_CALLS_OPEN}\n{body}\n{TOOL_CALLS_CLOSE}"
 
 
-def render_tool_calls(calls: list[ToolCall], tool_memory: ToolMemory | None = None) -> str:
-    """``"\\n\\n<｜DSML｜tool_calls>\\n" + invokes joined by "\\n" + "\\n</｜DSML｜tool_calls>"``, or "" without calls."""
-    return unmark(_tool_calls(calls, tool_memory))
+def render_tool_calls(calls: list[ToolCall], tool_memory: ToolMemory | None = None) -> Rendered:
+    """``"\\n\\n<｜DSML｜tool_calls>\\n" + invokes joined by "\\n" + "\\n</｜DSML｜tool_calls>"``
+    (empty without calls) with its content spans (names, argument values), as a prompt
+    renders the calls of a kept assistant turn."""
+    return Rendered.parse(_tool_calls(calls, tool_memory))
 
 
 def render_assistant_turn(

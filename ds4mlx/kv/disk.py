@@ -185,7 +185,7 @@ class DiskCache:
         tool_memory=None,
         tool_ids: Iterable[str] = (),
         *,
-        keys: Sequence[str] = (),
+        keys: Sequence[str | tuple[str, Sequence[int]]] = (),
     ):
         """Snapshot the live session (on the inference thread; the file I/O runs on the
         writer thread when the cache has one).
@@ -198,7 +198,9 @@ class DiskCache:
                 whose DSML really occurs in it.
             keys: more lookup texts standing for the same state (the visible keys of a
                 thinking turn, `ds4mlx.kv.live.visible_keys`, without their trailing
-                EOS); recorded as aliases of the snapshot (no second payload).
+                EOS; a prompt's rendering), each ``(text, marks)`` (where it spells
+                special tokens as plain text, ``ds4mlx.kv.plan._alias``); recorded as
+                aliases of the snapshot (no second payload).
         Returns:
             The written ``Entry`` (synchronous cache), the queued
             ``ds4mlx.kv.store.PreparedSave`` (background writer: both have ``key`` and
@@ -228,7 +230,7 @@ class DiskCache:
                 reason=reason,
                 meta=state.meta,
                 tool_memory=tools,
-                aliases=[k for k in keys if k and k != text],
+                aliases=keys,
             )
             if prepared is None:
                 return None

@@ -10,10 +10,10 @@ following request may refer to that state without re-rendering it:
   ``<think>``/``</think>`` is tokenized (on its own) and prefilled
   (`tool_results_suffix`). Whatever a caller calls those ids, they arrive as
   ``tool`` messages of the neutral conversation.
-- `ThinkingBinding` — the *visible keys* of a thinking-mode turn
-  (``ds4mlx.dsml.thinking_visible_key``): the next prompt renders that turn without its
-  reasoning, so a prompt starting with a key keeps the live tokens, real reasoning
-  included, and only the bytes after the key are tokenized. Two renderings qualify:
+- `ThinkingBinding` — the *visible keys* of a thinking-mode turn (`visible_keys`): the
+  next prompt renders that turn without its reasoning, so a prompt starting with a key
+  keeps the live tokens, real reasoning included, and only the bytes after the key are
+  tokenized. Two renderings qualify:
   reasoning dropped by the format (no tools: ``…<｜Assistant｜></think>content``) and
   reasoning dropped by the client while tools keep the slot
   (``…<｜Assistant｜><think></think>content``, an OpenAI client that does not send
@@ -23,6 +23,13 @@ following request may refer to that state without re-rendering it:
   its own rendering of the conversation through the sampled turn. The live state *is*
   that conversation, so a prompt starting with the key keeps it, whatever bytes the
   rendering gives the sampled turn.
+
+Keys are renderings (`ds4mlx.dsml.Rendered`: text and content spans), not bare text:
+content that spells a special token (``<｜User｜>`` in a user message) is plain text, the
+renderer's own markers are tokens, so the same bytes may be other tokens. A prompt
+"starts with" a key when it has the key's bytes (`matched_key`) *and* spells special
+tokens as plain text at the same places; the planner checks the second half
+(``ds4mlx.kv.plan._same_key``: it needs the tokenizer).
 
 `CallerNames` — how a caller names a live tool continuation (its plan decision, its
 ids in the log detail, the rejection text of an id nothing explains). The planner knows
@@ -52,6 +59,7 @@ __all__ = [
     "ToolBinding",
     "TranscriptBinding",
     "tool_results_suffix",
+    "matched_key",
     "thinking_suffix",
     "visible_keys",
     "trailing_tool_ids",
@@ -108,12 +116,16 @@ class ThinkingBinding:
     Attributes:
         keys: renderings of the turn's prompt + the turn with its reasoning left out,
             each ending ``</think>`` + content + tool calls + ``<｜end▁of▁sentence｜>``
-            (tuple of str; see `visible_keys`).
+            (tuple of `Rendered`, see `visible_keys`; a ``str`` is taken as a rendering
+            without content spans).
         n_tokens: live token count right after the turn (the EOS was sampled, not fed).
     """
 
-    keys: tuple[str, ...]
+    keys: tuple[Rendered, ...]
     n_tokens: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keys", tuple(Rendered.of(k) for k in self.keys))
 
 
 @dataclass(frozen=True)
@@ -121,16 +133,20 @@ class TranscriptBinding:
     """The caller's rendering of the conversation the live state holds.
 
     Attributes:
-        key: ``render_prompt`` of the conversation through its last turn, ending with
-            that turn's ``<｜end▁of▁sentence｜>`` (which the live state has not fed).
+        key: ``ds4mlx.dsml.render`` of the conversation through its last turn, ending
+            with that turn's ``<｜end▁of▁sentence｜>`` (which the live state has not fed);
+            a ``str`` is taken as a rendering without content spans.
         n_tokens: live token count the key stands for.
     """
 
-    key: str
+    key: Rendered
     n_tokens: int
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", Rendered.of(self.key))
+
     @property
-    def keys(self) -> tuple[str, ...]:
+    def keys(self) -> tuple[Rendered, ...]:
         return (self.key,)
 
 
@@ -235,36 +251,50 @@ def tool_results_suffix(
         return None
 
 
-def visible_keys(prompt: str, content: str, tool_calls_text: str) -> tuple[str, ...]:
-    """The texts a following request renders for a thinking turn without its reasoning.
+def visible_keys(
+    prompt: Rendered | str, content: str, tool_calls: Rendered | str = ""
+) -> tuple[Rendered, ...]:
+    """The renderings a following request gives a thinking turn without its reasoning.
 
-    ``prompt`` is the turn's rendered prompt (ending ``<think>``); ``tool_calls_text``
-    the turn's DSML tool calls (``render_tool_calls``, "" without calls). Returns, in
-    order: the format's drop (``prompt`` without ``<think>`` + ``</think>`` + content +
-    calls + EOS, i.e. ``thinking_visible_key``) and the client's drop (``prompt`` +
-    ``</think>`` + content + calls + EOS: empty reasoning in a kept slot).
+    ``prompt`` is the turn's rendered prompt (ending ``<think>``; a ``str`` has no
+    content spans); ``content`` the visible reply; ``tool_calls`` the turn's DSML tool
+    calls (``render_tool_calls``, "" without calls). Returns, in order: the format's
+    drop (``prompt`` without ``<think>`` + ``</think>`` + content + calls + EOS) and the
+    client's drop (``prompt`` + ``</think>`` + content + calls + EOS: empty reasoning in a
+    kept slot), with their content spans (the reply is content, as a prompt renders it);
+    () when ``prompt`` does not end with ``<think>``.
     """
     from ds4mlx.dsml.tokens import THINK_END, THINK_START
 
-    tail = THINK_END + content + tool_calls_text + EOS
-    if not prompt.endswith(THINK_START):
+    prompt = Rendered.of(prompt)
+    if not prompt.text.endswith(THINK_START):
         return ()
-    return (prompt[: -len(THINK_START)] + tail, prompt + tail)
+    reply = Rendered(content, ((0, len(content)),) if content else ())
+    tail = Rendered(THINK_END) + reply + Rendered.of(tool_calls) + Rendered(EOS)
+    return (prompt.head(len(prompt.text) - len(THINK_START)) + tail, prompt + tail)
+
+
+def matched_key(
+    rendered_prompt: str, binding: ThinkingBinding | TranscriptBinding
+) -> Rendered | None:
+    """The key of ``binding`` (a `ThinkingBinding`'s visible keys, a `TranscriptBinding`'s
+    key) whose bytes ``rendered_prompt`` starts with, or None. Keys end with
+    ``<｜end▁of▁sentence｜>``, which the live state sampled but never fed; a key without
+    it never matches. Bytes only: the caller checks the markers (module doc)."""
+    for key in binding.keys:
+        if key.text.endswith(EOS) and rendered_prompt.startswith(key.text):
+            return key
+    return None
 
 
 def thinking_suffix(
     rendered_prompt: str, binding: ThinkingBinding | TranscriptBinding
 ) -> str | None:
-    """The text after the live state if ``rendered_prompt`` starts with one of
-    ``binding.keys`` (a `ThinkingBinding`'s visible keys, a `TranscriptBinding`'s key).
-
-    Keys end with ``<｜end▁of▁sentence｜>``, which the live state sampled but never fed,
-    so the returned suffix starts with it. None when the prompt starts with no key.
-    """
-    for key in binding.keys:
-        if key.endswith(EOS) and rendered_prompt.startswith(key):
-            return rendered_prompt[len(key) - len(EOS) :]
-    return None
+    """The text after the live state if ``rendered_prompt`` starts with the bytes of one
+    of ``binding.keys`` (`matched_key`), else None. It starts with the key's EOS, which
+    the live state never fed."""
+    key = matched_key(rendered_prompt, binding)
+    return None if key is None else rendered_prompt[len(key.text) - len(EOS) :]
 
 
 def unexplained_tool_ids(conv: Conversation, bound: frozenset[str] = frozenset()) -> list[str]:

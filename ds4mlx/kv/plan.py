@@ -26,6 +26,13 @@ remembers what a later prompt may continue from.
    restore it, tokenize and prefill the rest;
 7. ``cold`` — reset and prefill everything.
 
+Every text-keyed rule (3, 5, 6) requires the same *tokens*, not only the same bytes:
+content that spells a special token (``<｜User｜>`` in a tool output) is plain text while
+the renderer's markers are tokens. The state's own text (rules 5, 6) is checked against
+its tokens (`_same_markers`); a key that is another rendering (rule 3's keys, a disk
+snapshot's aliases) must spell special tokens as plain text where the prompt does
+(`_same_key`).
+
 A binding a job does not use is cleared. A tool result that neither the live binding
 nor a replayed assistant call explains rejects the job (`PlanRejected`, a client
 mistake, worded by the caller's `CallerNames`); routes check the same before queueing
@@ -55,7 +62,7 @@ from ds4mlx.kv.live import (
     ThinkingBinding,
     ToolBinding,
     TranscriptBinding,
-    thinking_suffix,
+    matched_key,
     tool_results_suffix,
     trailing_tool_ids,
     unexplained_tool_ids,
@@ -179,9 +186,66 @@ def _same_markers(tokenizer, tokens: list[int], rendered: Rendered, end: int) ->
     """Whether ``tokens`` (a state whose text is ``rendered.text[:end]``) hold control
     tokens exactly where the rendering has markers: the same bytes are not the same
     prompt when content spells a marker (plain text) that the state holds as a token,
-    or the reverse. Text-keyed reuse (text prefix, disk) requires it."""
-    spans = tuple((a, min(b, end)) for a, b in rendered.content if a < end)
-    return tokenizer.same_markers(tokens, rendered.text[:end], spans)
+    or the reverse. Reuse keyed by the state's own text (text prefix, a disk snapshot's
+    text) requires it; reuse keyed by another rendering requires `_same_key`."""
+    head = rendered.head(end)
+    return tokenizer.same_markers(tokens, head.text, head.content)
+
+
+def _marks(tokenizer, key: Rendered, end: int) -> tuple[int, ...]:
+    """Where ``key.text[:end]`` spells special tokens as plain text (character offsets,
+    ``Tokenizer.plain_markers``): two renderings with those bytes are the same tokens
+    there exactly when their marks agree."""
+    head = key.head(end)
+    return tokenizer.plain_markers(head.text, head.content)
+
+
+def _same_key(tokenizer, marks, rendered: Rendered, end: int) -> bool:
+    """Whether a text key stands for the prompt ``rendered``, whose first ``end``
+    characters repeat the key's bytes: the key's ``marks`` (its `_marks` up to ``end``)
+    are the prompt's.
+
+    A key (a live visible or transcript key, a disk alias) is a rendering, not the text
+    its state's tokens decode to (that leaves out hidden reasoning, or spells a sampled
+    turn differently), so it is compared with the prompt, not with tokens. The state holds
+    the markers of the rendering its key was made from: rules 4-7 prefill that
+    rendering's tokens or check them, and a live continuation appends the rendering's
+    suffix to a state the client selected, its sampled turns as the model wrote them.
+    """
+    return tuple(marks) == _marks(tokenizer, rendered, end)
+
+
+def _alias(tokenizer, key: Rendered) -> tuple[str, tuple[int, ...]]:
+    """``key`` as a disk alias (``DiskCache.save_live(keys=…)``): its text and its marks,
+    which a lookup through it checks with `_same_key`."""
+    return key.text, _marks(tokenizer, key, len(key.text))
+
+
+def _key_plan(
+    tokenizer, session: _Session, rendered: Rendered, binding, decision: str, detail: str
+) -> Plan | None:
+    """Rule 3: the prompt starts with a key of the turn just sampled (``binding``: the
+    visible keys of a thinking turn, or the agent's transcript key): its bytes, and its
+    markers (`_same_key`)."""
+    n = len(session.tokens)
+    if binding is None or binding.n_tokens != n:
+        return None
+    key = matched_key(rendered.text, binding)
+    if key is None:
+        return None
+    # The live state holds the key up to its EOS (sampled, never fed); the EOS and what
+    # follows are the prompt's, tokenized from its rendering.
+    start = len(key.text) - len(EOS)
+    if not _same_key(tokenizer, _marks(tokenizer, key, start), rendered, start):
+        log.info("kv: the %s key matches as text, not as tokens; not used", decision)
+        return None
+    return Plan(
+        keep=n,
+        suffix_tokens=_encode_tail(tokenizer, rendered, start),
+        decision=decision,
+        cached=n,
+        detail=detail or "match=transcript",
+    )
 
 
 def _prefix_plan(
@@ -226,28 +290,30 @@ class _DiskTier:
     live_tool_ids: dict[str, None]
     bindings: LiveBindings
     residents: ResidentStates | None
-    _live_keys: tuple[str, ...]
+    _live_keys: tuple[tuple[str, tuple[int, ...]], ...]
 
-    def _with_checkpoints(self, plan: Plan, session, rendered: str | None, conv=None) -> Plan:
+    def _with_checkpoints(self, plan: Plan, session, rendered: Rendered | None, conv=None) -> Plan:
         """Attach the disk-save checkpoints of ``plan`` (cold point, continued frontiers,
         the prompt's end when it is not a live continuation).
 
-        ``rendered`` (the prompt text, or None to skip the check) must start with a
+        ``rendered`` (the prompt, or None to skip the check) must start with a
         checkpoint's text for that checkpoint to be kept: a snapshot no lookup can find
         is not worth its disk space. A snapshot at the prompt's end is indexed by
-        ``rendered`` as well (an alias), which a retry or replay renders again.
+        ``rendered`` as well (an alias, with its marks), which a retry or replay renders
+        again.
         """
         if self.disk is None:
             return plan
+        text = rendered.text if rendered is not None else None
         prompt_ids = list(session.tokens[: plan.keep]) + list(plan.suffix_tokens)
         points = self.disk.checkpoints(
             cached=plan.cached,
             prompt_tokens=prompt_ids,
-            rendered_text=rendered,
+            rendered_text=text,
             # A retry, replay or sub-agent of a prompt that did not continue the live
             # state cannot continue it either: its end is saved for them.
             prompt_end=plan.decision in _NOT_CONTINUATIONS,
-            stable_text=_stable_prefix(conv, rendered, self),
+            stable_text=_stable_prefix(conv, text, self),
         )
         if points:
             reasons = {p.tokens: p.reason for p in points}
@@ -255,7 +321,7 @@ class _DiskTier:
             plan.extra["checkpoint_reasons"] = reasons
 
             end = plan.prompt_tokens
-            keys = (rendered,) if rendered else ()
+            keys = (_alias(self.engine.tokenizer, rendered),) if text else ()
 
             def save(session, n: int) -> None:
                 self.disk.save_live(
@@ -276,14 +342,21 @@ class _DiskTier:
                 session, "evict", self.tool_memory, self.live_tool_ids, keys=self._live_keys
             )
 
-    @staticmethod
-    def _keys_of(session, binding: ThinkingBinding | None) -> tuple[str, ...]:
-        """Lookup texts of the live state besides its own text: a thinking turn's visible
-        keys without their EOS (the next prompt renders the turn without its reasoning,
-        so its text never starts with the live text; `ds4mlx.kv.live.visible_keys`)."""
+    def _keys_of(
+        self, session, binding: ThinkingBinding | None
+    ) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """Disk aliases (`_alias`) of the live state besides its own text: a thinking
+        turn's visible keys without their EOS (the next prompt renders the turn without
+        its reasoning, so its text never starts with the live text;
+        `ds4mlx.kv.live.visible_keys`)."""
         if binding is None or binding.n_tokens != len(session.tokens):
             return ()
-        return tuple(k[: -len(EOS)] for k in binding.keys if k.endswith(EOS))
+        tok = self.engine.tokenizer
+        return tuple(
+            _alias(tok, k.head(len(k.text) - len(EOS)))
+            for k in binding.keys
+            if k.text.endswith(EOS)
+        )
 
     def _from_disk(self, session, rendered: Rendered | None) -> Plan | None:
         """Rule 6: restore the longest stored rendered-text prefix.
@@ -332,11 +405,16 @@ class _DiskTier:
     def _restore(self, session, rendered: Rendered, loaded, t0: float) -> Plan | None:
         from ds4mlx.engine import SessionState, SnapshotError
 
-        # A match on the snapshot's own text must agree on markers (an alias is a visible
-        # key: its text leaves out the reasoning the state holds, by design).
-        if not loaded.entry.via_alias and not _same_markers(
-            self.engine.tokenizer, loaded.tokens, rendered, len(loaded.text)
-        ):
+        # The same bytes must be the same tokens. The snapshot's own text is what its
+        # tokens decode to: checked against them. An alias is a rendering whose text is
+        # not the tokens' (a visible key leaves out the reasoning the state holds, by
+        # design): checked by the marks stored with it.
+        tok, end = self.engine.tokenizer, len(loaded.text)
+        if loaded.entry.via_alias:
+            same = _same_key(tok, loaded.entry.alias_marks, rendered, end)
+        else:
+            same = _same_markers(tok, loaded.tokens, rendered, end)
+        if not same:
             log.info("kv cache: %s matches as text, not as tokens; not used", loaded.entry.key[:12])
             return None
         self._evict_live(session)
@@ -386,7 +464,7 @@ class _DiskTier:
 
 class _Residency:
     """Which resident state a job runs on (``--sessions N``; split out of `Planner` for
-    size, it uses Planner's ``_live_tools``/``_live_text``). With one state (the
+    size, it uses Planner's ``_live_tools``). With one state (the
     default) none of this runs.
 
     The best live match wins: a tool-id continuation over a text key over a prefix,
@@ -420,8 +498,9 @@ class _Residency:
         tier, plan = 3, self._live_tools(s, conversation, names, b.tool)
         if plan is None and rendered is not None:
             tier = 2
-            plan = self._live_text(s, rendered, b.transcript, "live-transcript", "")
-            plan = plan or self._live_text(s, rendered, b.thinking, "live-thinking", "")
+            tok = self.engine.tokenizer
+            plan = _key_plan(tok, s, rendered, b.transcript, "live-transcript", "")
+            plan = plan or _key_plan(tok, s, rendered, b.thinking, "live-thinking", "")
         if plan is None:
             tier, plan = 1, _prefix_plan(s, self.engine.tokenizer, rendered, prompt)
         if plan is None or plan.prompt_tokens >= self.engine.ctx_size:
@@ -562,7 +641,7 @@ class Planner(_Residency, _DiskTier):
         With resident states the job runs on the state `_Residency._choose` picks
         (``plan.session``; ``session`` is ignored), and ``plan.detail`` names it.
         """
-        rendered = Rendered(rendered_text) if isinstance(rendered_text, str) else rendered_text
+        rendered = Rendered.of(rendered_text) if rendered_text is not None else None
         if self.residents is None:
             plan = self._plan(session, prompt_tokens, rendered, conversation, protocol)
             plan.session = session
@@ -593,8 +672,10 @@ class Planner(_Residency, _DiskTier):
                 self.bindings.restore(saved)
                 raise PlanRejected(names.unknown_id(bad[0]), bad[0])
         if plan is None and live_ok and rendered is not None:
-            plan = self._live_text(session, rendered, transcript_b, "live-transcript", "")
-            plan = plan or self._live_text(
+            tok = self.engine.tokenizer
+            plan = _key_plan(tok, session, rendered, transcript_b, "live-transcript", "")
+            plan = plan or _key_plan(
+                tok,
                 session,
                 rendered,
                 think_b,
@@ -612,7 +693,7 @@ class Planner(_Residency, _DiskTier):
             # route checked that the prompt's own tokenization fits the context.
             plan = self._from_disk(session, rendered) or self._cold(session, prompt_tokens)
         self._note_replayed(conversation)
-        return self._with_checkpoints(plan, session, rendered and rendered.text, conversation)
+        return self._with_checkpoints(plan, session, rendered, conversation)
 
     def _fits(self, plan: Plan) -> bool:
         """Whether continuing the live state this way leaves room for a token.
@@ -649,26 +730,6 @@ class Planner(_Residency, _DiskTier):
             detail=f"match={names.ids} ids={len(binding.ids)}",
         )
 
-    def _live_text(
-        self, session, rendered: str, binding, decision: str, detail: str
-    ) -> Plan | None:
-        """Rule 3: the prompt starts with a key of the turn just sampled (the visible
-        keys of a thinking turn, or the agent's transcript key)."""
-        n = len(session.tokens)
-        if binding is None or binding.n_tokens != n:
-            return None
-        rest = thinking_suffix(rendered.text, binding)
-        if rest is None:
-            return None
-        start = len(rendered.text) - len(rest)
-        return Plan(
-            keep=n,
-            suffix_tokens=_encode_tail(self.engine.tokenizer, rendered, start),
-            decision=decision,
-            cached=n,
-            detail=detail or "match=transcript",
-        )
-
     def _cold(self, session, prompt_tokens: list[int]) -> Plan:
         """Rule 7: save the live state it replaces (evict), reset, prefill everything."""
         self._evict_live(session)
@@ -678,9 +739,10 @@ class Planner(_Residency, _DiskTier):
             keep=0, suffix_tokens=list(prompt_tokens), decision="cold", cached=0, detail="ids=0"
         )
 
-    def bind_transcript(self, session, key: str) -> None:
+    def bind_transcript(self, session, key: Rendered | str) -> None:
         """Bind ``key`` (a caller's rendering of the conversation the live state holds,
-        ending with an EOS) to the live state as it is now (`TranscriptBinding`)."""
+        ending with an EOS: a ``ds4mlx.dsml.Rendered``, or a ``str`` without content
+        spans) to the live state as it is now (`TranscriptBinding`)."""
         self.bindings.transcript = TranscriptBinding(key, len(session.tokens))
 
     def reset(self, session) -> None:
@@ -695,11 +757,11 @@ class Planner(_Residency, _DiskTier):
         *,
         finish: str,
         tool_calls: list = (),
-        prompt_text: str | None = None,
+        prompt_text: Rendered | str | None = None,
         thinking: bool = False,
         text: str = "",
         protocol: CallerNames | None = None,
-        transcript_key: str | None = None,
+        transcript_key: Rendered | str | None = None,
     ) -> None:
         """Remember what the next prompt may continue from (on the inference thread).
 
@@ -707,7 +769,8 @@ class Planner(_Residency, _DiskTier):
             session: the live session after the turn.
             finish: the turn's finish reason (``stop`` is an end of turn).
             tool_calls: the ``ds4mlx.dsml.ToolCall``s the turn sampled, in order.
-            prompt_text: the rendered prompt of the turn, or None for a raw turn.
+            prompt_text: the rendered prompt of the turn (a ``ds4mlx.dsml.Rendered``; a
+                ``str`` has no content spans), or None for a raw turn.
             thinking: the prompt opened ``<think>``.
             text: the visible text the client saw (after stop strings).
             protocol: as in `plan` (unused here: the binding is the same for every
@@ -738,6 +801,7 @@ class Planner(_Residency, _DiskTier):
         calls = list(tool_calls)
         if calls and all(c.id for c in calls):
             self.bindings.tool = ToolBinding(tuple(c.id for c in calls), n)
-        if thinking and prompt_text.endswith(THINK_START):
-            keys = visible_keys(prompt_text, text, render_tool_calls(calls, self.tool_memory))
+        prompt = Rendered.of(prompt_text)
+        if thinking and prompt.text.endswith(THINK_START):
+            keys = visible_keys(prompt, text, render_tool_calls(calls, self.tool_memory))
             self.bindings.thinking = ThinkingBinding(keys, n)

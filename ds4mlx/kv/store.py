@@ -28,10 +28,14 @@ cheap header scans, the ``safetensors`` package):
 Hit counts and last-used times change on every hit; rewriting a multi-hundred-MB file
 for that is out of the question, and patching a JSON header in place is not crash-safe.
 They live in a sidecar ``index.json`` (``{"version": 1, "entries": {key: {"created",
-"hits", "last_used"}}}``) replaced atomically on every hit. A sidecar record counts only
-while its ``created`` equals the file's, so a stale record never applies to a re-created
-file; a lost or corrupt sidecar only resets statistics. The snapshot files are never
-modified after their rename into place.
+"hits", "last_used", "aliases"}}}``) replaced atomically on every hit. A sidecar record
+counts only while its ``created`` equals the file's, so a stale record never applies to a
+re-created file; a lost or corrupt sidecar only resets statistics and loses aliases.
+An alias is ``[sha1 hex, text bytes, marks]``: another lookup text of the snapshot (a
+thinking turn's visible key, a prompt's rendering) and where that text spells special
+tokens as plain text (character offsets; the same bytes with other marks are other
+tokens, ``ds4mlx.kv.plan._same_key``); aliases of older builds, without marks, are
+ignored. The snapshot files are never modified after their rename into place.
 
 A save has two halves: :meth:`DiskKVStore.prepare_save` serializes the whole file into
 memory (the only MLX work, on the thread that owns the arrays) and
@@ -137,6 +141,8 @@ class Entry:
         head: the text's first line (at most 200 characters), for listings.
         via_alias: set by `DiskKVStore.lookup` when the prompt matched one of the
             snapshot's aliases: the length of that alias text (int bytes); 0 otherwise.
+        alias_marks: with ``via_alias``, that alias's marks: where its text spells
+            special tokens as plain text (character offsets, ascending).
     """
 
     key: str
@@ -154,6 +160,7 @@ class Entry:
     tool_count: int = 0
     head: str = ""
     via_alias: int = 0
+    alias_marks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -223,8 +230,9 @@ class PreparedSave:
         created: creation time written in the header (float Unix seconds).
         tools: the tool-memory entries stored in it (id -> exact DSML).
         data: the complete safetensors file (bytes-like; ``len`` is its size in bytes).
-        aliases: more lookup texts (UTF-8) that stand for the same state, recorded in
-            the sidecar index once the file is in place.
+        aliases: more lookup texts that stand for the same state, each ``(UTF-8 text,
+            marks)`` (see `DiskKVStore.prepare_save`), recorded in the sidecar index once
+            the file is in place.
     """
 
     key: str
@@ -234,11 +242,12 @@ class PreparedSave:
     created: float
     tools: dict[str, str]
     data: memoryview | bytes = field(repr=False)
-    aliases: tuple[bytes, ...] = ()
+    aliases: tuple[tuple[bytes, tuple[int, ...]], ...] = ()
 
     def prefix_of(self, prompt: bytes) -> bool:
         """Whether its text or one of its aliases is a prefix of ``prompt`` (UTF-8)."""
-        return any(prompt.startswith(t) for t in (self.text_bytes, *self.aliases))
+        texts = (self.text_bytes, *(a for a, _ in self.aliases))
+        return any(prompt.startswith(t) for t in texts)
 
     @property
     def nbytes(self) -> int:
@@ -257,6 +266,12 @@ def _utf8(text: str) -> bytes:
 
 def _sha1(data: bytes) -> str:
     return hashlib.sha1(data).hexdigest()
+
+
+def _alias(alias: str | tuple[str, Sequence[int]]) -> tuple[bytes, tuple[int, ...]]:
+    """An alias argument as stored: ``(UTF-8 text, marks)``; a bare str has no marks."""
+    text, marks = (alias, ()) if isinstance(alias, str) else alias
+    return _utf8(text), tuple(int(o) for o in marks)
 
 
 def text_key(text: str) -> str:
@@ -436,7 +451,9 @@ def read_entry(path: str | os.PathLike, *, verify_key: bool = True) -> Entry:
 
 def read_index(dir: str | os.PathLike) -> dict[str, dict]:
     """The sidecar records ``{key: {"created", "hits", "last_used", "aliases"}}`` ({} if
-    none); ``aliases`` is a list of ``[sha1 hex, text bytes]`` (possibly empty)."""
+    none); ``aliases`` is a list of ``[sha1 hex, text bytes, marks]`` (possibly empty;
+    an alias without marks, from an older build, is dropped: nothing says which of its
+    special-token spellings were plain text)."""
     p = Path(dir) / INDEX_NAME
     try:
         data = json.loads(p.read_text("utf-8"))
@@ -446,7 +463,11 @@ def read_index(dir: str | os.PathLike) -> dict[str, dict]:
                 "created": float(v["created"]),
                 "hits": int(v["hits"]),
                 "last_used": float(v["last_used"]),
-                "aliases": [[str(h), int(n)] for h, n in v.get("aliases", [])],
+                "aliases": [
+                    [str(a[0]), int(a[1]), [int(o) for o in a[2]]]
+                    for a in v.get("aliases", [])
+                    if len(a) == 3
+                ],
             }
             for k, v in entries.items()
         }
@@ -776,8 +797,9 @@ class DiskKVStore:
 
         Only compatible snapshots (same model identity and context size, and same expert
         bits when ``reject_different_quant``) are considered; keys in ``exclude`` are
-        skipped. A snapshot's aliases (sidecar index: the visible keys of a thinking turn)
-        count as texts of it; a match through one sets ``via_alias``. The comparison is
+        skipped. A snapshot's aliases (sidecar index: the visible keys of a thinking turn,
+        a prompt's rendering) count as texts of it; a match through one sets
+        ``via_alias`` and ``alias_marks`` (the caller checks those). The comparison is
         on UTF-8 bytes via the SHA-1 key (the candidate's text itself is checked again
         by :meth:`load`). Ties in length prefer more tokens. Returns None on a miss.
         """
@@ -790,7 +812,10 @@ class DiskKVStore:
             cands.append((e.text_bytes, e.tokens, e.key, e))
             rec = self._index.get(e.key)
             if rec is not None and rec["created"] == e.created:
-                cands += [(n, e.tokens, h, replace(e, via_alias=n)) for h, n in rec["aliases"]]
+                cands += [
+                    (n, e.tokens, h, replace(e, via_alias=n, alias_marks=tuple(m)))
+                    for h, n, m in rec["aliases"]
+                ]
         cands = [c for c in cands if c[0] <= len(data)]
         cands.sort(key=lambda c: (c[0], c[1]), reverse=True)
         hashes: dict[int, str] = {}
@@ -853,7 +878,10 @@ class DiskKVStore:
             if e.via_alias:
                 # The alias hashed to a prefix of the prompt: that prefix is its text.
                 loaded.text = _utf8(rendered_prompt)[: e.via_alias].decode("utf-8", "surrogatepass")
-                loaded.entry = replace(loaded.entry, via_alias=e.via_alias)  # how it matched
+                # How it matched (the hit count is the loaded entry's).
+                loaded.entry = replace(
+                    loaded.entry, via_alias=e.via_alias, alias_marks=e.alias_marks
+                )
             return loaded
 
     def tool_maps(self, *, newest_first: bool = False) -> Iterator[tuple[Entry, dict[str, str]]]:
@@ -887,7 +915,7 @@ class DiskKVStore:
         reason: str,
         meta: Mapping[str, str] | None = None,
         tool_memory: Mapping[str, str] | Iterable[tuple[str, str]] | None = None,
-        aliases: Sequence[str] = (),
+        aliases: Sequence[str | tuple[str, Sequence[int]]] = (),
     ) -> Entry | None:
         """Write a snapshot atomically now: :meth:`prepare_save` then :meth:`write`.
 
@@ -910,7 +938,7 @@ class DiskKVStore:
         reason: str,
         meta: Mapping[str, str] | None = None,
         tool_memory: Mapping[str, str] | Iterable[tuple[str, str]] | None = None,
-        aliases: Sequence[str] = (),
+        aliases: Sequence[str | tuple[str, Sequence[int]]] = (),
     ) -> PreparedSave | None:
         """Serialize a snapshot into memory (the whole safetensors file, as bytes).
 
@@ -930,8 +958,11 @@ class DiskKVStore:
                 DSML occurs in ``text`` are stored (one substring search per distinct
                 DSML block, so pass the conversation's ids rather than a huge map).
             aliases: more lookup texts that stand for the same state (a thinking turn's
-                visible keys without their EOS); a prompt starting with one restores it
-                and tokenizes only what follows.
+                visible keys without their EOS, a prompt's rendering), each ``(text,
+                marks)``: where the text spells special tokens as plain text (character
+                offsets; a bare ``str`` has none). A prompt starting with one restores it
+                and tokenizes only what follows, once the caller has checked the marks.
+                Empty aliases and ``text`` itself are dropped.
 
         Returns:
             The `PreparedSave`, or None when serializing failed (logged).
@@ -997,7 +1028,7 @@ class DiskKVStore:
             created=now,
             tools=tools,
             data=buf.getbuffer(),
-            aliases=tuple(_utf8(a) for a in aliases if a),
+            aliases=tuple(a for a in map(_alias, aliases) if a[0] and a[0] != text_b),
         )
 
     def write(self, p: PreparedSave) -> Entry | None:
@@ -1112,14 +1143,15 @@ class DiskKVStore:
     def _record_hit(self, e: Entry) -> None:
         self._update_index(e.key, e.created, hits=e.hits, last_used=e.last_used)
 
-    def _add_aliases(self, e: Entry, aliases: Sequence[bytes]) -> None:
-        """Record ``aliases`` (lookup texts, UTF-8) of the snapshot ``e`` in the sidecar."""
+    def _add_aliases(self, e: Entry, aliases: Sequence[tuple[bytes, tuple[int, ...]]]) -> None:
+        """Record ``aliases`` (``(UTF-8 lookup text, marks)``) of the snapshot ``e`` in the
+        sidecar."""
         if not aliases:
             return
         self._refresh_index()
         rec = self._index.get(e.key)
         have = rec["aliases"] if rec is not None and rec["created"] == e.created else []
-        new = [[_sha1(a), len(a)] for a in aliases]
+        new = [[_sha1(a), len(a), list(m)] for a, m in aliases]
         merged = have + [a for a in new if a not in have]
         if merged != have:
             self._update_index(e.key, e.created, aliases=merged)

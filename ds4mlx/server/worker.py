@@ -313,7 +313,9 @@ class Worker:
                 plan.session or self.session,
                 finish=finish,
                 tool_calls=calls,
-                prompt_text=_text(req) if req.parse else None,
+                # The rendering with its content spans: the turn's visible keys carry
+                # where the prompt spells special tokens as plain text.
+                prompt_text=req.prompt_text if req.parse else None,
                 thinking=req.thinking,
                 text=result.text,
                 protocol=req.protocol,
