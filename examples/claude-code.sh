@@ -22,14 +22,18 @@ export CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1
 # A cold prefill of Claude Code's ~20k-token prompt can take a while on a laptop.
 export API_TIMEOUT_MS="${API_TIMEOUT_MS:-3000000}"
 
-# Tell Claude Code the server's real context window (GET /v1/models: context_length),
-# or it assumes 200k and runs into the server's limit instead of compacting. Claude Code
-# 2.1.x takes a non-Claude model's window from CLAUDE_CODE_MAX_CONTEXT_TOKENS and
-# compacts at CLAUDE_CODE_AUTO_COMPACT_WINDOW (capped by that window; alone it cannot go
-# below 100k). It keeps ~33k of any window free (output + compaction buffer) on top of
-# its own ~19k-token prompt, so below 64k it would refuse every turn ("Prompt is too
-# long"): there the window is left alone and a note says so. Set either variable
-# yourself to override.
+# Tell Claude Code the server's real context window (GET /v1/models: context_length), or
+# it assumes 200k. Claude Code 2.1.x takes a non-Claude model's window from
+# CLAUDE_CODE_MAX_CONTEXT_TOKENS and compacts in one of two ways:
+# - with CLAUDE_CODE_AUTO_COMPACT_WINDOW set (capped by that window), before sending, once
+#   the conversation reaches the window less 33k (20k kept for output, a 13k buffer); it
+#   refuses locally ("Prompt is too long") at the window less 23k;
+# - without it, when the server refuses a prompt with "prompt is too long: N tokens > M
+#   maximum" (what ds4mlx's Messages API answers): it summarizes the older turns and
+#   retries.
+# The first needs the window less 33k to clear Claude Code's own ~19k-token prompt, so it
+# is used from 64k on; below that the second, at the server's real limit. Set either
+# variable yourself to override.
 if [[ -z "${CLAUDE_CODE_MAX_CONTEXT_TOKENS:-}" ]]; then
     ctx="$(python3 - "$ANTHROPIC_BASE_URL" "$ANTHROPIC_AUTH_TOKEN" <<'PY' 2>/dev/null || true
 import json, sys, urllib.request
@@ -39,19 +43,22 @@ req = urllib.request.Request(
 print(json.load(urllib.request.urlopen(req, timeout=10))["context_length"])
 PY
 )"
-    if [[ ! "$ctx" =~ ^[0-9]+$ ]]; then
+    if [[ "$ctx" =~ ^[0-9]+$ ]]; then
+        export CLAUDE_CODE_MAX_CONTEXT_TOKENS="$ctx"
+    else
         echo "claude-code.sh: cannot read the context size from $ANTHROPIC_BASE_URL" \
             "(is ds4mlx serve running?); Claude Code will assume 200k" >&2
-    elif (( ctx < 65536 )); then
-        echo "claude-code.sh: the server's context ($ctx tokens) is too small for Claude" \
-            "Code to compact in (it keeps ~33k free beside its ~19k prompt); long sessions" \
-            "will hit the server's limit. Restart the server with --ctx 65536 or more." >&2
-    else
-        export CLAUDE_CODE_MAX_CONTEXT_TOKENS="$ctx"
     fi
 fi
-if [[ -n "${CLAUDE_CODE_MAX_CONTEXT_TOKENS:-}" ]]; then
-    export CLAUDE_CODE_AUTO_COMPACT_WINDOW="${CLAUDE_CODE_AUTO_COMPACT_WINDOW:-$CLAUDE_CODE_MAX_CONTEXT_TOKENS}"
+window="${CLAUDE_CODE_MAX_CONTEXT_TOKENS:-}"
+if [[ "$window" =~ ^[0-9]+$ && -z "${CLAUDE_CODE_AUTO_COMPACT_WINDOW:-}" ]]; then
+    if (( window >= 65536 )); then
+        export CLAUDE_CODE_AUTO_COMPACT_WINDOW="$window"
+    else
+        echo "claude-code.sh: with a $window-token context Claude Code compacts only when" \
+            "the server refuses a prompt as too long, and the files it re-reads after" \
+            "compacting can fill the window again; serve it with --ctx 65536 or more." >&2
+    fi
 fi
 
 exec "${CLAUDE:-claude}" --model deepseek-v4-flash "$@"

@@ -116,6 +116,20 @@ class Trace:
                 out.append({**rec, "path": paths.get(rec["job"])})
         return out
 
+    def prompts(self) -> list[dict]:
+        """The ``prompt`` records (``job``, ``path``, ``text``, ``tokens``), in order."""
+        if not self.path.exists():
+            return []
+        out = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("kind") == "prompt":
+                out.append(rec)
+        return out
+
     def last(self, timeout: float = 5.0) -> dict:
         """The newest plan record (waits briefly for the server to flush it)."""
         deadline = time.monotonic() + timeout

@@ -1,8 +1,23 @@
 """A client that goes away during a long prefill frees the worker at the next prefill chunk,
-not after the whole prompt (hardening issue, item 7), streaming or not."""
+not after the whole prompt (hardening issue, item 7).
+
+How a server learns that a client left: Hypercorn reads EOF on the connection and sends
+``http.disconnect``, Quart cancels the handler, the route sets the job's cancel flag and
+the worker checks it before every prefill chunk. For an ordinary client (httpx, the
+SDKs, curl) that already held before item 7 (the first test passes on the old code
+too). It did not hold for a client that sent bytes past its request — a pipelined
+request, a stray CRLF: Hypercorn then stops reading the connection until the response
+ends, so the close is seen only when a write fails, and a stream wrote nothing until the
+next keepalive (``--keepalive``, 10 s) or token, after the whole prefill. Streams now
+write a comment between prefill chunks (the second test fails on the old code). A
+non-streaming response has nothing to write before its status line: for such a client
+the job still runs to its end (README says so).
+"""
 
 from __future__ import annotations
 
+import json
+import socket
 import time
 
 import httpx
@@ -61,3 +76,55 @@ def test_disconnect_during_prefill_cancels_between_chunks(tiny_model_dir, stream
             timeout=60,
         )
         assert r.status_code == 200
+
+
+# A pipelining client: its stream request, then a second request on the same connection.
+PIPELINED = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+@pytest.fixture(scope="module")
+def slow_keepalive_server(tiny_model_dir):  # noqa: F811
+    # Keepalives far apart: a stream must not need one to notice the client left.
+    with Server(
+        tiny_model_dir, ctx=32768, extra=["--kv-disk-dir", "none", "--keepalive", "120"]
+    ) as s:
+        yield s
+
+
+@pytest.mark.parametrize(
+    ("path", "word", "extra"),
+    [
+        ("/v1/chat/completions", "word", {"max_tokens": 4}),
+        ("/v1/messages", "cat", {"max_tokens": 4}),
+        ("/v1/responses", "dog", {"max_output_tokens": 16}),
+    ],
+    ids=["chat", "anthropic", "responses"],
+)
+def test_pipelining_stream_client_that_leaves_is_noticed_between_chunks(
+    slow_keepalive_server, path, word, extra
+):
+    s = slow_keepalive_server
+    key = "input" if path == "/v1/responses" else "messages"
+    text = f"{word} " * PROMPT_WORDS  # its own words: no prefix of an earlier case's state
+    content = text if key == "input" else [{"role": "user", "content": text}]
+    body = json.dumps({"model": "deepseek-chat", "stream": True, key: content, **extra}).encode()
+    n0 = len(s.request_lines())
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", s.port)) as sock:
+        sock.sendall(head + body + PIPELINED)
+        deadline = time.monotonic() + 30
+        while not s.health()["busy"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # well inside the prefill
+    t_gone = time.monotonic()
+    deadline = t_gone + 60
+    while len(s.request_lines()) == n0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ended = time.monotonic() - t_gone
+    line = s.request_lines()[-1]
+    assert "finish=cancelled" in line and "prefill=cancelled after" in line, line
+    assert ended < 6, f"the job ended {ended:.1f}s after the client left: {line}"
+    s.wait_idle(timeout=20)

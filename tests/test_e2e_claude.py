@@ -9,7 +9,9 @@ command, send the ``tool_result`` back, and the server must complete the turn. F
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -93,3 +95,61 @@ def test_claude_code_bare_text_turn(server, tmp_path):
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip() == "Hello from ds4mlx."
+
+
+def test_claude_code_compacts_when_the_server_refuses_a_prompt_as_too_long(server, tmp_path):
+    """Issue 13, item 11: at the CPU default ``--ctx 32768`` a conversation that outgrows
+    the window makes Claude Code compact and finish instead of failing.
+
+    ``claude-code.sh`` gives Claude Code the real window and, below 64k, leaves
+    ``CLAUDE_CODE_AUTO_COMPACT_WINDOW`` unset: with it Claude Code would refuse every turn
+    locally (its threshold, the window less 33k, is below its own ~19k-token prompt).
+    Claude Code then compacts when the server refuses a prompt with the Messages API's
+    ``prompt is too long: N tokens > M maximum``. Three Bash outputs of ~5k tokens each
+    push the fourth request past 32k: the server refuses it, Claude Code sends its
+    summarization request (in the trace), then the turn again on the summary, which fits.
+    The outputs are generated (``yes``), not files: Claude Code re-attaches files it read
+    after compacting, which would not fit this window again.
+    """
+    lines = 450  # ~5k tokens of output per call
+    calls = [
+        f"Printing {n}.</think>"
+        + tool_call_dsml(
+            "Bash",
+            command=f"yes '{n} alpha beta gamma delta word alpha beta gamma delta' | head -n {lines}",
+            description=f"Print {n}",
+        )
+        for n in "abc"
+    ]
+    server.script(
+        *calls,
+        "Summing up.</think><summary>The user asked to print a, b and c; all three were "
+        "printed.</summary>" + EOS,
+        "Done.</think>Printed all three." + EOS,
+    )
+    n0 = len(server.trace.prompts())
+    log0 = len(server.log())
+    r = _claude(
+        server,
+        tmp_path,
+        "print a, b and c",
+        "--allowedTools",
+        "Bash",
+        "--output-format",
+        "stream-json",
+        "--verbose",
+    )
+    events = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
+    result = events[-1] if events else {}
+    assert r.returncode == 0 and result.get("type") == "result", r.stdout[-3000:] + r.stderr
+    assert not result["is_error"] and result["result"] == "Printed all three.", result
+    assert "--ctx 65536" in r.stderr  # the script says why it does not compact earlier
+    assert any(e.get("subtype") == "compact_boundary" for e in events), events
+    # The server refused one prompt as too long, in the Messages API's words ...
+    refused = re.findall(r"rejected 400: .*", server.log()[log0:])
+    assert len(refused) == 1, server.log()[log0:]
+    # ... then served the summarization request and the retried turn.
+    prompts = server.trace.prompts()[n0:]
+    assert len(prompts) == 5, [p["tokens"] for p in prompts]
+    assert "<summary>" in prompts[3]["text"] and "Do NOT call any tools" in prompts[3]["text"]
+    assert "all three were printed" in prompts[4]["text"] and prompts[4]["tokens"] < 32768

@@ -250,6 +250,12 @@ def test_item8_context_errors_carry_the_counts_as_fields(client):
         assert str(err["n_prompt_tokens"]) in err["message"] and str(CTX) in err["message"]
         if path == "/v1/messages":
             assert r.json()["type"] == "error" and err["type"] == "invalid_request_error"
+            # The Messages API's own wording, which Claude Code compacts on (item 11;
+            # its pattern, from the 2.1 CLI): N prompt tokens > M, the largest prompt.
+            m = re.search(
+                r"prompt is too long[^0-9]*(\d+)\s*tokens?\s*>\s*(\d+)", err["message"], re.I
+            )
+            assert m and (int(m[1]), int(m[2])) == (err["n_prompt_tokens"], CTX - 1), err
         else:
             assert err["code"] == "context_length_exceeded"
 

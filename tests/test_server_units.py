@@ -223,6 +223,52 @@ def test_job_events_never_swallow_a_cancel_that_races_an_event(steps):
     assert cancelled
 
 
+# ----------------------------------------------------------------- issue 13, item 7
+
+
+@pytest.mark.parametrize("probe", [True, False])
+def test_stream_events_write_between_prefill_chunks(probe):
+    """A stream writes a comment (None) after every prefill chunk but the last, and none
+    before the first: the write is what notices a client whose connection the server no
+    longer reads (tests/test_disconnect_prefill.py). The WebSocket does not probe."""
+    import asyncio
+
+    from ds4mlx.routes.pipeline import events
+    from ds4mlx.server.jobs import GenRequest, Job, JobDone, JobStarted, PrefillProgress
+
+    class Enc:
+        def opening(self):
+            return []
+
+        def idle(self):
+            return "idle"
+
+        def started(self, e):
+            return ["started"]
+
+        def feed(self, e):
+            return [e]
+
+        def done(self, e):
+            return ["done"]
+
+        def failed(self, e):
+            return ["failed"]
+
+    async def main() -> list:
+        job = Job(GenRequest("/t", [1], None, None, 1), asyncio.get_running_loop())
+        for ev in [
+            JobStarted(3, 0, "cold"),
+            *(PrefillProgress(d, 3) for d in range(4)),
+            JobDone("stop", None, 3, 0, 0),
+        ]:
+            job.queue.put_nowait(ev)
+        return [ev async for ev in events(job, Enc(), 60.0, probe=probe)]
+
+    got = asyncio.run(main())
+    assert got == (["started", None, None, "done"] if probe else ["started", "done"])
+
+
 # --------------------------------------------------------------------------- encoders
 
 

@@ -116,16 +116,38 @@ _ERROR_TYPES = {
 
 def error_body(err: APIError) -> dict[str, Any]:
     """The Anthropic error object for ``err``: ``{"type": "error", "error": {"type",
-    "message", …fields}}``, the type from the status unless ``err.anthropic_type``."""
+    "message", …fields}}``, the type from the status unless ``err.anthropic_type``.
+
+    A context-length error is worded as the Messages API words it (`prompt_too_long`):
+    clients act on that text, not on a code this protocol does not have.
+    """
     default = "api_error" if err.status >= 500 else "invalid_request_error"
     return {
         "type": "error",
         "error": {
             "type": err.anthropic_type or _ERROR_TYPES.get(err.status, default),
-            "message": err.message,
+            "message": prompt_too_long(err) or err.message,
             **err.fields,
         },
     }
+
+
+def prompt_too_long(err: APIError) -> str | None:
+    """The Messages API's wording of a context-length error, or None for another error.
+
+    ``prompt is too long: N tokens > M maximum`` is what Anthropic's API answers, and
+    Claude Code keys on it: that text (any case, in a 400 or a stream's ``error`` event)
+    makes it compact the conversation and retry, reading N − M as how much to drop;
+    other wording ends the session with an API error. M is the largest prompt the
+    context takes (one token less than ``--ctx``: the prompt must leave room to answer).
+    """
+    n, ctx = err.fields.get("n_prompt_tokens"), err.fields.get("n_ctx")
+    if err.code != "context_length_exceeded" or not isinstance(n, int) or not isinstance(ctx, int):
+        return None
+    return (
+        f"prompt is too long: {n} tokens > {ctx - 1} maximum (the server's context is {ctx} "
+        "tokens; shorten the conversation or restart the server with a larger --ctx)"
+    )
 
 
 BILLING_PREFIX = "x-anthropic-"

@@ -307,12 +307,23 @@ class Keepalive:
         return time.monotonic() - self.last >= self.every
 
 
-async def events(job: Job, enc: Encoder, keepalive_s: float) -> AsyncIterator[Any]:
+async def events(
+    job: Job, enc: Encoder, keepalive_s: float, *, probe: bool = False
+) -> AsyncIterator[Any]:
     """The wire events of ``job`` through ``enc``, keepalives included (None = a
     comment), ending after the job's `JobDone` / `JobFailed`.
 
     A keepalive goes out when nothing was sent for ``keepalive_s`` seconds while the
     job waits in the queue or prefills (and at a `JobStarted` that has no wire form).
+
+    With ``probe`` (HTTP streams), every `PrefillProgress` between two prefill chunks
+    (at most every 0.5 s) also sends a comment, which does not count as a keepalive. A
+    write is the only check of a client whose connection the server no longer reads:
+    Hypercorn stops reading an HTTP/1.1 connection once the client has sent bytes past
+    its request (a pipelined request, a stray CRLF) until the response ends, so such a
+    client's close is seen only when a write fails. The probe makes that the next
+    prefill chunk instead of the next keepalive or token; the job's cancel flag is
+    checked before every chunk.
     """
     ka = Keepalive(keepalive_s)
     for ev in enc.opening():
@@ -327,6 +338,8 @@ async def events(job: Job, enc: Encoder, keepalive_s: float) -> AsyncIterator[An
             if ka.due():
                 ka.sent()
                 out = [enc.idle()]
+            elif probe and isinstance(e, PrefillProgress) and 0 < e.done < e.total:
+                out = [None]
         for ev in out:
             yield ev
         if final:
@@ -352,7 +365,7 @@ def stream(job: Job, enc: Encoder) -> Response:
 
     async def frames() -> AsyncIterator[bytes]:
         # Runs outside the app context (Quart streams bodies after the handler returned).
-        async for ev in events(job, enc, keepalive_s):
+        async for ev in events(job, enc, keepalive_s, probe=True):
             yield SSE_COMMENT if ev is None else enc.frame(ev)
 
     return sse_response(guard(job, frames()))
