@@ -115,7 +115,7 @@ def _lines(seed: int, n: int) -> str:
 
 def _dsml_call(name: str, arguments: dict) -> str:
     """Scripted output: one DSML tool call (the format's own rendering) + EOS."""
-    return render_tool_calls([ToolCall(id="scripted", name=name, arguments=arguments)]) + EOS
+    return render_tool_calls([ToolCall(id="scripted", name=name, arguments=arguments)]).text + EOS
 
 
 # --------------------------------------------------------------------------- capture
