@@ -3,7 +3,8 @@
 Two conversations interleave as Claude Code's main conversation and a side request do:
 each keeps its own live state and bindings, so a tool result of the first still
 continues it live after the second ran; a third conversation replaces the least
-recently used state (saved to disk first). Usage on the resident path is what the
+valuable state (saved to disk first): fewest tokens per job since its last use, so a
+small side request goes before a long conversation it interrupted. Usage on the resident path is what the
 model processed. Plan decisions and the state each job ran on come from ``--trace``.
 """
 
@@ -111,8 +112,9 @@ def test_interleaved_conversations_keep_their_own_state(server):
     assert chat_usage(r3)[1] >= ps + rs["usage"]["completion_tokens"] - 1
     assert chat_usage(r3) == (plan["prompt"], plan["cached"])
 
-    # A third conversation: no state matches and both are live, so the least recently
-    # used (the main one) is saved to disk and replaced.
+    # A third conversation: no state matches and both are live, so the least valuable
+    # (the main one: fewer tokens than the side one, and two jobs older) is saved to
+    # disk and replaced.
     _side(server, 73)
     plan = server.trace.last()
     assert plan["decision"] == "cold" and plan["detail"].endswith("state=0/2"), plan
@@ -123,6 +125,32 @@ def test_interleaved_conversations_keep_their_own_state(server):
     while want not in (evicts := _evict_sizes(server)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert want in evicts, (want, evicts)
+
+
+def test_a_small_recent_state_goes_before_a_long_interrupted_one(server):
+    """A long conversation, then a small side request, then an unrelated one: the small
+    state is replaced (least-recently-used would drop the long conversation), so the
+    long conversation's next turn still continues its live state."""
+    big = [
+        {"role": "system", "content": long_system(200, seed=91)},
+        {"role": "user", "content": "big"},
+    ]
+    rb = _side(server, 91, big)
+    big_state = server.trace.last()["detail"].split("state=")[1]
+    _side(server, 92, [{"role": "user", "content": "title?"}])  # a few tokens
+    small_state = server.trace.last()["detail"].split("state=")[1]
+    assert small_state != big_state
+    _side(server, 93)  # matches neither
+    plan = server.trace.last()
+    assert plan["decision"] == "cold" and plan["detail"].endswith(f"state={small_state}"), plan
+    big2 = big + [
+        {"role": "assistant", "content": rb["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "more"},
+    ]
+    _side(server, 91, big2)
+    plan = server.trace.last()
+    assert plan["decision"] in ("exact-token-prefix", "text-prefix"), plan
+    assert plan["detail"].endswith(f"state={big_state}"), plan
 
 
 def _evict_sizes(server) -> list[int]:

@@ -469,7 +469,8 @@ class _Residency:
 
     The best live match wins: a tool-id continuation over a text key over a prefix,
     then the most tokens kept. A job that matches no state goes to a free state, else
-    to the least recently used one, which the plan then evict-saves and replaces.
+    to the least valuable one (`ResidentStates.value`), which the plan then evict-saves
+    and replaces.
     """
 
     disk: Any

@@ -8,7 +8,13 @@ it holds and its disk-save tracker — so a request that runs on one state clear
 sets only that state's bindings. Still one job computes at a time (the worker's FIFO);
 `ResidentStates` only decides *which* state a job runs on
 (``ds4mlx.kv.plan.Planner``: the best live match, else a free state, else the least
-recently used one, whose state the planner evict-saves to disk before replacing it).
+valuable one, whose state the planner evict-saves to disk before replacing it).
+
+Value (`ResidentStates.value`): the tokens a state holds — what prefilling it again would
+cost — divided by one plus the number of jobs since one last ran on it. A recent small
+state (a title request, a few hundred tokens) goes before a long conversation that was
+interrupted by a few side requests, which plain least-recently-used replacement would
+throw out first; a long state nobody came back to for many jobs still ages out.
 
 Memory: every resident state holds its own KV caches (up to a full context each), so N
 multiplies the KV memory; the weights are shared.
@@ -38,6 +44,7 @@ class Resident:
             snapshots).
         tracker: the largest token count saved for it (``SaveTracker``).
         last_used: when a job last ran on it (``time.monotonic()`` seconds).
+        last_job: the `ResidentStates` job count when a job last ran on it.
     """
 
     index: int
@@ -46,6 +53,7 @@ class Resident:
     live_tool_ids: dict[str, None] = field(default_factory=dict)
     tracker: SaveTracker = field(default_factory=SaveTracker)
     last_used: float = 0.0
+    last_job: int = 0
 
     @property
     def live(self) -> bool:
@@ -72,6 +80,7 @@ class ResidentStates:
         self.engine = engine
         self.n = n
         self.states: list[Resident] = [first]
+        self.jobs = 0  # jobs run on any state (`touch`)
 
     def bound_tool_ids(self) -> frozenset[str]:
         """Ids of every state's live tool binding (for the routes' pre-queue check)."""
@@ -82,7 +91,8 @@ class ResidentStates:
 
     def room_for(self) -> Resident:
         """The state a job that matches none should run on: an empty one (made when
-        fewer than ``n`` exist), else the least recently used (its state is replaced)."""
+        fewer than ``n`` exist), else the least valuable (`value`; its state is
+        replaced; ties go to the least recently used)."""
         empty = [r for r in self.states if not r.live]
         if empty:
             return empty[0]
@@ -90,10 +100,18 @@ class ResidentStates:
             r = Resident(len(self.states), self.engine.new_session())
             self.states.append(r)
             return r
-        return min(self.states, key=lambda r: r.last_used)
+        return min(self.states, key=lambda r: (self.value(r), r.last_used))
+
+    def value(self, r: Resident) -> float:
+        """Tokens of ``r`` ÷ (1 + jobs run since ``r`` was last used): the prefill its
+        replacement could cost, discounted by how long nobody has come back to it."""
+        return len(r.session.tokens) / (1 + self.jobs - r.last_job)
 
     def touch(self, r: Resident) -> None:
+        """Record that a job runs on ``r`` now."""
+        self.jobs += 1
         r.last_used = time.monotonic()
+        r.last_job = self.jobs
 
     def describe(self) -> list[dict]:
         """Per state: index, live tokens, bound tool ids (for ``/health`` and logs)."""
