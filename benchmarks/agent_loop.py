@@ -95,6 +95,16 @@ class Server:
             self.url + "/debug/script", json={"texts": [text]}, timeout=10
         ).raise_for_status()
 
+    def drain(self, timeout: float = 120) -> None:
+        """Wait until the disk tier's writer thread has nothing queued or in flight."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            w = httpx.get(self.url + "/health", timeout=10).json().get("kv_writer")
+            if not w or (not w["pending"] and not w["writing"]):
+                return
+            time.sleep(0.05)
+        raise RuntimeError("the snapshot writer did not drain")
+
     def count(self, text: str) -> int:
         r = httpx.post(self.url + "/v1/tokenize", json={"text": text}, timeout=60)
         return r.json()["count"]

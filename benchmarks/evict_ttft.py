@@ -13,7 +13,12 @@ in-memory serialization stays on the inference thread. This benchmark measures, 
 Each new prompt is unique (no disk hit) and of the same size, so both kinds of job do
 the same prefill and the same saves of their own (chat anchor, prompt end). Reported:
 the two medians over ``--jobs`` jobs each (interleaved, so drift hits both alike) and
-their ratio (goal: within 10 %).
+their ratio (goal: within 10 %). Before each measured request the benchmark waits until
+the writer thread is idle (``/health`` ``kv_writer``): the long conversation's own
+``continued`` saves, one per 2048 tokens it crossed, would otherwise still be written
+while the measured request runs, and on a 2-core machine that I/O competes with its
+prefill whatever the evict does (``--no-drain`` measures with it). Also reported: the
+median time the writer spent on one evict save, which an inline write would have added.
 
     python benchmarks/evict_ttft.py                 # the tiny float32 model (made once)
     python benchmarks/evict_ttft.py -m /path/to/DeepSeek-V4-Flash --ctx 65536 --live-tokens 30000
@@ -67,6 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--live-tokens", type=int, default=6000, help="evicted state size (6000)")
     ap.add_argument("--prompt-tokens", type=int, default=1500, help="measured prompts (1500)")
     ap.add_argument("--jobs", type=int, default=10, help="jobs of each kind (10)")
+    ap.add_argument(
+        "--no-drain",
+        dest="drain",
+        action="store_false",
+        help="do not wait for the writer thread to finish the previous job's saves (the "
+        "long state's continued saves) before each measured request",
+    )
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
 
@@ -87,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             srv.script("x")
             srv.messages(body(f"[long {i}] " + long_text, "long"))
             srv.script("y")
+            if args.drain:
+                srv.drain()
             t, _, cached = srv.ttft(body(f"[with {i}] " + prompt_text, "go"))
             assert cached == 0, cached
             with_evict.append(t)
@@ -94,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             srv.script("x")
             srv.messages(body(f"[short {i}]", "short"))
             srv.script("y")
+            if args.drain:
+                srv.drain()
             t, _, cached = srv.ttft(body(f"[without {i}] " + prompt_text, "go"))
             assert cached == 0, cached
             without.append(t)
@@ -116,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         "median_ttft_without_s": m_without,
         "ratio": m_with / m_without,
         "evict_saves_logged": evicts,
+        "drained": args.drain,
         "median_evict_write_ms": statistics.median(write_ms) if write_ms else None,
     }
     print(json.dumps(figures, indent=2))

@@ -85,31 +85,25 @@ class Trace:
         self.path = Path(path)
         self._seen = 0
 
-    def plans(self) -> list[dict]:
+    def _records(self):
+        """Every complete JSON record of the trace file, in order."""
         if not self.path.exists():
-            return []
-        out = []
+            return
         for line in self.path.read_text(encoding="utf-8").splitlines():
             try:
-                rec = json.loads(line)
+                yield json.loads(line)
             except ValueError:
-                continue
-            if rec.get("kind") == "plan":
-                out.append(rec)
-        return out
+                continue  # a line the server is still writing
+
+    def plans(self) -> list[dict]:
+        return [rec for rec in self._records() if rec.get("kind") == "plan"]
 
     def jobs(self) -> list[dict]:
         """One record per planned job, in order: its ``plan`` fields plus the ``path`` of
         its ``prompt`` record (the endpoint; ``ws /v1/responses`` for the WebSocket)."""
-        if not self.path.exists():
-            return []
         paths: dict[int, str] = {}
         out = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
+        for rec in self._records():
             if rec.get("kind") == "prompt":
                 paths[rec["job"]] = rec.get("path")
             elif rec.get("kind") == "plan":
@@ -118,17 +112,7 @@ class Trace:
 
     def prompts(self) -> list[dict]:
         """The ``prompt`` records (``job``, ``path``, ``text``, ``tokens``), in order."""
-        if not self.path.exists():
-            return []
-        out = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("kind") == "prompt":
-                out.append(rec)
-        return out
+        return [rec for rec in self._records() if rec.get("kind") == "prompt"]
 
     def last(self, timeout: float = 5.0) -> dict:
         """The newest plan record (waits briefly for the server to flush it)."""

@@ -37,6 +37,7 @@ def server(tiny_model_dir, tmp_path_factory):  # noqa: F811 (fixture from server
     with traced_server(tiny_model_dir, tmp_path_factory, extra=["--sessions", "2"]) as s:
         h = s.health()
         assert h["sessions"] == 2 and 1 <= len(h["states"]) <= 2, h  # states made as needed
+        assert h["kv_writer"]["dropped"] == 0, h  # the disk tier's writer thread
         yield s
 
 

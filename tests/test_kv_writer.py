@@ -50,11 +50,16 @@ def test_queue_is_bounded_in_bytes_and_drops_the_oldest_pending():
         w.submit(Item(name, 40))
     # a+b+c = 120 > 100: the oldest pending (a) went; the one in flight stays.
     assert w.dropped == 1 and w.pending_bytes == 80
+    st = w.status()  # what /health shows
+    assert st == {"pending": 2, "pending_bytes": 80, "writing": True, "written": 0, "dropped": 1}
     w.submit(Item("huge", 500))  # alone over the bound: kept, everything older dropped
     assert w.dropped == 3 and w.pending_bytes == 500
     gate.set()
     assert w.flush(10)
     assert done == ["busy", "huge"]
+    assert w.status() == {
+        "pending": 0, "pending_bytes": 0, "writing": False, "written": 2, "dropped": 3
+    }  # fmt: skip
     assert w.close(10)
     with pytest.raises(RuntimeError):
         w.submit(Item("late", 1))

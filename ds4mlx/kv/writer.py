@@ -104,6 +104,18 @@ class SnapshotWriter:
         with self._cond:
             return self._pending_bytes
 
+    def status(self) -> dict[str, int | bool]:
+        """``{"pending", "pending_bytes", "writing", "written", "dropped"}`` (counts,
+        bytes, whether an item is being written) for ``/health``."""
+        with self._cond:
+            return {
+                "pending": len(self._pending),
+                "pending_bytes": self._pending_bytes,
+                "writing": self._busy is not None,
+                "written": self.written,
+                "dropped": self.dropped,
+            }
+
     def wait_for(self, pred: Callable[[Any], bool], timeout: float | None = None) -> bool:
         """Wait until no pending or in-flight item satisfies ``pred``.
 

@@ -125,6 +125,7 @@ async def detokenize_route():
 async def health():
     st = state()
     residents = getattr(st.kv, "residents", None)
+    writer = getattr(getattr(st.kv, "disk", None), "writer", None)
     return json_response(
         {
             "status": "ok",
@@ -138,6 +139,8 @@ async def health():
             # --sessions N: the resident states (plain Python counts, no MLX access).
             "sessions": residents.n if residents is not None else 1,
             "states": residents.describe() if residents is not None else None,
+            # The disk tier's writer thread: saves waiting, being written, done, dropped.
+            "kv_writer": writer.status() if writer is not None else None,
         }
     )
 
