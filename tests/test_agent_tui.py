@@ -351,6 +351,17 @@ def test_sigint_burst_while_exiting_is_ignored(tiny, tmp_path):
     assert "Traceback" not in log, log[-3000:]
 
 
+def _blocked_on(pid: int) -> str:
+    """Each thread of ``pid``: name, state and kernel wait channel (from ``/proc``)."""
+    out = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        with contextlib.suppress(OSError):
+            comm = (task / "comm").read_text().strip()
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            out.append(f"{task.name} {comm} {state} {(task / 'wchan').read_text()}")
+    return "; ".join(out) or "no /proc entry"
+
+
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP"])
 def test_sigterm_sighup_stop_jobs_and_save(tiny, tmp_path, signame):
     """SIGTERM/SIGHUP work like /quit: background jobs stopped, session saved with KV."""
@@ -370,7 +381,11 @@ def test_sigterm_sighup_stop_jobs_and_save(tiny, tmp_path, signame):
         child.expect("› ")
         assert pid_alive(pid)
         child.kill(getattr(signal, signame))
-        child.expect(pexpect.EOF)
+        try:
+            child.expect(pexpect.EOF)
+        except pexpect.TIMEOUT:
+            # Seen once under heavy load, never reproduced: say where the agent waits.
+            raise AssertionError(f"no exit after {signame}: {_blocked_on(child.pid)}") from None
     finally:
         child.close()
     log = (tmp_path / "terminal.log").read_text()
