@@ -269,7 +269,8 @@ def capture_claude(work: Path) -> dict:
         raise SystemExit(
             f"claude capture incomplete: {len(main)} main, {len(sub)} sub, {len(title)} title"
         )
-    # The sub-agent's second request: [user, system, assistant, tool_result, *appended].
+    # main[1] sends the Agent tool's result (answered with max_tokens); main[2] is the
+    # recovery request that follows, ending with Claude Code's note to the model.
     agent_result = main[1]["messages"][-1]["content"][0]["content"]
     recovery = main[2]["messages"][-1]
     return {
@@ -278,6 +279,7 @@ def capture_claude(work: Path) -> dict:
         if isinstance(recovery["content"], str)
         else recovery["content"][0]["text"],
         "sub": sub[0],
+        # The sub-agent's second request is its first + [assistant, tool_result, *these].
         "sub_after_result": sub[1]["messages"][len(sub[0]["messages"]) + 2 :],
         "agent_result_tail": agent_result[-1]["text"] if len(agent_result) > 1 else "",
         "title": title[0],
