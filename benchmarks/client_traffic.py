@@ -1,4 +1,4 @@
-"""Prompt cache under real client traffic: tokens prefilled ÷ prompt tokens (issue 12).
+"""Prompt cache under real client traffic: tokens prefilled ÷ prompt tokens.
 
 Real coding clients do not only extend one conversation. Claude Code interleaves its main
 conversation with sub-agents (the ``Agent`` tool: another system prompt and history),
@@ -757,9 +757,21 @@ def summarize(rows: list[Row]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--clients", default="claude,codex", help="claude,codex (both)")
-    ap.add_argument("--configs", default="a,b,c", help="a,b,c (all three)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--clients",
+        default="claude,codex",
+        help="whose traffic: claude, codex or both (default; the CLIs come from "
+        "tests/clients: npm install --prefix tests/clients)",
+    )
+    ap.add_argument(
+        "--configs",
+        default="a,b,c",
+        help="server configurations, see above: a (disk off), b (defaults), c (--sessions 3); "
+        "all three by default (about 20 min on a 2-core CPU, most of it (a))",
+    )
     ap.add_argument("--turns", type=int, default=12, help="main conversation turns (12)")
     ap.add_argument("--ctx", type=int, default=32768, help="server context size (32768)")
     ap.add_argument("--shapes", help="load captured shapes from this JSON (else capture now)")

@@ -1,4 +1,4 @@
-"""Evict saves off the inference thread: time to first token with and without one (issue 12).
+"""Evict saves off the inference thread: time to first token with and without one.
 
 An ``evict`` save happens when a request replaces a live state worth keeping (≥ the
 min-tokens setting). Its file I/O runs on the disk tier's writer thread; only the
@@ -66,12 +66,21 @@ def body(system: str, user: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("-m", "--model", help="checkpoint directory (default: tiny float32 model)")
     ap.add_argument("--ctx", type=int, default=16384, help="context size (16384)")
     ap.add_argument("--live-tokens", type=int, default=6000, help="evicted state size (6000)")
-    ap.add_argument("--prompt-tokens", type=int, default=1500, help="measured prompts (1500)")
-    ap.add_argument("--jobs", type=int, default=10, help="jobs of each kind (10)")
+    ap.add_argument(
+        "--prompt-tokens", type=int, default=1500, help="tokens of each measured prompt (1500)"
+    )
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=10,
+        help="measured jobs with an evict, and as many without (10 each)",
+    )
     ap.add_argument(
         "--no-drain",
         dest="drain",
