@@ -58,6 +58,9 @@ def test_banner_suggests_openblas_and_rejected_requests_are_logged(tiny_model_di
         r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": 5}, headers=auth)
         assert r.status_code == 400
         assert httpx.get(srv.url + "/v1/nothing", headers=auth).status_code == 404
+        # The base URL answers (Claude Code probes it with HEAD at start), without a key.
+        assert httpx.head(srv.url + "/").status_code == 200
+        assert httpx.get(srv.url + "/").json()["service"] == "ds4mlx"
         big = b"x" * (33 * 1024 * 1024)
         r = httpx.post(srv.url + "/v1/messages", content=big, headers=auth, timeout=60)
         assert r.status_code == 413
@@ -72,3 +75,4 @@ def test_banner_suggests_openblas_and_rejected_requests_are_logged(tiny_model_di
         (413, "/v1/messages"),
     ):
         assert any(f"{path} rejected {status}" in ln for ln in rejected), (status, rejected)
+    assert not any(" / rejected" in ln for ln in rejected), rejected

@@ -75,7 +75,7 @@ def register(app) -> None:
     async def _auth():
         if request.method == "OPTIONS" and state().config.cors:
             return app.response_class("", status=204)
-        if request.path == "/health":
+        if request.path in ("/", "/health"):
             return None
         err = check_auth()
         if err is not None:

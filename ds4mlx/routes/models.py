@@ -10,6 +10,7 @@
   chat messages, rendered with the chat template) → ``{"tokens", "count"}``.
 - ``POST /v1/detokenize``: ``{"tokens": [int]}`` → ``{"text"}``.
 - ``GET /health``: ``{"status": "ok", ...}`` (no API key needed).
+- ``GET /`` (and ``HEAD /``): ``{"status": "ok", "service": "ds4mlx"}`` (no API key needed).
 - ``POST /debug/script`` (only with ``--enable-scripted-decoding``): ``{"texts": [str]}``
   and/or ``{"tokens": [[int]]}`` queue continuations (texts first); each following job
   decodes the next one (docs/ARCHITECTURE.md §2). ``"greedy": true`` makes those jobs decode
@@ -119,6 +120,14 @@ async def detokenize_route():
             param="tokens",
         )
     return json_response({"text": tok.decode(req.tokens)})
+
+
+@bp.get("/")
+async def root():
+    """What answers at the base URL: clients probe it (Claude Code sends ``HEAD /`` when
+    it starts), so it is a 200, not a logged rejection. No API key needed, like
+    ``/health``."""
+    return json_response({"status": "ok", "service": "ds4mlx", "health": "/health"})
 
 
 @bp.get("/health")
