@@ -103,6 +103,9 @@ def test_demo_caps_every_request_output(demo):
     from ds4mlx.model.demo import DEMO_MAX_TOKENS
 
     assert f"at most {DEMO_MAX_TOKENS} tokens per request" in demo.log()
+    # The demo runs every request without thinking, and says so everywhere it is asked.
+    models = httpx.get(f"{demo.url}/v1/models", timeout=10).json()["data"]
+    assert models and not any(m["thinking"] for m in models), models
     r = httpx.post(
         f"{demo.url}/v1/messages",
         json={"model": "m", "max_tokens": 32000, "messages": [{"role": "user", "content": "hi"}]},

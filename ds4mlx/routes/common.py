@@ -354,20 +354,23 @@ def model_thinking(model: str | None) -> bool:
 
     Clients send their own model names (Claude Code's ``claude-haiku-…`` for side
     requests, an SDK's default): the server has one model and serves it under any name
-    (thinking on unless the name is a non-thinking alias). The first request naming an
-    id the server does not list logs which model it was served as.
+    (thinking on unless the name is a non-thinking alias or the demo policy applies). The
+    first request naming an id the server does not list logs which model it was served
+    as.
     """
     st = state()
     cfg = st.config
+    thinking = cfg.thinking_default(model)
     if model and model not in cfg.model_ids() and model not in st.unknown_models:
         if len(st.unknown_models) < 1000:  # a bound: names are client-chosen
             st.unknown_models.add(model)
         logging.getLogger("ds4mlx.server").info(
-            "model %r is not a served id; serving %s (thinking on) under that name",
+            "model %r is not a served id; serving %s (thinking %s) under that name",
             model,
             cfg.model_name,
+            "on" if thinking else "off",
         )
-    return cfg.thinking_default(model)
+    return thinking
 
 
 def check_auth(headers=None) -> APIError | None:

@@ -75,7 +75,10 @@ class ServerConfig:
         return [self.model_name, *[a for a in self.aliases if a != self.model_name]]
 
     def thinking_default(self, model: str | None) -> bool:
-        """Thinking mode for a request naming ``model`` (unknown names: thinking on)."""
+        """Thinking mode for a request naming ``model`` (unknown names: thinking on;
+        never under the demo policy, which serves every request without thinking)."""
+        if self.demo_policy:
+            return False
         if model and model in self.aliases and model != self.model_name:
             return self.aliases[model]
         return True
