@@ -20,7 +20,7 @@ from ds4mlx.dsml.tokens import ASSISTANT, EOS, USER
 from ds4mlx.kv.live import (
     ThinkingBinding,
     ToolBinding,
-    thinking_suffix,
+    matched_key,
     tool_results_suffix,
     trailing_tool_ids,
     unexplained_tool_ids,
@@ -122,12 +122,13 @@ def test_unexplained_ids_and_messages():
     )
 
 
-def test_thinking_suffix_starts_at_the_unfed_eos():
+def test_matched_key_needs_the_whole_key_with_its_eos():
     key = f"<bos>{USER}q{ASSISTANT}</think>answer{EOS}"
     b = ThinkingBinding((key,), 42)
     prompt = key + f"{USER}q2{ASSISTANT}<think>"
-    assert thinking_suffix(prompt, b) == f"{EOS}{USER}q2{ASSISTANT}<think>"
-    assert thinking_suffix(prompt.replace("answer", "answer!"), b) is None
+    assert matched_key(prompt, b).text == key
+    assert matched_key(prompt.replace("answer", "answer!"), b) is None
+    assert matched_key(prompt, ThinkingBinding((key.removesuffix(EOS),), 42)) is None
 
 
 def test_visible_keys_match_both_ways_of_dropping_reasoning():
@@ -143,8 +144,9 @@ def test_visible_keys_match_both_ways_of_dropping_reasoning():
         nxt = render_prompt(
             Conversation([*first.messages, dropped, Message("user", "q2")], tools=tools)
         )
-        rest = thinking_suffix(nxt, ThinkingBinding(keys, 1))
-        assert rest == f"{EOS}{USER}q2{ASSISTANT}<think>", tools
+        key = matched_key(nxt, ThinkingBinding(keys, 1))
+        # The live state sampled the key's EOS but never fed it: the prompt goes on there.
+        assert nxt[len(key.text) - len(EOS) :] == f"{EOS}{USER}q2{ASSISTANT}<think>", tools
 
 
 # --------------------------------------------------------------------------- planner

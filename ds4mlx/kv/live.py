@@ -60,7 +60,6 @@ __all__ = [
     "TranscriptBinding",
     "tool_results_suffix",
     "matched_key",
-    "thinking_suffix",
     "visible_keys",
     "trailing_tool_ids",
     "unexplained_tool_ids",
@@ -285,16 +284,6 @@ def matched_key(
         if key.text.endswith(EOS) and rendered_prompt.startswith(key.text):
             return key
     return None
-
-
-def thinking_suffix(
-    rendered_prompt: str, binding: ThinkingBinding | TranscriptBinding
-) -> str | None:
-    """The text after the live state if ``rendered_prompt`` starts with the bytes of one
-    of ``binding.keys`` (`matched_key`), else None. It starts with the key's EOS, which
-    the live state never fed."""
-    key = matched_key(rendered_prompt, binding)
-    return None if key is None else rendered_prompt[len(key.text) - len(EOS) :]
 
 
 def unexplained_tool_ids(conv: Conversation, bound: frozenset[str] = frozenset()) -> list[str]:
