@@ -132,6 +132,15 @@ class Server:
         return (first if first is not None else float("nan")), prompt, cached
 
 
+def tiny_model(work: Path) -> str:
+    """The benchmarks' default checkpoint: the tiny float32 model, made in ``work``."""
+    from ds4mlx.model.tiny import make_tiny
+
+    model = str(work / "tiny")
+    make_tiny(model, expert_bits=None, other_bits=None)
+    return model
+
+
 def system_prompt(server: Server, tokens: int) -> str:
     """A varied system prompt of at most ``tokens`` tokens (within ~15 of it)."""
 
@@ -191,12 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="ds4mlx-agent-loop-"))
-    model = args.model
-    if model is None:
-        from ds4mlx.model.tiny import make_tiny
-
-        model = str(work / "tiny")
-        make_tiny(model, expert_bits=None, other_bits=None)
+    model = args.model or tiny_model(work)
     kv = work / "kv"
     disk_flags = ["--kv-disk-dir", str(kv)]
     try:

@@ -36,7 +36,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from agent_loop import Server  # noqa: E402  (the benchmarks' server harness)
+from agent_loop import Server, tiny_model  # noqa: E402  (the benchmarks' server harness)
 
 _WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
 
@@ -92,36 +92,29 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="ds4mlx-evict-ttft-"))
-    model = args.model
-    if model is None:
-        from ds4mlx.model.tiny import make_tiny
-
-        model = str(work / "tiny")
-        make_tiny(model, expert_bits=None, other_bits=None)
+    model = args.model or tiny_model(work)
     srv = Server(model, args.ctx, ["--kv-disk-dir", str(work / "kv")], work / "serve.log")
     try:
         prompt_text = text_of(srv, args.prompt_tokens, 0)
         long_text = text_of(srv, args.live_tokens, 1)
+
+        def ttft_after(live: str, tag: str) -> float:
+            """Make ``live`` the live state, then time a new prompt that replaces it."""
+            srv.script("x")
+            srv.messages(body(live, tag))
+            srv.script("y")
+            if args.drain:
+                srv.drain()
+            t, _, cached = srv.ttft(body(f"[{tag}] " + prompt_text, "go"))
+            assert cached == 0, cached
+            return t
+
         with_evict, without = [], []
         for i in range(args.jobs):
-            # With: a long live state, then a new prompt that replaces it (evict save).
-            srv.script("x")
-            srv.messages(body(f"[long {i}] " + long_text, "long"))
-            srv.script("y")
-            if args.drain:
-                srv.drain()
-            t, _, cached = srv.ttft(body(f"[with {i}] " + prompt_text, "go"))
-            assert cached == 0, cached
-            with_evict.append(t)
+            # With: a long live state, replaced by the new prompt (evict save).
+            with_evict.append(ttft_after(f"[long {i}] " + long_text, f"with {i}"))
             # Without: a short live state (nothing worth saving), then the same-size prompt.
-            srv.script("x")
-            srv.messages(body(f"[short {i}]", "short"))
-            srv.script("y")
-            if args.drain:
-                srv.drain()
-            t, _, cached = srv.ttft(body(f"[without {i}] " + prompt_text, "go"))
-            assert cached == 0, cached
-            without.append(t)
+            without.append(ttft_after(f"[short {i}]", f"without {i}"))
     finally:
         srv.stop()
     log = (work / "serve.log").read_text()
