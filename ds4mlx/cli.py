@@ -273,10 +273,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from ds4mlx.routes import register
     from ds4mlx.server.cli import run_serve
 
     _apply_memory_limit(args)
-    return run_serve(args)
+    return run_serve(args, register)
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:

@@ -47,3 +47,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when sampling reduces to argmax."""
         return self.temperature == 0 or self.top_k == 1
+
+
+# DeepSeek's recommended sampling (docs/ARCHITECTURE.md §6): the defaults of a request
+# that sets none, and what thinking mode always uses.
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+DEFAULT_MIN_P = 0.05

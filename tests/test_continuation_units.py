@@ -164,13 +164,12 @@ def engine(tmp_path_factory):
     return Engine.load(d, ctx_size=4096)
 
 
-def _job(engine, conv, protocol=anthropic.NAMES, text=None):
+def _job(engine, conv, text=None):
     text = text if text is not None else render_prompt(conv, context_size=engine.ctx_size)
     req = SimpleNamespace(
         prompt_tokens=engine.tokenizer.encode(text),
         prompt_text=text,
         conversation=conv,
-        protocol=protocol,
         parse=True,
         thinking=conv.thinking,
     )
@@ -185,7 +184,6 @@ def _plan(engine, planner, job, rendered_text=""):
         prompt_tokens=r.prompt_tokens,
         rendered_text=r.prompt_text if rendered_text == "" else rendered_text,
         conversation=r.conversation,
-        protocol=r.protocol,
     )
 
 
@@ -208,7 +206,6 @@ def _run(engine, planner, job, sampled: str | None = None, calls=(), text: str =
         prompt_text=job.request.prompt_text,
         thinking=job.request.thinking,
         text=text,
-        protocol=job.request.protocol,
     )
     return plan
 
@@ -235,7 +232,7 @@ def test_planner_order_live_then_prefix_then_cold(engine):
 
     # A request with an unexplained id is rejected and keeps the binding.
     bad = _conv(Message("system", "sys " * 50), user, Message("tool", "x", tool_call_id="nope"))
-    with pytest.raises(PlanRejected, match="unknown tool_use_id nope") as rejected:
+    with pytest.raises(PlanRejected) as rejected:
         _plan(engine, planner, _job(engine, bad), None)
     assert rejected.value.tool_id == "nope"
     assert planner.bound_tool_ids() == {"toolu_1", "toolu_2"}
@@ -247,23 +244,27 @@ def test_planner_order_live_then_prefix_then_cold(engine):
         Message("tool", "B", tool_call_id="toolu_2"),
     )
     p = _run(engine, planner, _job(engine, conv2))
-    assert (p.decision, p.cached) == ("live-anthropic", live)
+    assert (p.decision, p.cached) == ("live-tools", live)
     suffix = (
         f"{EOS}{USER}<tool_result>A</tool_result>\n\n<tool_result>B</tool_result>{ASSISTANT}<think>"
     )
     assert p.suffix_tokens == engine.tokenizer.encode(suffix)
-    assert p.detail == "match=tool-use-ids ids=2"
+    assert p.detail == "match=tool-result-ids ids=2"
     # The binding was used up: the same request again is no live match.
     assert planner.bound_tool_ids() == frozenset()
     p = _plan(engine, planner, _job(engine, conv2), None)
     assert not p.decision.startswith("live-")
 
 
-def test_planner_without_caller_names_is_neutral(engine):
-    """kv knows no protocol: without the caller's names the decision, the log detail
-    and the rejection text are its own neutral ones."""
+def test_planner_is_neutral_and_routes_label_it(engine):
+    """kv knows no protocol: the decision, the log detail and the rejection are its own
+    neutral ones (the rejection a fact: the id); the worker relabels a live tool
+    continuation with the route's `LiveLabels`, and each route words the failure."""
     from ds4mlx.dsml import ToolMemory
+    from ds4mlx.jobs import Failure, JobFailed
     from ds4mlx.kv.plan import Planner, PlanRejected
+    from ds4mlx.routes.errors import failed_to_api
+    from ds4mlx.server.worker import _labelled
 
     engine.session.reset()
     planner = Planner(engine, ToolMemory())
@@ -273,19 +274,27 @@ def test_planner_without_caller_names_is_neutral(engine):
         '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="read">\n<｜DSML｜parameter name="p" '
         'string="true">c1</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
     )
-    _run(engine, planner, _job(engine, conv1, None), "hmm</think>" + dsml, calls)
+    _run(engine, planner, _job(engine, conv1), "hmm</think>" + dsml, calls)
     bad = _conv(*conv1.messages, Message("tool", "x", tool_call_id="nope"))
     with pytest.raises(PlanRejected) as rejected:
-        _plan(engine, planner, _job(engine, bad, None), None)
+        _plan(engine, planner, _job(engine, bad), None)
     assert rejected.value.tool_id == "nope"
-    assert rejected.value.message == "unknown tool result id nope; replay the full history"
+    assert str(rejected.value) == "unknown tool result id nope"
+    failed = JobFailed(Failure.UNKNOWN_TOOL_ID, tool_id="nope")
+    err = failed_to_api(failed, anthropic.NAMES)
+    assert (err.status, err.param) == (400, "messages")
+    assert err.message == "unknown tool_use_id nope; replay the full messages history"
+    assert failed_to_api(failed, responses.NAMES).param == "input"
     conv2 = _conv(
         *conv1.messages,
         Message("assistant", reasoning="hmm", tool_calls=calls),
         Message("tool", "A", tool_call_id="c1"),
     )
-    p = _plan(engine, planner, _job(engine, conv2, None))
+    p = _plan(engine, planner, _job(engine, conv2))
     assert (p.decision, p.detail) == ("live-tools", "match=tool-result-ids ids=1")
+    labels = anthropic.NAMES.labels
+    assert _labelled(p.decision, p.detail, labels) == ("live-anthropic", "match=tool-use-ids ids=1")
+    assert _labelled("cold", "ids=0", labels) == ("cold", "ids=0")
 
 
 def test_checkpointed_prefill_pauses_at_each_point(engine):

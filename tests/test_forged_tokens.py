@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from ds4mlx.dsml import render, render_prompt
 from ds4mlx.routes import anthropic, openai, responses
-from ds4mlx.routes.common import validate
+from ds4mlx.routes.body import validate
 from ds4mlx.tokenizer import Tokenizer
 
 TOK = Tokenizer.load()

@@ -10,7 +10,8 @@ import pytest
 
 from ds4mlx.kv.plan import Planner
 from ds4mlx.routes.anthropic import error_body as anthropic_error
-from ds4mlx.routes.common import APIError, ReasoningCarrier, _loc_to_path, openai_error
+from ds4mlx.routes.carrier import ReasoningCarrier
+from ds4mlx.routes.errors import APIError, _loc_to_path, openai_error
 from ds4mlx.tokenizer import Tokenizer
 
 
@@ -33,6 +34,14 @@ class FakeSession:
 
     def reset(self) -> None:
         self.tokens, self.logits = [], None
+
+
+def _gen():
+    """A minimal job request (the tests here never run it)."""
+    from ds4mlx.jobs import GenRequest, TurnSpec
+    from ds4mlx.sampling import SamplingParams
+
+    return GenRequest("/t", TurnSpec(SamplingParams(), 1), None, prompt_tokens=[1])
 
 
 def plan_prefill(session: FakeSession, tok: Tokenizer, rendered: str | None, prompt: list[int]):
@@ -143,7 +152,7 @@ def test_error_shapes():
 def test_validation_errors_name_the_real_field():
     """Union members (``input.str``) and discriminator tags are not field names; a
     non-object body names its JSON type; a lone surrogate names its field."""
-    from ds4mlx.routes.common import validate
+    from ds4mlx.routes.body import validate
     from ds4mlx.routes.openai import ChatRequest
     from ds4mlx.routes.responses import ResponsesRequest
 
@@ -170,7 +179,7 @@ def test_validation_errors_name_the_real_field():
 
 
 def _message(model, data) -> str:
-    from ds4mlx.routes.common import validate
+    from ds4mlx.routes.body import validate
 
     try:
         validate(model, data)
@@ -193,10 +202,10 @@ def test_job_events_never_swallow_a_cancel_that_races_an_event(steps):
     """
     import asyncio
 
-    from ds4mlx.server.jobs import GenRequest, Job
+    from ds4mlx.jobs import Job
 
     async def main() -> tuple[bool, list]:
-        job = Job(GenRequest("/t", [1], None, None, 1), asyncio.get_running_loop())
+        job = Job(_gen(), asyncio.get_running_loop())
         got: list = []
 
         async def consume() -> None:
@@ -233,8 +242,8 @@ def test_stream_events_write_between_prefill_chunks(probe):
     longer reads (tests/test_disconnect_prefill.py). The WebSocket does not probe."""
     import asyncio
 
+    from ds4mlx.jobs import Job, JobDone, JobStarted, PrefillProgress
     from ds4mlx.routes.pipeline import events
-    from ds4mlx.server.jobs import GenRequest, Job, JobDone, JobStarted, PrefillProgress
 
     class Enc:
         def opening(self):
@@ -256,7 +265,7 @@ def test_stream_events_write_between_prefill_chunks(probe):
             return ["failed"]
 
     async def main() -> list:
-        job = Job(GenRequest("/t", [1], None, None, 1), asyncio.get_running_loop())
+        job = Job(_gen(), asyncio.get_running_loop())
         for ev in [
             JobStarted(3, 0, "cold"),
             *(PrefillProgress(d, 3) for d in range(4)),
@@ -296,15 +305,15 @@ def _turn_events(cut: bool = False):
 
 
 def _done(finish="stop"):
-    from ds4mlx.server.jobs import JobDone
+    from ds4mlx.jobs import JobDone
 
     return JobDone(finish, None, 10, 4, 7)
 
 
 def test_anthropic_encoder_stream_and_body_agree():
     """One encoder: the message the stream spells out is the non-streaming body."""
+    from ds4mlx.jobs import JobStarted
     from ds4mlx.routes.anthropic import MessageEncoder
-    from ds4mlx.server.jobs import JobStarted
 
     carrier = ReasoningCarrier(b"k" * 32)
     for cut in (False, True):

@@ -8,7 +8,8 @@ import pytest
 from ds4mlx.dsml import render_prompt
 from ds4mlx.dsml.conversation import Message, ToolCall
 from ds4mlx.routes import anthropic, openai, responses
-from ds4mlx.routes.common import APIError, validate
+from ds4mlx.routes.body import validate
+from ds4mlx.routes.errors import APIError
 from ds4mlx.routes.mapping import WireError
 
 

@@ -31,29 +31,27 @@ renderer's own markers are tokens, so the same bytes may be other tokens. A prom
 tokens as plain text at the same places; the planner checks the second half
 (``ds4mlx.kv.plan._same_key``: it needs the tokenizer).
 
-`CallerNames` — how a caller names a live tool continuation (its plan decision, its
-ids in the log detail, the rejection text of an id nothing explains). The planner knows
-no protocol: each caller (a route, for its protocol) hands it its own names.
+kv knows no protocol: a live tool continuation is named `LIVE_TOOLS` with the detail
+``match=`` `TOOL_RESULT_IDS`, and an id nothing explains is reported as the fact
+(``ds4mlx.kv.plan.PlanRejected.tool_id``); callers word and relabel them.
 
-`LiveBindings` holds at most one of each binding. It is written by the inference thread and
-read by routes on the event loop (`bound_tool_ids`, for the unknown-id check before a
-job is queued); bindings are immutable and replaced whole, so a reader sees either
-the old or the new one.
+`LiveBindings` holds at most one of each binding. It is written by the inference thread
+and may be read from any thread (`bound_tool_ids`, for ``/health``); bindings are
+immutable and replaced whole, so a reader sees either the old or the new one.
 
 Stdlib and ``ds4mlx.dsml`` only: no MLX, no tokenizer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from ds4mlx.dsml import Conversation, Message, Rendered, ToolCall, render_tool_results_suffix
 from ds4mlx.dsml.tokens import EOS
 
 __all__ = [
-    "CallerNames",
-    "NEUTRAL_NAMES",
+    "LIVE_TOOLS",
+    "TOOL_RESULT_IDS",
     "LiveBindings",
     "ThinkingBinding",
     "ToolBinding",
@@ -66,32 +64,11 @@ __all__ = [
 ]
 
 
-def _neutral_unknown_id(tool_id: str) -> str:
-    return f"unknown tool result id {tool_id}; replay the full history"
-
-
-@dataclass(frozen=True)
-class CallerNames:
-    """A caller's names for a live tool continuation (kv knows no protocol names).
-
-    Chosen by the caller and carried by its request (``GenRequest.protocol``); the
-    planner only repeats them.
-
-    Attributes:
-        live_tools: the plan decision when the trailing tool results continue the live
-            state (in the log line and the trace).
-        ids: what the caller calls those ids, in the log detail ``match=<ids> ids=<n>``.
-        unknown_id: ``f(tool_id) -> str``, the text of `ds4mlx.kv.plan.PlanRejected`
-            for a tool result nothing explains, in the caller's wording.
-    """
-
-    live_tools: str = "live-tools"
-    ids: str = "tool-result-ids"
-    unknown_id: Callable[[str], str] = _neutral_unknown_id
-
-
-# The names of a caller that brings none (the agent, raw completions).
-NEUTRAL_NAMES = CallerNames()
+# The plan decision of a live tool continuation and the id word of its log detail
+# (``match=tool-result-ids ids=N``): neutral names; a caller may relabel them for its
+# own log line (``ds4mlx.jobs.LiveLabels``).
+LIVE_TOOLS = "live-tools"
+TOOL_RESULT_IDS = "tool-result-ids"
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,7 @@ remembers what a later prompt may continue from.
 
 `Planner` implements the whole matching order; the first rule that fits wins:
 
-1–2. the caller's live-tools decision (``CallerNames.live_tools``, ``live-tools`` by
-   default; each route names its own, see docs/INTERFACES.md) —
+1–2. ``live-tools`` (`ds4mlx.kv.live.LIVE_TOOLS`; a caller may relabel it for its log) —
    the trailing tool results carry exactly the call ids the live state just sampled
    (`ds4mlx.kv.live.ToolBinding`): only the tool-results suffix is appended, tokenized
    on its own; the sampled turn (hidden thinking, exact DSML) stays as is;
@@ -35,8 +34,11 @@ snapshot's aliases) must spell special tokens as plain text where the prompt doe
 
 A binding a job does not use is cleared. A tool result that neither the live binding
 nor a replayed assistant call explains rejects the job (`PlanRejected`, a client
-mistake, worded by the caller's `CallerNames`); routes check the same before queueing
-(`ds4mlx.kv.live.unexplained_tool_ids`).
+mistake, with the id as its fact: each caller words it).
+
+The whole prompt's tokens are asked for (``prompt_tokens`` may be a callable) only by
+the rules that need them (4 and 7, and the resident-state choice's prefix rule): a live
+continuation tokenizes only its suffix.
 
 DeepSeek V4 caches cannot be trimmed backwards past the compressed frontier, so a plan
 keeps either all live tokens or none, and a snapshot at ``n`` tokens is taken while the
@@ -56,8 +58,8 @@ from typing import Any, Protocol
 from ds4mlx.dsml import Rendered
 from ds4mlx.dsml.tokens import EOS
 from ds4mlx.kv.live import (
-    NEUTRAL_NAMES,
-    CallerNames,
+    LIVE_TOOLS,
+    TOOL_RESULT_IDS,
     LiveBindings,
     ThinkingBinding,
     ToolBinding,
@@ -125,16 +127,30 @@ class _Tokenizer(Protocol):
 
 
 class PlanRejected(Exception):
-    """The prompt cannot be served as sent (a client mistake).
+    """The prompt cannot be served as sent (a client mistake): ``tool_id``, a tool-result
+    id that neither the live state nor a replayed call explains. No wording: the caller
+    words it in its protocol (the server's worker reports ``ds4mlx.jobs.Failure``)."""
 
-    ``tool_id``: the tool-result id nothing explains; ``message``: why, in the caller's
-    wording (`ds4mlx.kv.live.CallerNames.unknown_id`).
-    """
-
-    def __init__(self, message: str, tool_id: str | None = None):
-        super().__init__(message)
-        self.message = message
+    def __init__(self, tool_id: str):
+        super().__init__(f"unknown tool result id {tool_id}")
         self.tool_id = tool_id
+
+
+Tokens = list[int] | Callable[[], list[int]]
+
+
+def _lazy(tokens: Tokens) -> Callable[[], list[int]]:
+    """``tokens`` as a call that computes them at most once (a list is returned as is)."""
+    if not callable(tokens):
+        return lambda: tokens
+    box: list[list[int]] = []
+
+    def get() -> list[int]:
+        if not box:
+            box.append(tokens())
+        return box[0]
+
+    return get
 
 
 @dataclass
@@ -145,7 +161,7 @@ class Plan:
         keep: live tokens kept (the planner reset the session when 0).
         suffix_tokens: token ids to prefill after the kept ones.
         decision: the matching rule that fired (the caller's
-            ``CallerNames.live_tools``, ``live-transcript``, ``live-thinking``,
+            ``live-tools``, ``live-transcript``, ``live-thinking``,
             ``exact-token-prefix``, ``text-prefix``, ``disk``, ``cold``); in the
             per-request log line and the trace.
         cached: prompt tokens served from existing state (== ``keep``; a disk restore
@@ -249,13 +265,18 @@ def _key_plan(
 
 
 def _prefix_plan(
-    session: _Session, tokenizer: _Tokenizer, rendered: Rendered | None, prompt: list[int]
+    session: _Session,
+    tokenizer: _Tokenizer,
+    rendered: Rendered | None,
+    tokens: Callable[[], list[int]],
 ) -> Plan | None:
-    """Rules 4 and 5: the live state is a token or text prefix of the prompt."""
+    """Rules 4 and 5: the live state is a token or text prefix of the prompt (``tokens()``
+    its whole tokenization, asked for only when there is a live state)."""
     live = session.tokens
     n = len(live)
     if not n or session.logits is None:
         return None
+    prompt = tokens()
     if n <= len(prompt) and prompt[:n] == live:
         return Plan(keep=n, suffix_tokens=list(prompt[n:]), decision="exact-token-prefix", cached=n)
     if rendered is not None:
@@ -489,14 +510,13 @@ class _Residency:
         if self.disk is not None:
             self.disk.tracker = r.tracker
 
-    def _match(self, r: Resident, rendered, conversation, protocol, prompt) -> tuple | None:
+    def _match(self, r: Resident, rendered, conversation, prompt) -> tuple | None:
         """``(tier, kept tokens)`` of the best live rule for state ``r``, or None. No side
         effects: the chosen state is planned again for real."""
         if not r.live:
             return None
         s, b = r.session, r.bindings
-        names = protocol if isinstance(protocol, CallerNames) else NEUTRAL_NAMES
-        tier, plan = 3, self._live_tools(s, conversation, names, b.tool)
+        tier, plan = 3, self._live_tools(s, conversation, b.tool)
         if plan is None and rendered is not None:
             tier = 2
             tok = self.engine.tokenizer
@@ -508,11 +528,11 @@ class _Residency:
             return None
         return tier, plan.keep
 
-    def _choose(self, rendered, conversation, protocol, prompt) -> Resident:
+    def _choose(self, rendered, conversation, prompt) -> Resident:
         """Pick the state for a job and make it current (see the class docstring)."""
         best: tuple | None = None
         for r in self.residents.states:
-            score = self._match(r, rendered, conversation, protocol, prompt)
+            score = self._match(r, rendered, conversation, prompt)
             if score is not None and (best is None or score > best[0]):
                 best = (score, r)
         r = best[1] if best is not None else self.residents.room_for()
@@ -614,25 +634,22 @@ class Planner(_Residency, _DiskTier):
         self,
         session,
         *,
-        prompt_tokens: list[int],
+        prompt_tokens: Tokens,
         rendered_text: Rendered | str | None,
         conversation=None,
-        protocol: CallerNames | None = None,
     ) -> Plan:
         """Decide how to serve a prompt and bring ``session`` to the state to extend.
 
         Args:
             session: the live ``Session``: kept, restored from a disk hit, or reset (after
                 an ``evict`` save) — the returned plan's suffix goes on top of it.
-            prompt_tokens: the tokenization of the whole prompt.
+            prompt_tokens: the tokenization of the whole prompt, or a call returning it
+                (made at most once, only by a rule that needs it: a live continuation
+                tokenizes its suffix alone).
             rendered_text: the rendered prompt: a ``ds4mlx.dsml.Rendered`` (suffixes are
                 tokenized with its content as plain text), a raw ``str``, or None for
                 token-id prompts.
             conversation: the ``ds4mlx.dsml.Conversation`` it was rendered from, or None.
-            protocol: the caller's `CallerNames` (the live-tools decision, the ids in the
-                log detail, the rejection wording); None or anything else (a legacy
-                name string) means `NEUTRAL_NAMES`. (The keyword keeps the worker's
-                call: it passes ``GenRequest.protocol``.)
         Returns:
             A `Plan`.
         Raises:
@@ -643,17 +660,18 @@ class Planner(_Residency, _DiskTier):
         (``plan.session``; ``session`` is ignored), and ``plan.detail`` names it.
         """
         rendered = Rendered.of(rendered_text) if rendered_text is not None else None
+        tokens = _lazy(prompt_tokens)
         if self.residents is None:
-            plan = self._plan(session, prompt_tokens, rendered, conversation, protocol)
+            plan = self._plan(session, tokens, rendered, conversation)
             plan.session = session
             return plan
-        r = self._choose(rendered, conversation, protocol, prompt_tokens)
-        plan = self._plan(r.session, prompt_tokens, rendered, conversation, protocol)
+        r = self._choose(rendered, conversation, tokens)
+        plan = self._plan(r.session, tokens, rendered, conversation)
         plan.session = r.session
         plan.detail = f"{plan.detail} state={r.index}/{self.residents.n}".strip()
         return plan
 
-    def _plan(self, session, prompt_tokens, rendered, conversation, protocol) -> Plan:
+    def _plan(self, session, tokens, rendered, conversation) -> Plan:
         """The matching order on one live state (see `plan`)."""
         live_ok = len(session.tokens) > 0 and session.logits is not None
         saved = self.bindings.save()
@@ -662,8 +680,7 @@ class Planner(_Residency, _DiskTier):
         self.bindings.clear()
         tool_b, think_b, transcript_b = saved
         self._live_keys = self._keys_of(session, think_b)
-        names = protocol if isinstance(protocol, CallerNames) else NEUTRAL_NAMES
-        plan = self._live_tools(session, conversation, names, tool_b) if live_ok else None
+        plan = self._live_tools(session, conversation, tool_b) if live_ok else None
         if plan is None and conversation is not None:
             # Tool results must be live (above) or replayed with their calls.
             bad = unexplained_tool_ids(conversation)
@@ -671,7 +688,7 @@ class Planner(_Residency, _DiskTier):
                 # A rejected prompt changes nothing: the client may still send the right
                 # results and continue live.
                 self.bindings.restore(saved)
-                raise PlanRejected(names.unknown_id(bad[0]), bad[0])
+                raise PlanRejected(bad[0])
         if plan is None and live_ok and rendered is not None:
             tok = self.engine.tokenizer
             plan = _key_plan(tok, session, rendered, transcript_b, "live-transcript", "")
@@ -686,13 +703,13 @@ class Planner(_Residency, _DiskTier):
         if plan is not None and self._fits(plan):
             self._note_replayed(conversation)
             return self._with_checkpoints(plan, session, None)
-        plan = _prefix_plan(session, self.engine.tokenizer, rendered, prompt_tokens)
+        plan = _prefix_plan(session, self.engine.tokenizer, rendered, tokens)
         if plan is not None and self._fits(plan):
             plan.detail = "ids=0"
         else:
             # Either replaces the live state (and forgets which calls it holds). The
-            # route checked that the prompt's own tokenization fits the context.
-            plan = self._from_disk(session, rendered) or self._cold(session, prompt_tokens)
+            # caller checks that the planned prompt fits the context.
+            plan = self._from_disk(session, rendered) or self._cold(session, tokens())
         self._note_replayed(conversation)
         return self._with_checkpoints(plan, session, rendered, conversation)
 
@@ -713,9 +730,7 @@ class Planner(_Residency, _DiskTier):
         )
         return False
 
-    def _live_tools(
-        self, session, conv, names: CallerNames, binding: ToolBinding | None
-    ) -> Plan | None:
+    def _live_tools(self, session, conv, binding: ToolBinding | None) -> Plan | None:
         """Rules 1-2: the trailing tool results answer exactly the calls just sampled."""
         n = len(session.tokens)
         if conv is None or binding is None or binding.n_tokens != n:
@@ -726,9 +741,9 @@ class Planner(_Residency, _DiskTier):
         return Plan(
             keep=n,
             suffix_tokens=self.engine.tokenizer.encode(suffix.text, content=suffix.content),
-            decision=names.live_tools,
+            decision=LIVE_TOOLS,
             cached=n,
-            detail=f"match={names.ids} ids={len(binding.ids)}",
+            detail=f"match={TOOL_RESULT_IDS} ids={len(binding.ids)}",
         )
 
     def _cold(self, session, prompt_tokens: list[int]) -> Plan:
@@ -761,7 +776,6 @@ class Planner(_Residency, _DiskTier):
         prompt_text: Rendered | str | None = None,
         thinking: bool = False,
         text: str = "",
-        protocol: CallerNames | None = None,
         transcript_key: Rendered | str | None = None,
     ) -> None:
         """Remember what the next prompt may continue from (on the inference thread).
@@ -774,8 +788,6 @@ class Planner(_Residency, _DiskTier):
                 ``str`` has no content spans), or None for a raw turn.
             thinking: the prompt opened ``<think>``.
             text: the visible text the client saw (after stop strings).
-            protocol: as in `plan` (unused here: the binding is the same for every
-                caller; accepted for the worker's call).
             transcript_key: a caller that keeps the conversation (the agent): its
                 rendering through this turn, ending with the turn's EOS
                 (`TranscriptBinding`); kept whatever the finish, since the caller's

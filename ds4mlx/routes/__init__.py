@@ -6,17 +6,23 @@
 - `ds4mlx.routes.completions`: ``/v1/completions`` (raw text)
 - `ds4mlx.routes.models`: ``/v1/models``, ``/v1/tokenize``, ``/v1/detokenize``,
   ``/health``, ``/debug/script``
-- `ds4mlx.routes.pipeline`: the shared request pipeline (tool-id check, render,
-  tokenize, context check, ``GenRequest``) and the stream driver over an encoder
+- `ds4mlx.routes.pipeline`: the shared request pipeline (render, the cheap context
+  bound, the ``GenRequest``) and the stream driver over an encoder
 - `ds4mlx.routes.mapping`: mapping rules the protocol modules share
-- `ds4mlx.routes.common`: errors, body parsing, SSE framing, auth, reasoning carrier
+- `ds4mlx.routes.body`: reading bodies, parsing and validating them off the event loop
+- `ds4mlx.routes.errors`: protocol-shaped errors and the wording of job failures
+- `ds4mlx.routes.sse`: SSE framing
+- `ds4mlx.routes.carrier`: the reasoning carrier
+- `ds4mlx.routes.common`: server state, ids, JSON responses, auth
 
 Each protocol module owns its schema, its mapping onto the neutral ``Conversation``,
-its ``CallerNames`` for the planner (``NAMES``), its error wording and one encoder for
-streaming and non-streaming answers (docs/INTERFACES.md).
+its `ds4mlx.routes.errors.Wording` (``NAMES``: the prompt's field, its live labels, its
+unknown-id text), and one encoder for streaming and non-streaming answers
+(docs/INTERFACES.md).
 
 `register` adds them to a Quart app with protocol-shaped error handlers, the API-key
-check and (opt-in) CORS.
+check, (opt-in) CORS and the reasoning carrier. The server calls it without importing
+this package (``ds4mlx serve`` hands it over).
 """
 
 from __future__ import annotations
@@ -32,20 +38,23 @@ def _answer(err):
     from quart import request
 
     from ds4mlx.routes import anthropic
-    from ds4mlx.routes.common import error_response, openai_error
+    from ds4mlx.routes.errors import error_response, openai_error
 
     anthropic_path = request.path.startswith(anthropic.PATH_PREFIX)
     return error_response(err, anthropic.error_body if anthropic_path else openai_error)
 
 
 def register(app) -> None:
-    """Register every blueprint, error handler and request hook on ``app``."""
+    """Register every blueprint, error handler and request hook on ``app``, and build
+    the app's reasoning carrier (``--reasoning-key``, else the stored key)."""
     from quart import request
     from werkzeug.exceptions import HTTPException
 
-    from ds4mlx.routes import anthropic, completions, models, openai, responses
-    from ds4mlx.routes.common import APIError, check_auth, http_exception_to_api, state
+    from ds4mlx.routes import anthropic, carrier, completions, models, openai, responses
+    from ds4mlx.routes.common import check_auth, state
+    from ds4mlx.routes.errors import APIError, http_exception_to_api
 
+    carrier.install(app, app.extensions["ds4mlx"].config.reasoning_key)
     for mod in (openai, completions, anthropic, responses, models):
         app.register_blueprint(mod.bp)
 

@@ -51,18 +51,11 @@ from ds4mlx.dsml import (
     ToolCallStart,
     ToolSpec,
 )
-from ds4mlx.kv.live import CallerNames
-from ds4mlx.routes.common import (
-    APIError,
-    OpenModel,
-    failed_to_api,
-    json_response,
-    model_thinking,
-    new_id,
-    parse_body,
-    sse,
-    state,
-)
+from ds4mlx.jobs import GenRequest, JobDone, JobFailed, JobStarted, LiveLabels
+from ds4mlx.routes.body import OpenModel, offload, parse, read_body
+from ds4mlx.routes.carrier import carrier
+from ds4mlx.routes.common import json_response, model_thinking, new_id, state
+from ds4mlx.routes.errors import APIError, Wording, failed_to_api
 from ds4mlx.routes.mapping import (
     WireError,
     checked_choice,
@@ -83,7 +76,7 @@ from ds4mlx.routes.pipeline import (
     stream,
     tokenize,
 )
-from ds4mlx.server.jobs import JobDone, JobFailed, JobStarted
+from ds4mlx.routes.sse import sse
 
 bp = Blueprint("anthropic", __name__)
 
@@ -92,9 +85,13 @@ def _unknown_id(tool_id: str) -> str:
     return f"unknown tool_use_id {tool_id}; replay the full messages history"
 
 
-# The planner's names for this protocol: decision ``live-anthropic``, log detail
+# This protocol's names: its jobs' live decision ``live-anthropic`` with the log detail
 # ``match=tool-use-ids ids=N``, and the 400 for a ``tool_use_id`` nothing explains.
-NAMES = CallerNames(live_tools="live-anthropic", ids="tool-use-ids", unknown_id=_unknown_id)
+NAMES = Wording(
+    param="messages",
+    unknown_id=_unknown_id,
+    labels=LiveLabels(live_tools="live-anthropic", ids="tool-use-ids"),
+)
 
 # The Messages API's paths: errors there take this protocol's shape (`error_body`).
 PATH_PREFIX = "/v1/messages"
@@ -458,7 +455,7 @@ def _conversation(req: CountTokensRequest) -> Conversation:
                 req,
                 default_thinking=model_thinking(req.model),
                 keep_billing_header=st.config.keep_billing_header,
-                decode_reasoning=st.carrier.open,
+                decode_reasoning=carrier().open,
             )
         )
     except WireError as e:
@@ -626,7 +623,7 @@ class MessageEncoder:
         return [*out, self._ev("message_delta", delta=delta, usage=usage), self._ev("message_stop")]
 
     def failed(self, e: JobFailed) -> list[dict[str, Any]]:
-        err = error_body(failed_to_api(e))["error"]
+        err = error_body(failed_to_api(e, NAMES))["error"]
         return [*self._close(), self._ev("error", error=err)]
 
     def result(self) -> dict[str, Any]:
@@ -640,35 +637,41 @@ class MessageEncoder:
 @bp.post("/v1/messages/count_tokens")
 async def count_tokens():
     """Token count of the rendered prompt: ``{"input_tokens": n}``."""
-    req = await parse_body(CountTokensRequest)
-    toks = await tokenize(render(_conversation(req)))
-    return json_response({"input_tokens": len(toks)})
+
+    def count(raw: bytes) -> int:
+        return len(tokenize(render(_conversation(parse(CountTokensRequest, raw)))))
+
+    return json_response({"input_tokens": await offload(count, await read_body())})
+
+
+def _job(raw: bytes, path: str) -> tuple[MessagesRequest, GenRequest]:
+    """The typed request and its job (off the event loop: parse, validate, map, render)."""
+    req = parse(MessagesRequest, raw)
+    conv = _conversation(req)
+    gen = prepare(
+        conv,
+        NAMES,
+        path=path,
+        max_tokens=req.max_tokens,
+        sampling=sampling_params(conv.thinking, req),
+        id_prefix="toolu_",
+        stops=req.stop_sequences,
+    )
+    return req, gen
 
 
 @bp.post("/v1/messages")
 async def messages():
     """Anthropic Messages (streaming and not). Errors: Anthropic error shapes."""
-    req = await parse_body(MessagesRequest)
+    req, gen = await offload(_job, await read_body(), request.path)
     st = state()
-    conv = _conversation(req)
-    sampling = sampling_params(conv.thinking, req)
-    gen = await prepare(
-        conv,
-        NAMES,
-        path=request.path,
-        param="messages",
-        max_tokens=req.max_tokens,
-        sampling=sampling,
-        id_prefix="toolu_",
-        stops=req.stop_sequences,
-    )
     job = st.submit(gen)
     enc = MessageEncoder(
         new_id("msg_"),
         req.model or st.config.model_name,
         omitted=bool(req.thinking and req.thinking.display == "omitted"),
-        carrier=st.carrier,
+        carrier=carrier(),
     )
     if req.stream:
-        return stream(job, enc)
-    return json_response(await respond(job, enc))
+        return await stream(job, enc, NAMES)
+    return json_response(await respond(job, enc, NAMES))

@@ -16,31 +16,25 @@ from pydantic import Field
 from quart import Blueprint, request
 
 from ds4mlx.dsml.tokens import BOS
-from ds4mlx.routes.common import (
-    APIError,
-    failed_to_api,
-    json_response,
-    model_thinking,
-    new_id,
-    now,
-    openai_error,
-    parse_body,
-    sse,
-    state,
-)
+from ds4mlx.jobs import GenRequest, JobDone, JobFailed, JobStarted, RawText, TurnSpec
+from ds4mlx.routes.body import offload, parse, read_body
+from ds4mlx.routes.common import json_response, model_thinking, new_id, now, state
+from ds4mlx.routes.errors import APIError, Wording, failed_to_api, openai_error
 from ds4mlx.routes.openai import SamplingFields, finish_of, stops_of, usage_of
 from ds4mlx.routes.pipeline import (
-    clamp_max_tokens,
-    context_check,
-    demo_cap_ends_turn,
+    bound,
     respond,
     sampling_params,
     stream,
     tokenize,
+    turn_limit,
 )
-from ds4mlx.server.jobs import GenRequest, JobDone, JobFailed, JobStarted, RawText
+from ds4mlx.routes.sse import sse
 
 bp = Blueprint("completions", __name__)
+
+# Raw prompts have no tool results: only the field the context error names.
+NAMES = Wording(param="prompt")
 
 
 class CompletionRequest(SamplingFields):
@@ -71,13 +65,15 @@ def _echo_logprobs(tok, ids: list[int]) -> dict[str, Any]:
     }
 
 
-def _logprobs_obj(piece: RawText, offset: int) -> dict[str, Any]:
-    """``logprobs`` entries of one generated piece whose text starts at ``offset``."""
+def _logprobs_obj(piece: RawText, offset: int, tok) -> dict[str, Any]:
+    """``logprobs`` entries of one generated piece whose text starts at ``offset`` (the
+    engine's ids turned into texts by ``tok``)."""
     tokens, token_lps, tops, offsets = [], [], [], []
-    for text, lp, top in piece.logprobs:
+    for e in piece.logprobs:
+        text = tok.decode([e.token])
         tokens.append(text)
-        token_lps.append(lp)
-        tops.append(top)
+        token_lps.append(e.logprob)
+        tops.append({tok.decode([i]): v for i, v in e.top})
         offsets.append(offset)
         offset += len(text)
     return {
@@ -103,8 +99,10 @@ class CompletionEncoder:
         echo_logprobs: dict[str, Any] | None,
         logprobs: int | None,
         include_usage: bool,
+        tokenizer=None,
     ):
         self.meta = meta
+        self.tokenizer = tokenizer  # the ids of logprobs → texts (needed with logprobs)
         self.echo = echo
         self.echo_logprobs = echo_logprobs
         self.logprobs = logprobs
@@ -142,7 +140,7 @@ class CompletionEncoder:
         self.text.append(e.text)
         lp = None
         if self.logprobs is not None:
-            lp = _logprobs_obj(e, self.offset)
+            lp = _logprobs_obj(e, self.offset, self.tokenizer)
             for k, v in lp.items():
                 self.lp[k] += v
             self.offset += sum(len(t) for t, _, _ in e.logprobs)
@@ -159,7 +157,7 @@ class CompletionEncoder:
         return [*out, "[DONE]"]
 
     def failed(self, e: JobFailed) -> list[Any]:
-        return [openai_error(failed_to_api(e)), "[DONE]"]
+        return [openai_error(failed_to_api(e, NAMES)), "[DONE]"]
 
     def result(self) -> dict[str, Any]:
         lp = None
@@ -171,14 +169,16 @@ class CompletionEncoder:
         return {**self.meta, "choices": [choice], "usage": self.usage}
 
 
-async def _prompt(req: CompletionRequest, tok) -> tuple[str | None, list[int], str, list[int]]:
-    """``(prompt text or None, prompt ids, echo text, echoed ids)`` of a request.
+def _prompt(req: CompletionRequest, tok) -> tuple[str | None, list[int], str, list[int]]:
+    """``(prompt text or None, prompt ids, echo text, echoed ids)`` of a request (call off
+    the event loop: a text prompt is bounded (`bound`), then tokenized).
 
     A text prompt gets BOS prepended unless it starts with it; token-id prompts are
     used as given.
 
     Raises:
-        APIError: 400 for several prompts, an empty prompt or an id outside the vocabulary.
+        APIError: 400 for several prompts, an empty prompt, an id outside the vocabulary
+            or a text the context cannot hold.
     """
     p = req.prompt
     if isinstance(p, list) and p and isinstance(p[0], list | str):
@@ -187,7 +187,8 @@ async def _prompt(req: CompletionRequest, tok) -> tuple[str | None, list[int], s
         p = p[0]
     if isinstance(p, str):
         text = p if p.startswith(BOS) else BOS + p
-        toks = await tokenize(text)
+        bound(text, "prompt")
+        toks = tokenize(text)
         return text, toks, p, toks if p.startswith(BOS) else toks[1:]
     toks = list(p)
     bad = [t for t in toks if not 0 <= t < tok.vocab_size]
@@ -202,6 +203,28 @@ async def _prompt(req: CompletionRequest, tok) -> tuple[str | None, list[int], s
     return None, toks, tok.decode(toks), toks
 
 
+def _job(raw: bytes, path: str) -> tuple[CompletionRequest, GenRequest, str, list[int]]:
+    """The typed request, its job, the echo text and echoed ids (off the event loop).
+    The raw prompt is tokenized here (echo needs its ids): the job carries them."""
+    req = parse(CompletionRequest, raw)
+    tok = state().tokenizer
+    text, toks, echo_text, echo_ids = _prompt(req, tok)
+    model_thinking(req.model)  # logs a model name the server does not list
+    limit, cap_is_eos = turn_limit(req.max_tokens if req.max_tokens is not None else 16)
+    turn = TurnSpec(
+        sampling=sampling_params(False, req),
+        max_tokens=limit,
+        parse=False,
+        thinking=False,
+        id_prefix="",
+        stops=tuple(stops_of(req.stop)),
+        logprobs=req.logprobs,
+        cap_is_eos=cap_is_eos,
+    )
+    gen = GenRequest(path=path, turn=turn, prompt=text, prompt_tokens=toks)
+    return req, gen, echo_text, echo_ids
+
+
 @bp.post("/v1/completions")
 async def completions():
     """OpenAI legacy Completions: raw text continuation (no chat template).
@@ -211,25 +234,9 @@ async def completions():
     too, with null logprobs (scoring them would need a prefill that keeps every
     position's logits; OpenAI itself gives null for the first token).
     """
-    req = await parse_body(CompletionRequest)
+    req, gen, echo_text, echo_ids = await offload(_job, await read_body(), request.path)
     st = state()
     tok = st.tokenizer
-    text, toks, echo_text, echo_ids = await _prompt(req, tok)
-    context_check(len(toks), "prompt")
-    model_thinking(req.model)  # logs a model name the server does not list
-    requested = req.max_tokens if req.max_tokens is not None else 16
-    gen = GenRequest(
-        path=request.path,
-        prompt_tokens=toks,
-        prompt_text=text,
-        sampling=sampling_params(False, req),
-        max_tokens=clamp_max_tokens(requested, len(toks)),
-        cap_is_eos=demo_cap_ends_turn(requested, len(toks)),
-        stops=stops_of(req.stop),
-        parse=False,
-        thinking=False,
-        logprobs=req.logprobs,
-    )
     job = st.submit(gen)
     meta = {
         "id": new_id("cmpl-"),
@@ -245,7 +252,8 @@ async def completions():
         else None,
         logprobs=req.logprobs,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        tokenizer=tok,
     )
     if req.stream:
-        return stream(job, enc)
-    return json_response(await respond(job, enc))
+        return await stream(job, enc, NAMES)
+    return json_response(await respond(job, enc, NAMES))

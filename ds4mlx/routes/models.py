@@ -26,15 +26,10 @@ from typing import Any
 from pydantic import Field
 from quart import Blueprint
 
-from ds4mlx.routes.common import (
-    APIError,
-    OpenModel,
-    json_response,
-    model_thinking,
-    parse_body,
-    state,
-    validate,
-)
+from ds4mlx.jobs import Script
+from ds4mlx.routes.body import OpenModel, offload, parse, parse_body, read_body, validate
+from ds4mlx.routes.common import json_response, model_thinking, state
+from ds4mlx.routes.errors import APIError
 from ds4mlx.routes.pipeline import render, tokenize
 
 bp = Blueprint("models", __name__)
@@ -94,9 +89,15 @@ class DetokenizeRequest(OpenModel):
 @bp.post("/v1/tokenize")
 async def tokenize_route():
     """Tokenize raw text (special tokens recognized) or chat ``messages`` (rendered)."""
+    toks = await offload(_tokens, await read_body())
+    return json_response({"tokens": toks, "count": len(toks), "max_model_len": state().ctx_size})
+
+
+def _tokens(raw: bytes) -> list[int]:
+    """The ids of a tokenize request's text or rendered messages (off the event loop)."""
     from ds4mlx.routes import openai
 
-    req = await parse_body(TokenizeRequest)
+    req = parse(TokenizeRequest, raw)
     if req.messages is not None:
         chat = validate(openai.ChatRequest, req.model_dump())
         text = render(openai.conversation(chat))
@@ -104,8 +105,7 @@ async def tokenize_route():
         text = req.text if req.text is not None else req.prompt
         if text is None:
             raise APIError(400, "give text, prompt or messages", param="text")
-    toks = await tokenize(text)
-    return json_response({"tokens": toks, "count": len(toks), "max_model_len": state().ctx_size})
+    return tokenize(text)
 
 
 @bp.post("/v1/detokenize")
@@ -167,8 +167,6 @@ async def debug_script():
     st = state()
     if not st.config.scripted:
         raise APIError(404, "no route POST /debug/script", type="not_found_error", code="not_found")
-    from ds4mlx.server.jobs import Script
-
     req = await parse_body(ScriptRequest)
     if not req.texts and not req.tokens and not req.reset:
         raise APIError(400, "give texts or tokens (or reset)", param="texts")

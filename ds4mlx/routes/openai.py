@@ -36,20 +36,10 @@ from ds4mlx.dsml import (
     ToolCallStart,
     ToolSpec,
 )
-from ds4mlx.kv.live import CallerNames
-from ds4mlx.routes.common import (
-    APIError,
-    OpenModel,
-    failed_to_api,
-    json_response,
-    model_thinking,
-    new_id,
-    now,
-    openai_error,
-    parse_body,
-    sse,
-    state,
-)
+from ds4mlx.jobs import GenRequest, JobDone, JobFailed, JobStarted, LiveLabels, TokenLogprob
+from ds4mlx.routes.body import OpenModel, offload, parse, read_body
+from ds4mlx.routes.common import json_response, model_thinking, new_id, now, state
+from ds4mlx.routes.errors import APIError, Wording, failed_to_api, openai_error
 from ds4mlx.routes.mapping import (
     WireError,
     effort_to_reasoning,
@@ -61,7 +51,7 @@ from ds4mlx.routes.mapping import (
     parts_text,
 )
 from ds4mlx.routes.pipeline import demo_policy, prepare, respond, sampling_params, stream
-from ds4mlx.server.jobs import JobDone, JobFailed, JobStarted, TokenLogprob
+from ds4mlx.routes.sse import sse
 
 bp = Blueprint("openai", __name__)
 
@@ -72,9 +62,13 @@ def _unknown_id(tool_id: str) -> str:
     return f"unknown tool_call_id {tool_id}; replay the full messages history"
 
 
-# The planner's names for this protocol: decision ``live-chat``, log detail
+# This protocol's names: its jobs' live decision ``live-chat`` with the log detail
 # ``match=tool-call-ids ids=N``, and the 400 for a ``tool_call_id`` nothing explains.
-NAMES = CallerNames(live_tools="live-chat", ids="tool-call-ids", unknown_id=_unknown_id)
+NAMES = Wording(
+    param="messages",
+    unknown_id=_unknown_id,
+    labels=LiveLabels(live_tools="live-chat", ids="tool-call-ids"),
+)
 
 
 # --------------------------------------------------------------------------- schemas
@@ -295,18 +289,21 @@ def conversation(req: ChatRequest) -> Conversation:
 # --------------------------------------------------------------------------- encoder
 
 
-def _chat_logprobs(lps: list[TokenLogprob]) -> dict[str, Any]:
-    """OpenAI chat ``logprobs`` object of the visible reply's tokens."""
+def _chat_logprobs(lps: list[TokenLogprob], tok) -> dict[str, Any]:
+    """OpenAI chat ``logprobs`` object of the visible reply's tokens (``lps``: the
+    engine's, token ids; ``tok``: the tokenizer giving each id's text and raw bytes, the
+    text U+FFFD for part of a UTF-8 character)."""
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        return {
+            "token": tok.decode([token]),
+            "logprob": logprob,
+            "bytes": list(tok.token_bytes(token)),
+        }
+
     return {
         "content": [
-            {
-                "token": e.token,
-                "logprob": e.logprob,
-                "bytes": list(e.bytes),
-                "top_logprobs": [
-                    {"token": t, "logprob": lp, "bytes": list(b)} for t, lp, b in e.top
-                ],
-            }
+            {**entry(e.token, e.logprob), "top_logprobs": [entry(i, v) for i, v in e.top]}
             for e in lps
         ],
         "refusal": None,
@@ -324,9 +321,16 @@ class ChatEncoder:
     """
 
     def __init__(
-        self, meta: dict[str, Any], *, thinking: bool, include_usage: bool, logprobs: bool
+        self,
+        meta: dict[str, Any],
+        *,
+        thinking: bool,
+        include_usage: bool,
+        logprobs: bool,
+        tokenizer=None,
     ):
         self.meta = meta
+        self.tokenizer = tokenizer  # the ids of logprobs → texts (needed with logprobs)
         self.base = {**meta, "object": "chat.completion.chunk"}
         self.thinking = thinking
         self.include_usage = include_usage
@@ -350,7 +354,7 @@ class ChatEncoder:
     def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         lp = None
         if self.logprobs and (self.pending or finish) and "reasoning_content" not in delta:
-            lp = _chat_logprobs(self.pending)
+            lp = _chat_logprobs(self.pending, self.tokenizer)
             self.pending = []
         choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return {**self.base, "choices": [choice]}
@@ -417,7 +421,7 @@ class ChatEncoder:
         return [*out, "[DONE]"]
 
     def failed(self, e: JobFailed) -> list[Any]:
-        return [openai_error(failed_to_api(e)), "[DONE]"]
+        return [openai_error(failed_to_api(e, NAMES)), "[DONE]"]
 
     def result(self) -> dict[str, Any]:
         message: dict[str, Any] = {
@@ -431,7 +435,9 @@ class ChatEncoder:
         choice = {
             "index": 0,
             "message": message,
-            "logprobs": _chat_logprobs(self.all_logprobs) if self.logprobs else None,
+            "logprobs": _chat_logprobs(self.all_logprobs, self.tokenizer)
+            if self.logprobs
+            else None,
             "finish_reason": self.finish,
         }
         return {
@@ -448,24 +454,28 @@ class ChatEncoder:
 # --------------------------------------------------------------------------- route
 
 
-@bp.post("/v1/chat/completions")
-async def chat_completions():
-    """OpenAI Chat Completions (streaming and not). Errors: 400 shapes of OpenAI."""
-    req = await parse_body(ChatRequest)
-    st = state()
+def _job(raw: bytes, path: str) -> tuple[ChatRequest, Conversation, GenRequest]:
+    """The typed request, its conversation and its job (off the event loop)."""
+    req = parse(ChatRequest, raw)
     conv = conversation(req)
-    sampling = sampling_params(conv.thinking, req)
-    gen = await prepare(
+    gen = prepare(
         conv,
         NAMES,
-        path=request.path,
-        param="messages",
+        path=path,
         max_tokens=req.max_completion_tokens or req.max_tokens,
-        sampling=sampling,
+        sampling=sampling_params(conv.thinking, req),
         id_prefix="call_",
         stops=stops_of(req.stop),
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
     )
+    return req, conv, gen
+
+
+@bp.post("/v1/chat/completions")
+async def chat_completions():
+    """OpenAI Chat Completions (streaming and not). Errors: 400 shapes of OpenAI."""
+    req, conv, gen = await offload(_job, await read_body(), request.path)
+    st = state()
     job = st.submit(gen)
     meta = {
         "id": new_id("chatcmpl-"),
@@ -478,7 +488,8 @@ async def chat_completions():
         thinking=conv.thinking,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         logprobs=bool(req.logprobs),
+        tokenizer=st.tokenizer,
     )
     if req.stream:
-        return stream(job, enc)
-    return json_response(await respond(job, enc))
+        return await stream(job, enc, NAMES)
+    return json_response(await respond(job, enc, NAMES))

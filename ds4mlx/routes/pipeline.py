@@ -1,71 +1,71 @@
 """The request pipeline every chat protocol shares, and the one stream driver.
 
-A protocol module maps its typed request onto a neutral ``Conversation`` and hands it
-to `prepare`, which does the rest in one place, before the first byte is sent:
+A protocol module reads the body (`ds4mlx.routes.body`), maps its typed request onto a
+neutral ``Conversation`` and hands it to `prepare`; all of that runs off the event loop
+(``body.offload``). `prepare`:
 
-1. the tool-result id check (`check_tool_results`: replayed or live, else 400 in the
-   protocol's wording, from its ``CallerNames``);
-2. rendering (`render`: ``dsml.render``, content spans marked);
-3. tokenizing off the event loop (`tokenize`: content encodes as plain text);
-4. the context check (`context_check`: 400 ``context_length_exceeded``);
-5. the `GenRequest` (sampling, clamped ``max_tokens``, the demo cap, stops, tools,
-   forced tool choice, the protocol's names for the planner).
+1. renders (`render`: ``dsml.render``, content spans marked; 400 on a render error);
+2. applies the cheap context bound (`bound`): a rendering longer than ``ctx ×``
+   `MAX_TOKEN_CHARS` characters cannot fit and is refused before any tokenizing;
+3. builds the `GenRequest`: the engine's ``TurnSpec`` (sampling, the output limit and
+   the demo cap, stops, tools, forced tool choice, the id prefix), the rendering, the
+   conversation and the protocol's live labels.
 
-The route submits it (``state().submit``) and answers with its protocol's *encoder*
-(`Encoder`): the same object encodes the stream (`stream`, `events`) and, fed every
-event at once, the non-streaming body (`respond`), so both forms come from one
+The prompt is not tokenized here: the worker tokenizes what the plan needs (a live
+continuation only its suffix) and makes the one exact context check, and the unknown
+tool-id check is the prompt cache's. Their neutral failures come back as the job's
+first event: `start` waits for it briefly, so a stream still answers them with the
+protocol's 4xx before its first byte.
+
+The route submits the request (``state().submit``) and answers with its protocol's
+*encoder* (`Encoder`): the same object encodes the stream (`stream`, `events`) and, fed
+every event at once, the non-streaming body (`respond`), so both forms come from one
 implementation.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from quart import Response
 
 from ds4mlx.dsml import Conversation, Rendered
 from ds4mlx.dsml import render as render_conv
-from ds4mlx.kv.live import CallerNames, unexplained_tool_ids
-from ds4mlx.routes.common import SSE_COMMENT, APIError, failed_to_api, sse_response, state
-from ds4mlx.sampling import SamplingParams
-from ds4mlx.server.jobs import (
-    DEFAULT_MIN_P,
-    DEFAULT_TEMPERATURE,
-    DEFAULT_TOP_P,
-    GenRequest,
-    Job,
-    JobDone,
-    JobFailed,
-    JobStarted,
-    PrefillProgress,
-)
+from ds4mlx.jobs import GenRequest, Job, JobDone, JobFailed, JobStarted, PrefillProgress, TurnSpec
+from ds4mlx.routes.common import state
+from ds4mlx.routes.errors import APIError, Wording, context_error, failed_to_api
+from ds4mlx.routes.sse import SSE_COMMENT, sse_response
+from ds4mlx.sampling import DEFAULT_MIN_P, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, SamplingParams
+
+T = TypeVar("T")
+
+# The longest token of the DeepSeek V4 vocabulary, in characters: 128 (id 70676, a run
+# of 128 "." — measured by decoding every id of the package tokenizer). A text of more
+# than ctx × 128 characters is more than ctx tokens, whatever it holds.
+MAX_TOKEN_CHARS = 128
 
 # --------------------------------------------------------------------------- the pipeline
 
 
-async def prepare(
+def prepare(
     conv: Conversation,
-    names: CallerNames,
+    wording: Wording,
     *,
     path: str,
-    param: str,
     max_tokens: int | None,
     sampling: SamplingParams,
     id_prefix: str,
     stops: list[str] | None = None,
     top_logprobs: int | None = None,
 ) -> GenRequest:
-    """Check, render, tokenize and size ``conv``; return the job to submit.
+    """Render and bound ``conv``; return the job to submit (call off the event loop).
 
     Args:
         conv: the neutral conversation of the request.
-        names: the protocol's names (live-tools decision, id words, unknown-id text).
+        wording: the protocol's `Wording` (the prompt's field, its live labels).
         path: the endpoint, for the log line (``/v1/messages``, ``ws /v1/responses``).
-        param: the request field holding the prompt (``messages``, ``input``): named by
-            the tool-id and context errors.
         max_tokens: the client's output limit (tokens), or None for ``--tokens`` / the
             context left.
         sampling: from `sampling_params`.
@@ -73,93 +73,72 @@ async def prepare(
         stops: stop strings.
         top_logprobs: chat ``logprobs``: None (off) or alternatives per token.
     Raises:
-        APIError: 400 for an unexplained tool-result id, a conversation that cannot be
-            rendered, or a prompt that leaves no room in the context.
+        APIError: 400 for a conversation that cannot be rendered or a rendering the
+            context cannot hold (`bound`).
     """
-    check_tool_results(conv, names, param)
     rendered = render(conv)
-    toks = await tokenize(rendered)
-    context_check(len(toks), param)
-    return GenRequest(
-        path=path,
-        prompt_tokens=toks,
-        prompt_text=rendered,
+    bound(rendered.text, wording.param)
+    limit, cap_is_eos = turn_limit(max_tokens)
+    turn = TurnSpec(
         sampling=sampling,
-        max_tokens=clamp_max_tokens(max_tokens, len(toks)),
-        cap_is_eos=demo_cap_ends_turn(max_tokens, len(toks)),
-        stops=list(stops or []),
+        max_tokens=limit,
         thinking=conv.thinking,
-        tools=conv.tools,
+        tools=tuple(conv.tools),
         id_prefix=id_prefix,
-        conversation=conv,
-        protocol=names,
+        stops=tuple(stops or ()),
         tool_required=conv.tool_required,
         tool_name=conv.tool_name,
         top_logprobs=top_logprobs,
+        cap_is_eos=cap_is_eos,
+    )
+    return GenRequest(
+        path=path, turn=turn, prompt=rendered, conversation=conv, labels=wording.labels
     )
 
 
 # --------------------------------------------------------------------------- steps
 
 
-def context_check(n_prompt: int, param: str = "messages") -> None:
-    """Reject a prompt that leaves no room to generate (before queueing).
-
-    ``param``: the request field holding the prompt (``messages``, ``input``, ``prompt``).
+def bound(text: str, param: str) -> None:
+    """Refuse a prompt text that cannot fit the context, without tokenizing it: more
+    than ``ctx ×`` `MAX_TOKEN_CHARS` characters is more than ``ctx`` tokens.
 
     Raises:
-        APIError: 400 ``context_length_exceeded`` with the counts in the message and as
-            the error's ``n_prompt_tokens`` / ``n_ctx`` fields.
+        APIError: 400 ``context_length_exceeded`` naming a lower bound of its tokens.
     """
     ctx = state().ctx_size
-    if n_prompt >= ctx:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {ctx} tokens. However, your prompt "
-            f"resulted in {n_prompt} tokens, leaving no room for output. Shorten the "
-            "conversation or restart the server with a larger --ctx.",
-            code="context_length_exceeded",
-            param=param,
-            fields={"n_prompt_tokens": n_prompt, "n_ctx": ctx},
-        )
+    if len(text) > ctx * MAX_TOKEN_CHARS:
+        at_least = -(-len(text) // MAX_TOKEN_CHARS)
+        raise context_error(at_least, ctx, param, at_least=True)
 
 
-def clamp_max_tokens(requested: int | None, n_prompt: int) -> int:
-    """Output limit: the request's (or ``--tokens``) capped by the context left
-    (and by ``--demo``'s per-request cap).
+def turn_limit(requested: int | None) -> tuple[int, bool]:
+    """``(max_tokens, cap_is_eos)`` of a turn: the request's limit (or ``--tokens``)
+    capped by ``--demo``'s per-request cap, else the context size; the worker lowers it
+    to the room the planned prompt leaves.
 
     A limit beyond the context is not an error (docs/ARCHITECTURE.md §6): generation stops when
     the context is full and reports ``length`` / ``max_tokens``.
+
+    ``cap_is_eos``: ``--demo``'s cap, not the request's own limit (nor ``--tokens`` for a
+    request that sets none), bounds the output. The demo model is noise and never
+    samples EOS: the cap stands in for its EOS, so a turn that reaches it ends as a
+    natural end of turn (``end_turn`` / ``stop`` / ``completed``), not ``max_tokens``
+    (Claude Code retries those and then fails). Real models (no cap) are unaffected.
     """
     st = state()
-    room = st.ctx_size - n_prompt
-    want = requested if requested is not None else st.config.default_max_tokens
-    cap = st.config.max_tokens_cap
+    cfg = st.config
+    want = requested if requested is not None else cfg.default_max_tokens
+    cap = cfg.max_tokens_cap
+    limit = st.ctx_size if want is None else int(want)
     if cap is not None:
-        want = cap if want is None else min(int(want), cap)
-    if want is None:
-        return max(1, room)
-    return max(1, min(int(want), room))
-
-
-def demo_cap_ends_turn(requested: int | None, n_prompt: int) -> bool:
-    """True when ``--demo``'s per-request cap, not the request's own limit (nor
-    ``--tokens`` for a request that sets none, nor the context), bounds the output.
-
-    The demo model is noise and never samples EOS: the cap stands in for its EOS, so a
-    turn that reaches it ends as a natural end of turn (``end_turn`` / ``stop`` /
-    ``completed``), not ``max_tokens`` (Claude Code retries those and then fails).
-    Real models (no cap) are unaffected.
-    """
-    st = state()
-    cap = st.config.max_tokens_cap
-    if cap is None or not st.config.demo_policy:
-        return False  # no cap, or --tokens chose a real output limit
-    room = st.ctx_size - n_prompt
+        limit = min(limit, cap)
+    if cap is None or not cfg.demo_policy:
+        return max(1, limit), False  # no cap, or --tokens chose a real output limit
     if requested is not None:
-        return cap < min(int(requested), room)
-    default = st.config.default_max_tokens
-    return cap < room and (default is None or cap <= default)
+        return max(1, limit), cap < int(requested)
+    default = cfg.default_max_tokens
+    return max(1, limit), default is None or cap <= default
 
 
 def demo_policy(conv: Conversation) -> Conversation:
@@ -207,8 +186,8 @@ def sampling_params(thinking: bool, req: Any) -> SamplingParams:
     )
 
 
-async def tokenize(text: Rendered | str) -> list[int]:
-    """Tokenize off the event loop (long prompts take tens of milliseconds).
+def tokenize(text: Rendered | str) -> list[int]:
+    """Token ids of a prompt (call off the event loop: long prompts take seconds).
 
     ``text``: a rendered conversation (``ds4mlx.dsml.Rendered``: its content is plain
     text, only the renderer's markers are special tokens), or a raw ``str`` (raw
@@ -216,37 +195,14 @@ async def tokenize(text: Rendered | str) -> list[int]:
     """
     tok = state().tokenizer
     if isinstance(text, str):
-        return await asyncio.to_thread(tok.encode, text)
-    return await asyncio.to_thread(lambda: tok.encode(text.text, content=text.content))
-
-
-def check_tool_results(conv: Conversation, names: CallerNames, param: str) -> None:
-    """Reject tool results whose ids nothing explains, before the job is queued.
-
-    A tool result must answer a call the request replays (an assistant turn with that
-    id), or the trailing results must answer exactly the calls the live state just
-    sampled (docs/ARCHITECTURE.md §3). The worker checks again when the job runs (the
-    live state may change while it waits) and then fails it with the same 400.
-
-    Args:
-        conv: the request's ``Conversation``.
-        names: the protocol's `CallerNames` (its ``unknown_id`` wording).
-        param: the request field holding the history (``messages``, ``input``).
-    Raises:
-        APIError: 400 with ``names.unknown_id(id)`` (e.g. ``unknown tool_use_id …;
-            replay the full messages history``).
-    """
-    kv = getattr(state(), "kv", None)
-    bound = kv.bound_tool_ids() if kv is not None else frozenset()
-    bad = unexplained_tool_ids(conv, bound)
-    if bad:
-        raise APIError(400, names.unknown_id(bad[0]), param=param)
+        return tok.encode(text)
+    return tok.encode(text.text, content=text.content)
 
 
 def render(conv: Conversation) -> Rendered:
     """Render ``conv`` with the server's context size and tool memory (400 on errors).
 
-    Returns a ``ds4mlx.dsml.Rendered`` (text + content spans, for `tokenize`).
+    Returns a ``ds4mlx.dsml.Rendered`` (text + content spans).
     """
     st = state()
     try:
@@ -358,9 +314,30 @@ def _dispatch(enc: Encoder, e: Any) -> list[Any]:
     return enc.feed(e)
 
 
-def stream(job: Job, enc: Encoder) -> Response:
-    """The SSE response of ``job`` encoded by ``enc``; a client that goes away cancels
-    the job."""
+async def start(job: Job, wording: Wording) -> None:
+    """Wait (up to one keepalive interval) for ``job`` to leave the queue, so that a
+    failure the worker finds before it runs anything — an unknown tool id, a prompt
+    over the context — is answered as the protocol's 4xx, not inside a 200 stream. A job
+    still queued after that streams on (keepalives) and reports such a failure in the
+    stream. A client that goes away meanwhile cancels the job.
+
+    Raises:
+        APIError: the job's client failure.
+    """
+    try:
+        first = await job.first(state().config.keepalive_s)
+    except BaseException:
+        job.cancel.set()
+        raise
+    if isinstance(first, JobFailed) and first.client_error:
+        job.done = True
+        raise failed_to_api(first, wording)
+
+
+async def stream(job: Job, enc: Encoder, wording: Wording) -> Response:
+    """The SSE response of ``job`` encoded by ``enc`` (after `start`); a client that
+    goes away cancels the job."""
+    await start(job, wording)
     keepalive_s = state().config.keepalive_s
 
     async def frames() -> AsyncIterator[bytes]:
@@ -371,13 +348,14 @@ def stream(job: Job, enc: Encoder) -> Response:
     return sse_response(guard(job, frames()))
 
 
-async def respond(job: Job, enc: Encoder) -> dict[str, Any]:
+async def respond(job: Job, enc: Encoder, wording: Wording) -> dict[str, Any]:
     """The non-streaming body of ``job``: every event through ``enc``, then its result.
 
     Raises:
-        APIError: the job failed (its status), or it was cancelled by a shutdown (503).
+        APIError: the job failed (worded by ``wording``), or it was cancelled by a
+            shutdown (503).
     """
-    evs, done = await collect(job)
+    evs, done = await collect(job, wording)
     for e in evs:
         _dispatch(enc, e)
     enc.done(done)
@@ -386,7 +364,7 @@ async def respond(job: Job, enc: Encoder) -> dict[str, Any]:
     return enc.result()
 
 
-async def collect(job) -> tuple[list[Any], Any]:
+async def collect(job: Job, wording: Wording) -> tuple[list[Any], JobDone]:
     """Drain a job for a non-streaming response: ``(events, JobDone)``.
 
     Cancels the job if the handler is cancelled (client gone).
@@ -398,7 +376,7 @@ async def collect(job) -> tuple[list[Any], Any]:
     try:
         async for ev in job.events():
             if isinstance(ev, JobFailed):
-                raise failed_to_api(ev)
+                raise failed_to_api(ev, wording)
             if isinstance(ev, JobDone):
                 return seen, ev
             seen.append(ev)
@@ -408,11 +386,12 @@ async def collect(job) -> tuple[list[Any], Any]:
     raise APIError(500, "job ended without a result", type="server_error")  # pragma: no cover
 
 
-async def guard(job, gen: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Wrap a streaming generator so that a client disconnect cancels ``job``."""
+async def guard(job: Job, gen: AsyncIterator[T]) -> AsyncIterator[T]:
+    """Pass ``gen`` on; however it ends (the client went away, the handler was
+    cancelled), a job that has not finished is cancelled."""
     try:
-        async for chunk in gen:
-            yield chunk
+        async for item in gen:
+            yield item
     finally:
         if not job.done:
             job.cancel.set()

@@ -58,21 +58,11 @@ from ds4mlx.dsml import (
     ToolCallStart,
     ToolSpec,
 )
-from ds4mlx.kv.live import CallerNames
-from ds4mlx.routes.common import (
-    APIError,
-    OpenModel,
-    check_auth,
-    failed_to_api,
-    json_response,
-    model_thinking,
-    new_id,
-    now,
-    read_json,
-    sse,
-    state,
-    validate,
-)
+from ds4mlx.jobs import GenRequest, JobDone, JobFailed, JobStarted, LiveLabels
+from ds4mlx.routes.body import OpenModel, offload, parse_json, read_body, validate
+from ds4mlx.routes.carrier import carrier
+from ds4mlx.routes.common import check_auth, json_response, model_thinking, new_id, now, state
+from ds4mlx.routes.errors import APIError, Wording, failed_to_api, openai_error
 from ds4mlx.routes.mapping import (
     WireError,
     effort_to_reasoning,
@@ -85,8 +75,17 @@ from ds4mlx.routes.mapping import (
     parts_text,
     placeholder,
 )
-from ds4mlx.routes.pipeline import demo_policy, events, prepare, respond, sampling_params, stream
-from ds4mlx.server.jobs import GenRequest, JobDone, JobFailed, JobStarted
+from ds4mlx.routes.pipeline import (
+    demo_policy,
+    events,
+    guard,
+    prepare,
+    respond,
+    sampling_params,
+    start,
+    stream,
+)
+from ds4mlx.routes.sse import sse
 
 bp = Blueprint("responses", __name__)
 
@@ -95,9 +94,13 @@ def _unknown_id(tool_id: str) -> str:
     return f"unknown call_id {tool_id}; replay the full input history"
 
 
-# The planner's names for this protocol: decision ``live-responses``, log detail
+# This protocol's names: its jobs' live decision ``live-responses`` with the log detail
 # ``match=call-ids ids=N``, and the 400 for a ``call_id`` nothing explains.
-NAMES = CallerNames(live_tools="live-responses", ids="call-ids", unknown_id=_unknown_id)
+NAMES = Wording(
+    param="input",
+    unknown_id=_unknown_id,
+    labels=LiveLabels(live_tools="live-responses", ids="call-ids"),
+)
 
 
 # --------------------------------------------------------------------------- schemas
@@ -488,8 +491,9 @@ def _resolve_previous(data: dict[str, Any], req: ResponsesRequest, store) -> dic
     return {**data, "input": prev + _raw_items(data["input"])}
 
 
-async def _prepare(data: Any, *, path: str, store: dict[str, list[Any]] | None = None) -> _Prepared:
-    """Validate a Responses body and build its `GenRequest` (raises `APIError`).
+def _prepare(data: Any, *, path: str, store: dict[str, list[Any]] | None = None) -> _Prepared:
+    """Validate a Responses body and build its `GenRequest` (off the event loop; raises
+    `APIError`).
 
     ``store`` is a WebSocket connection's own responses (id → full item list); with it,
     ``previous_response_id`` naming one of them is resolved by prepending its items.
@@ -507,11 +511,10 @@ async def _prepare(data: Any, *, path: str, store: dict[str, list[Any]] | None =
         req = validate(ResponsesRequest, data)
     if not req.input:
         raise APIError(400, "input: must not be empty", param="input")
-    st = state()
     try:
         conv = demo_policy(
             to_conversation(
-                req, default_thinking=model_thinking(req.model), decode_reasoning=st.carrier.open
+                req, default_thinking=model_thinking(req.model), decode_reasoning=carrier().open
             )
         )
     except WireError as e:
@@ -519,11 +522,10 @@ async def _prepare(data: Any, *, path: str, store: dict[str, list[Any]] | None =
     if not any(m.role in ("user", "tool") for m in conv.messages):
         raise APIError(400, "input: needs at least one user message or tool output", param="input")
     sampling = sampling_params(conv.thinking, req)
-    gen = await prepare(
+    gen = prepare(
         conv,
         NAMES,
         path=path,
-        param="input",
         max_tokens=req.max_output_tokens,
         sampling=sampling,
         id_prefix="call_",
@@ -798,7 +800,7 @@ class ResponseEncoder:
 
     def failed(self, f: JobFailed) -> list[dict[str, Any]]:
         out = self._close()
-        err = failed_to_api(f)
+        err = failed_to_api(f, NAMES)
         self.response["status"] = "failed"
         self.response["error"] = {
             "code": err.code or ("server_error" if err.status >= 500 else "invalid_request"),
@@ -813,18 +815,22 @@ class ResponseEncoder:
 
 def _encoder(prep: _Prepared) -> ResponseEncoder:
     st = state()
-    return ResponseEncoder(prep.req, prep.req.model or st.config.model_name, st.carrier)
+    return ResponseEncoder(prep.req, prep.req.model or st.config.model_name, carrier())
 
 
 @bp.post("/v1/responses")
 async def create_response():
     """Create a response (SSE when ``stream`` is true, else the response object)."""
-    prep = await _prepare(await read_json(), path=request.path)
+    prep = await offload(_http_request, await read_body(), request.path)
     job = state().submit(prep.gen)
     enc = _encoder(prep)
     if prep.req.stream:
-        return stream(job, enc)
-    return json_response(await respond(job, enc))
+        return await stream(job, enc, NAMES)
+    return json_response(await respond(job, enc, NAMES))
+
+
+def _http_request(raw: bytes, path: str) -> _Prepared:
+    return _prepare(parse_json(raw), path=path)
 
 
 @bp.get("/v1/responses/<path:response_id>")
@@ -846,9 +852,12 @@ async def responses_ws():
 
     Each ``{"type": "response.create", ...body}`` text frame runs one response and
     streams its events as JSON text frames, ending with ``response.completed`` (or
-    ``incomplete``/``failed``). Request errors come back as
-    ``{"type": "error", "status": 4xx, "error": {...}}`` and the connection stays open.
-    ``response.processed`` acknowledgements are ignored.
+    ``incomplete``/``failed``): the HTTP stream's loop (``pipeline.events``), the same
+    cancel guard and the same request steps (parsed and prepared off the event loop,
+    `pipeline.start` before the first event). Request errors come back as
+    ``{"type": "error", "status": 4xx, "error": {...}}`` (`_ws_error`: OpenAI's error
+    object) and the connection stays open. ``response.processed`` acknowledgements are
+    ignored.
     """
     err = check_auth(websocket.headers)
     if err is not None:
@@ -860,45 +869,44 @@ async def responses_ws():
     while True:
         raw = await websocket.receive()
         try:
-            data = json.loads(raw)
-            if not isinstance(data, dict):
-                raise ValueError("not an object")
-        except (ValueError, TypeError, RecursionError) as e:
-            await websocket.send(_ws_error(APIError(400, f"malformed JSON frame: {e}")))
-            continue
-        typ = data.pop("type", None)
-        if typ == "response.processed":
-            continue
-        if typ != "response.create":
-            await websocket.send(
-                _ws_error(APIError(400, f"unsupported event type {typ!r}", param="type"))
-            )
-            continue
-        try:
-            prep = await _prepare(data, path="ws /v1/responses", store=store)
+            prep = await offload(_ws_request, raw, store)
+            if prep is None:
+                continue  # an acknowledgement
+            job = st.submit(prep.gen)
+            await start(job, NAMES)
         except APIError as e:
             await websocket.send(_ws_error(e))
             continue
-        job = st.submit(prep.gen)
         enc = _encoder(prep)
-        try:
-            async for d in events(job, enc, st.config.keepalive_s):
-                if d is not None:
-                    await websocket.send(json.dumps(d, ensure_ascii=False))
-        finally:
-            if not job.done:
-                job.cancel.set()
+        async for d in guard(job, events(job, enc, st.config.keepalive_s)):
+            if d is not None:
+                await websocket.send(json.dumps(d, ensure_ascii=False))
         if enc.response["status"] in ("completed", "incomplete"):
             store.clear()  # only the latest response can be continued
             store[enc.response["id"]] = prep.items + [dict(i) for i in enc.output]
 
 
+def _ws_request(raw: str | bytes, store: dict[str, list[Any]]) -> _Prepared | None:
+    """One client frame: a ``response.create``'s prepared job, or None for an
+    acknowledgement (off the event loop).
+
+    Raises:
+        APIError: 400 for a malformed frame, another event type or a bad request.
+    """
+    try:
+        data = parse_json(raw)
+    except APIError as e:
+        raise APIError(400, f"malformed JSON frame: {e.message}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "malformed JSON frame: not an object")
+    typ = data.pop("type", None)
+    if typ == "response.processed":
+        return None
+    if typ != "response.create":
+        raise APIError(400, f"unsupported event type {typ!r}", param="type")
+    return _prepare(data, path="ws /v1/responses", store=store)
+
+
 def _ws_error(e: APIError) -> str:
-    return json.dumps(
-        {
-            "type": "error",
-            "status": e.status,
-            "error": {"type": e.type, "code": e.code, "message": e.message, "param": e.param},
-        },
-        ensure_ascii=False,
-    )
+    """A request error as a WebSocket frame: OpenAI's error object with the status."""
+    return json.dumps({"type": "error", "status": e.status, **openai_error(e)}, ensure_ascii=False)

@@ -6,7 +6,7 @@ Shape::
                     parse · validate · render                    owns engine.Session
                     ◀── SSE ◀── per-request asyncio.Queue ◀──────  prefill · decode · sample
 
-Modules: `jobs` (the job vocabulary, a leaf the routes import), `worker` (the inference
-thread), `app` (Quart app, lifecycle, banner, Hypercorn), `config`, `trace`, `cli`.
-This ``__init__`` imports nothing, so ``routes → server.jobs`` does not pull in the app.
+Modules: `worker` (the inference thread), `app` (Quart app, lifecycle, banner,
+Hypercorn; given the routes to register, it imports none), `config`, `trace`, `cli`.
+The job vocabulary both sides share is ``ds4mlx.jobs``, below them.
 """

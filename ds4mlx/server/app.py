@@ -9,8 +9,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ds4mlx.jobs import GenRequest, Job
 from ds4mlx.server.config import ServerConfig
-from ds4mlx.server.jobs import GenRequest, Job
 from ds4mlx.server.trace import Tracer
 from ds4mlx.server.worker import Worker
 
@@ -18,11 +18,13 @@ from ds4mlx.server.worker import Worker
 
 
 class ServerState:
-    """Everything the routes share: engine, worker, config, tool memory, carrier key."""
+    """Everything the routes share: engine, worker, config, tool memory.
+
+    ``extensions``: what the registered routes keep for themselves (e.g. their reasoning
+    carrier), by name; the server knows no route module.
+    """
 
     def __init__(self, engine, config: ServerConfig, worker: Worker):
-        from ds4mlx.routes.common import ReasoningCarrier, load_reasoning_key
-
         self.engine = engine
         self.config = config
         self.tokenizer = engine.tokenizer
@@ -32,7 +34,7 @@ class ServerState:
         self.tracer = worker.tracer
         self.scripts = worker.scripts
         self.kv = worker.planner  # ds4mlx.kv.plan.Planner (live bindings, disk cache)
-        self.carrier = ReasoningCarrier(config.reasoning_key or load_reasoning_key())
+        self.extensions: dict[str, Any] = {}
         self.started = time.time()
         # Model names a request used that the server does not list (logged once each).
         self.unknown_models: set[str] = set()
@@ -56,15 +58,14 @@ def start_worker(load: Callable[[], Any], config: ServerConfig) -> tuple[Any, Wo
     return engine, worker
 
 
-def create_app(engine, config: ServerConfig, worker: Worker):
+def create_app(engine, config: ServerConfig, worker: Worker, register: Callable[[Any], None]):
     """Build the Quart app serving ``engine`` through the running ``worker``.
 
-    ``engine`` and ``worker`` come from `start_worker`. The worker is stopped
-    gracefully in ``after_serving``. Routes: see ``ds4mlx.routes``.
+    ``engine`` and ``worker`` come from `start_worker`; ``register(app)`` adds the
+    routes (``ds4mlx.routes.register``: the caller chooses them, the server imports no
+    route module). The worker is stopped gracefully in ``after_serving``.
     """
     from quart import Quart
-
-    from ds4mlx.routes import register
 
     app = Quart("ds4mlx")
     # Generation can take minutes: no response timeout from Quart itself.
@@ -165,11 +166,17 @@ def _kv_estimate(engine) -> str:
 
 
 def serve(
-    engine, config: ServerConfig, worker: Worker, *, ready: Callable[[str], Any] | None = None
+    engine,
+    config: ServerConfig,
+    worker: Worker,
+    register: Callable[[Any], None],
+    *,
+    ready: Callable[[str], Any] | None = None,
 ) -> int:
     """Run the server until SIGINT/SIGTERM; return the exit code.
 
-    ``engine``/``worker`` come from `start_worker`.
+    ``engine``/``worker`` come from `start_worker`; ``register`` adds the routes (see
+    `create_app`).
 
     Binds ``config.host:config.port``; the URL is printed in the banner and passed to
     ``ready`` once the sockets listen.
@@ -177,7 +184,7 @@ def serve(
     from hypercorn.asyncio import serve as hyper_serve
     from hypercorn.config import Config as HyperConfig
 
-    app = create_app(engine, config, worker)
+    app = create_app(engine, config, worker, register)
     hc = HyperConfig()
     hc.bind = [f"{_host_for_bind(config.host)}:{config.port}"]
     hc.accesslog = None

@@ -46,8 +46,11 @@ def port_problem(host: str, port: int) -> str | None:
     return None
 
 
-def run_serve(args) -> int:
-    """``ds4mlx serve``: load the model (or make the demo one) and serve until stopped."""
+def run_serve(args, register) -> int:
+    """``ds4mlx serve``: load the model (or make the demo one) and serve until stopped.
+
+    ``register(app)`` adds the routes (``ds4mlx.routes.register``; the command line
+    chooses them: the server imports no route module)."""
     import sys
 
     logging.basicConfig(
@@ -116,7 +119,7 @@ def run_serve(args) -> int:
         print(f"ds4mlx serve: cannot load model {model}: {e}", file=sys.stderr)
         return 2
     try:
-        return serve(engine, config, worker)
+        return serve(engine, config, worker, register)
     except OSError as e:
         print(f"ds4mlx serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1

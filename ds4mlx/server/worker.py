@@ -12,19 +12,21 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ds4mlx.dsml import TextDelta
-from ds4mlx.server.jobs import (
+from ds4mlx.dsml import Rendered, TextDelta
+from ds4mlx.jobs import (
+    Failure,
     GenRequest,
     Job,
     JobDone,
     JobFailed,
     JobStarted,
+    LiveLabels,
     PrefillProgress,
-    RawText,
     Script,
-    TokenLogprob,
     ToolCallDone,
+    TurnSpec,
 )
+from ds4mlx.kv.live import LIVE_TOOLS, TOOL_RESULT_IDS
 from ds4mlx.server.trace import Tracer
 
 log = logging.getLogger("ds4mlx.server")
@@ -48,9 +50,12 @@ class Worker:
         planner: the ``ds4mlx.kv.plan.Planner`` (set once the engine is loaded): what
             each job reuses, live bindings, disk snapshots.
 
-    A job: plan (the planner brings the session to the state to extend) → the engine's
-    turn loop (``ds4mlx.engine.run_turn``: prefill, sample, feed) with the job's
-    events mapped to `ds4mlx.server.jobs` events → the planner remembers the bindings.
+    A job: plan (the planner brings the session to the state to extend; the whole
+    prompt is tokenized only if the plan needs it) → the context check, the one place
+    it is made (`Failure.CONTEXT_FULL`) → the engine's turn loop
+    (``ds4mlx.engine.run_turn``: prefill, sample, feed) with the request's `TurnSpec`,
+    its events passed on as `ds4mlx.jobs` events → the planner remembers the bindings.
+    Failures are neutral (`ds4mlx.jobs.JobFailed`): the route words them.
     """
 
     def __init__(
@@ -132,7 +137,7 @@ class Worker:
         """Queue ``request`` (FIFO) and return its `Job`. Call on the event loop."""
         job = Job(request, asyncio.get_running_loop())
         if self._stopping.is_set():
-            job.emit(JobFailed("server is shutting down", 503, "overloaded_error"))
+            job.emit(JobFailed(Failure.SHUTTING_DOWN))
             return job
         with self._lock:
             self._pending += 1
@@ -167,7 +172,7 @@ class Worker:
             except queue.Empty:
                 break
             if job is not None:
-                job.emit(JobFailed("server is shutting down", 503, "overloaded_error"))
+                job.emit(JobFailed(Failure.SHUTTING_DOWN))
         self._queue.put(None)
         if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout)
@@ -194,7 +199,7 @@ class Worker:
                     (self._active or self.session).reset()
                 except Exception:  # pragma: no cover
                     log.exception("session reset failed")
-                job.emit(JobFailed(f"internal error: {type(e).__name__}: {e}"))
+                job.emit(JobFailed(Failure.INTERNAL, detail=f"{type(e).__name__}: {e}"))
                 if isinstance(e, KeyboardInterrupt | SystemExit):
                     raise
             finally:
@@ -220,38 +225,38 @@ class Worker:
         try:
             plan = self.planner.plan(
                 s,
-                prompt_tokens=req.prompt_tokens,
-                rendered_text=req.prompt_text,
+                prompt_tokens=_prompt_tokens(req, tok),
+                rendered_text=req.prompt,
                 conversation=req.conversation,
-                protocol=req.protocol,
             )
         except PlanRejected as e:
-            job.emit(JobFailed(e.message, 400, "invalid_request_error"))
+            job.emit(JobFailed(Failure.UNKNOWN_TOOL_ID, tool_id=e.tool_id))
             return
         s = self._active = plan.session or s  # with --sessions N: the state it chose
         script = self.scripts.popleft() if self.scripts else None
         if plan.prompt_tokens >= s.ctx_size or plan.prompt_tokens == 0:
-            # The route checked the full tokenization; a text-prefix plan may differ by a
-            # few tokens. Refuse rather than overflow.
+            # The one context check: the plan knows how many tokens the session will hold
+            # (a live state may hold more than the prompt renders, or fewer tokens).
             job.emit(_prompt_error(plan.prompt_tokens, s.ctx_size))
             return
+        decision, detail = _labelled(plan.decision, plan.detail, req.labels)
         self.tracer.write(
-            job.id, "prompt", path=req.path, text=_text(req), tokens=len(req.prompt_tokens)
+            job.id, "prompt", path=req.path, text=_text(req), tokens=plan.prompt_tokens
         )
         self.tracer.write(
             job.id,
             "plan",
-            decision=plan.decision,
+            decision=decision,
             cached=plan.cached,
             prompt=plan.prompt_tokens,
-            detail=plan.detail,
+            detail=detail,
         )
-        job.emit(JobStarted(plan.prompt_tokens, plan.cached, plan.decision))
+        job.emit(JobStarted(plan.prompt_tokens, plan.cached, decision))
         try:
             result = run_turn(
                 s,
                 tok,
-                _turn_spec(req, script),
+                _fitted(req.turn, s.ctx_size - plan.prompt_tokens, script),
                 prefill=plan,
                 emit=self._emitter(job),
                 cancel=job.cancelled,
@@ -261,33 +266,24 @@ class Worker:
                 script=_script_ids(script, tok),
             )
         except ContextOverflowError as e:
-            job.emit(_prompt_error(e.have + e.adding, e.ctx_size, str(e)))
+            job.emit(_prompt_error(e.have + e.adding, e.ctx_size))
             return
         if self.tracer.enabled:
             self.tracer.write(job.id, "output", text=result.raw, finish=result.finish)
-        self._done(job, plan, result, t_start)
+        self._done(job, plan, result, t_start, decision, detail)
 
     def _emitter(self, job: Job) -> Callable[[Any], None]:
-        """``emit`` for the turn loop: engine events → job events (+ the trace)."""
-        from ds4mlx.engine import RawText as EngineRawText
-        from ds4mlx.engine import TokenLogprob as EngineLogprob
-
-        tok = self.tokenizer
+        """``emit`` for the turn loop: its events are job events (the trace sees the
+        parser's)."""
 
         def emit(ev: Any) -> None:
-            if isinstance(ev, EngineLogprob):
-                job.emit(_chat_logprob(tok, ev))
-            elif isinstance(ev, EngineRawText):
-                lps = [_raw_logprob(tok, lp) for lp in ev.logprobs]
-                job.emit(RawText(ev.text, ev.tokens, lps))
-            else:
-                if self.tracer.enabled and not isinstance(ev, TextDelta):
-                    self.tracer.write(job.id, "parser", event=ev)
-                job.emit(ev)
+            if self.tracer.enabled and not isinstance(ev, TextDelta):
+                self.tracer.write(job.id, "parser", event=ev)
+            job.emit(ev)
 
         return emit
 
-    def _done(self, job: Job, plan, result, t_start: float) -> None:
+    def _done(self, job: Job, plan, result, t_start: float, decision: str, detail: str) -> None:
         """Report the turn (bindings, event, trace, log line)."""
         from ds4mlx.engine import FINISH_CONTEXT
 
@@ -305,7 +301,7 @@ class Worker:
             reasoning=result.reasoning,
             prefill_s=result.prefill_s,
             decode_s=result.decode_s,
-            decision=plan.decision,
+            decision=decision,
             text=result.text,
         )
         try:
@@ -315,10 +311,9 @@ class Worker:
                 tool_calls=calls,
                 # The rendering with its content spans: the turn's visible keys carry
                 # where the prompt spells special tokens as plain text.
-                prompt_text=req.prompt_text if req.parse else None,
-                thinking=req.thinking,
+                prompt_text=req.prompt if req.turn.parse else None,
+                thinking=req.turn.thinking,
                 text=result.text,
-                protocol=req.protocol,
             )
         except Exception:
             log.exception("after-generation bookkeeping failed")
@@ -328,17 +323,17 @@ class Worker:
             "done",
             **{k: v for k, v in dataclasses.asdict(outcome).items() if k != "reasoning"},
         )
-        _log_job(job, plan, result, outcome, t_start)
+        _log_job(job, plan, result, outcome, t_start, detail)
 
 
-def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float) -> None:
+def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float, detail: str) -> None:
     """The one log line per job: path, decision, token counts, rates, finish, queue wait."""
     n = outcome.completion_tokens
     log.info(
         "%s %s%s prompt=%d cached=%d generated=%d prefill=%s decode=%.1f tok/s finish=%s wait=%.2fs",
         job.request.path,
-        plan.decision,
-        f" {plan.detail}" if plan.detail else "",
+        outcome.decision,
+        f" {detail}" if detail else "",
         outcome.prompt_tokens,
         outcome.cached_tokens,
         n,
@@ -351,20 +346,44 @@ def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float) -> None:
 
 def _text(req: GenRequest) -> str | None:
     """The prompt text of a request (a ``Rendered``'s text, a raw string, or None)."""
-    return getattr(req.prompt_text, "text", req.prompt_text)
+    return req.prompt.text if isinstance(req.prompt, Rendered) else req.prompt
 
 
-def _prompt_error(n: int, ctx: int, message: str = "") -> JobFailed:
-    """The 400 for an empty prompt or one the context cannot hold (its counts as fields,
-    like the routes' own check before queueing)."""
+def _prompt_tokens(req: GenRequest, tok) -> list[int] | Callable[[], list[int]]:
+    """The request's prompt ids, or a call that tokenizes its rendering (the planner
+    makes it only for a rule that needs the whole prompt's tokens)."""
+    if req.prompt_tokens is not None:
+        return req.prompt_tokens
+    prompt = req.prompt
+    if isinstance(prompt, Rendered):
+        return lambda: tok.encode(prompt.text, content=prompt.content)
+    return lambda: tok.encode(prompt or "")
+
+
+def _labelled(decision: str, detail: str, labels: LiveLabels | None) -> tuple[str, str]:
+    """The plan's decision and log detail in the route's names (`LiveLabels`)."""
+    if labels is None or decision != LIVE_TOOLS:
+        return decision, detail
+    return labels.live_tools, detail.replace(f"match={TOOL_RESULT_IDS}", f"match={labels.ids}", 1)
+
+
+def _prompt_error(n: int, ctx: int) -> JobFailed:
+    """The failure of an empty prompt or one the context cannot hold (with its counts)."""
     if n == 0:
-        return JobFailed("empty prompt", 400, "invalid_request_error")
-    return JobFailed(
-        message or f"prompt is {n} tokens; the context is {ctx}",
-        400,
-        "context_length_exceeded",
-        fields={"n_prompt_tokens": n, "n_ctx": ctx},
-    )
+        return JobFailed(Failure.EMPTY_PROMPT)
+    return JobFailed(Failure.CONTEXT_FULL, n_prompt_tokens=n, n_ctx=ctx)
+
+
+def _fitted(spec: TurnSpec, room: int, script: Script | str | None) -> TurnSpec:
+    """``spec`` for a prompt that leaves ``room`` tokens: ``max_tokens`` at most the room
+    (at least 1); when the room, not the route's limit, bounds the turn, a demo cap no
+    longer stands for EOS (the turn ends with ``length``)."""
+    changes: dict[str, Any] = {"greedy_after_script": bool(getattr(script, "greedy", False))}
+    if spec.max_tokens >= room:
+        changes.update(max_tokens=max(1, room), cap_is_eos=False)
+    if not spec.parse:
+        changes["top_logprobs"] = None
+    return dataclasses.replace(spec, **changes)
 
 
 def _prefill_words(planned: int, fed: int, seconds: float) -> str:
@@ -377,27 +396,6 @@ def _prefill_words(planned: int, fed: int, seconds: float) -> str:
         # would be noise.
         return f"cancelled after {fed}/{planned} tokens in {seconds:.2f}s"
     return f"{fed / seconds if seconds > 0 else 0.0:.1f} tok/s"
-
-
-def _turn_spec(req: GenRequest, script: Script | str | None):
-    """The engine's `TurnSpec` for a job."""
-    from ds4mlx.engine import TurnSpec
-
-    return TurnSpec(
-        sampling=req.sampling,
-        max_tokens=req.max_tokens,
-        parse=req.parse,
-        thinking=req.thinking,
-        tools=tuple(req.tools),
-        id_prefix=req.id_prefix,
-        stops=tuple(req.stops),
-        tool_required=req.tool_required,
-        tool_name=req.tool_name,
-        logprobs=req.logprobs,
-        top_logprobs=req.top_logprobs if req.parse else None,
-        greedy_after_script=bool(getattr(script, "greedy", False)),
-        cap_is_eos=req.cap_is_eos,
-    )
 
 
 def _script_ids(script: Script | str | None, tok) -> list[int] | None:
@@ -419,18 +417,3 @@ def _throttled_progress(job: Job) -> Callable[[int, int], None]:
             job.emit(PrefillProgress(done, total))
 
     return progress
-
-
-def _chat_logprob(tok, lp) -> TokenLogprob:
-    """An engine ``TokenLogprob`` (ids) as the chat protocols' (texts and bytes)."""
-    return TokenLogprob(
-        tok.decode([lp.token]),
-        lp.logprob,
-        tok.token_bytes(lp.token),
-        [(tok.decode([i]), v, tok.token_bytes(i)) for i, v in lp.top],
-    )
-
-
-def _raw_logprob(tok, lp) -> tuple[str, float, dict[str, float]]:
-    """An engine ``TokenLogprob`` as ``/v1/completions`` lists it."""
-    return tok.decode([lp.token]), lp.logprob, {tok.decode([i]): v for i, v in lp.top}

@@ -1,0 +1,285 @@
+"""The job vocabulary: what a route asks the inference worker for, and what comes back.
+
+A leaf below both ``ds4mlx.routes`` and ``ds4mlx.server`` (docs/ARCHITECTURE.md §1): it
+imports only engine and dsml types, so a route depends on it without pulling in the app
+or the worker, and the worker produces its events without knowing any protocol.
+
+- The request (`GenRequest`) carries the engine's own `TurnSpec` (what to generate) and
+  the prompt as the route rendered it; nothing here has a protocol default (the tool-id
+  prefix, the wording of errors, the live-continuation labels are the route's).
+- The events the worker emits: `JobStarted`, `PrefillProgress`, the dsml decoder
+  events, the engine's `TokenLogprob` / `RawText` (token ids: each route turns them into
+  its own texts), and last `JobDone` or `JobFailed`.
+- Failures are neutral (`Failure`): a kind with its facts (the unknown id, the token
+  counts); each route words them in its protocol.
+
+A route builds a `GenRequest`, submits it (``ds4mlx.server.worker.Worker.submit``) and
+reads the `Job`'s events on the event loop; the worker emits them from its thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from ds4mlx.dsml import Conversation, Rendered
+from ds4mlx.engine.turn import RawText, TokenLogprob, TurnSpec
+
+__all__ = [
+    "Failure",
+    "GenRequest",
+    "Job",
+    "JobDone",
+    "JobFailed",
+    "JobStarted",
+    "LiveLabels",
+    "PrefillProgress",
+    "RawText",
+    "Script",
+    "TokenLogprob",
+    "ToolCallDone",
+    "TurnSpec",
+]
+
+
+# --------------------------------------------------------------------------- events
+
+
+@dataclass
+class JobStarted:
+    """The job left the queue: its prompt is planned and about to be prefilled.
+
+    ``prompt_tokens``: tokens of the prompt as the session holds it;
+    ``cached_tokens``: those already in the live state (not prefilled);
+    ``decision``: the plan decision (relabelled with the request's `LiveLabels`).
+    """
+
+    prompt_tokens: int
+    cached_tokens: int
+    decision: str
+
+
+@dataclass
+class PrefillProgress:
+    """Prefill progress: ``done`` of ``total`` suffix tokens fed (routes send keepalives)."""
+
+    done: int
+    total: int
+
+
+@dataclass
+class ToolCallDone:
+    """A complete tool call the model sampled (id, name, JSON arguments, exact DSML)."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+    dsml: str | None
+
+
+@dataclass
+class JobDone:
+    """The job ended.
+
+    Attributes:
+        finish: ``"stop"`` (EOS), ``"stop_sequence"``, ``"length"`` (max_tokens or a full
+            context), ``"cancelled"``.
+        stop_sequence: the matched stop string, or None.
+        prompt_tokens, cached_tokens, completion_tokens, reasoning_tokens: usage (int).
+        tool_calls: the calls sampled, in order.
+        reasoning: the hidden reasoning text sampled (for carriers), or "".
+        prefill_s, decode_s: seconds spent; prefill/decode rates derive from them.
+        decision: the plan decision (also in `JobStarted`).
+        text: the visible text sent to the client (after stop sequences).
+    """
+
+    finish: str
+    stop_sequence: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    reasoning_tokens: int = 0
+    tool_calls: list[ToolCallDone] = field(default_factory=list)
+    reasoning: str = ""
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decision: str = ""
+    text: str = ""
+
+
+class Failure(StrEnum):
+    """Why a job failed, without protocol wording (each route words it).
+
+    ``UNKNOWN_TOOL_ID``: a tool result answers no call the live state holds or the
+    request replays (`JobFailed.tool_id`); ``CONTEXT_FULL``: the prompt leaves no room to
+    generate (`JobFailed.n_prompt_tokens`, `JobFailed.n_ctx`); ``EMPTY_PROMPT``: nothing
+    to prefill; ``SHUTTING_DOWN``: the server stopped before the job ran; ``INTERNAL``: a
+    fault of the server (`JobFailed.detail`).
+    """
+
+    UNKNOWN_TOOL_ID = "unknown_tool_id"
+    CONTEXT_FULL = "context_full"
+    EMPTY_PROMPT = "empty_prompt"
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+
+@dataclass
+class JobFailed:
+    """The job failed: a neutral `Failure` with its facts.
+
+    Attributes:
+        kind: the `Failure`.
+        tool_id: ``UNKNOWN_TOOL_ID``: the id nothing explains.
+        n_prompt_tokens, n_ctx: ``CONTEXT_FULL``: the prompt's tokens and the context
+            size (tokens).
+        detail: ``INTERNAL``: what went wrong, for the message and the log.
+    """
+
+    kind: Failure
+    tool_id: str | None = None
+    n_prompt_tokens: int | None = None
+    n_ctx: int | None = None
+    detail: str = ""
+
+    @property
+    def client_error(self) -> bool:
+        """The request was at fault (a 4xx), not the server."""
+        return self.kind in (Failure.UNKNOWN_TOOL_ID, Failure.CONTEXT_FULL, Failure.EMPTY_PROMPT)
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+@dataclass(frozen=True)
+class LiveLabels:
+    """A route's names for a live tool continuation, for the log line, the trace and
+    `JobStarted.decision`: ``live_tools`` replaces the prompt cache's neutral decision
+    (``live-tools``) and ``ids`` the id word of its detail (``match=<ids> ids=N``)."""
+
+    live_tools: str
+    ids: str
+
+
+@dataclass
+class GenRequest:
+    """What a route asks the worker to generate (no JSON, no HTTP).
+
+    Attributes:
+        path: the endpoint, for the log line (e.g. ``"/v1/messages"``).
+        turn: the engine's `TurnSpec` (sampling, ``max_tokens``, stops, tools, id prefix,
+            forced tool choice, logprobs, ``cap_is_eos``). ``max_tokens`` is the route's
+            limit; the worker lowers it to the room the planned prompt leaves (and then
+            drops ``cap_is_eos``: the context, not the demo cap, bounds the turn).
+        prompt: the rendered prompt: a `Rendered` for chat protocols (its content spans
+            tokenize as plain text), a ``str`` for a raw text prompt, or None for a
+            token-id prompt.
+        prompt_tokens: the whole prompt's ids when the route has them (token-id
+            prompts, raw text it tokenized), else None: the worker tokenizes the
+            rendering only when the plan needs it.
+        conversation: the `Conversation` (for the prompt cache's live continuations),
+            or None.
+        labels: the route's `LiveLabels`, or None for the prompt cache's own names.
+    """
+
+    path: str
+    turn: TurnSpec
+    prompt: Rendered | str | None
+    prompt_tokens: list[int] | None = None
+    conversation: Conversation | None = None
+    labels: LiveLabels | None = None
+
+
+@dataclass
+class Script:
+    """A scripted continuation for one job (``--enable-scripted-decoding``, tests only).
+
+    ``text`` is tokenized as a whole, or ``tokens`` (ids) are used as given (e.g. a
+    non-canonical split that re-tokenizes differently on replay). ``greedy``: once the
+    script runs out, decode greedily instead of with the request's sampling.
+    """
+
+    text: str = ""
+    tokens: list[int] | None = None
+    greedy: bool = False
+
+
+_job_ids = itertools.count(1)
+
+# What `Job.events` yields: a job event, or None after ``keepalive_s`` idle seconds.
+Event = Any
+
+
+class Job:
+    """One queued generation: a `GenRequest` plus its event channel and cancel flag.
+
+    Created on the event loop (``Worker.submit``); the worker calls `emit` from its
+    thread, the route consumes `events` on the loop.
+    """
+
+    def __init__(self, request: GenRequest, loop: asyncio.AbstractEventLoop):
+        self.id = next(_job_ids)
+        self.request = request
+        self.loop = loop
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.cancel = threading.Event()
+        self.submitted = time.monotonic()
+        self.done = False
+        self._held: list[Event] = []
+
+    def emit(self, event: Event) -> None:
+        """Hand ``event`` to the route (thread-safe; dropped once the loop is closed)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # event loop closed during shutdown
+            pass
+
+    def cancelled(self) -> bool:
+        return self.cancel.is_set()
+
+    async def first(self, timeout_s: float) -> Event:
+        """The job's first event, waiting at most ``timeout_s`` seconds (None: still
+        queued). The event stays readable: `events` yields it first."""
+        if not self._held:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    self._held.append(await self.queue.get())
+            except TimeoutError:
+                return None
+        return self._held[0]
+
+    async def events(self, keepalive_s: float | None = None) -> AsyncIterator[Event]:
+        """Yield worker events until `JobDone`/`JobFailed` (inclusive).
+
+        With ``keepalive_s``, yields None after that many seconds without an event, so
+        streaming routes can send keepalives while the job waits in the queue.
+
+        Cancellation (the client went away and the server cancels the handler) always
+        propagates. ``asyncio.wait_for`` on Python 3.11 swallows a cancel that arrives
+        while its inner ``get()`` completes (cpython gh-86296): the stream then kept
+        reading events and the job ran to ``max_tokens``. ``asyncio.timeout`` tells its
+        own deadline from an outside cancel, so it is used instead.
+        """
+        while True:
+            if self._held:
+                ev = self._held.pop(0)
+            else:
+                try:
+                    if keepalive_s:
+                        async with asyncio.timeout(keepalive_s):
+                            ev = await self.queue.get()
+                    else:
+                        ev = await self.queue.get()
+                except TimeoutError:
+                    yield None
+                    continue
+            yield ev
+            if isinstance(ev, JobDone | JobFailed):
+                self.done = True
+                return
