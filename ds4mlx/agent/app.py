@@ -86,6 +86,19 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--bash-timeout", type=float, default=120.0, help="foreground command timeout, s (120)"
     )
     p.add_argument("--hide-thinking", action="store_true", help="do not stream the reasoning")
+    p.add_argument(
+        "--pass-env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="pass this variable to commands although its name holds KEY, SECRET, TOKEN or "
+        "PASSWORD (repeatable; also $DS4MLX_AGENT_PASS_ENV, comma-separated)",
+    )
+    p.add_argument(
+        "--inherit-env",
+        action="store_true",
+        help="commands get the whole environment (default: secret-looking names withheld)",
+    )
     # Tests only: a JSON list of completion texts, one per model turn (scripted decoding).
     p.add_argument("--script-file", default=None, help=argparse.SUPPRESS)
 
@@ -100,12 +113,11 @@ def _load_script(path: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``ds4mlx agent`` with parsed ``args``; returns the exit code."""
-    from rich.console import Console
-
+    from ds4mlx.agent.child_env import EnvPolicy
     from ds4mlx.agent.loop import Agent
-    from ds4mlx.agent.ui import RichUI
+    from ds4mlx.agent.ui import RichUI, SafeConsole
 
-    err = Console(stderr=True, highlight=False)
+    err = SafeConsole(stderr=True, highlight=False)
     model = args.model or os.environ.get("DS4MLX_MODEL")
     if args.demo:
         if args.model:
@@ -163,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
 
     interactive = args.prompt is None
     # -p: stdout carries only the answer (scripts read it); the transcript goes to stderr.
-    console = Console(highlight=False, stderr=not interactive)
+    console = SafeConsole(highlight=False, stderr=not interactive)
     ui = RichUI(
         console,
         can_ask=sys.stdin.isatty() or interactive,
@@ -171,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from ds4mlx.model.demo import DEMO_MAX_TOKENS
 
+    env_policy = EnvPolicy.from_config(inherit=args.inherit_env, passed=args.pass_env)
     try:
         agent = Agent(
             engine,
@@ -190,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
             max_steps=args.max_steps,
             tool_output_tokens=args.tool_output_tokens,
             bash_timeout=args.bash_timeout,
+            env_policy=env_policy,
             script=script,
         )
     except ValueError as e:
@@ -199,6 +213,12 @@ def run(args: argparse.Namespace) -> int:
         f"ds4mlx agent · {engine.path.name} ({engine.quant_desc}) · ctx {engine.ctx_size} · "
         f"BLAS {blas_label()} · workspace {workspace}"
     )
+    withheld = env_policy.withheld()
+    if withheld:
+        banner += (
+            f"\ncommands run without {', '.join(withheld)} "
+            "(--pass-env NAME passes one, --inherit-env all)"
+        )
     if not interactive:
         return _print_mode(agent, ui, banner, args)
     ui.line(banner, "dim")
@@ -216,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_mode(agent: Agent, ui: RichUI, banner: str, args: argparse.Namespace) -> int:
     """``-p``: send one message; the answer on stdout, the transcript on stderr."""
+    from ds4mlx.agent.sanitize import escape_controls
+
     err = ui.console
     ui.line(banner, "dim")
     with _signals(interactive=False, exiting=True) as sig:
@@ -227,7 +249,8 @@ def _print_mode(agent: Agent, ui: RichUI, banner: str, args: argparse.Namespace)
     if sig.terminating:
         return 128 + sig.terminating
     ok = result.ok
-    answer = _final_answer(agent)
+    # The answer is model text like the rest: no raw control characters on stdout either.
+    answer = escape_controls(_final_answer(agent))
     if answer:
         sys.stdout.write(answer if answer.endswith("\n") else answer + "\n")
         sys.stdout.flush()

@@ -19,15 +19,10 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
-# Non-interactive defaults: the agent cannot answer a pager or a credential prompt.
-_ENV_OVERRIDES = {
-    "PAGER": "cat",
-    "GIT_PAGER": "cat",
-    "GIT_TERMINAL_PROMPT": "0",
-    "NO_COLOR": "1",
-}
+from ds4mlx.agent.child_env import EnvPolicy, child_env
 
 # How long to wait for the pipe to close after the main process exited. A command
 # that leaves a background child holding stdout would otherwise block us forever.
@@ -79,7 +74,8 @@ class Job:
             None for no limit.
         buffer_bytes: cap on unread output kept between polls (head + tail).
         kill_grace: seconds between SIGTERM and SIGKILL when stopping.
-        env: extra environment variables (merged over ``os.environ``).
+        env: the whole environment of the command (default: :func:`child_env` with the
+            default policy: names that look secret are withheld).
 
     Raises:
         OSError: bash could not be started.
@@ -94,7 +90,7 @@ class Job:
         timeout: float | None = None,
         buffer_bytes: int = 1 << 20,
         kill_grace: float = 2.0,
-        env: dict[str, str] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.handle = handle
         self.command = command
@@ -102,13 +98,12 @@ class Job:
         self.timeout = timeout
         self.timed_out = False
         self.stopped = False
-        full_env = {**os.environ, **_ENV_OVERRIDES, **(env or {})}
         self.started = time.monotonic()
         self.ended: float | None = None
         self._proc = subprocess.Popen(
             ["bash", "-c", command],
             cwd=cwd,
-            env=full_env,
+            env=dict(env) if env is not None else child_env(),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -247,11 +242,20 @@ class JobManager:
     Args:
         buffer_bytes: cap on unread output per job, bytes.
         kill_grace: seconds between SIGTERM and SIGKILL when stopping.
+        env_policy: which of the agent's environment variables commands get
+            (:mod:`ds4mlx.agent.child_env`; default: names that look secret withheld).
     """
 
-    def __init__(self, *, buffer_bytes: int = 1 << 20, kill_grace: float = 2.0) -> None:
+    def __init__(
+        self,
+        *,
+        buffer_bytes: int = 1 << 20,
+        kill_grace: float = 2.0,
+        env_policy: EnvPolicy | None = None,
+    ) -> None:
         self.buffer_bytes = buffer_bytes
         self.kill_grace = kill_grace
+        self.env_policy = env_policy or EnvPolicy()
         self._jobs: dict[str, Job] = {}
         self._ids = itertools.count(1)
 
@@ -272,6 +276,7 @@ class JobManager:
             timeout=timeout,
             buffer_bytes=self.buffer_bytes,
             kill_grace=self.kill_grace,
+            env=child_env(self.env_policy),
         )
         if register:
             self._jobs[handle] = job

@@ -64,6 +64,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from ds4mlx.agent import compaction as cmp
+from ds4mlx.agent.child_env import EnvPolicy
 from ds4mlx.agent.compacting import Compacting
 from ds4mlx.agent.events import (
     AgentError,
@@ -130,6 +131,8 @@ class Agent(LiveSteps, SessionCommands, Compacting):
         tool_output_tokens: token budget of one tool result (default ``ctx // 8``
             clamped to 64..4096).
         bash_timeout: default foreground command timeout (seconds).
+        env_policy: the environment commands get (:mod:`ds4mlx.agent.child_env`;
+            default: names that look secret withheld).
         policy: :class:`~ds4mlx.agent.compaction.CompactionPolicy`.
         script: scripted decoding (tests only): one completion text per generation,
             consumed in order (answers and compaction summaries alike); an EOS is added
@@ -158,6 +161,7 @@ class Agent(LiveSteps, SessionCommands, Compacting):
         max_steps: int = 100,
         tool_output_tokens: int | None = None,
         bash_timeout: float = 120.0,
+        env_policy: EnvPolicy | None = None,
         policy: cmp.CompactionPolicy | None = None,
         script: Iterable[str] | None = None,
         system_prompt: str | None = None,
@@ -183,6 +187,7 @@ class Agent(LiveSteps, SessionCommands, Compacting):
             output_token_budget=budget,
             count_tokens=lambda s: len(self.tok.encode_plain(s)),
             bash_timeout=bash_timeout,
+            env_policy=env_policy,
         )
         self.workspace = self.toolbox.workspace
         self.system_prompt = (system_prompt or DEFAULT_SYSTEM_PROMPT).replace(

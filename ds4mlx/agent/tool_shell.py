@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ds4mlx.agent.jobs import Job, JobManager
+from ds4mlx.agent.sanitize import escape_controls
 from ds4mlx.agent.tool_common import (
     EXIT_STATUS,
     FAILED,
@@ -91,22 +92,35 @@ BASH_STOP_SPEC = ToolSpec(
     object_schema({"handle": dict(_HANDLE)}, ["handle"]),
 )
 
-# ESC [ … final byte (CSI: colours, cursor moves) and ESC ] … BEL/ST (OSC: titles, links).
-_ANSI_RE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
+# Escape sequences (ECMA-48), each in its 7-bit (ESC …) and 8-bit (C1) spelling:
+# CSI (colours, cursor moves): ESC [ or \x9b, parameters, intermediates, final byte;
+# strings (OSC titles, links and clipboard; DCS, SOS, PM, APC): ESC ] P X ^ _ or
+# \x9d \x90 \x98 \x9e \x9f, up to BEL or ST (ESC \ or \x9c);
+# nF (charset selection ESC ( 0, ESC # 8): ESC, intermediates, final byte;
+# the two-byte rest (ESC 7/8 save/restore cursor, ESC c reset, ESC M, ESC =).
+_ANSI_RE = re.compile(
+    r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]"
+    r"|(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)"
+    r"|\x1b[ -/]+[0-~]"
+    r"|\x1b[0-~]"
+)
 
 
 def clean_terminal_output(text: str) -> str:
-    """Strip ANSI escape sequences and apply carriage returns (keep what a terminal shows).
+    """What a terminal shows of ``text``, as plain text: no escape sequence, no control.
 
-    Progress bars redraw a line with ``\\r`` hundreds of times; only the last state
-    of each line is worth tokens.
+    Escape sequences are removed, carriage returns applied (progress bars redraw a line
+    with ``\\r`` hundreds of times; only the last state of each line is worth tokens),
+    and any control character left (a lone ``ESC``, an unterminated OSC, BEL,
+    backspace) is written as a ``\\xNN`` escape by
+    :func:`~ds4mlx.agent.sanitize.escape_controls`. ``\\n`` and ``\\t`` stay.
     """
     text = _ANSI_RE.sub("", text).replace("\r\n", "\n")
-    if "\r" not in text:
-        return text
-    return "\n".join(
-        line.rsplit("\r", 1)[-1] if "\r" in line else line for line in text.split("\n")
-    )
+    if "\r" in text:
+        text = "\n".join(
+            line.rsplit("\r", 1)[-1] if "\r" in line else line for line in text.split("\n")
+        )
+    return escape_controls(text)
 
 
 class ShellTools:

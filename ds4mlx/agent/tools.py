@@ -35,6 +35,7 @@ from typing import Any
 from jsonschema import Draft202012Validator
 
 from ds4mlx.agent import tool_schema
+from ds4mlx.agent.child_env import EnvPolicy
 from ds4mlx.agent.jobs import JobManager
 from ds4mlx.agent.permissions import PathOutsideWorkspace, Permissions
 from ds4mlx.agent.shaping import CountTokens, OutputStore, approx_tokens
@@ -155,6 +156,8 @@ class Toolbox:
         kill_grace: seconds between SIGTERM and SIGKILL when stopping a command.
         job_buffer_bytes: unread output kept per command between polls, bytes
             (head and tail; the middle is dropped beyond it).
+        env_policy: the environment commands get (:mod:`ds4mlx.agent.child_env`;
+            default: names that look secret withheld).
 
     Raises:
         ValueError: ``workspace`` is not a directory, or the budget is below 64.
@@ -172,6 +175,7 @@ class Toolbox:
         bash_timeout: float = 120.0,
         kill_grace: float = 2.0,
         job_buffer_bytes: int = 1 << 20,
+        env_policy: EnvPolicy | None = None,
     ) -> None:
         root = Path(workspace).resolve()
         if not root.is_dir():
@@ -181,7 +185,9 @@ class Toolbox:
         self.count_tokens = count_tokens
         self.bash_timeout = bash_timeout
         self.outputs = OutputStore(output_token_budget, count_tokens)
-        self.jobs = JobManager(buffer_bytes=job_buffer_bytes, kill_grace=kill_grace)
+        self.jobs = JobManager(
+            buffer_bytes=job_buffer_bytes, kill_grace=kill_grace, env_policy=env_policy
+        )
         self._ws = Workspace(root)
         files = FileTools(self._ws)
         shell = ShellTools(root, self.jobs, bash_timeout)

@@ -8,21 +8,31 @@ transient progress bar during long prefills, a status line after each message
 
 On a non-terminal console (``-p`` output piped to a file) rich drops colours and the
 progress bar; the text is the transcript.
+
+Nothing untrusted reaches the terminal raw: every piece of text is built with
+:func:`_text`, which writes control characters as ``\\xNN`` escapes (shown in reverse
+video, :mod:`ds4mlx.agent.sanitize`), and :class:`SafeConsole` escapes whatever still
+holds one at the last step before output, where only rich's own styling and cursor
+codes remain raw. A permission question whose text holds control characters says so
+in red.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterable
 
-from rich.console import Console
+from rich.console import Console, ConsoleOptions, RenderableType
 from rich.markup import escape
 from rich.panel import Panel
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
 from ds4mlx.agent.loop import AgentUI, CompactionInfo, Status, Step, describe_messages
+from ds4mlx.agent.sanitize import escape_controls, has_controls, split_controls
 from ds4mlx.agent.sessions import SessionRecord
 from ds4mlx.agent.tools import ToolOutcome
 from ds4mlx.dsml import (
@@ -54,20 +64,59 @@ _ANSWERS = {
 }
 
 
+ESCAPE_STYLE = "reverse"
+CONTROL_WARNING = "⚠ contains control characters (shown as \\xNN escapes, in reverse video)"
+
+
+def _text(text: str, style: str | None = None) -> Text:
+    """A rich ``Text`` of untrusted ``text``: control characters as styled escapes."""
+    out = Text(style=style or "")
+    for piece, escaped in split_controls(text):
+        out.append(piece, ESCAPE_STYLE if escaped else None)
+    return out
+
+
+class SafeConsole(Console):
+    """A rich ``Console`` whose printed text never carries a raw control character.
+
+    Every text segment rendered for output passes through
+    :func:`~ds4mlx.agent.sanitize.escape_controls`; only rich's own control segments
+    (cursor moves of the progress bar) and the styles it renders pass raw. This is the
+    last step before the terminal, so a renderable built from a plain ``str`` (a table
+    cell, a rule title, an error message) cannot bypass the sanitizer; text built with
+    :func:`_text` is escaped before layout, so its width is right.
+    """
+
+    def render(
+        self, renderable: RenderableType, options: ConsoleOptions | None = None
+    ) -> Iterable[Segment]:
+        for seg in super().render(renderable, options):
+            if seg.control is None and has_controls(seg.text):
+                yield Segment(escape_controls(seg.text), seg.style)
+            else:
+                yield seg
+
+
 class RichUI(AgentUI):
     """The agent UI on a ``rich`` console.
 
     Args:
-        console: where everything is written (default: stdout).
+        console: where everything is written (default: stdout); a :class:`SafeConsole`.
         can_ask: permission questions may be asked (a terminal is attached); when
             False, asking tools are denied with a notice (use ``--yes``).
         show_thinking: stream the reasoning (dimmed); when False only a marker shows.
     """
 
     def __init__(
-        self, console: Console | None = None, *, can_ask: bool = True, show_thinking: bool = True
+        self,
+        console: SafeConsole | None = None,
+        *,
+        can_ask: bool = True,
+        show_thinking: bool = True,
     ) -> None:
-        self.console = console or Console(highlight=False)
+        if console is not None and not isinstance(console, SafeConsole):
+            raise TypeError("RichUI needs a SafeConsole (a plain Console prints controls raw)")
+        self.console = console or SafeConsole(highlight=False)
         self.can_ask = can_ask
         self.show_thinking = show_thinking
         self._progress: Progress | None = None
@@ -81,7 +130,7 @@ class RichUI(AgentUI):
     def _out(self, text: str, style: str | None = None) -> None:
         if not text:
             return
-        self.console.print(Text(text, style=style or ""), end="", soft_wrap=True, highlight=False)
+        self.console.print(_text(text, style), end="", soft_wrap=True, highlight=False)
         self._line_start = text.endswith("\n")
 
     def _newline(self) -> None:
@@ -92,7 +141,7 @@ class RichUI(AgentUI):
     def line(self, text: str, style: str | None = None) -> None:
         """Print one line of plain (unmarked-up) text."""
         self._newline()
-        self.console.print(Text(text, style=style or ""), soft_wrap=True)
+        self.console.print(_text(text, style), soft_wrap=True)
         self._line_start = True
 
     # ---- AgentUI
@@ -103,8 +152,13 @@ class RichUI(AgentUI):
         if not self.can_ask:
             self.line(f"{tool} denied: no terminal to ask (start with --yes to allow)", "yellow")
             return "deny"
+        body = _text(summary)
+        if has_controls(summary):
+            # A command or path that hides text from the terminal (a cursor move over the
+            # panel, a line erase) is shown escaped; say why it looks odd.
+            body = Text.assemble(Text(CONTROL_WARNING, "bold red"), "\n", body)
         self.console.print(
-            Panel(Text(summary), title=f"allow {tool}?", title_align="left", border_style="yellow")
+            Panel(body, title=f"allow {tool}?", title_align="left", border_style="yellow")
         )
         while True:
             try:
@@ -254,7 +308,7 @@ class RichUI(AgentUI):
             table.add_row(
                 "*" if r.id == current else "",
                 str(r.id),
-                r.title or "(empty)",
+                _text(r.title or "(empty)"),
                 str(sum(1 for m in r.messages if m.role != "system")),
                 snap,
                 when,

@@ -1,0 +1,112 @@
+"""The environment the agent gives the processes it starts.
+
+The agent runs commands the model writes, and their output goes back into the model's
+context, the session transcript on disk and the KV snapshot. A command such as ``env``
+or ``echo $AWS_SECRET_ACCESS_KEY`` would copy a credential into all three, so by default
+a child process does not inherit variables whose name contains ``KEY``, ``SECRET``,
+``TOKEN`` or ``PASSWORD`` (case-insensitive: ``*KEY*`` matches ``OPENAI_API_KEY`` and
+``ssh_key_path``). A variable the user names with ``--pass-env NAME`` (repeatable) or in
+``$DS4MLX_AGENT_PASS_ENV`` (comma-separated names) is passed anyway; ``--inherit-env``
+passes the whole environment as before.
+
+:func:`child_env` is the one place a child's environment is built: bash foreground
+commands and background jobs use it (and so must MCP servers and hooks when they come).
+It also sets non-interactive defaults (no pager, no git credential prompt, no colour):
+the agent cannot answer a pager or a prompt.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+#: Substrings of variable names withheld by default (matched case-insensitively).
+SECRET_MARKERS: tuple[str, ...] = ("KEY", "SECRET", "TOKEN", "PASSWORD")
+
+#: The variable naming extra variables to pass (comma-separated), like ``--pass-env``.
+PASS_ENV_VAR = "DS4MLX_AGENT_PASS_ENV"
+
+# Set in every child: the agent cannot answer a pager or a credential prompt.
+NONINTERACTIVE: dict[str, str] = {
+    "PAGER": "cat",
+    "GIT_PAGER": "cat",
+    "GIT_TERMINAL_PROMPT": "0",
+    "NO_COLOR": "1",
+}
+
+
+def is_secret_name(name: str) -> bool:
+    """True if ``name`` matches ``*KEY*``, ``*SECRET*``, ``*TOKEN*`` or ``*PASSWORD*``."""
+    upper = name.upper()
+    return any(marker in upper for marker in SECRET_MARKERS)
+
+
+@dataclass(frozen=True)
+class EnvPolicy:
+    """Which of the agent's environment variables its child processes get.
+
+    Attributes:
+        inherit: pass every variable (``--inherit-env``).
+        passed: names passed although they look secret (``--pass-env``), exact and
+            case-sensitive as the environment is.
+    """
+
+    inherit: bool = False
+    passed: frozenset[str] = field(default_factory=frozenset)
+
+    @classmethod
+    def from_config(
+        cls,
+        *,
+        inherit: bool = False,
+        passed: Iterable[str] = (),
+        environ: Mapping[str, str] | None = None,
+    ) -> EnvPolicy:
+        """The policy of the CLI flags plus ``$DS4MLX_AGENT_PASS_ENV`` in ``environ``.
+
+        Args:
+            inherit: ``--inherit-env``.
+            passed: the ``--pass-env`` names.
+            environ: where ``DS4MLX_AGENT_PASS_ENV`` is read (default ``os.environ``).
+        """
+        env = os.environ if environ is None else environ
+        names = {n.strip() for n in env.get(PASS_ENV_VAR, "").split(",")}
+        names.update(n.strip() for n in passed)
+        names.discard("")
+        return cls(inherit=inherit, passed=frozenset(names))
+
+    def keeps(self, name: str) -> bool:
+        """True if a child gets the variable ``name``."""
+        return self.inherit or name in self.passed or not is_secret_name(name)
+
+    def withheld(self, environ: Mapping[str, str] | None = None) -> list[str]:
+        """Names in ``environ`` (default ``os.environ``) a child does not get, sorted."""
+        env = os.environ if environ is None else environ
+        return sorted(n for n in env if not self.keeps(n))
+
+
+def child_env(
+    policy: EnvPolicy | None = None,
+    environ: Mapping[str, str] | None = None,
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The whole environment of a child process the agent starts.
+
+    Args:
+        policy: which variables pass (default: :class:`EnvPolicy()`, secrets withheld).
+        environ: the agent's environment (default: ``os.environ`` read now).
+        extra: variables the caller sets for this child (its own config: an MCP
+            server's ``env`` table); they are set even if their names look secret.
+
+    Returns:
+        ``environ`` without the withheld names, then :data:`NONINTERACTIVE`, then
+        ``extra``.
+    """
+    policy = policy or EnvPolicy()
+    env = os.environ if environ is None else environ
+    out = {k: v for k, v in env.items() if policy.keeps(k)}
+    out.update(NONINTERACTIVE)
+    if extra:
+        out.update(extra)
+    return out

@@ -1,0 +1,65 @@
+"""Control characters made visible: the one sanitizer for text the agent shows.
+
+Files the agent reads, command output and the model's own text are untrusted: a raw
+``ESC`` in them is a terminal instruction (set the title, write the clipboard with OSC
+52, clear the screen, move the cursor up over a permission prompt). Every character
+that a terminal may act on instead of drawing — the C0 controls except ``\\n`` and
+``\\t``, DEL and the C1 controls U+0080–U+009F (``\\x9b`` is CSI, ``\\x9d`` OSC on a
+terminal that honours 8-bit controls) — is replaced by its escape in one form,
+``\\xNN`` (two lowercase hex digits): ``ESC`` shows as ``\\x1b``, BEL as ``\\x07``,
+CSI as ``\\x9b``. The escape is plain printable text, so sanitizing is idempotent.
+
+The terminal UI (:mod:`ds4mlx.agent.ui`) applies it to everything it prints, and the
+shell tool applies it to the command output the model reads
+(:func:`ds4mlx.agent.tool_shell.clean_terminal_output`).
+"""
+
+from __future__ import annotations
+
+import re
+
+# C0 without \t (0x09) and \n (0x0a), DEL (0x7f) and C1 (0x80-0x9f).
+CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _escape(m: re.Match[str]) -> str:
+    return f"\\x{ord(m.group()):02x}"
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with every control character except ``\\n``/``\\t`` written as ``\\xNN``.
+
+    Args:
+        text: any string (Python ``str``, so a C1 control is one code point).
+
+    Returns:
+        The same string when it holds no such character (the common case costs one
+        regex search), else a copy where each one is its four-character escape.
+    """
+    if CONTROL_RE.search(text) is None:
+        return text
+    return CONTROL_RE.sub(_escape, text)
+
+
+def has_controls(text: str) -> bool:
+    """True if :func:`escape_controls` would change ``text``."""
+    return CONTROL_RE.search(text) is not None
+
+
+def split_controls(text: str) -> list[tuple[str, bool]]:
+    """``text`` cut into runs of ``(piece, escaped)``: plain text, and escapes of controls.
+
+    For a UI that styles the escapes apart from the text around them (so ``\\x1b``
+    written by a file cannot pass for the escape of a real ``ESC``). Joining the pieces
+    gives :func:`escape_controls`'s result.
+    """
+    out: list[tuple[str, bool]] = []
+    pos = 0
+    for m in CONTROL_RE.finditer(text):
+        if m.start() > pos:
+            out.append((text[pos : m.start()], False))
+        out.append((_escape(m), True))
+        pos = m.end()
+    if pos < len(text):
+        out.append((text[pos:], False))
+    return out

@@ -1,0 +1,319 @@
+"""What the agent shows and what its commands see (issue 17, agent items).
+
+- Terminal injection: control characters in files, command output, the model's text and
+  tool calls are shown as ``\\xNN`` escapes, never raw; a permission question whose
+  command hides text says so. Checked on the UI directly and end to end under a pty with
+  the tiny checkpoint and scripted decoding.
+- Shell output: ``clean_terminal_output`` removes every escape sequence kind (7- and
+  8-bit) and escapes what is left.
+- Child environment: names that look secret are withheld from commands unless passed.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pexpect
+import pytest
+from rich.console import Console
+from rich.table import Table
+
+from ds4mlx.agent.child_env import NONINTERACTIVE, EnvPolicy, child_env, is_secret_name
+from ds4mlx.agent.loop import Agent
+from ds4mlx.agent.sanitize import CONTROL_RE, escape_controls, has_controls
+from ds4mlx.agent.tool_shell import clean_terminal_output
+from ds4mlx.agent.tools import ToolOutcome
+from ds4mlx.agent.ui import CONTROL_WARNING, RichUI, SafeConsole
+from ds4mlx.dsml import TextDelta, ThinkingDelta, ToolCall, ToolCallArgsDelta, ToolCallStart
+from ds4mlx.engine import Engine
+from tests.agent_script import invoke, turn
+
+TIMEOUT = 90
+ESC = "\x1b"
+# rich's own styling (SGR) is allowed on the terminal; nothing else may be raw.
+_SGR = re.compile(r"\x1b\[[0-9;]*m")
+
+# A file that drives the terminal when printed raw: window title (OSC 0), clipboard
+# (OSC 52, "rm -rf ~" in base64), full reset (ESC c), clear screen (CSI 2J), and the
+# 8-bit C1 spellings of CSI and OSC.
+EVIL = (
+    "title \x1b]0;PWNED-TITLE\x07\n"
+    "clip \x1b]52;c;cm0gLXJmIH4=\x07\n"
+    "reset \x1bc clear \x1b[2J\n"
+    "c1 \x9b2J and \x9d0;C1-TITLE\x9c\n"
+)
+RAW = ["\x1b]0;", "\x1b]52;", "\x1bc", "\x1b[2J", "\x9b", "\x9d", "\x9c", "\x07"]
+ESCAPED = [
+    r"\x1b]0;PWNED-TITLE\x07",
+    r"\x1b]52;c;cm0gLXJmIH4=\x07",
+    r"\x1bc",
+    r"\x1b[2J",
+    r"\x9b2J",
+    r"\x9d0;C1-TITLE\x9c",
+]
+# The probe's spoofing command: erase the line, move up, redraw a harmless "ls".
+SPOOF = "touch MARKER #\x1b[2K\x1b[1G\x1b[1A\x1b[2K│ foreground: ls -la"
+
+
+# ---------------------------------------------------------------- the sanitizer
+
+
+def test_escape_controls_covers_c0_del_c1_and_keeps_newline_tab() -> None:
+    controls = [chr(c) for c in (*range(0x20), 0x7F, *range(0x80, 0xA0))]
+    for ch in controls:
+        if ch in "\n\t":
+            assert escape_controls(ch) == ch
+        else:
+            assert escape_controls(ch) == f"\\x{ord(ch):02x}"
+    text = "a\x1b[31mb\x9bc\x7f\td\n é ✓ │ ␛"
+    out = escape_controls(text)
+    assert out == "a\\x1b[31mb\\x9bc\\x7f\td\n é ✓ │ ␛"
+    assert escape_controls(out) == out and not has_controls(out)  # idempotent
+
+
+def _ui(width: int = 100) -> tuple[RichUI, io.StringIO]:
+    buf = io.StringIO()
+    console = SafeConsole(file=buf, force_terminal=True, color_system="standard", width=width)
+    return RichUI(console), buf
+
+
+def _assert_clean(out: str) -> str:
+    """No control character in ``out`` once rich's SGR codes are removed; returns that."""
+    plain = _SGR.sub("", out)
+    assert not CONTROL_RE.search(plain), repr(plain)
+    return plain
+
+
+def test_ui_escapes_every_kind_of_output() -> None:
+    ui, buf = _ui()
+    ui.event(ThinkingDelta(f"think {EVIL}"))
+    ui.event(TextDelta(f"text {EVIL}"))
+    ui.event(ToolCallStart(0, "t1", "read"))
+    ui.event(ToolCallArgsDelta(0, f'{{"path": "{EVIL}"}}'))
+    call = ToolCall("t1", "read", {"path": "evil.txt"})
+    ui.tool_result(call, ToolOutcome(True, EVIL))
+    ui.notice(f"notice {EVIL}", "warn")
+    ui.show_history([])
+    ui.line(EVIL)
+    plain = _assert_clean(buf.getvalue())
+    for esc in ESCAPED:
+        assert esc in plain
+
+
+def test_permission_panel_shows_the_real_command_escaped_and_flagged() -> None:
+    ui, buf = _ui(width=160)
+    ui.console.input = lambda *a, **k: "d"
+    assert ui.ask("bash", f"run (foreground) in /ws:\n{SPOOF}") == "deny"
+    plain = _assert_clean(buf.getvalue())
+    assert escape_controls(SPOOF) in plain
+    assert CONTROL_WARNING in plain
+    # A clean command is not flagged.
+    ui, buf = _ui()
+    ui.console.input = lambda *a, **k: "d"
+    ui.ask("bash", "run (foreground) in /ws:\nls -la")
+    assert CONTROL_WARNING not in buf.getvalue()
+
+
+def test_safe_console_escapes_text_that_bypasses_the_ui_helpers() -> None:
+    buf = io.StringIO()
+    console = SafeConsole(file=buf, force_terminal=True, width=80)
+    table = Table()
+    table.add_column("title")
+    table.add_row(f"cell {EVIL}")
+    console.print(table)
+    console.print(f"plain {EVIL}", markup=False)
+    console.rule("rule \x1b]0;RULE\x07")
+    plain = _assert_clean(buf.getvalue())
+    # (rich itself drops BEL, BS, VT, FF and CR from a str; ESC and C1 it keeps.)
+    assert r"\x1b]0;RULE" in plain and r"\x9d0;C1-TITLE\x9c" in plain
+    with pytest.raises(TypeError):
+        RichUI(Console(file=io.StringIO()))
+
+
+# ---------------------------------------------------------------- shell output (item 9)
+
+
+@pytest.mark.parametrize(
+    ("raw", "shown"),
+    [
+        ("\x1bcafter reset", "after reset"),  # RIS, full reset
+        ("\x1b(0lqqk\x1b(B", "lqqk"),  # DEC line drawing charset and back
+        ("\x1b7saved\x1b8", "saved"),  # save / restore cursor
+        ("\x9b31mred\x9b0m", "red"),  # 8-bit CSI
+        ("\x9d0;title\x07t", "t"),  # 8-bit OSC ended by BEL
+        ("\x9d52;c;cm0gLXJmIH4=\x9cclip", "clip"),  # 8-bit OSC ended by 8-bit ST
+        ("\x1b]52;c;cm0=\x1b\\x", "x"),  # OSC 52 ended by ESC \
+        ("\x1bP1$r0m\x1b\\dcs", "dcs"),  # DCS string
+        ("\x1b[2J\x1b[Hhome", "home"),
+        ("a\r\nb\rc\n\x1b]0;title\x07x", "a\nc\nx"),
+        ("lone \x1b\nbell \x07 bs \x08\ttab", "lone \\x1b\nbell \\x07 bs \\x08\ttab"),
+    ],
+)
+def test_clean_terminal_output_removes_sequences_and_escapes_the_rest(raw, shown) -> None:
+    out = clean_terminal_output(raw)
+    assert out == shown
+    assert not has_controls(out)
+
+
+# ---------------------------------------------------------------- child environment
+
+
+def test_child_env_policy() -> None:
+    environ = {
+        "PATH": "/bin",
+        "HOME": "/h",
+        "AWS_SECRET_ACCESS_KEY": "s1",
+        "GH_TOKEN": "t",
+        "db_password": "p",
+        "OPENAI_API_KEY": "k",
+        "PAGER": "less",
+    }
+    assert all(is_secret_name(n) for n in ("AWS_SECRET_ACCESS_KEY", "gh_token", "db_password"))
+    env = child_env(EnvPolicy(), environ)
+    assert env == {"PATH": "/bin", "HOME": "/h", **NONINTERACTIVE}
+    env = child_env(EnvPolicy(passed=frozenset({"GH_TOKEN"})), environ, {"MCP_TOKEN": "m"})
+    assert env["GH_TOKEN"] == "t" and env["MCP_TOKEN"] == "m" and "OPENAI_API_KEY" not in env
+    assert child_env(EnvPolicy(inherit=True), environ)["AWS_SECRET_ACCESS_KEY"] == "s1"
+    policy = EnvPolicy.from_config(
+        passed=["OPENAI_API_KEY"], environ={"DS4MLX_AGENT_PASS_ENV": " GH_TOKEN, db_password "}
+    )
+    assert policy.passed == {"OPENAI_API_KEY", "GH_TOKEN", "db_password"}
+    assert policy.withheld(environ) == ["AWS_SECRET_ACCESS_KEY"]
+
+
+SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYEXAMPLEKEY"
+ECHO = 'echo "aws=[$AWS_SECRET_ACCESS_KEY]"'
+
+
+def test_agent_commands_do_not_see_secrets_in_the_model_context(
+    tiny_f32_dir, workspace, monkeypatch
+) -> None:
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    engine = Engine.load(tiny_f32_dir, ctx_size=4096)
+    script = [turn("Echo.", "", invoke("bash", command=ECHO)), turn("Done.", "Done.")]
+    for policy, seen in (
+        (None, False),
+        (EnvPolicy(passed=frozenset({"AWS_SECRET_ACCESS_KEY"})), True),
+    ):
+        agent = Agent(engine, workspace, yes=True, script=script, env_policy=policy)
+        try:
+            assert agent.send("echo the key").ok
+            result = next(m.content for m in agent.messages if m.role == "tool")
+            assert ("aws=[]" in result) is not seen and (SECRET in result) is seen
+            assert (SECRET in agent.live_text()) is seen  # the model's context
+        finally:
+            agent.close()
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(NO_COLOR="1", TERM="xterm", COLUMNS="140", LINES="40", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def _args(tiny: Path, tmp: Path, script: list[str], *extra: str) -> list[str]:
+    ws = tmp / "ws"
+    ws.mkdir(exist_ok=True)
+    sf = tmp / "script.json"
+    sf.write_text(json.dumps(script))
+    return [
+        "-m", "ds4mlx.cli", "agent", "-m", str(tiny), "--ctx", "8192",
+        "--workspace", str(ws), "--kv-disk-dir", str(tmp / "kv"), "--script-file", str(sf),
+        *extra,
+    ]  # fmt: skip
+
+
+def test_terminal_never_receives_raw_sequences(tiny_f32_dir, tmp_path) -> None:
+    """A file with OSC 0/52, reset, clear and C1 sequences, read and echoed by the model,
+    then the spoofing command: the pty gets only their escapes (and rich's SGR)."""
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "evil.txt").write_text(EVIL, encoding="utf-8")
+    script = [
+        turn(
+            "Reading \x1b]0;THINK-TITLE\x07 it.", "Let me read it.", invoke("read", path="evil.txt")
+        ),
+        turn("Echo it.", f"The file says:\n{EVIL}END-OF-ECHO"),
+        turn("Run it.", "", invoke("bash", command=SPOOF)),
+        turn("Denied.", "Not run. DONE-TWO"),
+    ]
+    log_path = tmp_path / "terminal.log"
+    child = pexpect.spawn(
+        sys.executable,
+        _args(tiny_f32_dir, tmp_path, script),
+        env=_env(),
+        encoding="utf-8",
+        timeout=TIMEOUT,
+        dimensions=(40, 140),
+    )
+    child.logfile_read = open(log_path, "w", encoding="utf-8")  # noqa: SIM115
+    try:
+        child.expect("› ")
+        child.sendline("read evil.txt and echo it")
+        child.expect("END-OF-ECHO")
+        child.expect("› ")
+        child.sendline("run the command")
+        child.expect("allow bash")
+        child.expect(r"\[o\]nce / \[a\]lways / \[d\]eny")
+        child.sendline("d")
+        child.expect("DONE-TWO")
+        child.expect("› ")
+        child.sendline("/quit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+        child.logfile_read.close()
+    log = log_path.read_text(encoding="utf-8")
+    for raw in RAW:
+        assert raw not in log, f"raw {raw!r} reached the terminal"
+    assert "#\x1b[2K\x1b[1G" not in log
+    plain = _SGR.sub("", log)
+    for esc in [*ESCAPED, r"\x1b]0;THINK-TITLE\x07"]:
+        assert esc in plain, esc
+    assert escape_controls(SPOOF) in plain and CONTROL_WARNING in plain
+    assert not (tmp_path / "ws" / "MARKER").exists()
+
+
+def _run_echo(tiny: Path, tmp: Path, *flags: str, **env: str) -> tuple[str, str]:
+    """``agent -p --yes`` running :data:`ECHO`; returns (transcript, session JSON)."""
+    script = [turn("Echo.", "", invoke("bash", command=ECHO)), turn("Done.", "Echoed.")]
+    r = subprocess.run(
+        [sys.executable, *_args(tiny, tmp, script, "-p", "echo the key", "--yes", *flags)],
+        env=_env(AWS_SECRET_ACCESS_KEY=SECRET, **env),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert r.returncode == 0, r.stderr
+    sessions = list((tmp / "kv" / "agent-sessions").glob("*.json"))
+    assert len(sessions) == 1
+    return r.stderr, sessions[0].read_text()
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "passed"),
+    [
+        ((), {}, False),
+        (("--inherit-env",), {}, True),
+        (("--pass-env", "AWS_SECRET_ACCESS_KEY"), {}, True),
+        ((), {"DS4MLX_AGENT_PASS_ENV": "OTHER,AWS_SECRET_ACCESS_KEY"}, True),
+    ],
+)
+def test_agent_withholds_secret_env_unless_passed(tiny_f32_dir, tmp_path, flags, env, passed):
+    transcript, session = _run_echo(tiny_f32_dir, tmp_path, *flags, **env)
+    assert (SECRET in transcript) is passed
+    assert (SECRET in session) is passed
+    assert ("aws=[]" in transcript) is not passed
+    # The banner names what commands do not get (names only, never values).
+    assert ("commands run without" in transcript and "AWS_SECRET_ACCESS_KEY" in transcript) is (
+        not passed
+    )
