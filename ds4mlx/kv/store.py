@@ -61,7 +61,8 @@ existing one): they hold whole prompts.
 **A full disk.** The budget is a share of the free space measured at start; other
 programs may fill the filesystem since. A write failing with ``ENOSPC`` evicts the
 lowest-valued snapshots (the order below) until the directory holds the new file's size
-less than before, then retries once; if nothing could be evicted or the retry fails too,
+less than before, then retries once; if nothing could be evicted, the file would not fit
+even with every snapshot gone (nothing is evicted then), or the retry fails too,
 the save is dropped (logged; ``SnapshotWriter.status()["failed"]``, shown by
 ``/health``) and serving goes on.
 
@@ -1169,9 +1170,22 @@ class DiskKVStore:
 
     def _free_on_full_disk(self, p: PreparedSave) -> bool:
         """Evict the lowest-valued snapshots, ``p``'s size of them (never ``p``'s own
-        key): the filesystem is full below the budget. False when nothing was evicted."""
+        key): the filesystem is full below the budget. False when nothing was evicted,
+        or when ``p`` would not fit even with every snapshot gone (then none is)."""
         with self._lock:
             total = self.scan().total_bytes
+            try:
+                st = os.statvfs(self.dir)
+                room = st.f_bavail * st.f_frsize + total
+            except OSError:
+                room = p.nbytes
+            if room < p.nbytes:
+                log.warning(
+                    "kv cache: disk full: a %.2f MiB save does not fit even without the "
+                    "%.2f MiB of snapshots; nothing evicted",
+                    p.nbytes / 2**20, total / 2**20,
+                )  # fmt: skip
+                return False
             gone = self._evict(total - p.nbytes, protect=p.key)
         freed = sum(g.size for g in gone)
         log.warning(
