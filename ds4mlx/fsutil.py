@@ -86,9 +86,9 @@ def process_tag(pid: int | None = None) -> str:
     """The start tag of process ``pid`` (default: this one): hex of the boot id and its
     start time in clock ticks, or ``"0"`` when the system does not tell (no ``/proc``)
     or the process is gone."""
-    pid = os.getpid() if pid is None else pid
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        # "self": this process even where /proc is another pid namespace's mount.
+        with open(f"/proc/{'self' if pid is None else pid}/stat", "rb") as f:
             # The command name (field 2) may hold spaces and ")": split after the last ")".
             start = int(f.read().rsplit(b")", 1)[1].split()[19])
     except (OSError, ValueError, IndexError):

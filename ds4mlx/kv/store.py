@@ -36,8 +36,8 @@ They live in a sidecar ``index.json`` (``{"version": 1, "entries": {key: {"creat
 "hits", "last_used", "aliases"}}}``) replaced atomically on every hit. A sidecar record
 counts only while its ``created`` equals the file's, so a stale record never applies to a
 re-created file; a lost or corrupt sidecar only resets statistics and loses aliases.
-An alias is ``[key, text bytes, marks]`` (its key as `text_key` makes it): another lookup text of the snapshot (a
-thinking turn's visible key, a prompt's rendering) and where that text spells special
+An alias is ``[key, text bytes, marks]`` (its `text_key`): another lookup text of the
+snapshot (a thinking turn's visible key, a prompt's rendering) and where that text spells special
 tokens as plain text (character offsets; the same bytes with other marks are other
 tokens, ``ds4mlx.kv.plan._same_key``); aliases of older builds, without marks, are
 ignored. The snapshot files are never modified after their rename into place.
@@ -420,7 +420,7 @@ def read_entry(path: str | os.PathLike, *, verify_key: bool = True) -> Entry:
     path = Path(path)
     m = _FILE_RE.match(path.name)
     if not m:
-        raise KVStoreError("file name is not <sha1>.safetensors")
+        raise KVStoreError("file name is not <40 hex>.safetensors")
     key = m.group(1)
     try:
         size = path.stat().st_size
@@ -470,7 +470,7 @@ def read_entry(path: str | os.PathLike, *, verify_key: bool = True) -> Entry:
 
 def read_index(dir: str | os.PathLike) -> dict[str, dict]:
     """The sidecar records ``{key: {"created", "hits", "last_used", "aliases"}}`` ({} if
-    none); ``aliases`` is a list of ``[sha1 hex, text bytes, marks]`` (possibly empty;
+    none); ``aliases`` is a list of ``[key, text bytes, marks]`` (possibly empty;
     an alias without marks, from an older build, is dropped: nothing says which of its
     special-token spellings were plain text)."""
     p = Path(dir) / INDEX_NAME
@@ -513,7 +513,7 @@ def _list_dir(dir: Path) -> list[os.DirEntry]:
 
 
 def scan_dir(dir: str | os.PathLike, *, verify_key: bool = True) -> ScanResult:
-    """Every ``<sha1>.safetensors`` in ``dir``: readable entries and bad files.
+    """Every ``<key>.safetensors`` in ``dir``: readable entries and bad files.
 
     Safe while another process adds or removes files: a file that vanishes mid-scan is
     simply not listed. Does not modify the directory.
