@@ -70,7 +70,7 @@ def _greedy(session, n):
 
 def test_engine_attributes(engine, tiny_dir):
     assert engine.ctx_size == 2048
-    assert engine.identity.startswith("ds4-") and len(engine.identity) == 20
+    assert engine.identity.startswith("ds4-") and len(engine.identity) == 36
     assert engine.quant_desc == "f32"
     again = Engine(engine.model, engine.args, engine.tokenizer, path=tiny_dir, config=engine.config)
     assert again.identity == engine.identity  # stable for the same checkpoint

@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from ds4mlx.fsutil import temp_name
 from ds4mlx.kv import store as kvs
 from ds4mlx.kv.store import DiskKVStore, KVStoreError, eviction_score, scan_dir, text_key
 
@@ -76,7 +77,7 @@ def test_round_trip_bit_identical(tmp_path):
     e = store.save(
         text=text, tokens=tokens, arrays=arrs, reason="evict", meta=meta, tool_memory=tools
     )
-    assert e is not None and e.key == text_key(text) and e.tokens == 6
+    assert e is not None and e.key == text_key(text, IDENT, CTX) and e.tokens == 6
     assert e.path.name == f"{e.key}.safetensors"
     assert e.text_bytes == len(text.encode()) and e.reason == "evict" and e.tool_count == 2
 
@@ -388,7 +389,7 @@ def test_corrupt_and_foreign_files_are_skipped_and_reported(tmp_path, caplog):
     # 4. a future format version
     p = victim(4)
     t, m = _tensors_and_meta(p)
-    _rewrite(p, t, {**m, "version": "2"})
+    _rewrite(p, t, {**m, "version": "3"})
     # 5. text that does not hash to the name
     p = victim(5)
     t, m = _tensors_and_meta(p)
@@ -416,14 +417,14 @@ def test_corrupt_and_foreign_files_are_skipped_and_reported(tmp_path, caplog):
     assert "skipping bad file" in caplog.text
     # The header-level checks are what `kv ls` reports without reading tensors.
     reasons = " | ".join(b.reason for b in scan_dir(d).bad)
-    for part in ("unreadable safetensors", "not a ds4mlx KV snapshot", "format version 2"):
+    for part in ("unreadable safetensors", "not a ds4mlx KV snapshot", "format version 3"):
         assert part in reasons
     with pytest.raises(KVStoreError):
         kvs.load_file(fresh.dir / f"{victim_key(6, store)}.safetensors")
 
 
 def victim_key(i: int, store: DiskKVStore) -> str:
-    return text_key("prefix and then"[: 7 + i])
+    return text_key("prefix and then"[: 7 + i], IDENT, CTX)
 
 
 def test_bad_files_count_toward_budget_and_go_first(tmp_path):
@@ -446,15 +447,17 @@ def test_stale_temp_files_removed_at_open(tmp_path):
     dead_pid = int(dead.stdout)
     stale = d / f".{'a' * 40}.{dead_pid}.0123abcd.tmp"
     stale_idx = d / f".index.{dead_pid}.99.tmp"
-    live = d / f".{'b' * 40}.{os.getpid()}.0123abcd.tmp"  # a writer that is still running
+    live = d / temp_name("b" * 40)  # a writer that is still running: this process
+    # An older build's name (no start tag) of another live process is kept too.
+    old_live = d / f".{'c' * 40}.{os.getppid()}.0123abcd.tmp"
     other = d / "notes.txt"
-    for p in (stale, stale_idx, live, other):
+    for p in (stale, stale_idx, live, old_live, other):
         p.write_bytes(b"partial")
     make_store(tmp_path, read_only=True)
     assert stale.exists()  # inspection never modifies the directory
     make_store(tmp_path)
     assert not stale.exists() and not stale_idx.exists()
-    assert live.exists() and other.exists()
+    assert live.exists() and old_live.exists() and other.exists()
 
 
 def test_read_only_store_does_not_count_hits(tmp_path):

@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 
 import pytest
-from test_kv_store import IDENT, arrays, make_store, same_arrays
+from test_kv_store import CTX, IDENT, arrays, make_store, same_arrays
 
 from ds4mlx.kv.store import load_file, scan_dir
 from ds4mlx.kv.writer import SnapshotWriter
@@ -37,6 +37,7 @@ def gated():
         started.set()
         gate.wait(10)
         done.append(item.name)
+        return item
 
     return write, gate, started, done
 
@@ -51,14 +52,17 @@ def test_queue_is_bounded_in_bytes_and_drops_the_oldest_pending():
     # a+b+c = 120 > 100: the oldest pending (a) went; the one in flight stays.
     assert w.dropped == 1 and w.pending_bytes == 80
     st = w.status()  # what /health shows
-    assert st == {"pending": 2, "pending_bytes": 80, "writing": True, "written": 0, "dropped": 1}
+    assert st == {
+        "pending": 2, "pending_bytes": 80, "writing": True, "written": 0, "failed": 0, "dropped": 1
+    }  # fmt: skip
     w.submit(Item("huge", 500))  # alone over the bound: kept, everything older dropped
     assert w.dropped == 3 and w.pending_bytes == 500
     gate.set()
     assert w.flush(10)
     assert done == ["busy", "huge"]
     assert w.status() == {
-        "pending": 0, "pending_bytes": 0, "writing": False, "written": 2, "dropped": 3
+        "pending": 0, "pending_bytes": 0, "writing": False, "written": 2, "failed": 0,
+        "dropped": 3,
     }  # fmt: skip
     assert w.close(10)
     with pytest.raises(RuntimeError):
@@ -166,7 +170,7 @@ def test_alias_marks_are_kept_and_unmarked_legacy_aliases_dropped(tmp_path):
     index = store.dir / INDEX_NAME
     data = json.loads(index.read_text())
     (rec,) = data["entries"].values()
-    rec["aliases"] = [[text_key(key), len(key.encode())]]
+    rec["aliases"] = [[text_key(key, IDENT, CTX), len(key.encode())]]
     index.write_text(json.dumps(data))
     reopened = make_store(tmp_path)
     assert reopened.lookup_and_load(key + "<eos>next") is None

@@ -16,14 +16,13 @@ import hashlib
 import json
 import os
 import re
-import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ds4mlx.dsml.conversation import Message, ToolCall
-from ds4mlx.fsutil import atomic_write
+from ds4mlx.fsutil import atomic_write, private_dir, remove_stale_temps, temp_name
 
 FORMAT = "ds4mlx-agent-session"
 VERSION = 1
@@ -155,15 +154,17 @@ class SessionBook:
     """The agent session files in one directory.
 
     Args:
-        dir: directory (created if missing).
+        dir: directory (created 0700 if missing, narrowed to it if wider: transcripts
+            are private; session files are written 0600). Temp files of dead writers
+            are removed (``ds4mlx.fsutil.stale_temp``).
 
     Raises:
         OSError: ``dir`` cannot be created.
     """
 
     def __init__(self, dir: str | os.PathLike) -> None:
-        self.dir = Path(dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = private_dir(dir)
+        remove_stale_temps(self.dir)
 
     def _path(self, sid: int) -> Path:
         return self.dir / f"{sid}.json"
@@ -203,5 +204,5 @@ class SessionBook:
         """Write ``rec`` atomically (temp file, fsync, rename)."""
         rec.updated = time.time()
         data = json.dumps(rec.to_json(), ensure_ascii=False).encode("utf-8", "surrogatepass")
-        tmp = self.dir / f".{rec.id}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        tmp = self.dir / temp_name(str(rec.id))
         atomic_write(self._path(rec.id), data, tmp=tmp)

@@ -17,6 +17,7 @@ from ds4mlx.engine.session import Session
 # Default context when the caller does not choose one: one figure for the engine and the
 # loader's fit check.
 from ds4mlx.model.fit import DEFAULT_CTX_CPU, DEFAULT_CTX_GPU, kv_bytes
+from ds4mlx.model.identity import checkpoint_identity
 from ds4mlx.tokenizer import Tokenizer
 
 
@@ -84,17 +85,14 @@ def _dtype_name(dt) -> str:
 
 
 def _model_identity(path: Path, config: dict, quant: str) -> str:
-    """Stable id of a checkpoint: config, weight file names and sizes, quantization.
-
-    File sizes rather than content hashes: hashing hundreds of GB at every start is
-    not affordable, and a re-conversion changes the size or the config in practice.
-    """
+    """Stable id of a checkpoint's content: config, the weights
+    (``ds4mlx.model.identity.checkpoint_identity``: their digest and sampled bytes of
+    every tensor) and the quantization loaded. ``"ds4-<32 hex>"`` (128 bits)."""
     h = hashlib.sha256()
     h.update(json.dumps(config, sort_keys=True).encode())
-    for f in sorted(path.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}\n".encode())
+    h.update(checkpoint_identity(path).encode())
     h.update(quant.encode())
-    return "ds4-" + h.hexdigest()[:16]
+    return "ds4-" + h.hexdigest()[:32]
 
 
 def default_ctx_size(max_positions: int | None) -> int:
@@ -113,8 +111,8 @@ class Engine:
         config: the raw ``config.json`` dict.
         tokenizer: ``Tokenizer``.
         ctx_size: context size in tokens.
-        identity: ``"ds4-<16 hex>"``, stable for the same checkpoint + quantization
-            (used to key disk KV files).
+        identity: ``"ds4-<32 hex>"``, from the weights' content, config and
+            quantization (``ds4mlx.model.identity``); keys disk KV files.
         quant: the `QuantInfo`; ``quant_desc`` its display form, e.g.
             ``"experts=q2 other=q8"``.
         session: the live ``Session``.

@@ -2,7 +2,9 @@
 
 Read-only except ``rm``; safe to run while a server writes to the same directory (files
 that appear or vanish mid-listing are simply listed or not). ``rm`` unlinks whole
-files, which a running server treats as a miss.
+files, which a running server treats as a miss. A directory may hold the snapshots of
+several models (keys are per model identity and context size: ``ds4mlx.kv.store``);
+``ls`` lists them all, ``ls -l`` names each one's model identity and context.
 
 The parser part is imported by ``ds4mlx --help``; mlx, the store and rich load only when
 a ``kv`` command runs.

@@ -1,14 +1,19 @@
 """Disk KV cache store (docs/ARCHITECTURE.md §5).
 
-One snapshot per file, named ``<sha1>.safetensors`` where ``sha1`` is the SHA-1 (hex) of
-the UTF-8 bytes of the rendered text the snapshot's tokens decode to. The container is
-plain safetensors (written with ``mx.save_safetensors``, read with ``mx.load`` and, for
+One snapshot per file, named ``<key>.safetensors``. The key is the SHA-1 (hex) of the
+model identity, the context size and the rendered text the snapshot's tokens decode to
+(`text_key`: ``identity NUL ctx NUL text``, UTF-8): two checkpoints (or two context
+sizes) sharing a directory never name the same file, so neither overwrites nor finds the
+other's snapshots, and a lookup hashes only candidates of its own identity. The identity
+is the engine's (``ds4mlx.engine.Engine.identity``: a digest of the weights' content).
+Files of format version 1 (keys of the text alone) are removed when a store opens the
+directory. The container is plain safetensors (written with ``mx.save_safetensors``, read with ``mx.load`` and, for
 cheap header scans, the ``safetensors`` package):
 
 * **metadata** (str -> str, the safetensors header): only small fixed-size fields, so a
   directory scan reads a few hundred bytes per file —
 
-  ``format`` = ``"ds4mlx-kv"``, ``version`` = ``"1"``, ``model_identity``,
+  ``format`` = ``"ds4mlx-kv"``, ``version`` = ``"2"``, ``model_identity``,
   ``expert_bits`` (``""`` when unknown), ``ctx_size``, ``tokens`` (count),
   ``text_bytes``, ``hits`` (at creation, always ``"0"``), ``created`` and ``last_used``
   (Unix seconds, ``repr(float)``), ``reason`` (``cold|continued|prompt|evict|shutdown``),
@@ -31,8 +36,8 @@ They live in a sidecar ``index.json`` (``{"version": 1, "entries": {key: {"creat
 "hits", "last_used", "aliases"}}}``) replaced atomically on every hit. A sidecar record
 counts only while its ``created`` equals the file's, so a stale record never applies to a
 re-created file; a lost or corrupt sidecar only resets statistics and loses aliases.
-An alias is ``[sha1 hex, text bytes, marks]``: another lookup text of the snapshot (a
-thinking turn's visible key, a prompt's rendering) and where that text spells special
+An alias is ``[key, text bytes, marks]`` (its `text_key`): another lookup text of the
+snapshot (a thinking turn's visible key, a prompt's rendering) and where that text spells special
 tokens as plain text (character offsets; the same bytes with other marks are other
 tokens, ``ds4mlx.kv.plan._same_key``); aliases of older builds, without marks, are
 ignored. The snapshot files are never modified after their rename into place.
@@ -40,14 +45,26 @@ ignored. The snapshot files are never modified after their rename into place.
 A save has two halves: :meth:`DiskKVStore.prepare_save` serializes the whole file into
 memory (the only MLX work, on the thread that owns the arrays) and
 :meth:`DiskKVStore.write` puts those bytes on disk (no MLX, any thread; the server runs it
-on ``ds4mlx.kv.writer.SnapshotWriter``'s thread). Writes go to
-``.<key>.<pid>.<random>.tmp`` in the same directory (same filesystem, so
+on ``ds4mlx.kv.writer.SnapshotWriter``'s thread). Writes go to a temp file in the same
+directory (``ds4mlx.fsutil.temp_name``: pid and process start tag; same filesystem, so
 the rename is atomic), are fsynced, renamed over the final name, and the directory is
 fsynced. A reader therefore sees either no file or a complete one; a killed writer
 leaves only a temp file, which the next :class:`DiskKVStore` opened after the writer's
-death removes. Room for a new file is made *before* it is written (its exact size is known
-from the prepared bytes), so the directory stays within budget even if the writer dies between the
-rename and the eviction pass that follows it.
+death removes (``ds4mlx.fsutil.stale_temp``, also under a container's PID 1). Room for a
+new file is made *before* it is written (its exact size is known from the prepared
+bytes), so the directory stays within budget even if the writer dies between the rename
+and the eviction pass that follows it.
+
+Files are created 0600 in a 0700 directory (``ds4mlx.fsutil.private_dir`` narrows an
+existing one): they hold whole prompts.
+
+**A full disk.** The budget is a share of the free space measured at start; other
+programs may fill the filesystem since. A write failing with ``ENOSPC`` evicts the
+lowest-valued snapshots (the order below) until the directory holds the new file's size
+less than before, then retries once; if nothing could be evicted, the file would not fit
+even with every snapshot gone (nothing is evicted then), or the retry fails too,
+the save is dropped (logged; ``SnapshotWriter.status()["failed"]``, shown by
+``/health``) and serving goes on.
 
 Eviction score (lower is evicted first; ties: least recently used first)::
 
@@ -64,6 +81,7 @@ written is never evicted.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
@@ -71,7 +89,6 @@ import logging
 import math
 import os
 import re
-import secrets
 import threading
 import time
 import zlib
@@ -83,12 +100,20 @@ import mlx.core as mx
 import numpy as np
 from safetensors import safe_open
 
-from ds4mlx.fsutil import atomic_write, fsync_dir, write_durable
+from ds4mlx.fsutil import (
+    atomic_write,
+    fsync_dir,
+    private_dir,
+    remove_stale_temps,
+    stale_temp,
+    temp_name,
+    write_durable,
+)
 
 log = logging.getLogger("ds4mlx.kv")
 
 FORMAT = "ds4mlx-kv"
-VERSION = 1
+VERSION = 2  # 2: keys include the model identity and context size
 SUFFIX = ".safetensors"
 INDEX_NAME = "index.json"
 REASONS = ("cold", "continued", "prompt", "evict", "shutdown")
@@ -101,7 +126,6 @@ TOOLS_KEY = "ds4mlx.tool_memory"
 SESSION_PREFIX = "session."
 
 _FILE_RE = re.compile(r"^([0-9a-f]{40})\.safetensors$")
-_TMP_RE = re.compile(r"^\.(?:[0-9a-f]{40}|index)\.(\d+)\.[0-9a-f]+\.tmp$")
 _REQUIRED_META = (
     "format",
     "version",
@@ -120,12 +144,17 @@ class KVStoreError(Exception):
     """A snapshot file cannot be used (corrupt, truncated, foreign, vanished)."""
 
 
+class OutdatedSnapshot(KVStoreError):
+    """A snapshot of an older format version (never loaded; removed when a store opens
+    its directory)."""
+
+
 @dataclass(frozen=True)
 class Entry:
     """One snapshot file as its header describes it.
 
     Attributes:
-        key: SHA-1 hex of the rendered text's UTF-8 bytes (the file name stem).
+        key: `text_key` of the rendered text (the file name stem).
         path: the file.
         tokens: token count (int tokens).
         text_bytes: length of the rendered text (int bytes, UTF-8).
@@ -223,7 +252,7 @@ class PreparedSave:
     """A snapshot serialized in memory, ready for `DiskKVStore.write` on any thread.
 
     Attributes:
-        key: SHA-1 hex of ``text_bytes`` (the file name stem).
+        key: `text_key` of ``text_bytes`` (the file name stem).
         text_bytes: the lookup text, UTF-8.
         tokens: token count (int tokens).
         reason: the save reason (one of `REASONS`).
@@ -274,27 +303,15 @@ def _alias(alias: str | tuple[str, Sequence[int]]) -> tuple[bytes, tuple[int, ..
     return _utf8(text), tuple(int(o) for o in marks)
 
 
-def text_key(text: str) -> str:
-    """The cache key of ``text``: SHA-1 hex of its UTF-8 bytes (file names, aliases)."""
-    return _sha1(_utf8(text))
+def _namespace(model_identity: str, ctx_size: int) -> bytes:
+    return f"{model_identity}\0{int(ctx_size)}\0".encode("utf-8", "surrogatepass")
 
 
-def _tmp_name(stem: str) -> str:
-    return f".{stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OSError:
-        return False
-    return True
+def text_key(text: str | bytes, model_identity: str, ctx_size: int) -> str:
+    """The cache key of ``text`` (str, or its UTF-8 bytes) for one model identity and
+    context size: SHA-1 hex of ``identity NUL ctx NUL text`` (file names, aliases)."""
+    data = text if isinstance(text, bytes) else _utf8(text)
+    return _sha1(_namespace(model_identity, ctx_size) + data)
 
 
 def _digest(tensors: Mapping[str, mx.array]) -> str:
@@ -355,6 +372,8 @@ def _parse_meta(meta: Mapping[str, str]) -> dict:
         version = int(meta["version"])
     except ValueError as e:
         raise KVStoreError(f"bad version {meta['version']!r}") from e
+    if version < VERSION:
+        raise OutdatedSnapshot(f"format version {version} (keys without the model identity)")
     if version != VERSION:
         raise KVStoreError(f"format version {version}, this build reads {VERSION}")
     try:
@@ -401,7 +420,7 @@ def read_entry(path: str | os.PathLike, *, verify_key: bool = True) -> Entry:
     path = Path(path)
     m = _FILE_RE.match(path.name)
     if not m:
-        raise KVStoreError("file name is not <sha1>.safetensors")
+        raise KVStoreError("file name is not <40 hex>.safetensors")
     key = m.group(1)
     try:
         size = path.stat().st_size
@@ -429,8 +448,8 @@ def read_entry(path: str | os.PathLike, *, verify_key: bool = True) -> Entry:
         raise
     except Exception as e:  # safetensors raises its own error types for bad layouts
         raise KVStoreError(f"unreadable safetensors: {e}") from e
-    if verify_key and _sha1(text) != key:
-        raise KVStoreError("stored text does not hash to the file name")
+    if verify_key and text_key(text, hdr["model_identity"], hdr["ctx_size"]) != key:
+        raise KVStoreError("identity, context and text do not hash to the file name")
     return Entry(
         key=key,
         path=path,
@@ -451,7 +470,7 @@ def read_entry(path: str | os.PathLike, *, verify_key: bool = True) -> Entry:
 
 def read_index(dir: str | os.PathLike) -> dict[str, dict]:
     """The sidecar records ``{key: {"created", "hits", "last_used", "aliases"}}`` ({} if
-    none); ``aliases`` is a list of ``[sha1 hex, text bytes, marks]`` (possibly empty;
+    none); ``aliases`` is a list of ``[key, text bytes, marks]`` (possibly empty;
     an alias without marks, from an older build, is dropped: nothing says which of its
     special-token spellings were plain text)."""
     p = Path(dir) / INDEX_NAME
@@ -494,7 +513,7 @@ def _list_dir(dir: Path) -> list[os.DirEntry]:
 
 
 def scan_dir(dir: str | os.PathLike, *, verify_key: bool = True) -> ScanResult:
-    """Every ``<sha1>.safetensors`` in ``dir``: readable entries and bad files.
+    """Every ``<key>.safetensors`` in ``dir``: readable entries and bad files.
 
     Safe while another process adds or removes files: a file that vanishes mid-scan is
     simply not listed. Does not modify the directory.
@@ -535,9 +554,8 @@ def clear_dir(dir: str | os.PathLike) -> int:
     left alone."""
     n = 0
     for de in _list_dir(Path(dir)):
-        tmp = _TMP_RE.match(de.name)
         snap = _FILE_RE.match(de.name) is not None
-        if snap or (tmp and not _pid_alive(int(tmp.group(1)))):
+        if snap or stale_temp(de.name):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(de.path)
                 n += snap
@@ -593,8 +611,10 @@ def load_file(path: str | os.PathLike) -> Loaded:
     if _digest(tensors) != hdr["digest"]:
         raise KVStoreError("digest mismatch: tensor data is corrupt")
     text_b = _array_bytes(tensors.pop(TEXT_KEY))
-    if len(text_b) != hdr["text_bytes"] or _sha1(text_b) != entry.key:
-        raise KVStoreError("stored text does not hash to the file name")
+    if len(text_b) != hdr["text_bytes"] or (
+        text_key(text_b, hdr["model_identity"], hdr["ctx_size"]) != entry.key
+    ):
+        raise KVStoreError("identity, context and text do not hash to the file name")
     tokens = tensors.pop(TOKENS_KEY)
     if tokens.dtype != mx.int32 or tokens.shape != (hdr["tokens"],):
         raise KVStoreError("token tensor does not match the header")
@@ -655,7 +675,8 @@ class DiskKVStore:
             for inspection from another process.
         clock: current time in Unix seconds (tests inject one).
 
-    Opening removes temp files left by dead writers and evicts down to the budget. All
+    Opening makes the directory private (0700), removes temp files left by dead writers
+    and snapshots of an older format version, and evicts down to the budget. All
     methods are safe to call from one thread while other processes add or remove files
     in ``dir`` (a file that vanishes is a miss; a new one is picked up by the next
     call).
@@ -698,26 +719,44 @@ class DiskKVStore:
         self._reported: set[tuple[str, tuple]] = set()
         # key -> (stat signature, reason) of a file that failed verification on load
         self._failed: dict[str, tuple[tuple, str]] = {}
+        self._ns_hash = hashlib.sha1(_namespace(model_identity, ctx_size))
         if not read_only:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            self._remove_stale_temps()
+            private_dir(self.dir)
+            for name in remove_stale_temps(self.dir):
+                log.info("kv cache: removed stale temp file %s", self.dir / name)
+            self._drop_outdated()
             self.evict()  # the budget may have been lowered since the last run
             scan = self.scan()
+            usable = len(self.entries())
             log.info(
-                "kv cache: %s: %d snapshots (%d usable), %d bad, %.1f of %.1f MiB",
-                self.dir, len(scan.entries), len(self.entries()), len(scan.bad),
+                "kv cache: %s: %d snapshots (%d usable; %d of other models or contexts, "
+                "never loaded), %d bad, %.1f of %.1f MiB",
+                self.dir, len(scan.entries), usable, len(scan.entries) - usable, len(scan.bad),
                 scan.total_bytes / 2**20, self.budget_bytes / 2**20,
             )  # fmt: skip
 
     # ---------------------------------------------------------------- directory state
 
-    def _remove_stale_temps(self) -> None:
+    def key_of(self, text: str | bytes) -> str:
+        """`text_key` of ``text`` for this store's identity and context size."""
+        h = self._ns_hash.copy()
+        h.update(text if isinstance(text, bytes) else _utf8(text))
+        return h.hexdigest()
+
+    def _drop_outdated(self) -> None:
+        """Remove the snapshots of an older format version (no identity in their key)."""
         for de in _list_dir(self.dir):
-            m = _TMP_RE.match(de.name)
-            if m and not _pid_alive(int(m.group(1))):
+            if not _FILE_RE.match(de.name):
+                continue
+            try:
+                with safe_open(de.path, framework="numpy") as f:
+                    _parse_meta(f.metadata() or {})
+            except OutdatedSnapshot as e:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(de.path)
-                    log.info("kv cache: removed stale temp file %s", de.path)
+                    log.info("kv cache: removed %s: %s", de.name, e)
+            except Exception:  # other bad files are the scan's (reported, evicted first)
+                continue
 
     def _refresh_index(self) -> None:
         p = self.dir / INDEX_NAME
@@ -822,7 +861,7 @@ class DiskKVStore:
         for n, _, key, e in cands:
             h = hashes.get(n)
             if h is None:
-                h = hashes[n] = _sha1(data[:n])
+                h = hashes[n] = self.key_of(data[:n])
             if h == key:
                 return e
         return None
@@ -843,6 +882,11 @@ class DiskKVStore:
             except FileNotFoundError as e:
                 raise KVStoreError(f"{entry.path} vanished") from e
             if not self._compatible(entry):
+                log.warning(
+                    "kv cache: not loading %s: model %s ctx %d, this is %s ctx %d",
+                    entry.path.name, entry.model_identity, entry.ctx_size,
+                    self.model_identity, self.ctx_size,
+                )  # fmt: skip
                 raise KVStoreError(f"{entry.path} is for another model, context or quantization")
             try:
                 loaded = load_file(entry.path)
@@ -1021,7 +1065,7 @@ class DiskKVStore:
             log.warning("kv cache: save failed tokens=%d reason=%s: %s", len(tokens), reason, e)
             return None
         return PreparedSave(
-            key=_sha1(text_b),
+            key=self.key_of(text_b),
             text_bytes=text_b,
             tokens=len(tokens),
             reason=reason,
@@ -1037,6 +1081,10 @@ class DiskKVStore:
         No MLX call: safe on any thread. The store's lock is held to make room and to
         publish the file, not while the bytes go to disk: lookups and loads of the
         inference thread do not wait for a write (a temp name matches no snapshot).
+
+        A write failing with ``ENOSPC`` (the filesystem filled up below the budget)
+        evicts the lowest-valued snapshots, the new file's size of them, and is retried
+        once.
 
         Returns:
             The new (or identical existing) `Entry`, or None when the snapshot alone
@@ -1065,8 +1113,8 @@ class DiskKVStore:
                 # killed between the rename and the eviction pass that follows it.
                 self._evict(self.budget_bytes - size, protect=p.key)
             t0 = time.perf_counter()
-            tmp = self.dir / _tmp_name(p.key)
-            if not self._write_tmp(tmp, p):
+            tmp = self._write_tmp(p)
+            if tmp is None:
                 return None
             with self._lock:
                 try:
@@ -1105,16 +1153,46 @@ class DiskKVStore:
         )  # fmt: skip
         return entry
 
-    def _write_tmp(self, tmp: Path, p: PreparedSave) -> bool:
-        """Write ``p``'s bytes to ``tmp`` and fsync them; False (logged, no file left)
-        on failure."""
-        try:
-            # Durable before the rename publishes the name (ds4mlx.fsutil).
-            write_durable(tmp, p.data)
-        except OSError as e:
-            log.warning("kv cache: save failed tokens=%d reason=%s: %s", p.tokens, p.reason, e)
-            return False
-        return True
+    def _write_tmp(self, p: PreparedSave) -> Path | None:
+        """Write ``p``'s bytes to a fresh temp file and fsync them; returns its path, or
+        None (logged, no file left) on failure. On ``ENOSPC``: evict, retry once."""
+        for attempt in (1, 2):
+            tmp = self.dir / temp_name(p.key)
+            try:
+                # Durable before the rename publishes the name (ds4mlx.fsutil).
+                write_durable(tmp, p.data)
+                return tmp
+            except OSError as e:
+                log.warning("kv cache: save failed tokens=%d reason=%s: %s", p.tokens, p.reason, e)
+                if e.errno != errno.ENOSPC or attempt == 2 or not self._free_on_full_disk(p):
+                    return None
+        return None
+
+    def _free_on_full_disk(self, p: PreparedSave) -> bool:
+        """Evict the lowest-valued snapshots, ``p``'s size of them (never ``p``'s own
+        key): the filesystem is full below the budget. False when nothing was evicted,
+        or when ``p`` would not fit even with every snapshot gone (then none is)."""
+        with self._lock:
+            total = self.scan().total_bytes
+            try:
+                st = os.statvfs(self.dir)
+                room = st.f_bavail * st.f_frsize + total
+            except OSError:
+                room = p.nbytes
+            if room < p.nbytes:
+                log.warning(
+                    "kv cache: disk full: a %.2f MiB save does not fit even without the "
+                    "%.2f MiB of snapshots; nothing evicted",
+                    p.nbytes / 2**20, total / 2**20,
+                )  # fmt: skip
+                return False
+            gone = self._evict(total - p.nbytes, protect=p.key)
+        freed = sum(g.size for g in gone)
+        log.warning(
+            "kv cache: disk full: evicted %d snapshots (%.2f MiB) for a %.2f MiB save%s",
+            len(gone), freed / 2**20, p.nbytes / 2**20, ", retrying" if gone else "",
+        )  # fmt: skip
+        return bool(gone)
 
     def _existing_same(
         self, final: Path, key: str, n_tokens: int, tools: Mapping[str, str]
@@ -1151,7 +1229,7 @@ class DiskKVStore:
         self._refresh_index()
         rec = self._index.get(e.key)
         have = rec["aliases"] if rec is not None and rec["created"] == e.created else []
-        new = [[_sha1(a), len(a), list(m)] for a, m in aliases]
+        new = [[self.key_of(a), len(a), list(m)] for a, m in aliases]
         merged = have + [a for a in new if a not in have]
         if merged != have:
             self._update_index(e.key, e.created, aliases=merged)
@@ -1172,7 +1250,7 @@ class DiskKVStore:
     def _write_index(self, index: Mapping[str, dict]) -> None:
         data = json.dumps({"version": 1, "entries": index}, sort_keys=True).encode()
         try:
-            atomic_write(self.dir / INDEX_NAME, data, tmp=self.dir / _tmp_name("index"))
+            atomic_write(self.dir / INDEX_NAME, data, tmp=self.dir / temp_name("index"))
         except OSError as e:
             log.warning("kv cache: could not write hit index: %s", e)
             return

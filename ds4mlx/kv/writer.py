@@ -42,7 +42,9 @@ class SnapshotWriter:
 
     Args:
         write: ``write(item) -> Any``, the file I/O of one item (``DiskKVStore.write``);
-            its exceptions are logged, never raised to the submitter.
+            None means the item is not on disk (a write error, a file over the budget:
+            the callee logs why); its exceptions are logged, never raised to the
+            submitter.
         max_bytes: bound on the bytes of pending (not yet started) items (int bytes).
         name: the thread's name.
 
@@ -50,7 +52,8 @@ class SnapshotWriter:
     their lookup text). Thread-safe; `submit` never blocks on I/O.
 
     Attributes:
-        written: items written so far (count, for tests and logs).
+        written: items on disk so far (count, for tests and logs).
+        failed: items whose write failed (``write`` returned None or raised; count).
         dropped: items dropped unwritten to keep the bound (count).
     """
 
@@ -67,6 +70,7 @@ class SnapshotWriter:
         self._cond = threading.Condition()
         self._closed = False
         self.written = 0
+        self.failed = 0
         self.dropped = 0
         self._thread = threading.Thread(
             target=self._run, name=name or "ds4mlx-kv-writer", daemon=True
@@ -105,14 +109,15 @@ class SnapshotWriter:
             return self._pending_bytes
 
     def status(self) -> dict[str, int | bool]:
-        """``{"pending", "pending_bytes", "writing", "written", "dropped"}`` (counts,
-        bytes, whether an item is being written) for ``/health``."""
+        """``{"pending", "pending_bytes", "writing", "written", "failed", "dropped"}``
+        (counts, bytes, whether an item is being written) for ``/health``."""
         with self._cond:
             return {
                 "pending": len(self._pending),
                 "pending_bytes": self._pending_bytes,
                 "writing": self._busy is not None,
                 "written": self.written,
+                "failed": self.failed,
                 "dropped": self.dropped,
             }
 
@@ -159,12 +164,16 @@ class SnapshotWriter:
                     return  # closed and drained
                 item = self._busy = self._pending.popleft()
                 self._pending_bytes -= item.nbytes
+            ok = False
             try:
-                self._write(item)
+                ok = self._write(item) is not None
             except Exception:  # a disk error loses this snapshot, never the writer
                 log.exception("kv cache: background save failed")
             finally:
                 with self._cond:
                     self._busy = None
-                    self.written += 1
+                    if ok:
+                        self.written += 1
+                    else:
+                        self.failed += 1
                     self._cond.notify_all()

@@ -52,6 +52,7 @@ from .formats import (
     infer_mlx_spec,
     parse_spec,
 )
+from .identity import weights_metadata
 from .names import KEEP_F32, LAYER, PER_EXPERT, WO_A_SPLIT, official_name, part_of
 from .network import Model
 from .units import format_bytes
@@ -470,7 +471,9 @@ class _ShardWriter:
         # A dot name: an interrupted conversion leaves nothing a loader's *.safetensors
         # glob would pick up.
         name = f".partial-{len(self.files) + 1:05d}.safetensors"
-        mx.save_safetensors(os.path.join(self.dst, name), self.pending, metadata={"format": "mlx"})
+        # The weights digest (ds4mlx.model.identity): what the disk KV cache keys by.
+        meta = weights_metadata(self.pending)
+        mx.save_safetensors(os.path.join(self.dst, name), self.pending, metadata=meta)
         self.files.append(name)
         for k in self.pending:
             self.weight_map[k] = name

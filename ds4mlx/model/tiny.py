@@ -20,6 +20,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .config import ModelArgs
+from .identity import weights_metadata
 from .network import Model
 
 GROUP_SIZE = 32  # every tiny input dimension is a multiple of 32
@@ -231,7 +232,7 @@ def make_tiny(
     os.makedirs(out_dir, exist_ok=True)
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(
-        os.path.join(out_dir, "model.safetensors"), weights, metadata={"format": "mlx"}
+        os.path.join(out_dir, "model.safetensors"), weights, metadata=weights_metadata(weights)
     )
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)

@@ -14,12 +14,14 @@ class Tracer:
     """``--trace FILE``: JSON lines of prompts, cache decisions, output, parser events.
 
     One object per line: ``{"t": unix time, "job": id, "kind": ..., ...}``. Thread-safe;
-    writes are flushed per job so a crash loses at most the running one.
+    writes are flushed per job so a crash loses at most the running one. The file holds
+    whole prompts: it is created 0600, and an existing one is narrowed to 0600 before
+    anything is appended.
     """
 
     def __init__(self, path: str | os.PathLike | None):
         self._lock = threading.Lock()
-        self._f = open(path, "a", encoding="utf-8") if path else None  # noqa: SIM115
+        self._f = _open_private(path) if path else None
 
     @property
     def enabled(self) -> bool:
@@ -39,6 +41,16 @@ class Tracer:
             if self._f is not None:
                 self._f.close()
                 self._f = None
+
+
+def _open_private(path: str | os.PathLike):
+    """``path`` opened for appending text, mode 0600 (created so, or narrowed)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+    except OSError:
+        pass  # another user's file we may append to: leave its mode
+    return os.fdopen(fd, "a", encoding="utf-8")
 
 
 def _json_default(o: Any) -> Any:
