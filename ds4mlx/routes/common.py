@@ -1,5 +1,5 @@
-"""Shared route plumbing: protocol-shaped errors, body parsing, SSE framing, auth, the
-reasoning carrier. (The request pipeline and the stream driver are `ds4mlx.routes.pipeline`.)
+"""Shared route plumbing: protocol-shaped errors, body parsing, SSE framing, the
+reasoning carrier. (Access checks and the API key are `ds4mlx.routes.access`.) (The request pipeline and the stream driver are `ds4mlx.routes.pipeline`.)
 
 Errors follow each protocol's own shape: OpenAI's (`openai_error`, every route but the
 Messages API's): ``{"error": {"message", "type", "param", "code"}}``
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import hmac
 import json
 import logging
 import os
@@ -371,26 +370,6 @@ def model_thinking(model: str | None) -> bool:
             "on" if thinking else "off",
         )
     return thinking
-
-
-def check_auth(headers=None) -> APIError | None:
-    """Check ``--api-key`` (``Authorization: Bearer`` or ``x-api-key``); None when ok.
-
-    ``headers``: the request's (default) or a WebSocket's headers.
-    """
-    key = state().config.api_key
-    if not key:
-        return None
-    headers = request.headers if headers is None else headers
-    got = headers.get("x-api-key") or ""
-    auth = headers.get("authorization") or ""
-    if auth.lower().startswith("bearer "):
-        got = got or auth[7:].strip()
-    if got and hmac.compare_digest(got.encode(), key.encode()):
-        return None
-    return APIError(
-        401, "invalid or missing API key", type="invalid_request_error", code="invalid_api_key"
-    )
 
 
 # --------------------------------------------------------------------------- reasoning carrier

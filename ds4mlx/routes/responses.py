@@ -59,10 +59,10 @@ from ds4mlx.dsml import (
     ToolSpec,
 )
 from ds4mlx.kv.live import CallerNames
+from ds4mlx.routes.access import check_auth
 from ds4mlx.routes.common import (
     APIError,
     OpenModel,
-    check_auth,
     failed_to_api,
     json_response,
     model_thinking,
