@@ -195,8 +195,8 @@ class ConnectionGate:
             if not self._evict_idle():
                 self.refused += 1
                 self._log_refuse(
-                    f"{len(self._conns)} connections open (cap {self.cap}), none idle: "
-                    "closing new connections (--max-connections)"
+                    f"{len(self._conns)} connections open (cap {self.cap}), none idle or "
+                    "all being closed: closing new connections (--max-connections)"
                 )
                 return False
             self._log_evict(
