@@ -675,10 +675,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--api-key",
+        action="append",
         default=None,
-        help="require this key (Authorization: Bearer or x-api-key; default: $DS4MLX_API_KEY)",
+        metavar="KEY",
+        help="require this key (Authorization: Bearer or x-api-key); repeatable: any of them "
+        "(default: $DS4MLX_API_KEY, comma-separated). Required when --host is not loopback",
     )
-    p.add_argument("--cors", action="store_true", help="allow cross-origin browser requests")
+    p.add_argument(
+        "--cors",
+        action="store_true",
+        help="let web pages of every origin use the server (CORS answers with *)",
+    )
+    p.add_argument(
+        "--allowed-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let web pages of this origin (scheme://host[:port]) use the server; repeatable "
+        "(other non-loopback Origins get 403)",
+    )
+    p.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="answer this Host name too (a reverse proxy's, a LAN name); repeatable (bound to "
+        "loopback, other names than localhost, 127.0.0.1, [::1] get 403)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        metavar="N",
+        help="open client connections at most; past it the longest-idle one is closed "
+        "(default: the open-file limit less a reserve)",
+    )
     p.add_argument("--trace", default=None, metavar="FILE", help="append a JSON-lines trace here")
     p.add_argument(
         "--served-model-name",

@@ -222,6 +222,37 @@ def require_cli(name: str) -> str:
     pytest.skip(msg)
 
 
+def ws_upgrade(
+    port: int, headers: dict[str, str], path: str = "/v1/responses"
+) -> tuple[int, bytes]:
+    """A raw WebSocket upgrade on ``GET path``: ``(status, the answer's bytes so far)``.
+
+    ``Host`` is ``127.0.0.1:port`` unless ``headers`` names one.
+    """
+    import base64
+
+    head = {"Host": f"127.0.0.1:{port}", **headers}
+    req = (
+        f"GET {path} HTTP/1.1\r\n"
+        "Upgrade: websocket\r\nConnection: Upgrade\r\n"
+        f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
+        "Sec-WebSocket-Version: 13\r\n" + "".join(f"{k}: {v}\r\n" for k, v in head.items()) + "\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(req.encode())
+        data = s.recv(65536)
+        if int(data.split(b" ", 2)[1]) != 101:
+            # A refusal's JSON body may come in a second segment.
+            s.settimeout(2)
+            with contextlib.suppress(OSError):
+                while b"}" not in data.rpartition(b"\r\n\r\n")[2]:
+                    more = s.recv(65536)
+                    if not more:
+                        break
+                    data += more
+    return int(data.split(b" ", 2)[1]), data
+
+
 def sse_events(lines: Iterator[str]) -> Iterator[tuple[str | None, str | None]]:
     """Parse SSE lines into ``(event, data)``; comments yield ``(None, None)``."""
     event, data = None, []

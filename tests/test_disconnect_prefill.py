@@ -78,8 +78,9 @@ def test_disconnect_during_prefill_cancels_between_chunks(tiny_model_dir, stream
         assert r.status_code == 200
 
 
-# A pipelining client: its stream request, then a second request on the same connection.
-PIPELINED = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+def pipelined(port: int) -> bytes:
+    """A pipelining client's second request on the same connection, after its stream."""
+    return f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
 
 
 @pytest.fixture(scope="module")
@@ -110,11 +111,11 @@ def test_pipelining_stream_client_that_leaves_is_noticed_between_chunks(
     body = json.dumps({"model": "deepseek-chat", "stream": True, key: content, **extra}).encode()
     n0 = len(s.request_lines())
     head = (
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{s.port}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
     ).encode()
     with socket.create_connection(("127.0.0.1", s.port)) as sock:
-        sock.sendall(head + body + PIPELINED)
+        sock.sendall(head + body + pipelined(s.port))
         deadline = time.monotonic() + 30
         while not s.health()["busy"] and time.monotonic() < deadline:
             time.sleep(0.05)

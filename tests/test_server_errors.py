@@ -10,7 +10,7 @@ import json
 
 import httpx
 import pytest
-from server_util import Server, tiny_model_dir  # noqa: F401
+from server_util import Server, tiny_model_dir, ws_upgrade  # noqa: F401
 
 KEY = "sekret"
 CTX = 1024
@@ -339,26 +339,6 @@ def test_cors_preflight_and_headers(server):
     assert r.headers["access-control-allow-origin"] == "*"
 
 
-def _ws_upgrade_status(server, headers: dict[str, str]) -> int:
-    """Status line of a raw WebSocket upgrade on GET /v1/responses."""
-    import base64
-    import os
-    import socket
-
-    req = (
-        "GET /v1/responses HTTP/1.1\r\n"
-        f"Host: 127.0.0.1:{server.port}\r\n"
-        "Upgrade: websocket\r\nConnection: Upgrade\r\n"
-        f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
-        "Sec-WebSocket-Version: 13\r\n"
-        + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        + "\r\n"
-    )
-    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
-        s.sendall(req.encode())
-        return int(s.recv(4096).split(b" ", 2)[1])
-
-
 def test_responses_websocket_upgrade_checks_the_api_key(server):
-    assert _ws_upgrade_status(server, {}) == 403
-    assert _ws_upgrade_status(server, {"Authorization": f"Bearer {KEY}"}) == 101
+    assert ws_upgrade(server.port, {})[0] == 403
+    assert ws_upgrade(server.port, {"Authorization": f"Bearer {KEY}"})[0] == 101

@@ -1,5 +1,5 @@
-"""Shared route plumbing: the server state, ids, JSON responses, the model-name rule
-and the API-key check.
+"""Shared route plumbing: the server state, ids, JSON responses, the model-name rule.
+(Access checks and the API key are `ds4mlx.routes.access`.)
 
 Errors are `ds4mlx.routes.errors`, body parsing `ds4mlx.routes.body`, SSE framing
 `ds4mlx.routes.sse`, the reasoning carrier `ds4mlx.routes.carrier`; the request pipeline
@@ -8,16 +8,13 @@ and the stream driver are `ds4mlx.routes.pipeline`.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import secrets
 import time
 from typing import Any
 
-from quart import Response, current_app, request
-
-from ds4mlx.routes.errors import APIError
+from quart import Response, current_app
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
@@ -62,23 +59,3 @@ def model_thinking(model: str | None) -> bool:
             "on" if thinking else "off",
         )
     return thinking
-
-
-def check_auth(headers=None) -> APIError | None:
-    """Check ``--api-key`` (``Authorization: Bearer`` or ``x-api-key``); None when ok.
-
-    ``headers``: the request's (default) or a WebSocket's headers.
-    """
-    key = state().config.api_key
-    if not key:
-        return None
-    headers = request.headers if headers is None else headers
-    got = headers.get("x-api-key") or ""
-    auth = headers.get("authorization") or ""
-    if auth.lower().startswith("bearer "):
-        got = got or auth[7:].strip()
-    if got and hmac.compare_digest(got.encode(), key.encode()):
-        return None
-    return APIError(
-        401, "invalid or missing API key", type="invalid_request_error", code="invalid_api_key"
-    )

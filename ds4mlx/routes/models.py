@@ -163,7 +163,8 @@ class ScriptRequest(OpenModel):
 
 @bp.post("/debug/script")
 async def debug_script():
-    """Queue scripted continuations (tests only; 404 unless the server enabled it)."""
+    """Queue scripted continuations (tests only; 404 unless the server enabled it; 403
+    unless ``Host`` and ``Origin`` are loopback: ``ds4mlx.routes.access.check_debug``)."""
     st = state()
     if not st.config.scripted:
         raise APIError(404, "no route POST /debug/script", type="not_found_error", code="not_found")

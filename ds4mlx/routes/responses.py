@@ -59,9 +59,10 @@ from ds4mlx.dsml import (
     ToolSpec,
 )
 from ds4mlx.jobs import GenRequest, JobDone, JobFailed, JobStarted, LiveLabels
+from ds4mlx.routes.access import check_auth
 from ds4mlx.routes.body import OpenModel, offload, parse_json, read_body, validate
 from ds4mlx.routes.carrier import carrier
-from ds4mlx.routes.common import check_auth, json_response, model_thinking, new_id, now, state
+from ds4mlx.routes.common import json_response, model_thinking, new_id, now, state
 from ds4mlx.routes.errors import APIError, Wording, failed_to_api, openai_error
 from ds4mlx.routes.mapping import (
     WireError,

@@ -86,8 +86,9 @@ def create_app(engine, config: ServerConfig, worker: Worker, register: Callable[
 # --------------------------------------------------------------------------- serving
 
 
-def banner(engine, config: ServerConfig, url: str) -> None:
-    """Print the startup banner (model, quant, context, KV bytes, BLAS, URL) with rich."""
+def banner(engine, config: ServerConfig, url: str, *, connections: int | None = None) -> None:
+    """Print the startup banner (model, quant, context, KV bytes, BLAS, URL, who may
+    connect, the connection cap) with rich."""
     from rich.console import Console
     from rich.table import Table
 
@@ -140,13 +141,48 @@ def banner(engine, config: ServerConfig, url: str) -> None:
         "[bold]url[/]",
         f"[cyan]{url}[/]  (OpenAI /v1/chat/completions, /v1/completions, /v1/responses; Anthropic /v1/messages)",
     )
-    if config.api_key:
-        t.add_row("[bold]auth[/]", "API key required (Authorization: Bearer / x-api-key)")
+    for label, value in access_rows(config):
+        t.add_row(label, value)
+    if connections is not None:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        t.add_row(
+            "[bold]connections[/]",
+            f"at most {connections} open (open-file limit {soft}; --max-connections)",
+        )
     if config.scripted:
         t.add_row("[bold red]scripted[/]", "POST /debug/script enabled (tests only)")
     if config.trace_path:
         t.add_row("[bold]trace[/]", config.trace_path)
     Console(stderr=True).print(t)
+
+
+def access_rows(config: ServerConfig) -> list[tuple[str, str]]:
+    """The banner's rows on who may use the server: the key, the admitted web origins
+    and Host names, and a warning when a non-loopback bind has no key."""
+    from ds4mlx.origins import bound_to_loopback
+
+    rows = []
+    if config.api_keys:
+        n = len(config.api_keys)
+        keys = "an API key" if n == 1 else f"one of {n} API keys"
+        rows.append(("[bold]auth[/]", f"{keys} required (Authorization: Bearer / x-api-key)"))
+    elif not bound_to_loopback(config.host):
+        rows.append(
+            (
+                "[bold red]warning[/]",
+                f"listening on {config.host} without --api-key: anyone who can reach this "
+                "port can use the model (set --api-key or DS4MLX_API_KEY)",
+            )
+        )
+    if config.cors:
+        rows.append(("[bold]web pages[/]", "every origin (--cors)"))
+    elif config.allowed_origins:
+        rows.append(("[bold]web pages[/]", ", ".join(config.allowed_origins)))
+    if config.allowed_hosts:
+        rows.append(("[bold]hosts[/]", "loopback, " + ", ".join(config.allowed_hosts)))
+    return rows
 
 
 def _disk_line(kv) -> str:
@@ -183,9 +219,25 @@ def serve(
     """
     from hypercorn.asyncio import serve as hyper_serve
     from hypercorn.config import Config as HyperConfig
+    from hypercorn.config import Sockets
+
+    from ds4mlx.server.connections import ConnectionGate, default_cap, quiet_accept_errors
 
     app = create_app(engine, config, worker, register)
-    hc = HyperConfig()
+    gate = ConnectionGate(config.max_connections or default_cap())
+    app.asgi_app = gate.asgi(app.asgi_app)
+
+    class GatedConfig(HyperConfig):
+        # Hypercorn binds the sockets; their accepts then go through the gate.
+        def create_sockets(self) -> Sockets:
+            made = super().create_sockets()
+            return Sockets(
+                made.secure_sockets,
+                [gate.listener(s) for s in made.insecure_sockets],
+                made.quic_sockets,
+            )
+
+    hc = GatedConfig()
     hc.bind = [f"{_host_for_bind(config.host)}:{config.port}"]
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")
@@ -197,6 +249,7 @@ def serve(
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+        loop.set_exception_handler(quiet_accept_errors)
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
                 loop.add_signal_handler(sig, stop.set)
@@ -206,7 +259,7 @@ def serve(
         @app.before_serving
         async def _announce() -> None:
             url = _bound_url(hc, config)
-            banner(engine, config, url)
+            banner(engine, config, url, connections=gate.cap)
             if ready:
                 ready(url)
 

@@ -81,7 +81,11 @@ def run_serve(args, register) -> int:
             file=sys.stderr,
         )
         return 1
-    from ds4mlx.engine import Engine
+    from ds4mlx.server.connections import keep_open_file_limit, raise_open_file_limit
+
+    raise_open_file_limit()  # every client connection holds a descriptor
+    with keep_open_file_limit():  # the engine imports mlx-lm, which sets the limit
+        from ds4mlx.engine import Engine
     from ds4mlx.kv.policy import KVCacheSettings
 
     try:
@@ -96,13 +100,31 @@ def run_serve(args, register) -> int:
     if args.tool_memory_max_ids < 1:
         print("ds4mlx serve: --tool-memory-max-ids must be >= 1", file=sys.stderr)
         return 2
+    from ds4mlx.origins import api_keys_from, origin_key
+
+    origins = []
+    for o in args.allowed_origin:
+        key = origin_key(o)
+        if key is None:
+            print(
+                f"ds4mlx serve: --allowed-origin {o!r} is not an origin (scheme://host[:port])",
+                file=sys.stderr,
+            )
+            return 2
+        origins.append(key)
+    if args.max_connections is not None and args.max_connections < 1:
+        print("ds4mlx serve: --max-connections must be >= 1", file=sys.stderr)
+        return 2
     config = ServerConfig(
         model_name=args.served_model_name,
         default_max_tokens=cap if args.demo else args.tokens,
         max_tokens_cap=cap,
         demo_policy=bool(args.demo and args.tokens is None),
-        api_key=args.api_key or os.environ.get("DS4MLX_API_KEY") or None,
+        api_keys=api_keys_from(args.api_key, os.environ.get("DS4MLX_API_KEY")),
         cors=args.cors,
+        allowed_origins=tuple(origins),
+        allowed_hosts=tuple(h.strip() for h in args.allowed_host if h.strip()),
+        max_connections=args.max_connections,
         trace_path=args.trace,
         scripted=args.enable_scripted_decoding,
         keep_billing_header=args.keep_billing_header,

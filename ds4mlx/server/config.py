@@ -31,8 +31,18 @@ class ServerConfig:
             the whole cap reasoning). With an explicit ``--tokens`` the demo behaves as a
             real model with that output limit: thinking as asked, and a turn the limit
             cuts ends with ``max_tokens`` / ``length`` (how clients' retries reproduce).
-        api_key: required bearer / ``x-api-key`` value, or None (``--api-key``).
-        cors: answer CORS preflights and add ``Access-Control-Allow-Origin: *``.
+        api_keys: accepted bearer / ``x-api-key`` values (``--api-key``, repeatable, or
+            ``DS4MLX_API_KEY`` comma-separated); empty: no key required.
+        cors: admit every ``Origin``, answer CORS preflights and add
+            ``Access-Control-Allow-Origin: *`` (``--cors``).
+        allowed_origins: origins (``scheme://host[:port]``) admitted besides loopback
+            ones, with CORS answers naming them (``--allowed-origin``, repeatable).
+        allowed_hosts: ``Host`` names answered besides ``localhost``, ``127.0.0.1`` and
+            ``[::1]`` when bound to loopback (``--allowed-host``, repeatable).
+            ``ds4mlx.routes.access`` has the rules.
+        max_connections: open client connections at most (``--max-connections``);
+            None: the open-file limit less a reserve
+            (``ds4mlx.server.connections.default_cap``).
         trace_path: JSON-lines trace file (``--trace``), or None.
         scripted: enable ``POST /debug/script`` (``--enable-scripted-decoding``; tests).
         keep_billing_header: keep Claude Code's ``x-anthropic-billing-header`` system
@@ -56,8 +66,11 @@ class ServerConfig:
     default_max_tokens: int | None = None
     max_tokens_cap: int | None = None
     demo_policy: bool = False
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()
     cors: bool = False
+    allowed_origins: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
+    max_connections: int | None = None
     trace_path: str | None = None
     scripted: bool = False
     keep_billing_header: bool = False
