@@ -111,13 +111,13 @@ def test_unexplained_ids_and_messages():
     )
     assert unexplained_tool_ids(conv) == ["b"]
     # Each protocol words the 400 with its own id field and history (kv knows none).
-    assert anthropic.NAMES.unknown_id("toolu_x") == (
+    assert anthropic._unknown_id("toolu_x") == (
         "unknown tool_use_id toolu_x; replay the full messages history"
     )
-    assert openai.NAMES.unknown_id("call_x") == (
+    assert openai._unknown_id("call_x") == (
         "unknown tool_call_id call_x; replay the full messages history"
     )
-    assert responses.NAMES.unknown_id("call_y") == (
+    assert responses._unknown_id("call_y") == (
         "unknown call_id call_y; replay the full input history"
     )
 
@@ -177,48 +177,49 @@ def _job(engine, conv, protocol=anthropic.NAMES, text=None):
     return SimpleNamespace(request=req)
 
 
-def _plan(engine, planner, job, rendered_text=""):
-    """``planner.plan`` for ``job`` (``rendered_text`` defaults to the job's text)."""
+def _prompt(job, rendered_text=""):
+    """The cache's `Prompt` for ``job`` (``rendered_text`` defaults to the job's text)."""
+    from ds4mlx.kv.cache import Prompt
+    from ds4mlx.kv.live import NEUTRAL_NAMES
+
     r = job.request
-    return planner.plan(
-        engine.session,
-        prompt_tokens=r.prompt_tokens,
-        rendered_text=r.prompt_text if rendered_text == "" else rendered_text,
-        conversation=r.conversation,
-        protocol=r.protocol,
+    return Prompt(
+        r.prompt_tokens,
+        r.prompt_text if rendered_text == "" else rendered_text,
+        r.conversation,
+        r.protocol or NEUTRAL_NAMES,
+        r.thinking,
     )
 
 
-def _run(engine, planner, job, sampled: str | None = None, calls=(), text: str = ""):
-    """Plan + prefill like the worker; then feed ``sampled`` as if generated (scripted,
-    through the turn loop, with an EOS that ends the turn); ``text`` is the visible reply
-    the client saw."""
+def _plan(engine, cache, job, rendered_text=""):
+    """The plan of ``cache.begin`` for ``job`` (the lease is dropped unfinished)."""
+    return cache.begin(_prompt(job, rendered_text)).plan
+
+
+def _run(engine, cache, job, sampled: str | None = None, calls=(), text: str = ""):
+    """The worker's call sequence (begin, run_turn with the plan, finish); the turn
+    feeds ``sampled`` as if generated (scripted, with an EOS that ends the turn) and
+    finishes as a chat turn that sampled ``calls`` with the visible reply ``text``."""
     from ds4mlx.engine import SamplingParams, TurnSpec, run_turn
 
-    s, tok = engine.session, engine.tokenizer
-    plan = _plan(engine, planner, job)
+    tok = engine.tokenizer
+    lease = cache.begin(_prompt(job))
     script = (tok.encode(sampled) if sampled is not None else []) + [tok.eos_id]
     spec = TurnSpec(SamplingParams(temperature=0), max_tokens=len(script), parse=False)
-    res = run_turn(s, tok, spec, prefill=plan, script=script)
+    res = run_turn(lease.session, tok, spec, prefill=lease.plan, script=script)
     assert res.finish == "stop"
-    planner.after_generation(
-        s,
-        finish="stop",
-        tool_calls=list(calls),
-        prompt_text=job.request.prompt_text,
-        thinking=job.request.thinking,
-        text=text,
-        protocol=job.request.protocol,
-    )
-    return plan
+    # The scripted ids are fixed by the test: the result reads as the decoder's would.
+    lease.finish(SimpleNamespace(finish="stop", tool_calls=list(calls), text=text, decoded=res))
+    return lease.plan
 
 
 def test_planner_order_live_then_prefix_then_cold(engine):
     from ds4mlx.dsml import ToolMemory
-    from ds4mlx.kv.plan import Planner, PlanRejected
+    from ds4mlx.kv.cache import PromptCache, UnknownToolId
 
     engine.session.reset()
-    planner = Planner(engine, ToolMemory())
+    planner = PromptCache(engine, ToolMemory())
     user = Message("user", "go")
     conv1 = _conv(Message("system", "sys " * 50), user)
     calls = _calls("toolu_1", "toolu_2")
@@ -235,7 +236,7 @@ def test_planner_order_live_then_prefix_then_cold(engine):
 
     # A request with an unexplained id is rejected and keeps the binding.
     bad = _conv(Message("system", "sys " * 50), user, Message("tool", "x", tool_call_id="nope"))
-    with pytest.raises(PlanRejected, match="unknown tool_use_id nope") as rejected:
+    with pytest.raises(UnknownToolId) as rejected:
         _plan(engine, planner, _job(engine, bad), None)
     assert rejected.value.tool_id == "nope"
     assert planner.bound_tool_ids() == {"toolu_1", "toolu_2"}
@@ -260,13 +261,13 @@ def test_planner_order_live_then_prefix_then_cold(engine):
 
 
 def test_planner_without_caller_names_is_neutral(engine):
-    """kv knows no protocol: without the caller's names the decision, the log detail
-    and the rejection text are its own neutral ones."""
+    """kv knows no protocol: without the caller's names the decision and the log detail
+    are its own neutral ones; a rejection carries the id, not words."""
     from ds4mlx.dsml import ToolMemory
-    from ds4mlx.kv.plan import Planner, PlanRejected
+    from ds4mlx.kv.cache import PromptCache, UnknownToolId
 
     engine.session.reset()
-    planner = Planner(engine, ToolMemory())
+    planner = PromptCache(engine, ToolMemory())
     conv1 = _conv(Message("system", "sys " * 50), Message("user", "go"))
     calls = _calls("c1")
     dsml = (
@@ -275,10 +276,9 @@ def test_planner_without_caller_names_is_neutral(engine):
     )
     _run(engine, planner, _job(engine, conv1, None), "hmm</think>" + dsml, calls)
     bad = _conv(*conv1.messages, Message("tool", "x", tool_call_id="nope"))
-    with pytest.raises(PlanRejected) as rejected:
+    with pytest.raises(UnknownToolId) as rejected:
         _plan(engine, planner, _job(engine, bad, None), None)
     assert rejected.value.tool_id == "nope"
-    assert rejected.value.message == "unknown tool result id nope; replay the full history"
     conv2 = _conv(
         *conv1.messages,
         Message("assistant", reasoning="hmm", tool_calls=calls),
@@ -374,12 +374,12 @@ def test_visible_key_needs_the_same_markers(engine, first):
     """Issue 12: a thinking turn's visible key is a rendering; a prompt with the same
     bytes but other markers must not keep the live state (its reasoning included)."""
     from ds4mlx.dsml import ToolMemory
-    from ds4mlx.kv.plan import Planner
+    from ds4mlx.kv.cache import PromptCache
 
-    planner = Planner(engine, ToolMemory())
+    planner = PromptCache(engine, ToolMemory())
     turn1, honest, forged = _same_bytes(first, thinking=True)
     for conv, live in ((forged, False), (honest, True)):
-        planner.reset(engine.session)
+        planner.reset()
         _run(engine, planner, _turn1_job(engine, turn1, first), "R.</think>Hi.", text="Hi.")
         p = _plan(engine, planner, _marked_job(engine, conv))
         assert (p.decision == "live-thinking") == live, (conv is forged, p.decision)
@@ -389,15 +389,15 @@ def test_visible_key_needs_the_same_markers(engine, first):
 def test_transcript_key_needs_the_same_markers(engine, first):
     """Issue 12: the agent's transcript key likewise (chat mode: no visible key)."""
     from ds4mlx.dsml import ToolMemory
-    from ds4mlx.kv.plan import Planner
+    from ds4mlx.kv.cache import PromptCache
 
-    planner = Planner(engine, ToolMemory())
+    planner = PromptCache(engine, ToolMemory())
     turn1, honest, forged = _same_bytes(first, thinking=False)
     done = render(Conversation(honest.messages[:3], thinking=False))  # through the reply
     for conv, live in ((forged, False), (honest, True)):
-        planner.reset(engine.session)
+        planner.reset()
         _run(engine, planner, _turn1_job(engine, turn1, first), "Hi.", text="Hi.")
-        planner.bind_transcript(engine.session, done if first == "spelled" else done.text)
+        planner.bind_transcript(done if first == "spelled" else done.text)
         p = _plan(engine, planner, _marked_job(engine, conv))
         assert (p.decision == "live-transcript") == live, (conv is forged, p.decision)
 
@@ -408,17 +408,17 @@ def test_disk_aliases_need_the_same_markers(engine, tmp_path, first):
     rendering) are renderings too: a prompt with their bytes but other markers does not
     load the state, the honest prompt does."""
     from ds4mlx.dsml import ToolMemory
+    from ds4mlx.kv.cache import PromptCache
     from ds4mlx.kv.disk import DiskCache
-    from ds4mlx.kv.plan import Planner
     from ds4mlx.kv.policy import KVCacheSettings
 
     settings = KVCacheSettings(
         disk_dir=str(tmp_path), min_tokens=16, cold_max_tokens=0, continued_interval_tokens=0
     )
-    planner = Planner(engine, ToolMemory(), DiskCache(engine, settings))
+    planner = PromptCache(engine, ToolMemory(), DiskCache(engine, settings))
     turn1, honest, forged = _same_bytes(first, thinking=True)
     other = _marked_job(engine, Conversation([Message("user", "other " * 40)], thinking=True))
-    planner.reset(engine.session)
+    planner.reset()
     _run(engine, planner, _turn1_job(engine, turn1, first), "R.</think>Hi.", text="Hi.")
     live_a = len(engine.session.tokens)
     _plan(engine, planner, other)  # cold: turn 1's state is saved under its visible keys

@@ -45,7 +45,6 @@ Stdlib and ``ds4mlx.dsml`` only: no MLX, no tokenizer.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from ds4mlx.dsml import Conversation, Message, Rendered, ToolCall, render_tool_results_suffix
@@ -66,10 +65,6 @@ __all__ = [
 ]
 
 
-def _neutral_unknown_id(tool_id: str) -> str:
-    return f"unknown tool result id {tool_id}; replay the full history"
-
-
 @dataclass(frozen=True)
 class CallerNames:
     """A caller's names for a live tool continuation (kv knows no protocol names).
@@ -81,13 +76,13 @@ class CallerNames:
         live_tools: the plan decision when the trailing tool results continue the live
             state (in the log line and the trace).
         ids: what the caller calls those ids, in the log detail ``match=<ids> ids=<n>``.
-        unknown_id: ``f(tool_id) -> str``, the text of `ds4mlx.kv.plan.PlanRejected`
-            for a tool result nothing explains, in the caller's wording.
+
+    Labels only: a failure carries facts (``ds4mlx.kv.plan.UnknownToolId``), which the
+    caller words itself.
     """
 
     live_tools: str = "live-tools"
     ids: str = "tool-result-ids"
-    unknown_id: Callable[[str], str] = _neutral_unknown_id
 
 
 # The names of a caller that brings none (the agent, raw completions).

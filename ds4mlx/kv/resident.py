@@ -43,6 +43,9 @@ class Resident:
         live_tool_ids: ids whose exact DSML may be inside its text (persisted with its
             snapshots).
         tracker: the largest token count saved for it (``SaveTracker``).
+        live_keys: while a plan may replace it (its bindings are cleared when planning
+            starts), its disk aliases besides its text (a thinking turn's visible keys):
+            its ``evict`` save is indexed by them too.
         last_used: when a job last ran on it (``time.monotonic()`` seconds).
         last_job: the `ResidentStates` job count when a job last ran on it.
     """
@@ -52,6 +55,7 @@ class Resident:
     bindings: LiveBindings = field(default_factory=LiveBindings)
     live_tool_ids: dict[str, None] = field(default_factory=dict)
     tracker: SaveTracker = field(default_factory=SaveTracker)
+    live_keys: tuple[tuple[str, tuple[int, ...]], ...] = ()
     last_used: float = 0.0
     last_job: int = 0
 

@@ -94,7 +94,7 @@ def _unknown_id(tool_id: str) -> str:
 
 # The planner's names for this protocol: decision ``live-anthropic``, log detail
 # ``match=tool-use-ids ids=N``, and the 400 for a ``tool_use_id`` nothing explains.
-NAMES = CallerNames(live_tools="live-anthropic", ids="tool-use-ids", unknown_id=_unknown_id)
+NAMES = CallerNames(live_tools="live-anthropic", ids="tool-use-ids")
 
 # The Messages API's paths: errors there take this protocol's shape (`error_body`).
 PATH_PREFIX = "/v1/messages"
@@ -655,6 +655,7 @@ async def messages():
     gen = await prepare(
         conv,
         NAMES,
+        unknown_id=_unknown_id,
         path=request.path,
         param="messages",
         max_tokens=req.max_tokens,

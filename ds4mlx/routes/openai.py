@@ -74,7 +74,7 @@ def _unknown_id(tool_id: str) -> str:
 
 # The planner's names for this protocol: decision ``live-chat``, log detail
 # ``match=tool-call-ids ids=N``, and the 400 for a ``tool_call_id`` nothing explains.
-NAMES = CallerNames(live_tools="live-chat", ids="tool-call-ids", unknown_id=_unknown_id)
+NAMES = CallerNames(live_tools="live-chat", ids="tool-call-ids")
 
 
 # --------------------------------------------------------------------------- schemas
@@ -458,6 +458,7 @@ async def chat_completions():
     gen = await prepare(
         conv,
         NAMES,
+        unknown_id=_unknown_id,
         path=request.path,
         param="messages",
         max_tokens=req.max_completion_tokens or req.max_tokens,

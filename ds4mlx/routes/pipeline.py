@@ -4,7 +4,7 @@ A protocol module maps its typed request onto a neutral ``Conversation`` and han
 to `prepare`, which does the rest in one place, before the first byte is sent:
 
 1. the tool-result id check (`check_tool_results`: replayed or live, else 400 in the
-   protocol's wording, from its ``CallerNames``);
+   protocol's wording, its ``unknown_id``);
 2. rendering (`render`: ``dsml.render``, content spans marked);
 3. tokenizing off the event loop (`tokenize`: content encodes as plain text);
 4. the context check (`context_check`: 400 ``context_length_exceeded``);
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from quart import Response
@@ -50,6 +50,7 @@ async def prepare(
     conv: Conversation,
     names: CallerNames,
     *,
+    unknown_id: Callable[[str], str],
     path: str,
     param: str,
     max_tokens: int | None,
@@ -62,7 +63,9 @@ async def prepare(
 
     Args:
         conv: the neutral conversation of the request.
-        names: the protocol's names (live-tools decision, id words, unknown-id text).
+        names: the protocol's names for the prompt cache (live-tools decision, id word).
+        unknown_id: ``f(tool_id) -> str``: the protocol's 400 text for a tool result
+            nothing explains.
         path: the endpoint, for the log line (``/v1/messages``, ``ws /v1/responses``).
         param: the request field holding the prompt (``messages``, ``input``): named by
             the tool-id and context errors.
@@ -76,7 +79,7 @@ async def prepare(
         APIError: 400 for an unexplained tool-result id, a conversation that cannot be
             rendered, or a prompt that leaves no room in the context.
     """
-    check_tool_results(conv, names, param)
+    check_tool_results(conv, unknown_id, param)
     rendered = render(conv)
     toks = await tokenize(rendered)
     context_check(len(toks), param)
@@ -220,7 +223,7 @@ async def tokenize(text: Rendered | str) -> list[int]:
     return await asyncio.to_thread(lambda: tok.encode(text.text, content=text.content))
 
 
-def check_tool_results(conv: Conversation, names: CallerNames, param: str) -> None:
+def check_tool_results(conv: Conversation, unknown_id: Callable[[str], str], param: str) -> None:
     """Reject tool results whose ids nothing explains, before the job is queued.
 
     A tool result must answer a call the request replays (an assistant turn with that
@@ -230,17 +233,17 @@ def check_tool_results(conv: Conversation, names: CallerNames, param: str) -> No
 
     Args:
         conv: the request's ``Conversation``.
-        names: the protocol's `CallerNames` (its ``unknown_id`` wording).
+        unknown_id: ``f(tool_id) -> str``, the protocol's wording.
         param: the request field holding the history (``messages``, ``input``).
     Raises:
-        APIError: 400 with ``names.unknown_id(id)`` (e.g. ``unknown tool_use_id …;
+        APIError: 400 with ``unknown_id(id)`` (e.g. ``unknown tool_use_id …;
             replay the full messages history``).
     """
     kv = getattr(state(), "kv", None)
     bound = kv.bound_tool_ids() if kv is not None else frozenset()
     bad = unexplained_tool_ids(conv, bound)
     if bad:
-        raise APIError(400, names.unknown_id(bad[0]), param=param)
+        raise APIError(400, unknown_id(bad[0]), param=param)
 
 
 def render(conv: Conversation) -> Rendered:

@@ -97,7 +97,7 @@ def _unknown_id(tool_id: str) -> str:
 
 # The planner's names for this protocol: decision ``live-responses``, log detail
 # ``match=call-ids ids=N``, and the 400 for a ``call_id`` nothing explains.
-NAMES = CallerNames(live_tools="live-responses", ids="call-ids", unknown_id=_unknown_id)
+NAMES = CallerNames(live_tools="live-responses", ids="call-ids")
 
 
 # --------------------------------------------------------------------------- schemas
@@ -522,6 +522,7 @@ async def _prepare(data: Any, *, path: str, store: dict[str, list[Any]] | None =
     gen = await prepare(
         conv,
         NAMES,
+        unknown_id=_unknown_id,
         path=path,
         param="input",
         max_tokens=req.max_output_tokens,

@@ -45,12 +45,13 @@ class Worker:
             tier, or None.
 
     Attributes:
-        planner: the ``ds4mlx.kv.plan.Planner`` (set once the engine is loaded): what
-            each job reuses, live bindings, disk snapshots.
+        cache: the ``ds4mlx.kv.cache.PromptCache`` (set once the engine is loaded): live
+            states, what each job reuses, disk snapshots.
 
-    A job: plan (the planner brings the session to the state to extend) → the engine's
-    turn loop (``ds4mlx.engine.run_turn``: prefill, sample, feed) with the job's
-    events mapped to `ds4mlx.server.jobs` events → the planner remembers the bindings.
+    A job is the prompt cache's one call sequence: ``cache.begin`` (a lease on the live
+    state to extend, with its plan) → the engine's turn loop (``ds4mlx.engine.run_turn``:
+    prefill, sample, feed) with the job's events mapped to `ds4mlx.server.jobs` events →
+    ``lease.finish`` (what a later prompt may continue from).
     """
 
     def __init__(
@@ -59,7 +60,7 @@ class Worker:
         self.engine = None
         self.session = None
         self.tokenizer = None
-        self.planner: Any = None
+        self.cache: Any = None
         self.kv_settings = kv_settings
         self.tool_memory = tool_memory
         self.tracer = tracer or Tracer(None)
@@ -98,14 +99,14 @@ class Worker:
                 box["error"] = e
                 ready.set()
                 return
-            from ds4mlx.kv.plan import Planner
+            from ds4mlx.kv.cache import PromptCache
 
             self.engine = engine
             self.session = engine.session
             self.tokenizer = engine.tokenizer
             try:
                 # On this thread: the disk cache's arrays belong to it.
-                self.planner = Planner.open(engine, self.kv_settings, self.tool_memory)
+                self.cache = PromptCache.open(engine, self.kv_settings, self.tool_memory)
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 box["error"] = e
                 ready.set()
@@ -201,7 +202,7 @@ class Worker:
                 self.current = None
                 self._finish(job)
         try:
-            self.planner.on_shutdown(self.session)
+            self.cache.shutdown()
         except Exception:
             log.exception("shutdown save failed")
 
@@ -212,29 +213,25 @@ class Worker:
 
     def _run_job(self, job: Job) -> None:
         from ds4mlx.engine import ContextOverflowError, run_turn
-        from ds4mlx.kv.plan import PlanRejected
+        from ds4mlx.kv.cache import ContextFull, Prompt, UnknownToolId
 
         req = job.request
-        s, tok = self.session, self.tokenizer
+        tok = self.tokenizer
         t_start = time.monotonic()
+        prompt = Prompt(
+            req.prompt_tokens, req.prompt_text, req.conversation, _names(req), req.thinking
+        )
         try:
-            plan = self.planner.plan(
-                s,
-                prompt_tokens=req.prompt_tokens,
-                rendered_text=req.prompt_text,
-                conversation=req.conversation,
-                protocol=req.protocol,
-            )
-        except PlanRejected as e:
-            job.emit(JobFailed(e.message, 400, "invalid_request_error"))
+            lease = self.cache.begin(prompt)
+        except UnknownToolId as e:
+            job.emit(JobFailed(str(e), 400, "invalid_request_error", {"tool_id": e.tool_id}))
             return
-        s = self._active = plan.session or s  # with --sessions N: the state it chose
+        except ContextFull as e:
+            job.emit(_prompt_error(e.n_prompt, e.n_ctx))
+            return
+        plan = lease.plan
+        s = self._active = lease.session  # with --sessions N: the state it chose
         script = self.scripts.popleft() if self.scripts else None
-        if plan.prompt_tokens >= s.ctx_size or plan.prompt_tokens == 0:
-            # The route checked the full tokenization; a text-prefix plan may differ by a
-            # few tokens. Refuse rather than overflow.
-            job.emit(_prompt_error(plan.prompt_tokens, s.ctx_size))
-            return
         self.tracer.write(
             job.id, "prompt", path=req.path, text=_text(req), tokens=len(req.prompt_tokens)
         )
@@ -257,7 +254,7 @@ class Worker:
                 cancel=job.cancelled,
                 progress=_throttled_progress(job),
                 tool_memory=self.tool_memory,
-                after_token=self.planner.after_token,
+                after_token=lease.after_token,
                 script=_script_ids(script, tok),
             )
         except ContextOverflowError as e:
@@ -265,7 +262,7 @@ class Worker:
             return
         if self.tracer.enabled:
             self.tracer.write(job.id, "output", text=result.raw, finish=result.finish)
-        self._done(job, plan, result, t_start)
+        self._done(job, lease, result, t_start)
 
     def _emitter(self, job: Job) -> Callable[[Any], None]:
         """``emit`` for the turn loop: engine events → job events (+ the trace)."""
@@ -287,11 +284,11 @@ class Worker:
 
         return emit
 
-    def _done(self, job: Job, plan, result, t_start: float) -> None:
+    def _done(self, job: Job, lease, result, t_start: float) -> None:
         """Report the turn (bindings, event, trace, log line)."""
         from ds4mlx.engine import FINISH_CONTEXT
 
-        req = job.request
+        plan = lease.plan
         finish = "length" if result.finish == FINISH_CONTEXT else result.finish
         calls = list(result.tool_calls)
         outcome = JobDone(
@@ -309,17 +306,7 @@ class Worker:
             text=result.text,
         )
         try:
-            self.planner.after_generation(
-                plan.session or self.session,
-                finish=finish,
-                tool_calls=calls,
-                # The rendering with its content spans: the turn's visible keys carry
-                # where the prompt spells special tokens as plain text.
-                prompt_text=req.prompt_text if req.parse else None,
-                thinking=req.thinking,
-                text=result.text,
-                protocol=req.protocol,
-            )
+            lease.finish(result)
         except Exception:
             log.exception("after-generation bookkeeping failed")
         job.emit(outcome)
@@ -347,6 +334,13 @@ def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float) -> None:
         outcome.finish,
         t_start - job.submitted,
     )
+
+
+def _names(req: GenRequest):
+    """The caller's ``ds4mlx.kv.live.CallerNames`` (neutral when the route names none)."""
+    from ds4mlx.kv.live import NEUTRAL_NAMES, CallerNames
+
+    return req.protocol if isinstance(req.protocol, CallerNames) else NEUTRAL_NAMES
 
 
 def _text(req: GenRequest) -> str | None:
