@@ -434,3 +434,33 @@ def test_disk_aliases_need_the_same_markers(engine, tmp_path, first):
     assert p.keep not in (live_a, end), (p.decision, p.detail)
     p = _plan(engine, planner, _marked_job(engine, honest))
     assert (p.decision, p.keep) == ("disk", end), p.detail
+
+
+def test_peek_and_summary_change_nothing(engine):
+    """The cache's read-only answers: what a prompt would reuse (no job, no state
+    change) and a plain-values summary (what /health shows)."""
+    from ds4mlx.dsml import ToolMemory
+    from ds4mlx.kv.cache import PromptCache
+
+    cache = PromptCache(engine, ToolMemory())
+    cache.reset()
+    conv1 = _conv(Message("system", "sys " * 50), Message("user", "go"))
+    _run(engine, cache, _job(engine, conv1, None), "hmm</think>Done.", text="Done.")
+    live = list(engine.session.tokens)
+    conv2 = _conv(
+        *conv1.messages,
+        Message("assistant", reasoning="hmm", content="Done."),
+        Message("user", "more"),
+    )
+    reuse = cache.peek(_prompt(_job(engine, conv2, None)))
+    assert (reuse.cached, reuse.state) == (len(live), 0)
+    assert engine.session.tokens == live  # nothing was prefilled or reset
+    assert cache.peek(_prompt(_job(engine, _conv(Message("user", "other")), None))).cached == 0
+    assert cache.summary() == {
+        "live_tokens": len(live),
+        "sessions": 1,
+        "states": None,
+        "kv_writer": None,
+    }
+    # The real plan keeps what peek said it would.
+    assert _plan(engine, cache, _job(engine, conv2, None)).cached == reuse.cached

@@ -3,7 +3,7 @@
 `Live` holds the transcript (``conv``), the live state's marker (`LiveState`), the
 prompt cache the state lives in (``ds4mlx.kv.cache.PromptCache``) and the flags the
 UI and Ctrl+C touch. The agent's parts — `ds4mlx.agent.steps.Steps` (a turn),
-`ds4mlx.agent.compacting.Compactor` (compaction), `ds4mlx.agent.session_control.
+`ds4mlx.agent.compactor.Compactor` (compaction), `ds4mlx.agent.session_control.
 SessionControl` (``/save``, ``/switch``, ``/new``) — each get the one `Live`, and
 `ds4mlx.agent.loop.Agent` composes them.
 """

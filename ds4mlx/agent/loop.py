@@ -50,13 +50,13 @@ live state stays the truth either way; exactness only matters when a session mus
 rebuilt from its transcript (compaction, a missing snapshot).
 
 **Parts.** ``Agent`` composes :class:`~ds4mlx.agent.steps.Steps` (one turn),
-:class:`~ds4mlx.agent.compacting.Compactor` and
+:class:`~ds4mlx.agent.compactor.Compactor` and
 :class:`~ds4mlx.agent.session_control.SessionControl` around one shared
 :class:`~ds4mlx.agent.live.Live`; each turn is the prompt cache's call sequence
 (``PromptCache.begin`` → ``run_turn(prefill=lease.plan)`` → ``lease.finish``), the
 server worker's own.
 
-**Compaction** (:mod:`ds4mlx.agent.compacting`, :mod:`ds4mlx.agent.compaction`): before appending, if the session would
+**Compaction** (:mod:`ds4mlx.agent.compactor`, :mod:`ds4mlx.agent.compaction`): before appending, if the session would
 reach the soft limit, or the new text plus a reserve would not fit, the loop appends a
 summary request (chat mode, tools ignored), generates the summary with the live model,
 and rebuilds the session from ``system + summary + verbatim tail``.
@@ -73,7 +73,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from ds4mlx.agent import compaction as cmp
-from ds4mlx.agent.compacting import Compactor
+from ds4mlx.agent.compactor import Compactor
 from ds4mlx.agent.events import (
     AgentError,
     AgentUI,
@@ -216,38 +216,15 @@ class Agent:
         """The live ``ds4mlx.engine.Session``."""
         return self.engine.session
 
-    @property
-    def conv(self) -> Conversation:
-        return self.live.conv
-
-    @property
-    def messages(self) -> list[Message]:
-        """The transcript (system message first)."""
-        return self.live.messages
-
-    @property
-    def state(self) -> LiveState:
-        return self.live.state
-
-    @property
-    def exact(self) -> bool:
-        return self.live.exact
-
-    @property
-    def steps(self) -> list[Step]:
-        return self.live.steps
-
-    @property
-    def compactions(self) -> list[CompactionInfo]:
-        return self.live.compactions
-
-    @property
-    def record(self) -> SessionRecord | None:
-        return self.live.record
-
-    @property
-    def thinking(self) -> bool:
-        return self.live.conv.thinking
+    # The shared live conversation's parts, read-only (tests, the REPL's /status).
+    conv = property(lambda self: self.live.conv, doc="The transcript ``Conversation``.")
+    messages = property(lambda self: self.live.messages, doc="The transcript's messages.")
+    state = property(lambda self: self.live.state, doc="The `LiveState` marker.")
+    exact = property(lambda self: self.live.exact, doc="The transcript re-renders exactly.")
+    steps = property(lambda self: self.live.steps, doc="Every `Step` done.")
+    compactions = property(lambda self: self.live.compactions, doc="Finished compactions.")
+    record = property(lambda self: self.live.record, doc="The current `SessionRecord`.")
+    thinking = property(lambda self: self.live.conv.thinking, doc="Thinking mode.")
 
     def live_text(self) -> str:
         """The text the live tokens decode to."""
@@ -390,35 +367,11 @@ class Agent:
 
     # ---- the loop
 
-    def _turn(self):
-        """Prepare (compacting first when due) and generate one answer turn: the
-        ``Generated`` turn, or a ``SendResult`` status when it did not run."""
-        prepared = self.turns.prepare(compact=True)
-        if prepared.compact is not None:
-            st, prepared = self.compactor.compact(prepared.compact)
-            if st is not None:
-                return st
-        gen = self.turns.generate(
-            prepared.lease,
-            prepared.kind,
-            thinking=self.thinking,
-            tools=True,
-            max_tokens=self.max_tokens,
-            kind="answer",
-        )
-        if gen is None:
-            return "interrupted"
-        msg = self.turns.close_turn(gen, self.thinking)
-        self.messages.append(msg)
-        key = self.render() if self.state == LiveState.TURN_END else None
-        prepared.lease.finish(gen.turn, transcript_key=key)
-        return gen, msg
-
     def _loop(self) -> SendResult:
         turns = 0
         rounds = 0
         while True:
-            out = self._turn()
+            out = self.turns.answer(self.compactor, self.max_tokens)
             if isinstance(out, str):
                 return SendResult(out, turns)
             gen, msg = out

@@ -209,6 +209,34 @@ class Steps:
         raw = lv.tok.decode(s.tokens[start:])
         return Generated(stop, res.decoded, raw, start, fed, res.decode_s, res.call_errors, res)
 
+    def answer(self, compactor, max_tokens: int):
+        """Prepare (compacting first when due, with ``compactor``) and generate one
+        answer turn, closed into the transcript and bound in the prompt cache:
+        ``(Generated, Message)``, or a ``SendResult`` status when it did not run."""
+        lv = self.live
+        prepared = self.prepare(compact=True)
+        if prepared.compact is not None:
+            prepared.lease.abandon()
+            st, prepared = compactor.compact(prepared.compact)
+            if st is not None:
+                return st
+        thinking = lv.conv.thinking
+        gen = self.generate(
+            prepared.lease,
+            prepared.kind,
+            thinking=thinking,
+            tools=True,
+            max_tokens=max_tokens,
+            kind="answer",
+        )
+        if gen is None:
+            return "interrupted"
+        msg = self.close_turn(gen, thinking)
+        lv.messages.append(msg)
+        key = lv.render() if lv.state == LiveState.TURN_END else None
+        prepared.lease.finish(gen.turn, transcript_key=key)
+        return gen, msg
+
     def close_turn(self, gen: Generated, thinking: bool) -> Message:
         """The transcript message for a generated turn; the live state ends on it.
 

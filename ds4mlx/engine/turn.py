@@ -483,6 +483,7 @@ class Turn:
                 t = int(t_arr.item())
                 t_first = t_first or time.monotonic()
                 n += 1
+                r.completion_tokens = n  # hooks read it during the turn
                 self._verify(t)
                 end, fed = self._handle(t, lp_fn(t) if lp_fn else None, n)
                 if fed:

@@ -96,12 +96,25 @@ class Lease:
         prompt: the `Prompt`, or None for an appended continuation.
     """
 
-    def __init__(self, cache: PromptCache, state: Resident, plan: Plan, prompt, saves=True):
+    def __init__(
+        self, cache: PromptCache, state: Resident, plan: Plan, prompt, saves=True, before=None
+    ):
         self._cache = cache
         self.state = state
         self.plan = plan
         self.prompt = prompt
         self._saves = saves and cache.tier is not None
+        self._before = before  # (live tokens, bindings) when the lease began
+
+    def abandon(self) -> None:
+        """Give the lease up unused (nothing prefilled or generated): a plan that kept
+        the whole state leaves it bound as before (the agent compacts instead of
+        continuing; its summary request continues the turn the state ends with)."""
+        if self._before is None:
+            return
+        n, saved = self._before
+        if self.plan.keep == n == len(self.state.session.tokens):
+            self.state.bindings.restore(saved)
 
     @property
     def session(self):
@@ -211,6 +224,7 @@ class PromptCache:
         """
         rendered = prompt.text
         r = self._choose(prompt, rendered)
+        before = (len(r.session.tokens), r.bindings.save())
         plan = self.planner.plan(r, prompt.tokens, rendered, prompt.conversation, prompt.names)
         if self.states.n > 1:
             plan.detail = f"{plan.detail} state={r.index}/{self.states.n}".strip()
@@ -220,7 +234,7 @@ class PromptCache:
             # The route's early bound used the whole prompt's tokens; a text-prefix plan
             # may differ by a few. Refuse rather than overflow.
             raise ContextFull(n, ctx)
-        return Lease(self, r, plan, prompt)
+        return Lease(self, r, plan, prompt, before=before)
 
     def append(self, tail: Rendered) -> Lease | None:
         """Continue the state after its caller's turn with ``tail`` (the next turn's
