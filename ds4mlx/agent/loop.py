@@ -1,10 +1,10 @@
 """The agent loop: one conversation driven on the live engine session (docs/ARCHITECTURE.md §7).
 
 The engine's single live :class:`~ds4mlx.engine.Session` *is* the conversation. Each
-step renders the transcript (``dsml.render``) and asks the prompt-cache planner
-(:class:`ds4mlx.kv.plan.Planner`, the same one the server uses) what to prefill; after
+step renders the transcript (``dsml.render``) and begins a lease on the prompt cache
+(:class:`ds4mlx.kv.cache.PromptCache`, the same one the server uses) for what to prefill; after
 each turn the agent binds its rendering of the transcript to the live state
-(``live-transcript``), so the planner only ever appends:
+(``live-transcript``), so the cache only ever appends:
 
 - after a turn that made tool calls: exactly the tool-result suffix
   (``dsml.render_tool_results_suffix``: ``EOS <｜User｜><tool_result>…</tool_result>…
@@ -26,7 +26,7 @@ DSML is remembered in :class:`~ds4mlx.dsml.ToolMemory`.
 - ``"turn_end"``: the live tokens end exactly after an assistant turn (its EOS was
   sampled but not fed); the next step appends a rendered suffix;
 - ``"dirty"``: the live tokens end anywhere else (a prefill was interrupted, a model
-  error reset the session, a snapshot was missing). The planner then continues by
+  error reset the session, a snapshot was missing). The cache then continues by
   rendered-text prefix when the live text is a byte prefix of the transcript's
   rendering, otherwise it rebuilds the session (longest disk-KV prefix, then prefill).
 
@@ -113,7 +113,7 @@ class Agent:
         workspace: directory the tools work in.
         ui: :class:`AgentUI` (default: silent, denies permissions).
         store: disk KV store (:class:`~ds4mlx.kv.store.DiskKVStore`) for session
-            snapshots and shared prompt prefixes (the prompt-cache planner's disk tier,
+            snapshots and shared prompt prefixes (the prompt cache's disk tier,
             with the default save policy); None disables both.
         book: :class:`~ds4mlx.agent.sessions.SessionBook` for ``/list``/``/switch``;
             None disables sessions.

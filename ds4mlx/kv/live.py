@@ -32,7 +32,7 @@ tokens as plain text at the same places; the planner checks the second half
 (``ds4mlx.kv.plan._same_key``: it needs the tokenizer).
 
 `CallerNames` — how a caller names a live tool continuation (its plan decision, its
-ids in the log detail, the rejection text of an id nothing explains). The planner knows
+ids in the log detail). The planner knows
 no protocol: each caller (a route, for its protocol) hands it its own names.
 
 `LiveBindings` holds at most one of each binding. It is written by the inference thread and

@@ -1,11 +1,12 @@
 """What to reuse for a prompt, and how to prefill it (the prompt cache's matching order).
 
-The server's worker and the agent ask the one `Planner`, on the inference thread, how to
-put a prompt into the live ``Session``; the planner brings the session to the state to
-extend (keeps it, restores a disk snapshot, or resets it) and answers with a `Plan`: the
-suffix to prefill and the disk-save checkpoints on the way. The engine's turn loop
-(``ds4mlx.engine.run_turn``) feeds the plan. After the turn, `Planner.after_generation`
-remembers what a later prompt may continue from.
+`ds4mlx.kv.cache.PromptCache.begin` asks the one `Planner`, on the inference thread, how
+to put a prompt into a live state (`ds4mlx.kv.resident.Resident`); the planner brings its
+session to the state to extend (keeps it, restores a disk snapshot, or resets it) and
+answers with a `Plan`: the suffix to prefill and the disk-save checkpoints on the way. The
+engine's turn loop (``ds4mlx.engine.run_turn``) feeds the plan. After the turn,
+`Planner.after_generation` (through ``Lease.finish``) remembers on that state what a later
+prompt may continue from. The planner holds nothing between jobs.
 
 `Planner` implements the whole matching order; the first rule that fits wins:
 
@@ -34,9 +35,8 @@ snapshot's aliases) must spell special tokens as plain text where the prompt doe
 (`_same_key`).
 
 A binding a job does not use is cleared. A tool result that neither the live binding
-nor a replayed assistant call explains rejects the job (`PlanRejected`, a client
-mistake, worded by the caller's `CallerNames`); routes check the same before queueing
-(`ds4mlx.kv.live.unexplained_tool_ids`).
+nor a replayed assistant call explains rejects the job (`UnknownToolId`, a client
+mistake carrying the id; each caller words it).
 
 DeepSeek V4 caches cannot be trimmed backwards past the compressed frontier, so a plan
 keeps either all live tokens or none, and a snapshot at ``n`` tokens is taken while the

@@ -1,7 +1,8 @@
 """The prompt cache's disk tier: snapshots of live states (save points, evict and
 shutdown saves, restores), on the inference thread.
 
-`DiskTier` is composed into `ds4mlx.kv.plan.Planner` and `ds4mlx.kv.cache.PromptCache`;
+`DiskTier` is composed into `ds4mlx.kv.plan.Planner` and `ds4mlx.kv.cache.PromptCache`
+(no shared attributes);
 every call names the live state (`ds4mlx.kv.resident.Resident`) it works on, whose own
 save tracker and tool ids it reads and updates. The files, lookup and eviction are
 `ds4mlx.kv.disk.DiskCache`'s.
