@@ -224,7 +224,8 @@ class Worker:
         try:
             lease = self.cache.begin(prompt)
         except UnknownToolId as e:
-            job.emit(JobFailed(str(e), 400, "invalid_request_error", {"tool_id": e.tool_id}))
+            # The route checked the ids before queueing; the live state changed since.
+            job.emit(JobFailed(f"unknown tool result id {e.tool_id}", 400, "invalid_request_error"))
             return
         except ContextFull as e:
             job.emit(_prompt_error(e.n_prompt, e.n_ctx))
