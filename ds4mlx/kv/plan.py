@@ -50,7 +50,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from ds4mlx.dsml import Rendered
 from ds4mlx.dsml.tokens import EOS
@@ -67,9 +67,6 @@ from ds4mlx.kv.live import (
     visible_keys,
 )
 from ds4mlx.kv.resident import Resident
-
-if TYPE_CHECKING:
-    from ds4mlx.kv.tier import DiskTier
 
 log = logging.getLogger("ds4mlx.kv")
 
@@ -305,7 +302,7 @@ class Planner:
             off.
     """
 
-    def __init__(self, engine, tool_memory=None, tier: DiskTier | None = None):
+    def __init__(self, engine, tool_memory=None, tier=None):
         self.engine = engine
         self.tool_memory = tool_memory
         self.tier = tier
