@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 from server_util import pid_alive
 
-from ds4mlx.agent.jobs import JobManager
 from ds4mlx.agent.permissions import Permissions
 from ds4mlx.agent.shaping import OutputStore, approx_tokens
 from ds4mlx.agent.tools import (
@@ -26,6 +25,7 @@ from ds4mlx.agent.tools import (
     Toolbox,
     clean_terminal_output,
 )
+from ds4mlx.agent.tools.background import JobManager
 from ds4mlx.dsml.conversation import ToolSpec
 
 

@@ -111,13 +111,13 @@ def test_unexplained_ids_and_messages():
     )
     assert unexplained_tool_ids(conv) == ["b"]
     # Each protocol words the 400 with its own id field and history (kv knows none).
-    assert anthropic.NAMES.unknown_id("toolu_x") == (
+    assert anthropic._unknown_id("toolu_x") == (
         "unknown tool_use_id toolu_x; replay the full messages history"
     )
-    assert openai.NAMES.unknown_id("call_x") == (
+    assert openai._unknown_id("call_x") == (
         "unknown tool_call_id call_x; replay the full messages history"
     )
-    assert responses.NAMES.unknown_id("call_y") == (
+    assert responses._unknown_id("call_y") == (
         "unknown call_id call_y; replay the full input history"
     )
 
@@ -176,46 +176,47 @@ def _job(engine, conv, text=None):
     return SimpleNamespace(request=req)
 
 
-def _plan(engine, planner, job, rendered_text=""):
-    """``planner.plan`` for ``job`` (``rendered_text`` defaults to the job's text)."""
+def _prompt(job, rendered_text=""):
+    """The cache's `Prompt` for ``job`` (``rendered_text`` defaults to the job's text)."""
+    from ds4mlx.kv.cache import Prompt
+
     r = job.request
-    return planner.plan(
-        engine.session,
-        prompt_tokens=r.prompt_tokens,
-        rendered_text=r.prompt_text if rendered_text == "" else rendered_text,
-        conversation=r.conversation,
+    return Prompt(
+        r.prompt_tokens,
+        r.prompt_text if rendered_text == "" else rendered_text,
+        r.conversation,
+        thinking=r.thinking,
     )
 
 
-def _run(engine, planner, job, sampled: str | None = None, calls=(), text: str = ""):
-    """Plan + prefill like the worker; then feed ``sampled`` as if generated (scripted,
-    through the turn loop, with an EOS that ends the turn); ``text`` is the visible reply
-    the client saw."""
+def _plan(engine, cache, job, rendered_text=""):
+    """The plan of ``cache.begin`` for ``job`` (the lease is dropped unfinished)."""
+    return cache.begin(_prompt(job, rendered_text)).plan
+
+
+def _run(engine, cache, job, sampled: str | None = None, calls=(), text: str = ""):
+    """The worker's call sequence (begin, run_turn with the plan, finish); the turn
+    feeds ``sampled`` as if generated (scripted, with an EOS that ends the turn) and
+    finishes as a chat turn that sampled ``calls`` with the visible reply ``text``."""
     from ds4mlx.engine import SamplingParams, TurnSpec, run_turn
 
-    s, tok = engine.session, engine.tokenizer
-    plan = _plan(engine, planner, job)
+    tok = engine.tokenizer
+    lease = cache.begin(_prompt(job))
     script = (tok.encode(sampled) if sampled is not None else []) + [tok.eos_id]
     spec = TurnSpec(SamplingParams(temperature=0), max_tokens=len(script), parse=False)
-    res = run_turn(s, tok, spec, prefill=plan, script=script)
+    res = run_turn(lease.session, tok, spec, prefill=lease.plan, script=script)
     assert res.finish == "stop"
-    planner.after_generation(
-        s,
-        finish="stop",
-        tool_calls=list(calls),
-        prompt_text=job.request.prompt_text,
-        thinking=job.request.thinking,
-        text=text,
-    )
-    return plan
+    # The scripted ids are fixed by the test: the result reads as the decoder's would.
+    lease.finish(SimpleNamespace(finish="stop", tool_calls=list(calls), text=text, decoded=res))
+    return lease.plan
 
 
 def test_planner_order_live_then_prefix_then_cold(engine):
     from ds4mlx.dsml import ToolMemory
-    from ds4mlx.kv.plan import Planner, PlanRejected
+    from ds4mlx.kv.cache import PromptCache, UnknownToolId
 
     engine.session.reset()
-    planner = Planner(engine, ToolMemory())
+    planner = PromptCache(engine, ToolMemory())
     user = Message("user", "go")
     conv1 = _conv(Message("system", "sys " * 50), user)
     calls = _calls("toolu_1", "toolu_2")
@@ -232,7 +233,7 @@ def test_planner_order_live_then_prefix_then_cold(engine):
 
     # A request with an unexplained id is rejected and keeps the binding.
     bad = _conv(Message("system", "sys " * 50), user, Message("tool", "x", tool_call_id="nope"))
-    with pytest.raises(PlanRejected) as rejected:
+    with pytest.raises(UnknownToolId) as rejected:
         _plan(engine, planner, _job(engine, bad), None)
     assert rejected.value.tool_id == "nope"
     assert planner.bound_tool_ids() == {"toolu_1", "toolu_2"}
@@ -262,12 +263,12 @@ def test_planner_is_neutral_and_routes_label_it(engine):
     continuation with the route's `LiveLabels`, and each route words the failure."""
     from ds4mlx.dsml import ToolMemory
     from ds4mlx.jobs import Failure, JobFailed
-    from ds4mlx.kv.plan import Planner, PlanRejected
+    from ds4mlx.kv.cache import PromptCache, UnknownToolId
     from ds4mlx.routes.errors import failed_to_api
     from ds4mlx.server.worker import _labelled
 
     engine.session.reset()
-    planner = Planner(engine, ToolMemory())
+    planner = PromptCache(engine, ToolMemory())
     conv1 = _conv(Message("system", "sys " * 50), Message("user", "go"))
     calls = _calls("c1")
     dsml = (
@@ -276,10 +277,9 @@ def test_planner_is_neutral_and_routes_label_it(engine):
     )
     _run(engine, planner, _job(engine, conv1), "hmm</think>" + dsml, calls)
     bad = _conv(*conv1.messages, Message("tool", "x", tool_call_id="nope"))
-    with pytest.raises(PlanRejected) as rejected:
+    with pytest.raises(UnknownToolId) as rejected:
         _plan(engine, planner, _job(engine, bad), None)
     assert rejected.value.tool_id == "nope"
-    assert str(rejected.value) == "unknown tool result id nope"
     failed = JobFailed(Failure.UNKNOWN_TOOL_ID, tool_id="nope")
     err = failed_to_api(failed, anthropic.NAMES)
     assert (err.status, err.param) == (400, "messages")
@@ -383,12 +383,12 @@ def test_visible_key_needs_the_same_markers(engine, first):
     """Issue 12: a thinking turn's visible key is a rendering; a prompt with the same
     bytes but other markers must not keep the live state (its reasoning included)."""
     from ds4mlx.dsml import ToolMemory
-    from ds4mlx.kv.plan import Planner
+    from ds4mlx.kv.cache import PromptCache
 
-    planner = Planner(engine, ToolMemory())
+    planner = PromptCache(engine, ToolMemory())
     turn1, honest, forged = _same_bytes(first, thinking=True)
     for conv, live in ((forged, False), (honest, True)):
-        planner.reset(engine.session)
+        planner.reset()
         _run(engine, planner, _turn1_job(engine, turn1, first), "R.</think>Hi.", text="Hi.")
         p = _plan(engine, planner, _marked_job(engine, conv))
         assert (p.decision == "live-thinking") == live, (conv is forged, p.decision)
@@ -398,15 +398,15 @@ def test_visible_key_needs_the_same_markers(engine, first):
 def test_transcript_key_needs_the_same_markers(engine, first):
     """Issue 12: the agent's transcript key likewise (chat mode: no visible key)."""
     from ds4mlx.dsml import ToolMemory
-    from ds4mlx.kv.plan import Planner
+    from ds4mlx.kv.cache import PromptCache
 
-    planner = Planner(engine, ToolMemory())
+    planner = PromptCache(engine, ToolMemory())
     turn1, honest, forged = _same_bytes(first, thinking=False)
     done = render(Conversation(honest.messages[:3], thinking=False))  # through the reply
     for conv, live in ((forged, False), (honest, True)):
-        planner.reset(engine.session)
+        planner.reset()
         _run(engine, planner, _turn1_job(engine, turn1, first), "Hi.", text="Hi.")
-        planner.bind_transcript(engine.session, done if first == "spelled" else done.text)
+        planner.bind_transcript(done if first == "spelled" else done.text)
         p = _plan(engine, planner, _marked_job(engine, conv))
         assert (p.decision == "live-transcript") == live, (conv is forged, p.decision)
 
@@ -417,17 +417,17 @@ def test_disk_aliases_need_the_same_markers(engine, tmp_path, first):
     rendering) are renderings too: a prompt with their bytes but other markers does not
     load the state, the honest prompt does."""
     from ds4mlx.dsml import ToolMemory
+    from ds4mlx.kv.cache import PromptCache
     from ds4mlx.kv.disk import DiskCache
-    from ds4mlx.kv.plan import Planner
     from ds4mlx.kv.policy import KVCacheSettings
 
     settings = KVCacheSettings(
         disk_dir=str(tmp_path), min_tokens=16, cold_max_tokens=0, continued_interval_tokens=0
     )
-    planner = Planner(engine, ToolMemory(), DiskCache(engine, settings))
+    planner = PromptCache(engine, ToolMemory(), DiskCache(engine, settings))
     turn1, honest, forged = _same_bytes(first, thinking=True)
     other = _marked_job(engine, Conversation([Message("user", "other " * 40)], thinking=True))
-    planner.reset(engine.session)
+    planner.reset()
     _run(engine, planner, _turn1_job(engine, turn1, first), "R.</think>Hi.", text="Hi.")
     live_a = len(engine.session.tokens)
     _plan(engine, planner, other)  # cold: turn 1's state is saved under its visible keys
@@ -443,3 +443,33 @@ def test_disk_aliases_need_the_same_markers(engine, tmp_path, first):
     assert p.keep not in (live_a, end), (p.decision, p.detail)
     p = _plan(engine, planner, _marked_job(engine, honest))
     assert (p.decision, p.keep) == ("disk", end), p.detail
+
+
+def test_peek_and_summary_change_nothing(engine):
+    """The cache's read-only answers: what a prompt would reuse (no job, no state
+    change) and a plain-values summary (what /health shows)."""
+    from ds4mlx.dsml import ToolMemory
+    from ds4mlx.kv.cache import PromptCache
+
+    cache = PromptCache(engine, ToolMemory())
+    cache.reset()
+    conv1 = _conv(Message("system", "sys " * 50), Message("user", "go"))
+    _run(engine, cache, _job(engine, conv1, None), "hmm</think>Done.", text="Done.")
+    live = list(engine.session.tokens)
+    conv2 = _conv(
+        *conv1.messages,
+        Message("assistant", reasoning="hmm", content="Done."),
+        Message("user", "more"),
+    )
+    reuse = cache.peek(_prompt(_job(engine, conv2, None)))
+    assert (reuse.cached, reuse.state) == (len(live), 0)
+    assert engine.session.tokens == live  # nothing was prefilled or reset
+    assert cache.peek(_prompt(_job(engine, _conv(Message("user", "other")), None))).cached == 0
+    assert cache.summary() == {
+        "live_tokens": len(live),
+        "sessions": 1,
+        "states": None,
+        "kv_writer": None,
+    }
+    # The real plan keeps what peek said it would.
+    assert _plan(engine, cache, _job(engine, conv2, None)).cached == reuse.cached

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ds4mlx.kv.plan import Planner
+from ds4mlx.kv.cache import Prompt, PromptCache
 from ds4mlx.routes.anthropic import error_body as anthropic_error
 from ds4mlx.routes.carrier import ReasoningCarrier
 from ds4mlx.routes.errors import APIError, _loc_to_path, openai_error
@@ -22,6 +22,8 @@ def tok() -> Tokenizer:
 
 class FakeSession:
     """What the planner reads: live tokens, logits presence, decoded text."""
+
+    ctx_size = 1 << 20
 
     def __init__(self, tok: Tokenizer, tokens: list[int]):
         self.tokenizer = tok
@@ -45,9 +47,9 @@ def _gen():
 
 
 def plan_prefill(session: FakeSession, tok: Tokenizer, rendered: str | None, prompt: list[int]):
-    """The planner without a disk tier or live bindings (rules 4, 5, 7)."""
-    planner = Planner(SimpleNamespace(tokenizer=tok, ctx_size=1 << 20))
-    return planner.plan(session, prompt_tokens=prompt, rendered_text=rendered)
+    """The prompt cache without a disk tier or live bindings (rules 4, 5, 7)."""
+    cache = PromptCache(SimpleNamespace(tokenizer=tok, ctx_size=1 << 20, session=session))
+    return cache.begin(Prompt(prompt, rendered)).plan
 
 
 BOS = "<｜begin▁of▁sentence｜>"

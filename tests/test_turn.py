@@ -286,3 +286,68 @@ def test_pipelined_decode_at_a_full_context(tiny_f32_dir, engine):
     both = _run_both(engine, spec, prompt, ctx=small)
     _assert_same(both)
     assert both[0][0].finish == "context" and len(both[0][1][0]) == 24
+
+
+# --------------------------------------------------------------------------- hooks
+
+
+def test_hooks_poll_mask_draft_and_force_feed(engine, session):
+    """The loop's extension points (``TurnHooks``): a per-step poll ends the turn with
+    its reason, a logits mask decides what is sampled, drafts are verified against the
+    sampled tokens, and ``force_feed`` at the end feeds tokens as if sampled."""
+    from ds4mlx.engine import TurnHooks
+
+    tok = engine.tokenizer
+    prompt = _ids(engine, PROMPT + "<think>")
+    target = _ids(engine, "ok")[0]
+    vocab = tok.vocab_size
+    seen = {"prefill": 0, "steps": 0}
+
+    class Hooks(TurnHooks):
+        def after_prefill(self, turn):
+            seen["prefill"] = turn.result.prefilled
+
+        def before_step(self, turn):
+            seen["steps"] += 1
+            return "steered" if turn.result.completion_tokens >= 3 else None
+
+        def mask(self, turn, logits):
+            # Only ``target`` may be sampled (whatever the model prefers).
+            return mx.where(mx.arange(logits.shape[-1]) == target, 0.0, -mx.inf)
+
+        def draft(self, turn):
+            return [target, target + 1]  # the second one is always wrong
+
+        def at_end(self, turn):
+            # A cut reasoning block is closed, as the agent does.
+            if turn.in_thinking:
+                turn.force_feed([tok.think_end_id])
+
+    spec = TurnSpec(SamplingParams(temperature=1.0), 50, thinking=True)
+    res = run_turn(session, tok, spec, prefill=prompt, hooks=Hooks())
+    assert seen["prefill"] == len(prompt) and seen["steps"] == 4
+    assert res.finish == "steered" and res.completion_tokens == 3
+    assert res.drafted >= 2 and 1 <= res.accepted < res.drafted
+    # The sampled tokens, then the forced ``</think>`` (fed, counted apart).
+    assert res.forced == 1 and res.fed == 4
+    assert session.tokens == prompt + [target] * 3 + [tok.think_end_id]
+    assert res.raw.endswith("</think>") and vocab > target
+    _assert_state_is_prompt_plus_fed(engine, session, prompt, [target] * 3 + [tok.think_end_id])
+
+
+def test_force_feed_at_a_full_context_feeds_what_fits(tiny_f32_dir):
+    """After the loop, a forced feed never overflows: without room nothing is fed."""
+    from ds4mlx.engine import TurnHooks
+
+    small = Engine.load(tiny_f32_dir, ctx_size=24)
+    tok = small.tokenizer
+    fed = []
+
+    class Close(TurnHooks):
+        def at_end(self, turn):
+            fed.append(turn.force_feed([tok.think_end_id]))
+
+    spec = TurnSpec(GREEDY, 100, parse=False, ignore_eos=True)
+    res = run_turn(small.session, tok, spec, prefill=_ids(small, PROMPT + "<think>"), hooks=Close())
+    assert res.finish == "context" and fed == [0] and res.forced == 0
+    assert len(small.session.tokens) == 24

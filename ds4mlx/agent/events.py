@@ -125,6 +125,7 @@ class Generated:
     tokens: int
     seconds: float
     call_errors: dict[str, str] = field(default_factory=dict)
+    turn: Any = None  # the turn loop's ds4mlx.engine.TurnResult
 
 
 # ------------------------------------------------------------------------------ UI

@@ -1,10 +1,10 @@
 """The agent loop: one conversation driven on the live engine session (docs/ARCHITECTURE.md §7).
 
 The engine's single live :class:`~ds4mlx.engine.Session` *is* the conversation. Each
-step renders the transcript (``dsml.render``) and asks the prompt-cache planner
-(:class:`ds4mlx.kv.plan.Planner`, the same one the server uses) what to prefill; after
+step renders the transcript (``dsml.render``) and begins a lease on the prompt cache
+(:class:`ds4mlx.kv.cache.PromptCache`, the same one the server uses) for what to prefill; after
 each turn the agent binds its rendering of the transcript to the live state
-(``live-transcript``), so the planner only ever appends:
+(``live-transcript``), so the cache only ever appends:
 
 - after a turn that made tool calls: exactly the tool-result suffix
   (``dsml.render_tool_results_suffix``: ``EOS <｜User｜><tool_result>…</tool_result>…
@@ -19,13 +19,14 @@ sampled greedily, payload with the session's sampling); parsed calls are validat
 :class:`~ds4mlx.agent.tools.Toolbox` (permissions ask through the UI) and their sampled
 DSML is remembered in :class:`~ds4mlx.dsml.ToolMemory`.
 
-**Live state vs transcript.** The loop keeps one marker, ``Agent.state``:
+**Live state vs transcript.** The loop keeps one marker, ``Agent.state`` (a
+:class:`~ds4mlx.agent.live.LiveState`):
 
 - ``"empty"``: no tokens;
 - ``"turn_end"``: the live tokens end exactly after an assistant turn (its EOS was
   sampled but not fed); the next step appends a rendered suffix;
 - ``"dirty"``: the live tokens end anywhere else (a prefill was interrupted, a model
-  error reset the session, a snapshot was missing). The planner then continues by
+  error reset the session, a snapshot was missing). The cache then continues by
   rendered-text prefix when the live text is a byte prefix of the transcript's
   rendering, otherwise it rebuilds the session (longest disk-KV prefix, then prefill).
 
@@ -35,7 +36,8 @@ interrupted turn is *closed*, never thrown away: if it stopped inside its reason
 ``</think>`` is fed (one token) so the turn reads ``reasoning</think>content``; the
 transcript records the partial reasoning and the raw partial text (a half-written tool
 call stays as text and is never executed). So after an interrupted generation the live
-tokens equal what the transcript renders to and the state is ``"turn_end"``. An
+tokens equal what the transcript renders to and the state is ``"turn_end"`` (the
+``</think>`` is the turn loop's one forced feed, ``Turn.force_feed``). An
 interrupted prefill leaves ``"dirty"``. Ctrl+C while a tool runs (or while asking for
 permission) stops that tool; it and the calls not yet run get an error result that is
 appended with the next message.
@@ -47,7 +49,14 @@ changes the mode of a conversation (the renderer has one mode per conversation).
 live state stays the truth either way; exactness only matters when a session must be
 rebuilt from its transcript (compaction, a missing snapshot).
 
-**Compaction** (:mod:`ds4mlx.agent.compacting`, :mod:`ds4mlx.agent.compaction`): before appending, if the session would
+**Parts.** ``Agent`` composes :class:`~ds4mlx.agent.steps.Steps` (one turn),
+:class:`~ds4mlx.agent.compactor.Compactor` and
+:class:`~ds4mlx.agent.session_control.SessionControl` around one shared
+:class:`~ds4mlx.agent.live.Live`; each turn is the prompt cache's call sequence
+(``PromptCache.begin`` → ``run_turn(prefill=lease.plan)`` → ``lease.finish``), the
+server worker's own.
+
+**Compaction** (:mod:`ds4mlx.agent.compactor`, :mod:`ds4mlx.agent.compaction`): before appending, if the session would
 reach the soft limit, or the new text plus a reserve would not fit, the loop appends a
 summary request (chat mode, tools ignored), generates the summary with the live model,
 and rebuilds the session from ``system + summary + verbatim tail``.
@@ -65,7 +74,7 @@ from pathlib import Path
 
 from ds4mlx.agent import compaction as cmp
 from ds4mlx.agent.child_env import EnvPolicy
-from ds4mlx.agent.compacting import Compacting
+from ds4mlx.agent.compactor import Compactor
 from ds4mlx.agent.events import (
     AgentError,
     AgentUI,
@@ -75,27 +84,16 @@ from ds4mlx.agent.events import (
     Step,
     describe_messages,
 )
+from ds4mlx.agent.live import Live, LiveState
 from ds4mlx.agent.permissions import Permissions
-from ds4mlx.agent.session_control import SessionCommands
+from ds4mlx.agent.session_control import SessionControl
 from ds4mlx.agent.sessions import SessionBook, SessionRecord, title_of
-from ds4mlx.agent.steps import LiveSteps
+from ds4mlx.agent.steps import Steps
 from ds4mlx.agent.tools import Toolbox
-from ds4mlx.dsml import (
-    Conversation,
-    Message,
-    Rendered,
-    ToolMemory,
-    render,
-)
+from ds4mlx.dsml import Conversation, Message, Rendered, ToolMemory
 from ds4mlx.dsml.tokens import DSML, EOS
-from ds4mlx.engine import (
-    DEFAULT_CHUNK,
-    FINISH_STOP,
-    ContextOverflowError,
-    SamplingParams,
-)
-from ds4mlx.kv.disk import DiskCache
-from ds4mlx.kv.plan import Planner
+from ds4mlx.engine import DEFAULT_CHUNK, ContextOverflowError, SamplingParams
+from ds4mlx.kv.cache import PromptCache
 from ds4mlx.kv.policy import KVCacheSettings
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -107,7 +105,7 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 
 
-class Agent(LiveSteps, SessionCommands, Compacting):
+class Agent:
     """The terminal agent's loop on an engine's live session.
 
     Args:
@@ -116,7 +114,7 @@ class Agent(LiveSteps, SessionCommands, Compacting):
         workspace: directory the tools work in.
         ui: :class:`AgentUI` (default: silent, denies permissions).
         store: disk KV store (:class:`~ds4mlx.kv.store.DiskKVStore`) for session
-            snapshots and shared prompt prefixes (the prompt-cache planner's disk tier,
+            snapshots and shared prompt prefixes (the prompt cache's disk tier,
             with the default save policy); None disables both.
         book: :class:`~ds4mlx.agent.sessions.SessionBook` for ``/list``/``/switch``;
             None disables sessions.
@@ -168,18 +166,14 @@ class Agent(LiveSteps, SessionCommands, Compacting):
         chunk_size: int = DEFAULT_CHUNK,
     ) -> None:
         self.engine = engine
-        self.session = engine.session
         self.tok = engine.tokenizer
         self.ctx = engine.ctx_size
         self.ui = ui or AgentUI()
         self.store = store
-        self.book = book
-        self.sampling = sampling or SamplingParams(temperature=1.0, top_p=1.0, min_p=0.05)
+        sampling = sampling or SamplingParams(temperature=1.0, top_p=1.0, min_p=0.05)
         self.max_tokens = max_tokens or self.ctx
-        self.cap_is_eos = cap_is_eos
         self.max_steps = max_steps
         self.policy = policy or cmp.CompactionPolicy()
-        self.chunk_size = chunk_size
         budget = tool_output_tokens or max(64, min(4096, self.ctx // 8))
         self.toolbox = Toolbox(
             Path(workspace),
@@ -194,15 +188,7 @@ class Agent(LiveSteps, SessionCommands, Compacting):
             "{workspace}", str(self.workspace)
         )
         self.tool_memory = ToolMemory()
-        self.script: deque[str] | None = deque(script) if script is not None else None
-        self.steps: list[Step] = []
-        self.compactions: list[CompactionInfo] = []
-        self.record: SessionRecord | None = None
-        self._cancel = False
-        self._phase = "idle"
-        self._last_gen: Step | None = None
-        self._last_prefill = (0, 0.0)
-        disk = None
+        settings = None
         if store is not None:
             # No prompt-end saves: the agent keeps its transcript and continues it live;
             # it has no client retries or replays to serve, and saves synchronously.
@@ -211,26 +197,39 @@ class Agent(LiveSteps, SessionCommands, Compacting):
                 disk_space_mb=max(1, store.budget_bytes >> 20),
                 prompt_end=False,
             )
-            disk = DiskCache(engine, settings, store=store)
-        # The same planner as the server's: live continuation, prefixes, disk tier.
-        self.planner = Planner(engine, self.tool_memory, disk)
-        self._fresh(thinking)
-        self.planner.reset(self.session)
-        if self.sampling.seed is not None:
+        # The server's prompt cache: live continuation, prefixes, disk tier.
+        cache = PromptCache.open(engine, settings, self.tool_memory, store=store, background=False)
+        self.live = Live(engine, cache, self.tool_memory, self.ui, self._conversation(thinking))
+        if sampling.seed is not None:
             # Seed once per agent: the turn loop reseeds whenever its params carry a seed.
-            self.session.seed(self.sampling.seed)
-            self.sampling = dataclasses.replace(self.sampling, seed=None)
+            engine.session.seed(sampling.seed)
+            sampling = dataclasses.replace(sampling, seed=None)
+        self.sampling = sampling
+        queued = deque(script) if script is not None else None
+        self.turns = Steps(
+            self.live, self.toolbox, sampling, self.policy, queued, cap_is_eos, chunk_size
+        )
+        self.compactor = Compactor(self.live, self.turns, self.policy)
+        self.book = book
+        self.control = SessionControl(self.live, book, self.workspace, self.toolbox, self._fresh)
+        cache.reset()
 
     # ----------------------------------------------------------------- public API
 
     @property
-    def messages(self) -> list[Message]:
-        """The transcript (system message first)."""
-        return self.conv.messages
+    def session(self):
+        """The live ``ds4mlx.engine.Session``."""
+        return self.engine.session
 
-    @property
-    def thinking(self) -> bool:
-        return self.conv.thinking
+    # The shared live conversation's parts, read-only (tests, the REPL's /status).
+    conv = property(lambda self: self.live.conv, doc="The transcript ``Conversation``.")
+    messages = property(lambda self: self.live.messages, doc="The transcript's messages.")
+    state = property(lambda self: self.live.state, doc="The `LiveState` marker.")
+    exact = property(lambda self: self.live.exact, doc="The transcript re-renders exactly.")
+    steps = property(lambda self: self.live.steps, doc="Every `Step` done.")
+    compactions = property(lambda self: self.live.compactions, doc="Finished compactions.")
+    record = property(lambda self: self.live.record, doc="The current `SessionRecord`.")
+    thinking = property(lambda self: self.live.conv.thinking, doc="Thinking mode.")
 
     def live_text(self) -> str:
         """The text the live tokens decode to."""
@@ -250,13 +249,32 @@ class Agent(LiveSteps, SessionCommands, Compacting):
         return full == live
 
     def render(self) -> Rendered:
-        """``render`` of the transcript with this agent's context and tool memory: the
-        prompt text and its content spans (which its tokens and keys need)."""
-        return render(self.conv, context_size=self.ctx, tool_memory=self.tool_memory)
+        """``render`` of the transcript with this agent's context and tool memory."""
+        return self.live.render()
 
     def interrupt(self) -> None:
         """Stop the running generation at the next token (prefill: next chunk)."""
-        self._cancel = True
+        self.live.cancel = True
+
+    def sessions(self) -> list[SessionRecord]:
+        """Stored sessions of this workspace, plus the current one (`SessionControl`)."""
+        return self.control.sessions()
+
+    def save(self, reason: str = "continued") -> SessionRecord | None:
+        """Snapshot the live state and write the transcript (`SessionControl.save`)."""
+        return self.control.save(reason)
+
+    def new_session(self) -> None:
+        """Save the current session and start an empty one (`SessionControl`)."""
+        self.control.new_session()
+
+    def switch(self, sid: int) -> str:
+        """Make session ``sid`` current (`SessionControl.switch`)."""
+        return self.control.switch(sid)
+
+    def close(self) -> None:
+        """Save the session (``shutdown`` snapshot) and stop background jobs."""
+        self.control.close()
 
     def send(self, text: str) -> SendResult:
         """Add a user message and run the model (and its tool calls) until it answers.
@@ -268,14 +286,15 @@ class Agent(LiveSteps, SessionCommands, Compacting):
         """
         if not text.strip():
             raise ValueError("empty message")
-        self._cancel = False
-        if self.record is None and self.book is not None:
-            self.record = SessionRecord(
+        lv = self.live
+        lv.cancel = False
+        if lv.record is None and self.book is not None:
+            lv.record = SessionRecord(
                 id=self.book.new_id(), workspace=str(self.workspace), title=title_of(text)
             )
         self.messages.append(Message("user", text))
-        self._last_gen = None
-        self._last_prefill = (0, 0.0)
+        self.turns.last_gen = None
+        self.turns.last_prefill = (0, 0.0)
         with _sigint_to(self):
             try:
                 result = self._loop()
@@ -289,17 +308,17 @@ class Agent(LiveSteps, SessionCommands, Compacting):
                 self._resync()
                 result = SendResult("error", message=f"{type(e).__name__}: {e}")
             finally:
-                self._phase = "idle"
+                lv.phase = "idle"
         if result.status == "error":
             self.ui.notice(f"error: {result.message}", "error")
-        self._persist()
+        self.control.persist()
         self.ui.status(self.status())
         return result
 
     def status(self) -> Status:
         """Current :class:`Status`."""
-        g = self._last_gen
-        pre_n, pre_s = self._last_prefill
+        g = self.turns.last_gen
+        pre_n, pre_s = self.turns.last_prefill
         return Status(
             used=len(self.session.tokens),
             ctx=self.ctx,
@@ -309,7 +328,7 @@ class Agent(LiveSteps, SessionCommands, Compacting):
             prefilled=pre_n,
             prefill_tok_s=(pre_n / pre_s) if pre_s > 0 else 0.0,
             session=self.record.id if self.record else None,
-            thinking=self.conv.thinking,
+            thinking=self.thinking,
         )
 
     def set_thinking(self, on: bool) -> None:
@@ -319,25 +338,29 @@ class Agent(LiveSteps, SessionCommands, Compacting):
         turns the transcript no longer re-renders to the live text (``exact`` False);
         the live session continues unaffected.
         """
-        if on == self.conv.thinking:
+        lv = self.live
+        if on == lv.conv.thinking:
             return
         if any(m.role == "assistant" for m in self.messages):
-            self.exact = False
-        self.conv.thinking = on
-        if self.state == "turn_end":
+            lv.exact = False
+        lv.conv.thinking = on
+        if lv.state == LiveState.TURN_END:
             # The live state is still this transcript, now rendered in the new mode.
-            self._bind_transcript()
+            lv.bind_transcript()
 
     # --------------------------------------------------------------------- internals
 
-    def _fresh(self, thinking: bool) -> None:
-        self.conv = Conversation(
+    def _conversation(self, thinking: bool) -> Conversation:
+        return Conversation(
             messages=[Message("system", self.system_prompt)],
             tools=self.toolbox.specs,
             thinking=thinking,
         )
-        self.state = "empty"
-        self.exact = True
+
+    def _fresh(self, thinking: bool) -> None:
+        self.live.conv = self._conversation(thinking)
+        self.live.state = LiveState.EMPTY
+        self.live.exact = True
 
     def _ask(self, tool: str, summary: str) -> str:
         return self.ui.ask(tool, summary)
@@ -345,13 +368,7 @@ class Agent(LiveSteps, SessionCommands, Compacting):
     def _resync(self) -> None:
         """After an unexpected exit: the live tokens no longer sit on a known boundary."""
         self.session.set_script(None)
-        self.state = "dirty" if self.session.tokens else "empty"
-
-    def _bind_transcript(self) -> None:
-        """Tell the planner that the live state is this transcript (it ends with an
-        assistant turn whose EOS was sampled but not fed)."""
-        if self.messages and self.messages[-1].role == "assistant":
-            self.planner.bind_transcript(self.session, self.render())
+        self.live.settle()
 
     # ---- the loop
 
@@ -359,27 +376,17 @@ class Agent(LiveSteps, SessionCommands, Compacting):
         turns = 0
         rounds = 0
         while True:
-            st = self._prepare(compact=True)
-            if st is not None:
-                return SendResult(st, turns)
-            gen = self._generate(
-                thinking=self.conv.thinking, tools=True, max_tokens=self.max_tokens, kind="answer"
-            )
+            out = self.turns.answer(self.compactor, self.max_tokens)
+            if isinstance(out, str):
+                return SendResult(out, turns)
+            gen, msg = out
             turns += 1
-            msg = self._close_turn(gen, self.conv.thinking)
-            self.messages.append(msg)
-            self.planner.after_generation(
-                self.session,
-                finish=FINISH_STOP if gen.stop == "eos" else gen.stop,
-                tool_calls=msg.tool_calls,
-                transcript_key=self.render() if self.state == "turn_end" else None,
-            )
             if gen.stop != "eos":
                 if gen.stop == "interrupted":
                     self.ui.notice("interrupted", "warn")
                 return SendResult(gen.stop, turns)
             if msg.tool_calls:
-                if not self._run_tools(msg.tool_calls, gen.call_errors):
+                if not self.turns.run_tools(msg.tool_calls, gen.call_errors):
                     self.ui.notice("interrupted", "warn")
                     return SendResult("interrupted", turns)
             elif gen.result.errors and DSML in gen.raw:
@@ -412,9 +419,9 @@ def _sigint_to(agent: Agent) -> Iterator[None]:
     def handler(signum, frame):
         # A running command or a permission prompt is stopped by the exception; MLX work
         # must not be (Session resets itself on exceptions mid-forward).
-        if agent._phase == "tools":
+        if agent.live.phase == "tools":
             raise KeyboardInterrupt
-        agent._cancel = True
+        agent.live.cancel = True
 
     signal.signal(signal.SIGINT, handler)
     try:

@@ -11,7 +11,7 @@ CSI as ``\\x9b``. The escape is plain printable text, so sanitizing is idempoten
 
 The terminal UI (:mod:`ds4mlx.agent.ui`) applies it to everything it prints, and the
 shell tool applies it to the command output the model reads
-(:func:`ds4mlx.agent.tool_shell.clean_terminal_output`).
+(:func:`ds4mlx.agent.tools.shell.clean_terminal_output`).
 """
 
 from __future__ import annotations

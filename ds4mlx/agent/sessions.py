@@ -43,7 +43,7 @@ class SessionRecord:
         kv_key: key of the disk-KV snapshot of the live state, or None.
         kv_tokens: token count of that snapshot (int).
         state: the loop's live-state marker when the snapshot was taken
-            (``"turn_end"`` or ``"dirty"``; see :class:`ds4mlx.agent.loop.Agent`).
+            (a ``ds4mlx.agent.live.LiveState`` value: ``"turn_end"`` or ``"dirty"``).
         kv_digest: :func:`transcript_digest` of the messages when the snapshot was
             taken; the transcript may have moved on since (it is written after every
             message, the snapshot only at switch/save/quit).

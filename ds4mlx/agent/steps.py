@@ -1,15 +1,20 @@
-"""The steps of an agent turn on the live session (a mixin of `ds4mlx.agent.loop.Agent`).
+"""The steps of an agent turn on the live session (`Steps`, a part of
+`ds4mlx.agent.loop.Agent`).
 
-Prepare (the planner decides what to prefill; compaction first when needed), prefill,
-generate with the engine's one turn loop, close the turn into a transcript message
-that renders exactly as the live state holds it, run its tool calls.
+Prepare (a lease from the prompt cache: what to prefill, or that compaction is due),
+then the engine's one turn loop prefills the lease's plan and generates; close the turn
+into a transcript message that renders exactly as the live state holds it (a cut
+reasoning block is closed by the loop's forced feed); run its tool calls.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
+from dataclasses import dataclass
 
 from ds4mlx.agent.events import Generated, Step
+from ds4mlx.agent.live import Live, LiveState
 from ds4mlx.agent.tools import ToolOutcome
 from ds4mlx.dsml import (
     Event,
@@ -20,8 +25,8 @@ from ds4mlx.dsml import (
     render_assistant_turn,
 )
 from ds4mlx.dsml.tokens import THINK_END
-from ds4mlx.engine import FINISH_CANCELLED, FINISH_STOP, TurnSpec, run_turn
-from ds4mlx.kv.plan import Plan
+from ds4mlx.engine import FINISH_CANCELLED, FINISH_STOP, Turn, TurnHooks, TurnSpec, run_turn
+from ds4mlx.kv.cache import Lease, Prompt
 
 # The turn loop's finish reasons as the agent's steps name them.
 _AGENT_STOP = {FINISH_STOP: "eos", FINISH_CANCELLED: "interrupted"}
@@ -30,148 +35,222 @@ _AGENT_STOP = {FINISH_STOP: "eos", FINISH_CANCELLED: "interrupted"}
 INTERRUPTED = "interrupted"
 
 
-class LiveSteps:
-    """Mixin: needs the `Agent` attributes ``session``, ``tok``, ``ctx``, ``conv``,
-    ``messages``, ``planner``, ``policy``, ``sampling``, ``script``, ``toolbox``,
-    ``tool_memory``, ``ui``, ``steps``, ``state``, ``exact``, ``chunk_size``, the
-    flags ``_cancel``/``_phase`` and its ``render``/``_compact`` methods."""
+@dataclass
+class Prepared:
+    """What `Steps.prepare` found: the ``lease`` to generate on, the Step kind of its
+    prefill (``prompt``, ``user``, ``tool_results``), and ``compact`` (``soft`` or
+    ``hard``) when compaction must come first."""
 
-    def _pending_from(self) -> int:
-        """Index of the first message not yet in the live state (after the last assistant)."""
-        for i in range(len(self.messages) - 1, -1, -1):
-            if self.messages[i].role == "assistant":
-                return i + 1
-        return 1
+    lease: Lease
+    kind: str
+    compact: str | None = None
 
-    def _prepare(self, *, compact: bool) -> str | None:
-        """Bring the live state up to the transcript through the planner; compact first
-        when the result would pass the soft limit (live plans) or not fit (any plan).
 
-        Returns None when ready to generate, else a ``SendResult`` status.
-        """
-        full = self.render()
+class _Hooks(TurnHooks):
+    """The agent's turn-loop hooks: close the prefill display and open the turn's; close
+    a reasoning block the turn left open with ``</think>`` (one forced feed)."""
+
+    def __init__(self, ui, kind: str, planned: int, close_thinking: bool):
+        self.ui, self.kind, self.planned = ui, kind, planned
+        self.close_thinking = close_thinking
+
+    def after_prefill(self, turn: Turn) -> None:
+        self.ui.prefill_done()
+        if turn.result.prefilled >= self.planned:
+            self.ui.turn_start(self.kind)
+
+    def at_end(self, turn: Turn) -> None:
+        if self.close_thinking and THINK_END not in turn.raw_text():
+            turn.force_feed([turn.tok.think_end_id])
+
+
+class Steps:
+    """One assistant turn's steps on ``live`` (see the module doc).
+
+    Args:
+        live: the agent's `Live`.
+        toolbox: the ``ds4mlx.agent.tools.Toolbox`` calls run through.
+        sampling: ``ds4mlx.engine.SamplingParams`` of payload tokens.
+        policy: the ``CompactionPolicy`` (when compaction is due).
+        script: scripted completions (tests), consumed in order, or None.
+        cap_is_eos: an answer's ``max_tokens`` ends it as an EOS would (``--demo``).
+        chunk_size: prefill chunk (tokens).
+    """
+
+    def __init__(
+        self,
+        live: Live,
+        toolbox,
+        sampling,
+        policy,
+        script: deque[str] | None,
+        cap_is_eos: bool,
+        chunk_size: int,
+    ):
+        self.live = live
+        self.toolbox = toolbox
+        self.sampling = sampling
+        self.policy = policy
+        self.script = script
+        self.cap_is_eos = cap_is_eos
+        self.chunk_size = chunk_size
+        self.last_gen: Step | None = None
+        self.last_prefill = (0, 0.0)
+
+    def prepare(self, *, compact: bool) -> Prepared:
+        """Put the transcript into the live state through the prompt cache (a lease:
+        kept, restored from disk, or reset, with the suffix to prefill); say when
+        compaction is due first (the result would pass the soft limit for a live plan,
+        or not fit for any plan)."""
+        lv = self.live
+        full = lv.render()
         t0 = time.monotonic()
-        plan = self.planner.plan(
-            self.session,
-            prompt_tokens=self.tok.encode(full.text, content=full.content),
-            rendered_text=full,
-            conversation=self.conv,
+        prompt = Prompt(
+            # Tokenized only if the plan needs the whole prompt: a later step that
+            # continues its transcript tokenizes just the new suffix.
+            lambda: lv.tok.encode(full.text, content=full.content),
+            full,
+            lv.conv,
+            thinking=lv.conv.thinking,
+            transcript=True,
         )
+        lease = lv.cache.begin(prompt)
+        plan = lease.plan
         if plan.decision in ("disk", "cold"):
-            self.state = "dirty" if self.session.tokens else "empty"
+            lv.settle()
         if plan.decision == "disk":
             n = plan.keep
-            self.steps.append(Step("restore", 0, n, n, time.monotonic() - t0))
-            self.ui.notice(f"reused {n} tokens from the disk KV cache")
-        why = self.policy.check(plan.keep, len(plan.suffix_tokens), self.ctx)
-        if compact and (why == "hard" or (why == "soft" and plan.keep)):
-            return self._compact(why)
+            lv.steps.append(Step("restore", 0, n, n, time.monotonic() - t0))
+            lv.ui.notice(f"reused {n} tokens from the disk KV cache")
+        why = self.policy.check(plan.keep, len(plan.suffix_tokens), lv.ctx)
+        due = why if compact and (why == "hard" or (why == "soft" and plan.keep)) else None
         if plan.decision in ("disk", "cold"):
             kind = "prompt"
-        elif any(m.role == "tool" for m in self.messages[self._pending_from() :]):
+        elif any(m.role == "tool" for m in lv.messages[lv.pending_from() :]):
             kind = "tool_results"
         else:
             kind = "user"
-        return None if self._prefill_ids(plan.suffix_tokens, kind, plan) else "interrupted"
+        return Prepared(lease, kind, due)
 
-    def _rebuild(self) -> str | None:
-        """Rebuild the live state for a replaced transcript (after compaction)."""
-        return self._prepare(compact=False)
-
-    def _prefill_ids(self, ids: list[int], kind: str, plan: Plan | None = None) -> bool:
-        """Prefill ``ids`` onto the live state (with ``plan``'s disk checkpoints);
-        False if interrupted (then the state is dirty unless nothing was fed)."""
-        s = self.session
-        before = len(s.tokens)
-        self._phase = "model"
-        t0 = time.monotonic()
-        try:
-            n = s.prefill(
-                ids,
-                chunk_size=self.chunk_size,
-                progress=self.ui.prefill_progress,
-                cancel=lambda: self._cancel,
-                checkpoints=plan.checkpoints if plan else (),
-                on_checkpoint=plan.on_checkpoint if plan else None,
-            )
-        finally:
-            self.ui.prefill_done()
-        dt = time.monotonic() - t0
-        self.steps.append(Step(kind, before, n, len(ids), dt, self.tok.decode(ids)))
-        pn, ps = self._last_prefill
-        self._last_prefill = (pn + n, ps + dt)
-        if n < len(ids):
-            if n > 0 or not s.tokens:
-                self.state = "dirty" if s.tokens else "empty"
-            self.ui.notice("interrupted during prefill", "warn")
-            return False
-        self.state = "ready"
-        return True
-
-    def _next_script(self) -> list[int] | None:
-        """The next scripted completion's ids (tests only), EOS-terminated, or None."""
-        if not self.script:
+    def _script_ids(self, text: str | None) -> list[int] | None:
+        """A scripted completion's ids (tests only), EOS-terminated, or None."""
+        if text is None:
             return None
-        ids = self.tok.encode(self.script.popleft())
-        if not ids or ids[-1] != self.tok.eos_id:
-            ids.append(self.tok.eos_id)
+        tok = self.live.tok
+        ids = tok.encode(text)
+        if not ids or ids[-1] != tok.eos_id:
+            ids.append(tok.eos_id)
         return ids
 
-    def _generate(self, *, thinking: bool, tools: bool, max_tokens: int, kind: str) -> Generated:
-        """Sample and feed one assistant turn with the engine's turn loop (the EOS is
-        sampled but not fed)."""
-        s = self.session
-        start = len(s.tokens)
-        self._phase = "model"
-        self.ui.turn_start(kind)
+    def generate(
+        self,
+        lease: Lease,
+        prefill_kind: str,
+        *,
+        thinking: bool,
+        tools: bool,
+        max_tokens: int,
+        kind: str,
+    ) -> Generated | None:
+        """Prefill the lease's plan and sample one assistant turn with the engine's turn
+        loop (the EOS is sampled but not fed); None when the prefill was interrupted
+        (the state is then ``dirty`` unless nothing was fed)."""
+        lv = self.live
+        s = lease.session
+        before = len(s.tokens)
+        ids = list(lease.plan.suffix_tokens)
+        lv.phase = "model"
+        scripted = self.script.popleft() if self.script else None
 
         def show(ev: Event) -> None:
             if kind == "summary" and not isinstance(ev, ThinkingDelta | TextDelta):
                 return  # tools are off while summarizing: calls are not shown or run
-            self.ui.event(ev)
+            lv.ui.event(ev)
 
         spec = TurnSpec(
             self.sampling,
             max_tokens=max_tokens,
             cap_is_eos=self.cap_is_eos and kind == "answer",
             thinking=thinking,
-            tools=tuple(self.conv.tools) if tools else (),
+            tools=tuple(lv.conv.tools) if tools else (),
         )
         res = run_turn(
             s,
-            self.tok,
+            lv.tok,
             spec,
+            prefill=lease.plan,
             emit=show,
-            cancel=lambda: self._cancel,
-            script=self._next_script(),
-            tool_memory=self.tool_memory if tools else None,
+            cancel=lambda: lv.cancel,
+            progress=lv.ui.prefill_progress,
+            script=self._script_ids(scripted),
+            tool_memory=lv.tool_memory if tools else None,
+            after_token=lease.after_token,
+            chunk_size=self.chunk_size,
+            hooks=_Hooks(lv.ui, kind, len(ids), close_thinking=thinking),
         )
+        n = res.prefilled
+        lv.steps.append(Step(prefill_kind, before, n, len(ids), res.prefill_s, lv.tok.decode(ids)))
+        pn, ps = self.last_prefill
+        self.last_prefill = (pn + n, ps + res.prefill_s)
+        if n < len(ids):
+            if scripted is not None:  # nothing was generated: the next turn's script
+                self.script.appendleft(scripted)
+            if n > 0 or not s.tokens:
+                lv.settle()
+            lv.ui.notice("interrupted during prefill", "warn")
+            return None
+        lv.state = LiveState.READY
+        start = before + n
         stop = _AGENT_STOP.get(res.finish, res.finish)
-        fed = len(s.tokens) - start
+        fed = res.fed - res.forced
         step = Step(kind, start, fed, fed, res.decode_s, stop=stop)
-        self.steps.append(step)
+        lv.steps.append(step)
         if kind == "answer":
-            self._last_gen = step
-        self.ui.turn_end(step)
-        raw = self.tok.decode(s.tokens[start:])
-        return Generated(stop, res.decoded, raw, start, fed, res.decode_s, res.call_errors)
+            self.last_gen = step
+        lv.ui.turn_end(step)
+        raw = lv.tok.decode(s.tokens[start:])
+        return Generated(stop, res.decoded, raw, start, fed, res.decode_s, res.call_errors, res)
 
-    def _close_turn(self, gen: Generated, thinking: bool) -> Message:
-        """The transcript message for a generated turn; make the live state end on it.
+    def answer(self, compactor, max_tokens: int):
+        """Prepare (compacting first when due, with ``compactor``) and generate one
+        answer turn, closed into the transcript and bound in the prompt cache:
+        ``(Generated, Message)``, or a ``SendResult`` status when it did not run."""
+        lv = self.live
+        prepared = self.prepare(compact=True)
+        if prepared.compact is not None:
+            prepared.lease.abandon()
+            st, prepared = compactor.compact(prepared.compact)
+            if st is not None:
+                return st
+        thinking = lv.conv.thinking
+        gen = self.generate(
+            prepared.lease,
+            prepared.kind,
+            thinking=thinking,
+            tools=True,
+            max_tokens=max_tokens,
+            kind="answer",
+        )
+        if gen is None:
+            return "interrupted"
+        msg = self.close_turn(gen, thinking)
+        lv.messages.append(msg)
+        key = lv.render() if lv.state == LiveState.TURN_END else None
+        prepared.lease.finish(gen.turn, transcript_key=key)
+        return gen, msg
 
-        A turn that stopped inside its reasoning gets ``</think>`` fed, so that the live
-        text reads ``reasoning</think>content`` as the renderer writes it.
+    def close_turn(self, gen: Generated, thinking: bool) -> Message:
+        """The transcript message for a generated turn; the live state ends on it.
+
+        A turn that stopped inside its reasoning had ``</think>`` fed by the turn loop
+        (`_Hooks.at_end`), so the live text reads ``reasoning</think>content`` as the
+        renderer writes it; without room for it the state is ``dirty``.
         """
-        s = self.session
+        lv = self.live
         raw = gen.raw
-        self.state = "turn_end"
+        lv.state = LiveState.TURN_END
         if thinking and THINK_END not in raw:
-            if s.room() >= 1:
-                self._phase = "model"
-                s.prefill([self.tok.think_end_id])
-                raw += THINK_END
-            else:
-                self.state = "dirty"
+            lv.state = LiveState.DIRTY
         if gen.stop == "eos":
             res = gen.result
             msg = Message(
@@ -181,7 +260,7 @@ class LiveSteps:
                 tool_calls=list(res.tool_calls),
             )
             if render_assistant_turn(msg, thinking=thinking, eos=False) != raw:
-                self.exact = False
+                lv.exact = False
             return msg
         # Interrupted or cut: keep the raw text as it is in the live state; a partial
         # tool call stays text and is never run.
@@ -193,12 +272,13 @@ class LiveSteps:
             reasoning, content = None, raw
         return Message("assistant", content=content, reasoning=reasoning)
 
-    def _run_tools(self, calls: list[ToolCall], call_errors: dict[str, str]) -> bool:
+    def run_tools(self, calls: list[ToolCall], call_errors: dict[str, str]) -> bool:
         """Run ``calls`` in order, appending one tool message each; False if interrupted."""
+        lv = self.live
         interrupted = False
         for call in calls:
             outcome: ToolOutcome | None = None
-            interrupted = interrupted or self._cancel  # Ctrl+C between two calls
+            interrupted = interrupted or lv.cancel  # Ctrl+C between two calls
             try:
                 if interrupted:
                     outcome = ToolOutcome(
@@ -214,8 +294,8 @@ class LiveSteps:
                         "invalid_arguments",
                     )
                 else:
-                    self._phase = "tools"
-                    self.ui.tool_start(call, self.toolbox.describe(call.name, call.arguments))
+                    lv.phase = "tools"
+                    lv.ui.tool_start(call, self.toolbox.describe(call.name, call.arguments))
                     outcome = self.toolbox.run(call.name, call.arguments)
             except KeyboardInterrupt:
                 interrupted = True
@@ -226,9 +306,9 @@ class LiveSteps:
                     INTERRUPTED,
                 )
             finally:
-                self._phase = "model"
+                lv.phase = "model"
                 if outcome is None:  # an unexpected error escaped: still answer the call
                     outcome = ToolOutcome(False, "error: the agent failed to run this call")
-                self.messages.append(Message("tool", outcome.text, tool_call_id=call.id))
-            self.ui.tool_result(call, outcome)
+                lv.messages.append(Message("tool", outcome.text, tool_call_id=call.id))
+            lv.ui.tool_result(call, outcome)
         return not interrupted

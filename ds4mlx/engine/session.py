@@ -305,10 +305,14 @@ class Session:
         """
         return int(self.sample_async(params, greedy=greedy).item())
 
-    def sample_async(self, params: SamplingParams, *, greedy: bool = False) -> mx.array:
+    def sample_async(
+        self, params: SamplingParams, *, greedy: bool = False, logits: mx.array | None = None
+    ) -> mx.array:
         """`sample` without waiting: a uint32 scalar array whose evaluation is launched
         (``mx.async_eval``) in its own call, so reading it later waits for the sampling
-        only, not for a forward built on top of it meanwhile. Raises like `sample`."""
+        only, not for a forward built on top of it meanwhile. ``logits``: ``(vocab,)``
+        to sample from instead of the session's (a masked copy of them). Raises like
+        `sample`."""
         if self._script:
             tok = self._script.popleft()
             if not self._script:
@@ -316,13 +320,14 @@ class Session:
             return mx.array(tok, dtype=mx.uint32)
         if self.logits is None:
             raise RuntimeError("no logits to sample from: feed a prompt first")
+        logits = self.logits if logits is None else logits
         if greedy or params.greedy:
-            t = mx.argmax(self.logits)
+            t = mx.argmax(logits)
         else:
             if self._key is None:
                 self.seed(params.seed)
             self._key, sub = mx.random.split(self._key)
-            t = sample_token(self.logits, params, sub)
+            t = sample_token(logits, params, sub)
         mx.async_eval(t)
         return t
 

@@ -20,6 +20,11 @@ generate`` and ``ds4mlx bench`` — so the rules below hold everywhere:
 - **Cancellation** is polled before every prefill chunk and every token; the session is
   left consistent (it holds what was fed).
 
+- **Extension points** (`TurnHooks`): per-step polls (steering, cancel), a per-step
+  logits mask, a draft→verify step, and one forced-feed call (`Turn.force_feed`: a
+  block closer, ``</think>`` when a cut turn is closed) plug into the loop from
+  outside; the loop class does not grow for them.
+
 The engine knows no protocol: the loop emits the `ds4mlx.dsml` decoder events
 (``ThinkingDelta``, ``TextDelta``, ``ToolCall*``, ``ParseError``) for chat turns, and the
 neutral `RawText` / `TokenLogprob` defined here; callers map them to their own
@@ -164,6 +169,10 @@ class TurnResult:
         text: the visible text emitted (after stop strings).
         raw: the whole generated text, as sampled.
         decode_s: seconds from the first sampled token to the end.
+        forced: tokens fed by `Turn.force_feed` after the loop ended (in ``fed`` and
+            ``raw``, not in ``completion_tokens``).
+        drafted: tokens a `TurnHooks.draft` proposed and the loop checked.
+        accepted: drafted tokens that matched the sampled ones.
     """
 
     finish: str
@@ -180,6 +189,46 @@ class TurnResult:
     text: str = ""
     raw: str = ""
     decode_s: float = 0.0
+    forced: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+
+class TurnHooks:
+    """Extension points of the turn loop: subclass and override what you need (every
+    default does nothing). Hooks run on the inference thread with the running `Turn`.
+
+    - `after_prefill`: the planned prefill is over (done, cut or failed): a UI closes
+      its progress display.
+    - `before_step`: polled before every sampling step, after ``cancel``: a finish
+      reason ends the turn there (steering and cancel polls).
+    - `mask`: the logits to sample this step from, ``(vocab,)`` float (e.g. ``-inf``
+      on forbidden ids), or None for the session's own; forced tokens skip it.
+    - `draft`: proposed next tokens (a draft model, a lookup); the loop verifies each
+      against the token it samples and counts ``TurnResult.drafted``/``accepted`` (a
+      mismatch drops the rest of the draft). Today every step still samples one token
+      with one forward pass: a batched verify plugs in here without touching callers.
+    - `at_end`: the turn ended (any finish but an exception); it may call
+      `Turn.force_feed` (e.g. ``</think>`` to close a cut reasoning block).
+    """
+
+    def after_prefill(self, turn: Turn) -> None:
+        return None
+
+    def before_step(self, turn: Turn) -> str | None:
+        return None
+
+    def mask(self, turn: Turn, logits: mx.array) -> mx.array | None:
+        return None
+
+    def draft(self, turn: Turn) -> Sequence[int]:
+        return ()
+
+    def at_end(self, turn: Turn) -> None:
+        return None
+
+
+_NO_HOOKS = TurnHooks()
 
 
 def top_logprobs(logits: mx.array, top_n: int) -> tuple[mx.array, list[tuple[int, float]]]:
@@ -196,11 +245,21 @@ def top_logprobs(logits: mx.array, top_n: int) -> tuple[mx.array, list[tuple[int
     return lps, [(int(i), float(v)) for i, v in pairs]
 
 
-class _Turn:
-    """State of one running turn (see `run_turn`)."""
+class Turn:
+    """State of one running turn (see `run_turn`); what `TurnHooks` receive.
 
-    def __init__(self, session: Session, tokenizer, spec: TurnSpec, emit, cancel, tool_memory):
+    Read-only for hooks except through `force_feed`: ``s`` (the `Session`), ``tok``,
+    ``spec``, ``result`` (the `TurnResult` so far), ``in_thinking`` (inside the
+    reasoning block), `raw_text`.
+    """
+
+    def __init__(
+        self, session: Session, tokenizer, spec: TurnSpec, emit, cancel, tool_memory, hooks=None
+    ):
         self.s, self.tok, self.spec = session, tokenizer, spec
+        self.hooks: TurnHooks = hooks or _NO_HOOKS
+        self.drafts: collections.deque[int] = collections.deque()
+        self.ended = False
         self.emit = emit
         self.cancel = cancel or (lambda: False)
         self.tool_memory = tool_memory
@@ -231,9 +290,36 @@ class _Turn:
 
     # ---- events
 
+    def raw_text(self) -> str:
+        """The text generated so far (as sampled, forced feeds included)."""
+        return "".join(self.raw)
+
+    def force_feed(self, ids: Sequence[int]) -> int:
+        """The one forced-feed call: ``ids`` go into the session as if sampled, through
+        the detokenizer and decoder (their events are emitted).
+
+        While the loop runs they are the next steps' tokens (sampling skipped; counted
+        as completion tokens, as the forced tool-call opener is). Once the turn ended
+        (`TurnHooks.at_end`) they are fed at once, as far as the context has room, and
+        counted in ``result.fed`` and ``result.forced``. Returns how many were fed or
+        queued.
+        """
+        ids = list(ids)
+        if not self.ended:
+            self.forced.extend(ids)
+            return len(ids)
+        ids = ids[: max(0, self.s.room())]
+        if ids:
+            self.s.prefill(ids)
+            for t in ids:
+                self._text_of(t, None)
+            self.result.fed += len(ids)
+            self.result.forced += len(ids)
+        return len(ids)
+
     def _open_forced(self) -> None:
         if self.force_text is not None:
-            self.forced.extend(self.tok.encode(self.force_text))
+            self.force_feed(self.tok.encode(self.force_text))
             self.force_text = None
 
     def _emit_text(self, text: str) -> None:
@@ -316,8 +402,21 @@ class _Turn:
         lp_fn = self._logprob_for(not self.in_thinking)
         if self.forced:
             return mx.array(self.forced.popleft(), dtype=mx.uint32), lp_fn
+        if not self.drafts:
+            self.drafts.extend(self.hooks.draft(self))
         greedy = greedy_after_script or bool(self.decoder and self.decoder.in_structure)
-        return self.s.sample_async(self.spec.sampling, greedy=greedy), lp_fn
+        masked = self.hooks.mask(self, self.s.logits) if self.s.logits is not None else None
+        return self.s.sample_async(self.spec.sampling, greedy=greedy, logits=masked), lp_fn
+
+    def _verify(self, t: int) -> None:
+        """Check sampled token ``t`` against the next drafted one (`TurnHooks.draft`)."""
+        if not self.drafts:
+            return
+        self.result.drafted += 1
+        if self.drafts.popleft() == t:
+            self.result.accepted += 1
+        else:
+            self.drafts.clear()
 
     def _ends_turn(self, n: int) -> str | None:
         """The finish reason if the ``n``-th sampled token ends the turn, else None.
@@ -370,6 +469,10 @@ class _Turn:
             if self.cancel():
                 r.finish = FINISH_CANCELLED
                 break
+            stop = self.hooks.before_step(self)
+            if stop is not None:
+                r.finish = stop
+                break
             if n >= spec.max_tokens:
                 r.finish = FINISH_LENGTH
                 break
@@ -380,6 +483,8 @@ class _Turn:
                 t = int(t_arr.item())
                 t_first = t_first or time.monotonic()
                 n += 1
+                r.completion_tokens = n  # hooks read it during the turn
+                self._verify(t)
                 end, fed = self._handle(t, lp_fn(t) if lp_fn else None, n)
                 if fed:
                     s.commit(step, t) if step is not None else s.decode(t)
@@ -394,6 +499,8 @@ class _Turn:
                 break
         s.sync()
         r.completion_tokens = n
+        self.ended = True
+        self.hooks.at_end(self)
         self._flush()
         r.decode_s = time.monotonic() - (t_first or t0)
 
@@ -444,6 +551,7 @@ def run_turn(
     after_token: Callable[[Session], Any] | None = None,
     script: Sequence[int] | None = None,
     chunk_size: int = DEFAULT_CHUNK,
+    hooks: TurnHooks | None = None,
 ) -> TurnResult:
     """Prefill ``prefill`` onto ``session``, then generate one turn per ``spec``.
 
@@ -462,28 +570,34 @@ def run_turn(
         script: scripted decoding (tests only): ``sample`` returns these ids first; the
             forward pass still runs for every fed token.
         chunk_size: prefill tokens per forward pass.
+        hooks: the loop's extension points (`TurnHooks`), or None.
     Returns:
         The `TurnResult`; ``finish`` is ``cancelled`` when a prefill was cut short (then
-        nothing was sampled).
+        nothing was sampled, and no hook but ``after_prefill`` ran) or when ``cancel``
+        held before the first token (then ``TurnHooks.at_end`` ran: a cut turn is
+        closed the same way wherever it was cut).
     Raises:
         ds4mlx.engine.ContextOverflowError: the prefill does not fit; nothing was fed.
         RuntimeError: the session has no logits after the prefill (empty prompt).
     """
     emit = emit or (lambda _ev: None)
-    turn = _Turn(session, tokenizer, spec, emit, cancel, tool_memory)
+    turn = Turn(session, tokenizer, spec, emit, cancel, tool_memory, hooks)
     if prefill is not None:
         suffix = list(getattr(prefill, "suffix_tokens", prefill))
         t0 = time.monotonic()
-        turn.result.prefilled = session.prefill(
-            suffix,
-            chunk_size=chunk_size,
-            progress=progress,
-            cancel=cancel,
-            checkpoints=getattr(prefill, "checkpoints", ()),
-            on_checkpoint=getattr(prefill, "on_checkpoint", None),
-        )
-        turn.result.prefill_s = time.monotonic() - t0
-        if turn.result.prefilled < len(suffix) or turn.cancel():
+        try:
+            turn.result.prefilled = session.prefill(
+                suffix,
+                chunk_size=chunk_size,
+                progress=progress,
+                cancel=cancel,
+                checkpoints=getattr(prefill, "checkpoints", ()),
+                on_checkpoint=getattr(prefill, "on_checkpoint", None),
+            )
+        finally:
+            turn.result.prefill_s = time.monotonic() - t0
+            turn.hooks.after_prefill(turn)
+        if turn.result.prefilled < len(suffix):
             turn.result.finish = FINISH_CANCELLED
             return turn.finish()
     if session.logits is None:

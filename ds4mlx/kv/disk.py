@@ -96,6 +96,7 @@ class DiskCache:
         rendered_text: str | None,
         prompt_end: bool = False,
         stable_text: str | None = None,
+        tracker: policy.SaveTracker | None = None,
     ) -> list[policy.SavePoint]:
         """Snapshots to take while prefilling ``prompt_tokens`` from ``cached`` tokens.
 
@@ -107,21 +108,23 @@ class DiskCache:
         point at the prompt's end stays: it is saved under ``rendered_text`` too.
         ``stable_text``: a prefix of the prompt that a retry in another shape shares (see
         ``ds4mlx.kv.plan``); the most tokens whose text lies within it get a ``cold``
-        point.
+        point. ``tracker``: the saves of the live state being prefilled (default
+        ``self.tracker``; the prompt cache passes each live state's own).
         """
+        tracker = self.tracker if tracker is None else tracker
         tok = self.engine.tokenizer
         points = policy.prefill_save_points(
             self.settings,
             cached=cached,
             prompt_tokens=prompt_tokens,
-            last_saved=self.tracker.last_saved,
+            last_saved=tracker.last_saved,
             user_token_id=tok.user_id,
             assistant_token_id=tok.assistant_id,
             prompt_end=prompt_end,
         )
         if stable_text:
             n = self._tokens_within(prompt_tokens, stable_text)
-            if cached < n and n > self.tracker.last_saved and n not in {p.tokens for p in points}:
+            if cached < n and n > tracker.last_saved and n not in {p.tokens for p in points}:
                 points = sorted([*points, policy.SavePoint(n, "cold")], key=lambda p: p.tokens)
         out: list[policy.SavePoint] = []
         for p in points:
@@ -158,22 +161,24 @@ class DiskCache:
                 hi = mid - 1
         return lo
 
-    def continued_due(self, n_tokens: int) -> bool:
+    def continued_due(self, n_tokens: int, tracker: policy.SaveTracker | None = None) -> bool:
         """Whether the live state at ``n_tokens`` (during generation) is an unsaved
-        continued frontier."""
+        continued frontier (``tracker``: that state's saves, default ``self.tracker``)."""
+        tracker = self.tracker if tracker is None else tracker
         step = self.settings.continued_step
         return (
             step > 0
             and n_tokens % step == 0
             and n_tokens >= self.settings.min_tokens
-            and n_tokens > self.tracker.last_saved
+            and n_tokens > tracker.last_saved
         )
 
-    def worth_saving(self, n_tokens: int) -> bool:
+    def worth_saving(self, n_tokens: int, tracker: policy.SaveTracker | None = None) -> bool:
         """Whether an ``evict``/``shutdown`` save of ``n_tokens`` live tokens is due:
-        long enough, and not already saved at exactly this length."""
+        long enough, and not already saved at exactly this length (``tracker``: that
+        state's saves, default ``self.tracker``)."""
         return policy.should_save_live(self.settings, n_tokens) and (
-            self.tracker.last_saved != n_tokens
+            (self.tracker if tracker is None else tracker).last_saved != n_tokens
         )
 
     # ---------------------------------------------------------------- save / load
@@ -186,6 +191,7 @@ class DiskCache:
         tool_ids: Iterable[str] = (),
         *,
         keys: Sequence[str | tuple[str, Sequence[int]]] = (),
+        tracker: policy.SaveTracker | None = None,
     ):
         """Snapshot the live session (on the inference thread; the file I/O runs on the
         writer thread when the cache has one).
@@ -201,6 +207,7 @@ class DiskCache:
                 EOS; a prompt's rendering), each ``(text, marks)`` (where it spells
                 special tokens as plain text, ``ds4mlx.kv.plan._alias``); recorded as
                 aliases of the snapshot (no second payload).
+            tracker: the saves of ``session``'s live state (default ``self.tracker``).
         Returns:
             The written ``Entry`` (synchronous cache), the queued
             ``ds4mlx.kv.store.PreparedSave`` (background writer: both have ``key`` and
@@ -243,7 +250,7 @@ class DiskCache:
             log.exception("kv cache: save failed tokens=%d reason=%s", n, reason)
             return None
         if entry is not None:
-            self.tracker.saved(n)
+            (self.tracker if tracker is None else tracker).saved(n)
             log.debug(
                 "kv cache: %s save of %d tokens %s in %.1f ms",
                 reason,

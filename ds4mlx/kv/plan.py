@@ -1,11 +1,12 @@
 """What to reuse for a prompt, and how to prefill it (the prompt cache's matching order).
 
-The server's worker and the agent ask the one `Planner`, on the inference thread, how to
-put a prompt into the live ``Session``; the planner brings the session to the state to
-extend (keeps it, restores a disk snapshot, or resets it) and answers with a `Plan`: the
-suffix to prefill and the disk-save checkpoints on the way. The engine's turn loop
-(``ds4mlx.engine.run_turn``) feeds the plan. After the turn, `Planner.after_generation`
-remembers what a later prompt may continue from.
+`ds4mlx.kv.cache.PromptCache.begin` asks the one `Planner`, on the inference thread, how
+to put a prompt into a live state (`ds4mlx.kv.resident.Resident`); the planner brings its
+session to the state to extend (keeps it, restores a disk snapshot, or resets it) and
+answers with a `Plan`: the suffix to prefill and the disk-save checkpoints on the way. The
+engine's turn loop (``ds4mlx.engine.run_turn``) feeds the plan. After the turn,
+`Planner.after_generation` (through ``Lease.finish``) remembers on that state what a later
+prompt may continue from. The planner holds nothing between jobs.
 
 `Planner` implements the whole matching order; the first rule that fits wins:
 
@@ -33,12 +34,8 @@ snapshot's aliases) must spell special tokens as plain text where the prompt doe
 (`_same_key`).
 
 A binding a job does not use is cleared. A tool result that neither the live binding
-nor a replayed assistant call explains rejects the job (`PlanRejected`, a client
-mistake, with the id as its fact: each caller words it).
-
-The whole prompt's tokens are asked for (``prompt_tokens`` may be a callable) only by
-the rules that need them (4 and 7, and the resident-state choice's prefix rule): a live
-continuation tokenizes only its suffix.
+nor a replayed assistant call explains rejects the job (`UnknownToolId`, a client
+mistake carrying the id; each caller words it).
 
 DeepSeek V4 caches cannot be trimmed backwards past the compressed frontier, so a plan
 keeps either all live tokens or none, and a snapshot at ``n`` tokens is taken while the
@@ -50,8 +47,7 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -60,7 +56,6 @@ from ds4mlx.dsml.tokens import EOS
 from ds4mlx.kv.live import (
     LIVE_TOOLS,
     TOOL_RESULT_IDS,
-    LiveBindings,
     ThinkingBinding,
     ToolBinding,
     TranscriptBinding,
@@ -70,7 +65,7 @@ from ds4mlx.kv.live import (
     unexplained_tool_ids,
     visible_keys,
 )
-from ds4mlx.kv.resident import Resident, ResidentStates
+from ds4mlx.kv.resident import Resident
 
 log = logging.getLogger("ds4mlx.kv")
 
@@ -126,14 +121,29 @@ class _Tokenizer(Protocol):
     def encode(self, text: str, *, content=()) -> list[int]: ...
 
 
-class PlanRejected(Exception):
-    """The prompt cannot be served as sent (a client mistake): ``tool_id``, a tool-result
-    id that neither the live state nor a replayed call explains. No wording: the caller
-    words it in its protocol (the server's worker reports ``ds4mlx.jobs.Failure``)."""
+class PromptRejected(Exception):
+    """The prompt cannot be served as sent (a client mistake). Carries facts, not
+    wording: each caller words it in its own protocol."""
+
+
+class UnknownToolId(PromptRejected):
+    """A tool result whose id answers no call the live state sampled or the prompt
+    replays. ``tool_id``: that id."""
 
     def __init__(self, tool_id: str):
-        super().__init__(f"unknown tool result id {tool_id}")
+        super().__init__(f"tool result {tool_id!r} answers no known call")
         self.tool_id = tool_id
+
+
+class ContextFull(PromptRejected):
+    """The prompt leaves no room in the context: ``n_prompt`` tokens (0: an empty
+    prompt) of an ``n_ctx``-token context."""
+
+    def __init__(self, n_prompt: int, n_ctx: int):
+        what = "empty prompt" if n_prompt == 0 else f"prompt is {n_prompt} tokens"
+        super().__init__(f"{what}; the context is {n_ctx}")
+        self.n_prompt = n_prompt
+        self.n_ctx = n_ctx
 
 
 Tokens = list[int] | Callable[[], list[int]]
@@ -298,388 +308,58 @@ def _prefix_plan(
 # --------------------------------------------------------------------------- planner
 
 
-class _DiskTier:
-    """The disk-tier half of `Planner` (its snapshots: save points, evict/shutdown saves,
-    restores). Split out only to keep each class readable; it uses `Planner`'s
-    attributes (``engine``, ``disk``, ``tool_memory``, ``live_tool_ids``, ``bindings``)
-    and methods (``reset``, ``_replaced``) and is never used on its own.
-    """
+class Planner:
+    """The full matching order of docs/ARCHITECTURE.md §3, applied to one live state.
 
-    disk: Any
-    engine: Any
-    tool_memory: Any
-    live_tool_ids: dict[str, None]
-    bindings: LiveBindings
-    residents: ResidentStates | None
-    _live_keys: tuple[tuple[str, tuple[int, ...]], ...]
-
-    def _with_checkpoints(self, plan: Plan, session, rendered: Rendered | None, conv=None) -> Plan:
-        """Attach the disk-save checkpoints of ``plan`` (cold point, continued frontiers,
-        the prompt's end when it is not a live continuation).
-
-        ``rendered`` (the prompt, or None to skip the check) must start with a
-        checkpoint's text for that checkpoint to be kept: a snapshot no lookup can find
-        is not worth its disk space. A snapshot at the prompt's end is indexed by
-        ``rendered`` as well (an alias, with its marks), which a retry or replay renders
-        again.
-        """
-        if self.disk is None:
-            return plan
-        text = rendered.text if rendered is not None else None
-        prompt_ids = list(session.tokens[: plan.keep]) + list(plan.suffix_tokens)
-        points = self.disk.checkpoints(
-            cached=plan.cached,
-            prompt_tokens=prompt_ids,
-            rendered_text=text,
-            # A retry, replay or sub-agent of a prompt that did not continue the live
-            # state cannot continue it either: its end is saved for them.
-            prompt_end=plan.decision in _NOT_CONTINUATIONS,
-            stable_text=_stable_prefix(conv, text, self),
-        )
-        if points:
-            reasons = {p.tokens: p.reason for p in points}
-            plan.checkpoints = [p.tokens for p in points]
-            plan.extra["checkpoint_reasons"] = reasons
-
-            end = plan.prompt_tokens
-            keys = (_alias(self.engine.tokenizer, rendered),) if text else ()
-
-            def save(session, n: int) -> None:
-                self.disk.save_live(
-                    session,
-                    reasons.get(n, "continued"),
-                    self.tool_memory,
-                    self.live_tool_ids,
-                    keys=keys if n == end else (),
-                )
-
-            plan.on_checkpoint = save
-        return plan
-
-    def _evict_live(self, session) -> None:
-        """Save the live state (``evict``) before an unrelated request replaces it."""
-        if self.disk is not None and self.disk.worth_saving(len(session.tokens)):
-            self.disk.save_live(
-                session, "evict", self.tool_memory, self.live_tool_ids, keys=self._live_keys
-            )
-
-    def _keys_of(
-        self, session, binding: ThinkingBinding | None
-    ) -> tuple[tuple[str, tuple[int, ...]], ...]:
-        """Disk aliases (`_alias`) of the live state besides its own text: a thinking
-        turn's visible keys without their EOS (the next prompt renders the turn without
-        its reasoning, so its text never starts with the live text;
-        `ds4mlx.kv.live.visible_keys`)."""
-        if binding is None or binding.n_tokens != len(session.tokens):
-            return ()
-        tok = self.engine.tokenizer
-        return tuple(
-            _alias(tok, k.head(len(k.text) - len(EOS)))
-            for k in binding.keys
-            if k.text.endswith(EOS)
-        )
-
-    def _from_disk(self, session, rendered: Rendered | None) -> Plan | None:
-        """Rule 6: restore the longest stored rendered-text prefix.
-
-        Loads first, then saves the live state (evict) it replaces: saving first could
-        evict, within the byte budget, the very snapshot about to be loaded.
-        """
-        if self.disk is None or rendered is None:
-            return None
-        t0 = time.perf_counter()
-        loaded = self.disk.lookup(rendered.text)
-        if loaded is None:
-            return None
-        return self._restore(session, rendered, loaded, t0)
-
-    def resume(self, session, key: str) -> int | None:
-        """Restore the disk snapshot stored under ``key`` (the agent's ``/switch``).
-
-        The live state it replaces is saved first (``evict``) when worth it. Returns the
-        tokens restored, or None when the snapshot is gone or unusable (the session is
-        then reset).
-        """
-        from ds4mlx.engine import SessionState, SnapshotError
-
-        loaded = self.disk.load_key(key) if self.disk is not None else None
-        self._live_keys = self._keys_of(session, self.bindings.thinking)
-        self._evict_live(session)
-        self.reset(session)
-        if loaded is None:
-            return None
-        try:
-            session.restore(SessionState(loaded.tokens, loaded.arrays, loaded.meta))
-        except (SnapshotError, ValueError) as e:
-            log.warning("kv cache: cannot restore %s: %s", key[:12], e)
-            return None
-        self._loaded(loaded)
-        return len(loaded.tokens)
-
-    def _loaded(self, loaded) -> None:
-        """Bookkeeping after a snapshot was restored into the live session."""
-        self.disk.tracker.loaded(len(loaded.tokens))
-        if self.tool_memory is not None and loaded.tool_memory:
-            self.tool_memory.load(loaded.tool_memory.items())
-        self.live_tool_ids.update(dict.fromkeys(loaded.tool_memory))
-
-    def _restore(self, session, rendered: Rendered, loaded, t0: float) -> Plan | None:
-        from ds4mlx.engine import SessionState, SnapshotError
-
-        # The same bytes must be the same tokens. The snapshot's own text is what its
-        # tokens decode to: checked against them. An alias is a rendering whose text is
-        # not the tokens' (a visible key leaves out the reasoning the state holds, by
-        # design): checked by the marks stored with it.
-        tok, end = self.engine.tokenizer, len(loaded.text)
-        if loaded.entry.via_alias:
-            same = _same_key(tok, loaded.entry.alias_marks, rendered, end)
-        else:
-            same = _same_markers(tok, loaded.tokens, rendered, end)
-        if not same:
-            log.info("kv cache: %s matches as text, not as tokens; not used", loaded.entry.key[:12])
-            return None
-        self._evict_live(session)
-        state = SessionState(tokens=loaded.tokens, arrays=loaded.arrays, meta=loaded.meta)
-        try:
-            session.restore(state)
-        except (SnapshotError, ValueError) as e:
-            # Verified by digest but not for this model's caches: treat as a miss.
-            log.warning("kv cache: cannot restore %s: %s", loaded.entry.path.name, e)
-            return None
-        self._replaced()
-        self._loaded(loaded)
-        rest = _encode_tail(self.engine.tokenizer, rendered, len(loaded.text))
-        n = len(loaded.tokens)
-        ms = (time.perf_counter() - t0) * 1e3
-        return Plan(
-            keep=n,
-            suffix_tokens=rest,
-            decision="disk",
-            cached=n,
-            detail=f"ids=0 key={loaded.entry.key[:12]} reason={loaded.entry.reason} load={ms:.0f}ms",
-        )
-
-    def after_token(self, session) -> None:
-        """Called after each generated token is fed: a ``continued`` save when the live
-        state reaches an unsaved frontier."""
-        if self.disk is not None and self.disk.continued_due(len(session.tokens)):
-            self.disk.save_live(session, "continued", self.tool_memory, self.live_tool_ids)
-
-    def on_shutdown(self, session) -> None:
-        """Clean exit: save the live state (``shutdown``) when worth it, then write every
-        queued save (the writer thread is stopped)."""
-        if self.disk is None:
-            return
-        residents = self.residents.states if self.residents is not None else [None]
-        for r in residents:
-            if r is not None:  # every resident state is saved, each with its own ids
-                self._use(r)
-                session = r.session
-            if self.disk.worth_saving(len(session.tokens)):
-                keys = self._keys_of(session, self.bindings.thinking)
-                self.disk.save_live(
-                    session, "shutdown", self.tool_memory, self.live_tool_ids, keys=keys
-                )
-        self.disk.close()
-
-
-class _Residency:
-    """Which resident state a job runs on (``--sessions N``; split out of `Planner` for
-    size, it uses Planner's ``_live_tools``). With one state (the
-    default) none of this runs.
-
-    The best live match wins: a tool-id continuation over a text key over a prefix,
-    then the most tokens kept. A job that matches no state goes to a free state, else
-    to the least valuable one (`ResidentStates.value`), which the plan then evict-saves
-    and replaces.
-    """
-
-    disk: Any
-    engine: Any
-    bindings: LiveBindings
-    live_tool_ids: dict[str, None]
-    residents: ResidentStates | None
-    current: Resident | None
-
-    def _use(self, r: Resident) -> None:
-        """Make ``r`` the state the planner's bindings, tool ids and tracker describe
-        (each state keeps its own objects; the planner mutates them in place)."""
-        self.current = r
-        self.bindings = r.bindings
-        self.live_tool_ids = r.live_tool_ids
-        if self.disk is not None:
-            self.disk.tracker = r.tracker
-
-    def _match(self, r: Resident, rendered, conversation, prompt) -> tuple | None:
-        """``(tier, kept tokens)`` of the best live rule for state ``r``, or None. No side
-        effects: the chosen state is planned again for real."""
-        if not r.live:
-            return None
-        s, b = r.session, r.bindings
-        tier, plan = 3, self._live_tools(s, conversation, b.tool)
-        if plan is None and rendered is not None:
-            tier = 2
-            tok = self.engine.tokenizer
-            plan = _key_plan(tok, s, rendered, b.transcript, "live-transcript", "")
-            plan = plan or _key_plan(tok, s, rendered, b.thinking, "live-thinking", "")
-        if plan is None:
-            tier, plan = 1, _prefix_plan(s, self.engine.tokenizer, rendered, prompt)
-        if plan is None or plan.prompt_tokens >= self.engine.ctx_size:
-            return None
-        return tier, plan.keep
-
-    def _choose(self, rendered, conversation, prompt) -> Resident:
-        """Pick the state for a job and make it current (see the class docstring)."""
-        best: tuple | None = None
-        for r in self.residents.states:
-            score = self._match(r, rendered, conversation, prompt)
-            if score is not None and (best is None or score > best[0]):
-                best = (score, r)
-        r = best[1] if best is not None else self.residents.room_for()
-        self._use(r)
-        self.residents.touch(r)
-        return r
-
-
-class Planner(_Residency, _DiskTier):
-    """The full matching order of docs/ARCHITECTURE.md §3 for one engine's live session.
+    Stateless between jobs: everything a later prompt may continue from lives on the
+    `ds4mlx.kv.resident.Resident` it is given (session, bindings, tool ids, save
+    tracker). `ds4mlx.kv.cache.PromptCache` owns the states and calls it through a
+    `ds4mlx.kv.cache.Lease`.
 
     Args:
         engine: the ``ds4mlx.engine.Engine`` (tokenizer, context size).
-        tool_memory: the server's ``ds4mlx.dsml.ToolMemory`` (exact sampled DSML).
-        disk: a `ds4mlx.kv.disk.DiskCache`, or None when the disk cache is off.
-
-    Attributes:
-        bindings: the `LiveBindings` (routes read ``bindings.bound_tool_ids()``).
-        live_tool_ids: ids whose exact DSML may be inside the live text (sampled or
-            replayed in this live session, or restored with it); persisted with its
-            snapshots.
-
-    Called on the inference thread: `plan` before a turn, `after_token` after each
-    generated token is fed, `after_generation` after the turn, `on_shutdown` at exit.
+        tool_memory: the ``ds4mlx.dsml.ToolMemory`` (exact sampled DSML), or None.
+        tier: the `ds4mlx.kv.tier.DiskTier` (snapshots), or None when the disk cache is
+            off.
     """
 
-    @classmethod
-    def open(cls, engine, settings=None, tool_memory=None) -> Planner:
-        """A planner for ``engine``, with a disk cache when ``settings`` enable one.
-
-        Args:
-            engine: the loaded engine (on the inference thread: the disk cache's arrays
-                belong to it).
-            settings: ``ds4mlx.kv.policy.KVCacheSettings``, or None for no disk cache.
-                The tool-memory entries persisted in the cache are reloaded.
-            tool_memory: the ``ds4mlx.dsml.ToolMemory`` of sampled calls, or None.
-        Raises:
-            OSError: the disk directory cannot be created.
-        """
-        disk = None
-        sessions = settings.sessions if settings is not None else 1
-        if settings is not None and settings.enabled:
-            from ds4mlx.kv.disk import DiskCache
-
-            # Snapshot files are written on the cache's writer thread: an evict save
-            # must not delay the request that caused it (docs/ARCHITECTURE.md §5).
-            disk = DiskCache(engine, settings, background=True)
-            if tool_memory is not None and tool_memory.enabled:
-                n = disk.reload_tool_memory(tool_memory)
-                if n:
-                    log.info("kv cache: reloaded %d tool-memory entries", n)
-        planner = cls(engine, tool_memory, disk)
-        if sessions > 1:
-            first = Resident(0, engine.session)
-            planner.residents = ResidentStates(engine, sessions, first)
-            planner._use(first)
-        return planner
-
-    def __init__(self, engine, tool_memory=None, disk=None):
+    def __init__(self, engine, tool_memory=None, tier=None):
         self.engine = engine
         self.tool_memory = tool_memory
-        self.disk = disk
-        self.bindings = LiveBindings()
-        self.live_tool_ids: dict[str, None] = {}
-        # The visible keys of the live state while a plan may replace it (the bindings
-        # are cleared when planning starts): its evict save is indexed by them too.
-        self._live_keys: tuple[str, ...] = ()
-        # Resident states (``--sessions N`` > 1, set by `open`): None means one state.
-        self.residents: ResidentStates | None = None
-        self.current: Resident | None = None
-
-    # ---------------------------------------------------------------- helpers
-
-    def bound_tool_ids(self) -> frozenset[str]:
-        """Ids of the live tool bindings of every resident state (thread-safe; for the
-        routes' pre-queue check)."""
-        if self.residents is not None:
-            return self.residents.bound_tool_ids()
-        return self.bindings.bound_tool_ids()
-
-    def _replaced(self) -> None:
-        """The live state is about to be replaced: nothing of it is on disk or bound."""
-        self.live_tool_ids.clear()
-        if self.disk is not None:
-            self.disk.tracker.reset()
-
-    def _note_replayed(self, conv) -> None:
-        """Remember the replayed calls whose exact DSML the kept prompt now holds."""
-        if conv is None or self.tool_memory is None:
-            return
-        for m in conv.messages:
-            for c in m.tool_calls:
-                if c.id and c.id in self.tool_memory:
-                    self.live_tool_ids[c.id] = None
-
-    # ---------------------------------------------------------------- the hooks
+        self.tier = tier
 
     def plan(
         self,
-        session,
-        *,
+        r: Resident,
         prompt_tokens: Tokens,
-        rendered_text: Rendered | str | None,
+        rendered: Rendered | None,
         conversation=None,
     ) -> Plan:
-        """Decide how to serve a prompt and bring ``session`` to the state to extend.
+        """Decide how to serve a prompt on state ``r`` and bring its session to the
+        state to extend (kept, restored from a disk hit, or reset after an ``evict``
+        save); the returned plan's suffix goes on top of it.
 
         Args:
-            session: the live ``Session``: kept, restored from a disk hit, or reset (after
-                an ``evict`` save) — the returned plan's suffix goes on top of it.
+            r: the live state the job runs on.
             prompt_tokens: the tokenization of the whole prompt, or a call returning it
                 (made at most once, only by a rule that needs it: a live continuation
                 tokenizes its suffix alone).
-            rendered_text: the rendered prompt: a ``ds4mlx.dsml.Rendered`` (suffixes are
-                tokenized with its content as plain text), a raw ``str``, or None for
-                token-id prompts.
+            rendered: the rendered prompt (suffixes are tokenized with its content as
+                plain text), or None for token-id prompts.
             conversation: the ``ds4mlx.dsml.Conversation`` it was rendered from, or None.
-        Returns:
-            A `Plan`.
         Raises:
-            PlanRejected: a tool result that nothing explains (client error); the
+            UnknownToolId: a tool result that nothing explains (a client mistake); the
                 session and the bindings are unchanged.
-
-        With resident states the job runs on the state `_Residency._choose` picks
-        (``plan.session``; ``session`` is ignored), and ``plan.detail`` names it.
         """
-        rendered = Rendered.of(rendered_text) if rendered_text is not None else None
-        tokens = _lazy(prompt_tokens)
-        if self.residents is None:
-            plan = self._plan(session, tokens, rendered, conversation)
-            plan.session = session
-            return plan
-        r = self._choose(rendered, conversation, tokens)
-        plan = self._plan(r.session, tokens, rendered, conversation)
-        plan.session = r.session
-        plan.detail = f"{plan.detail} state={r.index}/{self.residents.n}".strip()
-        return plan
-
-    def _plan(self, session, tokens, rendered, conversation) -> Plan:
-        """The matching order on one live state (see `plan`)."""
+        session = r.session
+        prompt_tokens = _lazy(prompt_tokens)
         live_ok = len(session.tokens) > 0 and session.logits is not None
-        saved = self.bindings.save()
+        saved = r.bindings.save()
         # Whatever this prompt does, the bindings describe the state before it: a later
         # prompt can only continue from what *this* turn leaves (after_generation).
-        self.bindings.clear()
+        r.bindings.clear()
         tool_b, think_b, transcript_b = saved
-        self._live_keys = self._keys_of(session, think_b)
+        r.live_keys = self.keys_of(r, think_b)
         plan = self._live_tools(session, conversation, tool_b) if live_ok else None
         if plan is None and conversation is not None:
             # Tool results must be live (above) or replayed with their calls.
@@ -687,8 +367,8 @@ class Planner(_Residency, _DiskTier):
             if bad:
                 # A rejected prompt changes nothing: the client may still send the right
                 # results and continue live.
-                self.bindings.restore(saved)
-                raise PlanRejected(bad[0])
+                r.bindings.restore(saved)
+                raise UnknownToolId(bad[0])
         if plan is None and live_ok and rendered is not None:
             tok = self.engine.tokenizer
             plan = _key_plan(tok, session, rendered, transcript_b, "live-transcript", "")
@@ -701,17 +381,60 @@ class Planner(_Residency, _DiskTier):
                 _thinking_detail(conversation, tool_b),
             )
         if plan is not None and self._fits(plan):
-            self._note_replayed(conversation)
-            return self._with_checkpoints(plan, session, None)
-        plan = _prefix_plan(session, self.engine.tokenizer, rendered, tokens)
+            self._note_replayed(r, conversation)
+            return self._checkpoints(plan, r, None)
+        plan = _prefix_plan(session, self.engine.tokenizer, rendered, prompt_tokens)
         if plan is not None and self._fits(plan):
             plan.detail = "ids=0"
         else:
-            # Either replaces the live state (and forgets which calls it holds). The
-            # caller checks that the planned prompt fits the context.
-            plan = self._from_disk(session, rendered) or self._cold(session, tokens())
-        self._note_replayed(conversation)
-        return self._with_checkpoints(plan, session, rendered, conversation)
+            # Either replaces the live state (and forgets which calls it holds).
+            plan = self._from_disk(r, rendered) or self._cold(r, prompt_tokens())
+        self._note_replayed(r, conversation)
+        return self._checkpoints(plan, r, rendered, conversation)
+
+    def live_match(
+        self, r: Resident, prompt_tokens: Tokens, rendered, conversation
+    ) -> tuple[int, int] | None:
+        """``(tier, kept tokens)`` of the best live rule for state ``r`` (3: tool ids,
+        2: a text key, 1: a prefix), or None. No side effects: it only ranks states
+        (`ds4mlx.kv.cache.PromptCache` plans the chosen one for real)."""
+        if not r.live:
+            return None
+        s, b = r.session, r.bindings
+        tier, plan = 3, self._live_tools(s, conversation, b.tool)
+        if plan is None and rendered is not None:
+            tier = 2
+            tok = self.engine.tokenizer
+            plan = _key_plan(tok, s, rendered, b.transcript, "live-transcript", "")
+            plan = plan or _key_plan(tok, s, rendered, b.thinking, "live-thinking", "")
+        if plan is None:
+            tier, plan = 1, _prefix_plan(s, self.engine.tokenizer, rendered, _lazy(prompt_tokens))
+        if plan is None or plan.prompt_tokens >= self.engine.ctx_size:
+            return None
+        return tier, plan.keep
+
+    def append(self, r: Resident, tail: Rendered) -> Plan | None:
+        """A plan that continues state ``r`` after its caller's turn with ``tail`` (the
+        rendering of the next turn, after the turn's EOS, which the state does not hold
+        yet): the agent's summary request. None unless ``r`` ends exactly where its
+        transcript binding says (a sampled turn's end)."""
+        b = r.bindings.transcript
+        if b is None or b.n_tokens != len(r.session.tokens) or r.session.logits is None:
+            return None
+        tok = self.engine.tokenizer
+        return Plan(
+            keep=b.n_tokens,
+            suffix_tokens=[tok.eos_id, *tok.encode(tail.text, content=tail.content)],
+            decision="live-transcript",
+            cached=b.n_tokens,
+            detail="match=appended",
+        )
+
+    def _checkpoints(self, plan: Plan, r: Resident, rendered, conv=None) -> Plan:
+        if self.tier is None:
+            return plan
+        stable = _stable_prefix(conv, rendered.text if rendered is not None else None, self)
+        return self.tier.with_checkpoints(plan, r, rendered, stable)
 
     def _fits(self, plan: Plan) -> bool:
         """Whether continuing the live state this way leaves room for a token.
@@ -746,46 +469,73 @@ class Planner(_Residency, _DiskTier):
             detail=f"match={TOOL_RESULT_IDS} ids={len(binding.ids)}",
         )
 
-    def _cold(self, session, prompt_tokens: list[int]) -> Plan:
+    def _from_disk(self, r: Resident, rendered: Rendered | None) -> Plan | None:
+        """Rule 6: restore the longest stored rendered-text prefix (`DiskTier.restore`)."""
+        if self.tier is None or rendered is None:
+            return None
+        got = self.tier.restore(r, rendered)
+        if got is None:
+            return None
+        n, detail, text_len = got
+        return Plan(
+            keep=n,
+            suffix_tokens=_encode_tail(self.engine.tokenizer, rendered, text_len),
+            decision="disk",
+            cached=n,
+            detail=detail,
+        )
+
+    def _cold(self, r: Resident, prompt_tokens: list[int]) -> Plan:
         """Rule 7: save the live state it replaces (evict), reset, prefill everything."""
-        self._evict_live(session)
-        session.reset()
-        self._replaced()
+        if self.tier is not None:
+            self.tier.evict(r)
+        r.session.reset()
+        replaced(r)
         return Plan(
             keep=0, suffix_tokens=list(prompt_tokens), decision="cold", cached=0, detail="ids=0"
         )
 
-    def bind_transcript(self, session, key: Rendered | str) -> None:
-        """Bind ``key`` (a caller's rendering of the conversation the live state holds,
-        ending with an EOS: a ``ds4mlx.dsml.Rendered``, or a ``str`` without content
-        spans) to the live state as it is now (`TranscriptBinding`)."""
-        self.bindings.transcript = TranscriptBinding(key, len(session.tokens))
+    def _note_replayed(self, r: Resident, conv) -> None:
+        """Remember the replayed calls whose exact DSML the kept prompt now holds."""
+        if conv is None or self.tool_memory is None:
+            return
+        for m in conv.messages:
+            for c in m.tool_calls:
+                if c.id and c.id in self.tool_memory:
+                    r.live_tool_ids[c.id] = None
 
-    def reset(self, session) -> None:
-        """Empty the live session (a new conversation): no bindings, nothing saved."""
-        self.bindings.clear()
-        self._replaced()
-        session.reset()
+    def keys_of(self, r: Resident, binding: ThinkingBinding | None) -> tuple:
+        """Disk aliases (`_alias`) of state ``r`` besides its own text: a thinking
+        turn's visible keys without their EOS (the next prompt renders the turn without
+        its reasoning, so its text never starts with the live text;
+        `ds4mlx.kv.live.visible_keys`)."""
+        if binding is None or binding.n_tokens != len(r.session.tokens):
+            return ()
+        tok = self.engine.tokenizer
+        return tuple(
+            _alias(tok, k.head(len(k.text) - len(EOS)))
+            for k in binding.keys
+            if k.text.endswith(EOS)
+        )
 
     def after_generation(
         self,
-        session,
+        r: Resident,
         *,
         finish: str,
-        tool_calls: list = (),
-        prompt_text: Rendered | str | None = None,
+        tool_calls: Sequence = (),
+        prompt_text: Rendered | None = None,
         thinking: bool = False,
         text: str = "",
         transcript_key: Rendered | str | None = None,
     ) -> None:
-        """Remember what the next prompt may continue from (on the inference thread).
+        """Remember what the next prompt may continue state ``r`` from.
 
         Args:
-            session: the live session after the turn.
+            r: the state the turn ran on.
             finish: the turn's finish reason (``stop`` is an end of turn).
             tool_calls: the ``ds4mlx.dsml.ToolCall``s the turn sampled, in order.
-            prompt_text: the rendered prompt of the turn (a ``ds4mlx.dsml.Rendered``; a
-                ``str`` has no content spans), or None for a raw turn.
+            prompt_text: the rendered prompt of a chat turn, or None (a raw turn).
             thinking: the prompt opened ``<think>``.
             text: the visible text the client saw (after stop strings).
             transcript_key: a caller that keeps the conversation (the agent): its
@@ -801,20 +551,33 @@ class Planner(_Residency, _DiskTier):
         from ds4mlx.dsml import render_tool_calls
         from ds4mlx.dsml.tokens import THINK_START
 
-        self.bindings.clear()
-        self._live_keys = ()
+        r.bindings.clear()
+        r.live_keys = ()
         for c in tool_calls:
             if c.id:
-                self.live_tool_ids[c.id] = None
-        n = len(session.tokens)
+                r.live_tool_ids[c.id] = None
+        n = len(r.session.tokens)
         if transcript_key is not None:
-            self.bind_transcript(session, transcript_key)
+            r.bindings.transcript = TranscriptBinding(transcript_key, n)
         if finish != "stop" or prompt_text is None:
             return
         calls = list(tool_calls)
         if calls and all(c.id for c in calls):
-            self.bindings.tool = ToolBinding(tuple(c.id for c in calls), n)
-        prompt = Rendered.of(prompt_text)
-        if thinking and prompt.text.endswith(THINK_START):
-            keys = visible_keys(prompt, text, render_tool_calls(calls, self.tool_memory))
-            self.bindings.thinking = ThinkingBinding(keys, n)
+            r.bindings.tool = ToolBinding(tuple(c.id for c in calls), n)
+        if thinking and prompt_text.text.endswith(THINK_START):
+            keys = visible_keys(prompt_text, text, render_tool_calls(calls, self.tool_memory))
+            r.bindings.thinking = ThinkingBinding(keys, n)
+
+
+def replaced(r: Resident) -> None:
+    """State ``r`` is about to be replaced: nothing of it is on disk or bound."""
+    r.live_tool_ids.clear()
+    r.tracker.reset()
+
+
+def reset(r: Resident) -> None:
+    """Empty state ``r`` (a new conversation): no bindings, nothing saved."""
+    r.bindings.clear()
+    r.live_keys = ()
+    replaced(r)
+    r.session.reset()

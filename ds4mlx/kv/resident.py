@@ -7,8 +7,8 @@ conversation, its sub-agents, title requests). Each `Resident` is a complete liv
 it holds and its disk-save tracker — so a request that runs on one state clears and
 sets only that state's bindings. Still one job computes at a time (the worker's FIFO);
 `ResidentStates` only decides *which* state a job runs on
-(``ds4mlx.kv.plan.Planner``: the best live match, else a free state, else the least
-valuable one, whose state the planner evict-saves to disk before replacing it).
+(``ds4mlx.kv.cache.PromptCache.begin``: the best live match, else a free state, else the
+least valuable one, whose state the planner evict-saves to disk before replacing it).
 
 Value (`ResidentStates.value`): the tokens a state holds — what prefilling it again would
 cost — divided by one plus the number of jobs since one last ran on it. A recent small
@@ -43,6 +43,9 @@ class Resident:
         live_tool_ids: ids whose exact DSML may be inside its text (persisted with its
             snapshots).
         tracker: the largest token count saved for it (``SaveTracker``).
+        live_keys: while a plan may replace it (its bindings are cleared when planning
+            starts), its disk aliases besides its text (a thinking turn's visible keys):
+            its ``evict`` save is indexed by them too.
         last_used: when a job last ran on it (``time.monotonic()`` seconds).
         last_job: the `ResidentStates` job count when a job last ran on it.
     """
@@ -52,6 +55,7 @@ class Resident:
     bindings: LiveBindings = field(default_factory=LiveBindings)
     live_tool_ids: dict[str, None] = field(default_factory=dict)
     tracker: SaveTracker = field(default_factory=SaveTracker)
+    live_keys: tuple[tuple[str, tuple[int, ...]], ...] = ()
     last_used: float = 0.0
     last_job: int = 0
 
@@ -67,7 +71,7 @@ class ResidentStates:
     Args:
         engine: the ``ds4mlx.engine.Engine`` (``session``, ``new_session()``).
         n: the most states kept (>= 1).
-        first: the `Resident` wrapping ``engine.session`` (the planner's own).
+        first: the `Resident` wrapping ``engine.session`` (the engine's own).
 
     Sessions beyond the first are made on demand (on the inference thread: their
     arrays belong to it). Written on the inference thread only; `bound_tool_ids`

@@ -133,8 +133,6 @@ async def root():
 @bp.get("/health")
 async def health():
     st = state()
-    residents = getattr(st.kv, "residents", None)
-    writer = getattr(getattr(st.kv, "disk", None), "writer", None)
     return json_response(
         {
             "status": "ok",
@@ -144,12 +142,9 @@ async def health():
             "queued": st.worker.queued,
             "submitted": st.worker.jobs_submitted,
             "done": st.worker.jobs_done,
-            "live_tokens": len(st.engine.session.tokens),
-            # --sessions N: the resident states (plain Python counts, no MLX access).
-            "sessions": residents.n if residents is not None else 1,
-            "states": residents.describe() if residents is not None else None,
-            # The disk tier's writer thread: saves waiting, being written, done, dropped.
-            "kv_writer": writer.status() if writer is not None else None,
+            # The prompt cache's own summary (plain values): live_tokens, sessions,
+            # states (--sessions N), kv_writer (the disk writer's counts, or None).
+            **st.kv.summary(),
         }
     )
 

@@ -33,7 +33,7 @@ class ServerState:
         self.tool_memory = worker.tool_memory
         self.tracer = worker.tracer
         self.scripts = worker.scripts
-        self.kv = worker.planner  # ds4mlx.kv.plan.Planner (live bindings, disk cache)
+        self.kv = worker.cache  # ds4mlx.kv.cache.PromptCache (live states, disk tier)
         self.extensions: dict[str, Any] = {}
         self.started = time.time()
         # Model names a request used that the server does not list (logged once each).
@@ -46,7 +46,7 @@ class ServerState:
 def start_worker(load: Callable[[], Any], config: ServerConfig) -> tuple[Any, Worker]:
     """Start the inference thread, load the engine on it (``load()``), return both.
 
-    The worker opens the prompt cache (``ds4mlx.kv.plan.Planner``) with ``config.kv``.
+    The worker opens the prompt cache (``ds4mlx.kv.cache.PromptCache``) with ``config.kv``.
     Raises whatever ``load`` raises, or ``OSError`` when the disk cache directory cannot
     be created.
     """

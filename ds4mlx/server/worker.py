@@ -47,15 +47,15 @@ class Worker:
             tier, or None.
 
     Attributes:
-        planner: the ``ds4mlx.kv.plan.Planner`` (set once the engine is loaded): what
-            each job reuses, live bindings, disk snapshots.
+        cache: the ``ds4mlx.kv.cache.PromptCache`` (set once the engine is loaded): live
+            states, what each job reuses, disk snapshots.
 
-    A job: plan (the planner brings the session to the state to extend; the whole
-    prompt is tokenized only if the plan needs it) → the context check, the one place
-    it is made (`Failure.CONTEXT_FULL`) → the engine's turn loop
-    (``ds4mlx.engine.run_turn``: prefill, sample, feed) with the request's `TurnSpec`,
-    its events passed on as `ds4mlx.jobs` events → the planner remembers the bindings.
-    Failures are neutral (`ds4mlx.jobs.JobFailed`): the route words them.
+    A job is the prompt cache's one call sequence: ``cache.begin`` (a lease on the live
+    state to extend, with its plan; the whole prompt is tokenized only if the plan needs
+    it; the context check, the one place it is made) → the engine's turn loop
+    (``ds4mlx.engine.run_turn``: prefill, sample, feed) with the request's `TurnSpec`, its
+    events passed on as `ds4mlx.jobs` events → ``lease.finish`` (what a later prompt may
+    continue from). Failures are neutral (`ds4mlx.jobs.JobFailed`): the route words them.
     """
 
     def __init__(
@@ -64,7 +64,7 @@ class Worker:
         self.engine = None
         self.session = None
         self.tokenizer = None
-        self.planner: Any = None
+        self.cache: Any = None
         self.kv_settings = kv_settings
         self.tool_memory = tool_memory
         self.tracer = tracer or Tracer(None)
@@ -103,14 +103,14 @@ class Worker:
                 box["error"] = e
                 ready.set()
                 return
-            from ds4mlx.kv.plan import Planner
+            from ds4mlx.kv.cache import PromptCache
 
             self.engine = engine
             self.session = engine.session
             self.tokenizer = engine.tokenizer
             try:
                 # On this thread: the disk cache's arrays belong to it.
-                self.planner = Planner.open(engine, self.kv_settings, self.tool_memory)
+                self.cache = PromptCache.open(engine, self.kv_settings, self.tool_memory)
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 box["error"] = e
                 ready.set()
@@ -206,7 +206,7 @@ class Worker:
                 self.current = None
                 self._finish(job)
         try:
-            self.planner.on_shutdown(self.session)
+            self.cache.shutdown()
         except Exception:
             log.exception("shutdown save failed")
 
@@ -217,28 +217,25 @@ class Worker:
 
     def _run_job(self, job: Job) -> None:
         from ds4mlx.engine import ContextOverflowError, run_turn
-        from ds4mlx.kv.plan import PlanRejected
+        from ds4mlx.kv.cache import ContextFull, Prompt, UnknownToolId
 
         req = job.request
-        s, tok = self.session, self.tokenizer
+        tok = self.tokenizer
         t_start = time.monotonic()
+        prompt = Prompt(
+            _prompt_tokens(req, tok), req.prompt, req.conversation, thinking=req.turn.thinking
+        )
         try:
-            plan = self.planner.plan(
-                s,
-                prompt_tokens=_prompt_tokens(req, tok),
-                rendered_text=req.prompt,
-                conversation=req.conversation,
-            )
-        except PlanRejected as e:
+            lease = self.cache.begin(prompt)
+        except UnknownToolId as e:
             job.emit(JobFailed(Failure.UNKNOWN_TOOL_ID, tool_id=e.tool_id))
             return
-        s = self._active = plan.session or s  # with --sessions N: the state it chose
-        script = self.scripts.popleft() if self.scripts else None
-        if plan.prompt_tokens >= s.ctx_size or plan.prompt_tokens == 0:
-            # The one context check: the plan knows how many tokens the session will hold
-            # (a live state may hold more than the prompt renders, or fewer tokens).
-            job.emit(_prompt_error(plan.prompt_tokens, s.ctx_size))
+        except ContextFull as e:
+            job.emit(_prompt_error(e.n_prompt, e.n_ctx))
             return
+        plan = lease.plan
+        s = self._active = lease.session  # with --sessions N: the state it chose
+        script = self.scripts.popleft() if self.scripts else None
         decision, detail = _labelled(plan.decision, plan.detail, req.labels)
         self.tracer.write(
             job.id, "prompt", path=req.path, text=_text(req), tokens=plan.prompt_tokens
@@ -262,7 +259,7 @@ class Worker:
                 cancel=job.cancelled,
                 progress=_throttled_progress(job),
                 tool_memory=self.tool_memory,
-                after_token=self.planner.after_token,
+                after_token=lease.after_token,
                 script=_script_ids(script, tok),
             )
         except ContextOverflowError as e:
@@ -270,7 +267,7 @@ class Worker:
             return
         if self.tracer.enabled:
             self.tracer.write(job.id, "output", text=result.raw, finish=result.finish)
-        self._done(job, plan, result, t_start, decision, detail)
+        self._done(job, lease, result, t_start, decision, detail)
 
     def _emitter(self, job: Job) -> Callable[[Any], None]:
         """``emit`` for the turn loop: its events are job events (the trace sees the
@@ -283,11 +280,11 @@ class Worker:
 
         return emit
 
-    def _done(self, job: Job, plan, result, t_start: float, decision: str, detail: str) -> None:
+    def _done(self, job: Job, lease, result, t_start: float, decision: str, detail: str) -> None:
         """Report the turn (bindings, event, trace, log line)."""
         from ds4mlx.engine import FINISH_CONTEXT
 
-        req = job.request
+        plan = lease.plan
         finish = "length" if result.finish == FINISH_CONTEXT else result.finish
         calls = list(result.tool_calls)
         outcome = JobDone(
@@ -305,16 +302,7 @@ class Worker:
             text=result.text,
         )
         try:
-            self.planner.after_generation(
-                plan.session or self.session,
-                finish=finish,
-                tool_calls=calls,
-                # The rendering with its content spans: the turn's visible keys carry
-                # where the prompt spells special tokens as plain text.
-                prompt_text=req.prompt if req.turn.parse else None,
-                thinking=req.turn.thinking,
-                text=result.text,
-            )
+            lease.finish(result)
         except Exception:
             log.exception("after-generation bookkeeping failed")
         job.emit(outcome)

@@ -14,11 +14,11 @@ tail kept, the cut marked with a handle for the ``more`` tool.
 Tools: ``read``, ``more``, ``write``, ``edit``, ``list``, ``search``, ``bash``,
 ``bash_status``, ``bash_stop``. Lines are ``\\n``-separated and 1-based everywhere.
 
-Layout: the tool families live in :mod:`~ds4mlx.agent.tool_files` (read, write,
-edit, list), :mod:`~ds4mlx.agent.tool_search` and :mod:`~ds4mlx.agent.tool_shell`
+Layout: the tool families live in :mod:`~ds4mlx.agent.tools.files` (read, write,
+edit, list), :mod:`~ds4mlx.agent.tools.search` and :mod:`~ds4mlx.agent.tools.shell`
 (bash and its jobs); what they share (error kinds, :class:`ToolError`, results,
-workspace paths) in :mod:`~ds4mlx.agent.tool_common`; schema messages in
-:mod:`~ds4mlx.agent.tool_schema`. Validation, permission, error mapping and output
+workspace paths) in :mod:`~ds4mlx.agent.tools.common`; schema messages in
+:mod:`~ds4mlx.agent.tools.schema`. Validation, permission, error mapping and output
 shaping happen here, once for every tool.
 """
 
@@ -34,12 +34,12 @@ from typing import Any
 
 from jsonschema import Draft202012Validator
 
-from ds4mlx.agent import tool_schema
 from ds4mlx.agent.child_env import EnvPolicy
-from ds4mlx.agent.jobs import JobManager
 from ds4mlx.agent.permissions import PathOutsideWorkspace, Permissions
 from ds4mlx.agent.shaping import CountTokens, OutputStore, approx_tokens
-from ds4mlx.agent.tool_common import (
+from ds4mlx.agent.tools import schema as tool_schema
+from ds4mlx.agent.tools.background import JobManager
+from ds4mlx.agent.tools.common import (
     EXIT_STATUS,
     FAILED,
     INVALID_ARGUMENTS,
@@ -53,9 +53,9 @@ from ds4mlx.agent.tool_common import (
     ToolError,
     Workspace,
 )
-from ds4mlx.agent.tool_files import EDIT_SPEC, LIST_SPEC, READ_SPEC, WRITE_SPEC, FileTools
-from ds4mlx.agent.tool_search import SEARCH_SPEC, search
-from ds4mlx.agent.tool_shell import (
+from ds4mlx.agent.tools.files import EDIT_SPEC, LIST_SPEC, READ_SPEC, WRITE_SPEC, FileTools
+from ds4mlx.agent.tools.search import SEARCH_SPEC, search
+from ds4mlx.agent.tools.shell import (
     BASH_STATUS_SPEC,
     BASH_STOP_SPEC,
     ShellTools,

@@ -1,7 +1,7 @@
 """File tools: ``read``, ``write``, ``edit``, ``list``.
 
 Files are UTF-8 text; lines are ``\\n``-separated and 1-based. ``write`` and ``edit``
-return a :class:`~ds4mlx.agent.tool_common.Proposal` (with a diff or a preview for
+return a :class:`~ds4mlx.agent.tools.common.Proposal` (with a diff or a preview for
 the user) and change the file only once the dispatcher got permission.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ds4mlx.agent.shaping import count_lines, line_of
-from ds4mlx.agent.tool_common import (
+from ds4mlx.agent.tools.common import (
     FAILED,
     NOT_FOUND,
     SKIP_DIRS,
@@ -25,7 +25,7 @@ from ds4mlx.agent.tool_common import (
     cap,
     first_few,
 )
-from ds4mlx.agent.tool_schema import PATH_DESC, object_schema
+from ds4mlx.agent.tools.schema import PATH_DESC, object_schema
 from ds4mlx.dsml.conversation import ToolSpec
 
 DEFAULT_READ_LIMIT = 2000  # lines

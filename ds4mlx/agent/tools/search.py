@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ds4mlx.agent.tool_common import (
+from ds4mlx.agent.tools.common import (
     INVALID_ARGUMENTS,
     NOT_FOUND,
     SKIP_DIRS,
@@ -25,7 +25,7 @@ from ds4mlx.agent.tool_common import (
     Workspace,
     is_binary,
 )
-from ds4mlx.agent.tool_schema import PATH_DESC, object_schema
+from ds4mlx.agent.tools.schema import PATH_DESC, object_schema
 from ds4mlx.dsml.conversation import ToolSpec
 
 MAX_SEARCH_FILE_BYTES = 10 << 20

@@ -1,7 +1,7 @@
 """What every agent tool shares: error kinds, results, and the workspace it works in.
 
-A tool implementation (:mod:`ds4mlx.agent.tool_files`, :mod:`~ds4mlx.agent.tool_search`,
-:mod:`~ds4mlx.agent.tool_shell`) takes the validated arguments (defaults filled in)
+A tool implementation (:mod:`ds4mlx.agent.tools.files`, :mod:`~ds4mlx.agent.tools.search`,
+:mod:`~ds4mlx.agent.tools.shell`) takes the validated arguments (defaults filled in)
 and either returns a :class:`Result`, returns a :class:`Proposal` for an action that
 needs the user's permission, or raises :class:`ToolError`. The dispatcher,
 :class:`ds4mlx.agent.tools.Toolbox`, does everything else once for all tools:

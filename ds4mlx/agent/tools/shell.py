@@ -1,7 +1,7 @@
 """Shell tools: ``bash`` (foreground or background job), ``bash_status``, ``bash_stop``.
 
-Processes are :class:`~ds4mlx.agent.jobs.Job` objects (own process group, bounded
-output buffer). ``bash`` returns a :class:`~ds4mlx.agent.tool_common.Proposal`: the
+Processes are :class:`~ds4mlx.agent.tools.background.Job` objects (own process group, bounded
+output buffer). ``bash`` returns a :class:`~ds4mlx.agent.tools.common.Proposal`: the
 command runs only after the dispatcher got permission. Times are in seconds.
 """
 
@@ -13,9 +13,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ds4mlx.agent.jobs import Job, JobManager
 from ds4mlx.agent.sanitize import escape_controls
-from ds4mlx.agent.tool_common import (
+from ds4mlx.agent.tools.background import Job, JobManager
+from ds4mlx.agent.tools.common import (
     EXIT_STATUS,
     FAILED,
     NOT_FOUND,
@@ -25,7 +25,7 @@ from ds4mlx.agent.tool_common import (
     ToolError,
     cap,
 )
-from ds4mlx.agent.tool_schema import object_schema
+from ds4mlx.agent.tools.schema import object_schema
 from ds4mlx.dsml.conversation import ToolSpec
 
 MAX_RUNNING_JOBS = 16
