@@ -248,7 +248,7 @@ def test_search_skips_symlinks_that_loop_or_leave(tb: Toolbox, ws: Path, tmp_pat
 def test_bash_runs_in_workspace_with_exit_codes(tb: Toolbox, ws: Path) -> None:
     out = tb.run("bash", {"command": "pwd; echo out; echo err >&2; touch made.txt"})
     assert out.ok and out.error is None
-    assert out.text.splitlines()[:3] == [str(ws), "out", "err"]
+    assert out.text.splitlines()[:4] == [str(ws), "out", "[stderr]", "err"]
     assert re.search(r"\[exit code 0 · [\d.]+ s\]$", out.text)
     assert (ws / "made.txt").exists()
 
@@ -362,7 +362,7 @@ def test_job_buffer_is_bounded(ws: Path) -> None:
     jobs = JobManager(buffer_bytes=64 * 1024)
     job = jobs.start("head -c 3000000 /dev/zero | tr '\\0' 'x'; echo; echo END", ws)
     assert job.wait(10) == 0
-    text = job.read_new()
+    text = job.read_new().stdout
     assert len(text) < 70 * 1024
     assert re.search(r"\[… \d+ bytes of output dropped …\]", text)
     assert text.startswith("xxx") and text.rstrip().endswith("END")
