@@ -3,6 +3,7 @@ diagnostics — on real subprocesses, compilers and files in temp workspaces."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -284,3 +285,29 @@ def test_diagnostic_background_job_failure(tb: Toolbox, ws: Path) -> None:
     st = tb.run("bash_status", {"handle": job, "wait": 10})
     assert not st.ok and st.text.startswith("[diagnostic]\npython: RuntimeError: job broke")
     assert "  at crash.py:2 in f" in st.text
+
+
+# ------------------------------------------------------------------ validation envelope
+
+
+def test_validation_envelope_for_read(tb: Toolbox) -> None:
+    out = tb.run("read", {"path": "x.txt", "limit": 0, "extra": True})
+    assert not out.ok
+    headline, line, params = out.text.split("\n")
+    assert headline == "error: invalid arguments for read"
+    env = json.loads(line)
+    assert env["status"] == "validation_error" and env["tool_name"] == "read"
+    assert env["error_count"] == 2
+    assert [e["loc"] for e in env["errors"]] == [["limit"], ["extra"]]
+    limit, extra = env["errors"]
+    assert limit == {
+        "loc": ["limit"],
+        "input_value": 0,
+        "error_type": "minimum",
+        "message": "expected a number >= 1, got integer 0",
+        "expected": "integer >= 1",
+    }
+    assert extra["input_value"] is True and extra["error_type"] == "additionalProperties"
+    assert params.startswith("read parameters: path (string, non-empty, required)")
+    unknown = json.loads(tb.run("raed", {}).text.split("\n")[1])
+    assert unknown["status"] == "unknown_tool" and unknown["suggestion"] == "read"

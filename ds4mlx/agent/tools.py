@@ -244,10 +244,9 @@ class Toolbox:
         tool = self._tools.get(name)
         if tool is None:
             close = difflib.get_close_matches(str(name), self._tools, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
             return self._error(
                 UNKNOWN_TOOL,
-                f"unknown tool {name!r}.{hint} Available tools: {', '.join(self._tools)}.",
+                tool_schema.unknown_tool_text(name, list(self._tools), close[0] if close else None),
             )
         problems = tool_schema.problems(tool.validator, arguments)
         if problems:
