@@ -14,18 +14,19 @@ from pathlib import Path
 import pytest
 
 from ds4mlx.agent.diagnostics import ExitStatus, diagnose
+from ds4mlx.agent.hooks import Hooks
+from ds4mlx.agent.loop import Agent
 from ds4mlx.agent.permissions import Permissions
 from ds4mlx.agent.redact import Redactor, redact
 from ds4mlx.agent.terminal import TerminalText
 from ds4mlx.agent.tool_shell import clean_terminal_output
 from ds4mlx.agent.tools import EXIT_STATUS, FAILED, Toolbox
+from tests.agent_script import RecordingUI, invoke, turn
 
 
 @pytest.fixture
-def ws(tmp_path: Path) -> Path:
-    root = tmp_path / "ws"
-    root.mkdir()
-    return root
+def ws(workspace: Path) -> Path:
+    return workspace
 
 
 @pytest.fixture
@@ -311,3 +312,79 @@ def test_validation_envelope_for_read(tb: Toolbox) -> None:
     assert params.startswith("read parameters: path (string, non-empty, required)")
     unknown = json.loads(tb.run("raed", {}).text.split("\n")[1])
     assert unknown["status"] == "unknown_tool" and unknown["suggestion"] == "read"
+
+
+# ------------------------------------------------------------------ hooks
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_f32_dir):
+    from ds4mlx.engine import Engine
+
+    return Engine.load(tiny_f32_dir, ctx_size=4096)
+
+
+def test_hooks_log_every_response(engine, workspace: Path, tmp_path: Path) -> None:
+    log = tmp_path / "hooks.jsonl"
+    hook = f"cat >> {log}; echo >> {log}"
+    script = [
+        turn("Look.", "Listing.", invoke("bash", command="echo hi")),
+        turn("Seen.", "Done."),
+    ]
+    hooks = Hooks(before=hook, after=hook, timeout=5, cwd=workspace)
+    agent = Agent(engine, workspace, ui=RecordingUI(), script=script, yes=True, hooks=hooks)
+    try:
+        assert agent.send("run it").ok
+    finally:
+        agent.close()
+    records = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    assert [r["event"] for r in records] == [
+        "before_response",
+        "after_response",
+        "before_response",
+        "after_response",
+    ]
+    assert [r["response_index"] for r in records] == [0, 0, 1, 1]
+    assert all(r["user_text"] == "run it" and r["model"] == engine.path.name for r in records)
+    first, last = records[1], records[3]
+    assert first["tool_call"] is True and first["tool_calls"][0]["name"] == "bash"
+    assert first["tool_calls"][0]["arguments"] == {"command": "echo hi"}
+    assert last["tool_call"] is False and last["response_text"] == "Done."
+    assert first["generated_tokens"] > 0 and last["interrupted"] is False
+    assert records[0]["generated_tokens"] == 0 and "response_text" not in records[0]
+
+
+def test_hooks_failing_or_slow_warn_and_the_turn_completes(
+    engine, workspace: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hooks = Hooks(
+        before="echo 'bad \x1b]0;t\x07 thing' >&2; exit 3",
+        after="sleep 30",
+        timeout=1,
+        cwd=workspace,
+    )
+    agent = Agent(engine, workspace, ui=RecordingUI(), script=[turn("T.", "Fine.")], hooks=hooks)
+    start = time.monotonic()
+    try:
+        res = agent.send("hello")
+    finally:
+        agent.close()
+    assert res.ok and agent.messages[-1].content == "Fine."
+    assert time.monotonic() - start < 25  # the sleeping hook was killed at its timeout
+    err = capsys.readouterr().err
+    assert "warning: before_response hook exited with status 3: bad \\x1b]0;t\\x07 thing" in err
+    assert "warning: after_response hook killed after 1 s (--hook-timeout)" in err
+
+
+def test_hooks_bad_timeout_flag_is_one_line_exit_2(workspace: Path) -> None:
+    import subprocess
+
+    r = subprocess.run(
+        [sys.executable, "-m", "ds4mlx.cli", "agent", "-m", str(workspace / "none")]
+        + ["--workspace", str(workspace), "--hook-timeout", "0", "-p", "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2
+    assert r.stderr.strip() == "ds4mlx agent: --hook-timeout must be within 1..3600 s, got 0"
