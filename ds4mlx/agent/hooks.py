@@ -112,6 +112,37 @@ class Hooks:
             )
 
 
+def fire_response(agent: Any, event: str, gen: Any = None, msg: Any = None) -> None:
+    """Fire ``agent.hooks`` (if any) for ``event`` with :func:`response_payload`."""
+    hooks = agent.hooks
+    if hooks is not None and hooks.active:
+        hooks.fire(event, response_payload(agent, gen, msg))
+
+
+def response_payload(agent: Any, gen: Any = None, msg: Any = None) -> dict[str, Any]:
+    """The JSON fields of one response (module docstring) from an agent loop's state.
+
+    Args:
+        agent: the :class:`~ds4mlx.agent.loop.Agent` (its engine, user text, counter).
+        gen: the generated turn (``Generated``), None before the response.
+        msg: the transcript message of the response (``Message``), None before it.
+    """
+    payload: dict[str, Any] = {
+        "model": agent.engine.path.name,
+        "user_text": agent._user_text,
+        "response_index": agent.responses,
+        "generated_tokens": gen.tokens if gen else 0,
+        "interrupted": bool(gen and gen.stop == "interrupted"),
+        "tool_call": bool(msg and msg.tool_calls),
+    }
+    if msg is not None:
+        payload["response_text"] = msg.content or ""
+        payload["tool_calls"] = [
+            {"id": c.id, "name": c.name, "arguments": c.arguments} for c in msg.tool_calls
+        ]
+    return payload
+
+
 def _kill_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)

@@ -70,13 +70,12 @@ from ds4mlx.agent.events import (
     AgentError,
     AgentUI,
     CompactionInfo,
-    Generated,
     SendResult,
     Status,
     Step,
     describe_messages,
 )
-from ds4mlx.agent.hooks import AFTER, BEFORE, Hooks
+from ds4mlx.agent.hooks import AFTER, BEFORE, Hooks, fire_response
 from ds4mlx.agent.permissions import Permissions
 from ds4mlx.agent.session_control import SessionCommands
 from ds4mlx.agent.sessions import SessionBook, SessionRecord, title_of
@@ -142,8 +141,7 @@ class Agent(LiveSteps, SessionCommands, Compacting):
         system_prompt: system text; ``{workspace}`` is replaced. Default
             :data:`DEFAULT_SYSTEM_PROMPT`.
         chunk_size: prefill chunk (tokens).
-        hooks: :class:`~ds4mlx.agent.hooks.Hooks` run around every response (observe
-            only); None for none.
+        hooks: :class:`~ds4mlx.agent.hooks.Hooks` around every response (observe only).
 
     Raises:
         ValueError: ``workspace`` is not a directory.
@@ -362,25 +360,6 @@ class Agent(LiveSteps, SessionCommands, Compacting):
         if self.messages and self.messages[-1].role == "assistant":
             self.planner.bind_transcript(self.session, self.render())
 
-    def _hook(self, event: str, gen: Generated | None = None, msg: Message | None = None) -> None:
-        """Fire the response hook for ``event`` (see :mod:`ds4mlx.agent.hooks`)."""
-        if self.hooks is None or not self.hooks.active:
-            return
-        payload = {
-            "model": self.engine.path.name,
-            "user_text": self._user_text,
-            "response_index": self.responses,
-            "generated_tokens": gen.tokens if gen else 0,
-            "interrupted": bool(gen and gen.stop == "interrupted"),
-            "tool_call": bool(msg and msg.tool_calls),
-        }
-        if msg is not None:
-            payload["response_text"] = msg.content or ""
-            payload["tool_calls"] = [
-                {"id": c.id, "name": c.name, "arguments": c.arguments} for c in msg.tool_calls
-            ]
-        self.hooks.fire(event, payload)
-
     # ---- the loop
 
     def _loop(self) -> SendResult:
@@ -390,14 +369,14 @@ class Agent(LiveSteps, SessionCommands, Compacting):
             st = self._prepare(compact=True)
             if st is not None:
                 return SendResult(st, turns)
-            self._hook(BEFORE)
+            fire_response(self, BEFORE)
             gen = self._generate(
                 thinking=self.conv.thinking, tools=True, max_tokens=self.max_tokens, kind="answer"
             )
             turns += 1
             msg = self._close_turn(gen, self.conv.thinking)
             self.messages.append(msg)
-            self._hook(AFTER, gen, msg)
+            fire_response(self, AFTER, gen, msg)
             self.responses += 1
             self.planner.after_generation(
                 self.session,
