@@ -5,7 +5,7 @@
   command hides text says so. Checked on the UI directly and end to end under a pty with
   the tiny checkpoint and scripted decoding.
 - Shell output: ``clean_terminal_output`` removes every escape sequence kind (7- and
-  8-bit) and escapes what is left.
+  8-bit) and escapes what is left (the terminal rendering itself: test_agent_runtime.py).
 - Child environment: names that look secret are withheld from commands unless passed.
 """
 
@@ -152,7 +152,9 @@ def test_safe_console_escapes_text_that_bypasses_the_ui_helpers() -> None:
         ("\x1bP1$r0m\x1b\\dcs", "dcs"),  # DCS string
         ("\x1b[2J\x1b[Hhome", "home"),
         ("a\r\nb\rc\n\x1b]0;title\x07x", "a\nc\nx"),
-        ("lone \x1b\nbell \x07 bs \x08\ttab", "lone \\x1b\nbell \\x07 bs \\x08\ttab"),
+        # A lone ESC stays visible; BEL rings nothing, BS steps back (as a terminal does).
+        ("lone \x1b\nbell \x07 bs \x08\ttab", "lone \\x1b\nbell  bs\ttab"),
+        ("ctl \x01\x7f\x85 end", "ctl \\x01\\x85 end"),  # drawn controls escaped
     ],
 )
 def test_clean_terminal_output_removes_sequences_and_escapes_the_rest(raw, shown) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -248,7 +249,7 @@ def test_search_skips_symlinks_that_loop_or_leave(tb: Toolbox, ws: Path, tmp_pat
 def test_bash_runs_in_workspace_with_exit_codes(tb: Toolbox, ws: Path) -> None:
     out = tb.run("bash", {"command": "pwd; echo out; echo err >&2; touch made.txt"})
     assert out.ok and out.error is None
-    assert out.text.splitlines()[:3] == [str(ws), "out", "err"]
+    assert out.text.splitlines()[:4] == [str(ws), "out", "[stderr]", "err"]
     assert re.search(r"\[exit code 0 · [\d.]+ s\]$", out.text)
     assert (ws / "made.txt").exists()
 
@@ -362,7 +363,7 @@ def test_job_buffer_is_bounded(ws: Path) -> None:
     jobs = JobManager(buffer_bytes=64 * 1024)
     job = jobs.start("head -c 3000000 /dev/zero | tr '\\0' 'x'; echo; echo END", ws)
     assert job.wait(10) == 0
-    text = job.read_new()
+    text = job.read_new().stdout
     assert len(text) < 70 * 1024
     assert re.search(r"\[… \d+ bytes of output dropped …\]", text)
     assert text.startswith("xxx") and text.rstrip().endswith("END")
@@ -371,30 +372,49 @@ def test_job_buffer_is_bounded(ws: Path) -> None:
 # --- validation, unknown tools ------------------------------------------------
 
 
+def _envelope(text: str) -> dict:
+    headline, line, params = text.split("\n", 2)
+    assert headline.startswith("error: ")
+    return {"headline": headline, "params": params, **json.loads(line)}
+
+
 def test_schema_errors_are_structured(tb: Toolbox) -> None:
     out = tb.run("read", {"path": 12, "limit": "ten", "colour": "red"})
     assert not out.ok and out.error == INVALID_ARGUMENTS
-    assert out.text.startswith("error: invalid arguments for read:")
-    assert "- field 'path': expected string, got integer 12" in out.text
-    assert "- field 'limit': expected integer, got string \"ten\"" in out.text
-    assert (
-        "- field 'colour': unexpected" in out.text
-        and "allowed fields: path, offset, limit" in out.text
-    )
-    assert "read parameters: path (string, non-empty, required)" in out.text
+    env = _envelope(out.text)
+    assert env["headline"] == "error: invalid arguments for read"
+    assert env["status"] == "validation_error" and env["tool_name"] == "read"
+    assert env["error_count"] == 3
+    by_loc = {tuple(e["loc"]): e for e in env["errors"]}
+    assert by_loc[("path",)]["message"] == "expected string, got integer 12"
+    assert by_loc[("limit",)]["input_value"] == "ten"
+    assert by_loc[("limit",)]["expected"] == "integer >= 1"
+    assert by_loc[("colour",)]["error_type"] == "additionalProperties"
+    assert "allowed fields: path, offset, limit" in by_loc[("colour",)]["message"]
+    assert env["params"].startswith("read parameters: path (string, non-empty, required)")
 
-    out = tb.run("edit", {"path": "a"})
-    assert "- field 'old': missing (required, expected string)" in out.text
-    assert "- field 'new': missing" in out.text
+    env = _envelope(tb.run("edit", {"path": "a"}).text)
+    assert [(e["loc"], e["error_type"]) for e in env["errors"]] == [
+        (["old"], "required"),
+        (["new"], "required"),
+    ]
 
-    out = tb.run("bash", {"command": "true", "timeout": -1})
-    assert "- field 'timeout': expected a number > 0, got integer -1" in out.text
+    env = _envelope(tb.run("bash", {"command": "true", "timeout": -1}).text)
+    assert env["errors"][0]["message"] == "expected a number > 0, got integer -1"
 
-    out = tb.run("write", ["a", "b"])
-    assert "- arguments: expected object, got array" in out.text
+    env = _envelope(tb.run("write", ["a", "b"]).text)
+    assert env["errors"] == [
+        {
+            "loc": [],
+            "input_value": ["a", "b"],
+            "error_type": "type",
+            "message": "expected object, got array",
+            "expected": "object",
+        }
+    ]
 
-    out = tb.run("read", {"path": ""})
-    assert "- field 'path': expected a non-empty string" in out.text
+    env = _envelope(tb.run("read", {"path": ""}).text)
+    assert env["errors"][0]["message"].startswith("expected a non-empty string")
 
 
 def test_integral_floats_accepted_as_integers(tb: Toolbox, ws: Path) -> None:
@@ -406,10 +426,14 @@ def test_integral_floats_accepted_as_integers(tb: Toolbox, ws: Path) -> None:
 def test_unknown_tool(tb: Toolbox) -> None:
     out = tb.run("grep", {"pattern": "x"})
     assert not out.ok and out.error == UNKNOWN_TOOL
-    assert "unknown tool 'grep'" in out.text
-    assert "read, more, write, edit, list, search, bash, bash_status, bash_stop" in out.text
+    headline, line = out.text.split("\n")
+    assert headline.startswith("error: unknown tool 'grep'.")
+    assert "read, more, write, edit, list, search, bash, bash_status, bash_stop" in headline
+    env = json.loads(line)
+    assert env["status"] == "unknown_tool" and env["tool_name"] == "grep"
+    assert env["available_tools"][0] == "read"
     out = tb.run("reed", {})
-    assert "Did you mean 'read'?" in out.text
+    assert "Did you mean 'read'?" in out.text and '"suggestion": "read"' in out.text
 
 
 # --- shaping and more ----------------------------------------------------------

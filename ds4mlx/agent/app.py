@@ -99,6 +99,26 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="commands get the whole environment (default: secret-looking names withheld)",
     )
+    p.add_argument(
+        "--before-response-hook",
+        default=None,
+        metavar="CMD",
+        help="run CMD (bash) before every assistant response, the turn as JSON on stdin "
+        "(observe only)",
+    )
+    p.add_argument(
+        "--after-response-hook",
+        default=None,
+        metavar="CMD",
+        help="run CMD (bash) after every assistant response, its text as JSON on stdin",
+    )
+    p.add_argument(
+        "--hook-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds a hook may run before it is killed (10; 1..3600)",
+    )
     # Tests only: a JSON list of completion texts, one per model turn (scripted decoding).
     p.add_argument("--script-file", default=None, help=argparse.SUPPRESS)
 
@@ -111,9 +131,34 @@ def _load_script(path: str) -> list[str]:
     return data
 
 
+def _run_config(args: argparse.Namespace, workspace: Path):
+    """``(script, env_policy, hooks)`` from the flags, checked before the model loads.
+
+    Raises:
+        ValueError: a bad ``--script-file`` or ``--hook-timeout`` (the message says which).
+    """
+    from ds4mlx.agent.child_env import EnvPolicy
+    from ds4mlx.agent.hooks import Hooks
+
+    script = None
+    if args.script_file:
+        try:
+            script = _load_script(args.script_file)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"bad --script-file: {e}") from None
+    env_policy = EnvPolicy.from_config(inherit=args.inherit_env, passed=args.pass_env)
+    hooks = Hooks(
+        before=args.before_response_hook,
+        after=args.after_response_hook,
+        timeout=args.hook_timeout,
+        cwd=workspace,
+        env_policy=env_policy,
+    )
+    return script, env_policy, hooks
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``ds4mlx agent`` with parsed ``args``; returns the exit code."""
-    from ds4mlx.agent.child_env import EnvPolicy
     from ds4mlx.agent.loop import Agent
     from ds4mlx.agent.ui import RichUI, SafeConsole
 
@@ -135,13 +180,11 @@ def run(args: argparse.Namespace) -> int:
     if not workspace.is_dir():
         err.print(f"ds4mlx agent: workspace {workspace} is not a directory")
         return 2
-    script = None
-    if args.script_file:
-        try:
-            script = _load_script(args.script_file)
-        except (OSError, ValueError) as e:
-            err.print(f"ds4mlx agent: bad --script-file: {e}")
-            return 2
+    try:
+        script, env_policy, hooks = _run_config(args, workspace)
+    except ValueError as e:
+        err.print(f"ds4mlx agent: {e}")
+        return 2
 
     from ds4mlx.agent.sessions import SessionBook
     from ds4mlx.blas import blas_label
@@ -183,7 +226,6 @@ def run(args: argparse.Namespace) -> int:
     )
     from ds4mlx.model.demo import DEMO_MAX_TOKENS
 
-    env_policy = EnvPolicy.from_config(inherit=args.inherit_env, passed=args.pass_env)
     try:
         agent = Agent(
             engine,
@@ -205,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
             bash_timeout=args.bash_timeout,
             env_policy=env_policy,
             script=script,
+            hooks=hooks,
         )
     except ValueError as e:
         err.print(f"ds4mlx agent: {e}")

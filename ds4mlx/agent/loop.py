@@ -84,6 +84,7 @@ from ds4mlx.agent.events import (
     Step,
     describe_messages,
 )
+from ds4mlx.agent.hooks import Hooks
 from ds4mlx.agent.live import Live, LiveState
 from ds4mlx.agent.permissions import Permissions
 from ds4mlx.agent.session_control import SessionControl
@@ -138,6 +139,7 @@ class Agent:
         system_prompt: system text; ``{workspace}`` is replaced. Default
             :data:`DEFAULT_SYSTEM_PROMPT`.
         chunk_size: prefill chunk (tokens).
+        hooks: :class:`~ds4mlx.agent.hooks.Hooks` around every response (observe only).
 
     Raises:
         ValueError: ``workspace`` is not a directory.
@@ -164,6 +166,7 @@ class Agent:
         script: Iterable[str] | None = None,
         system_prompt: str | None = None,
         chunk_size: int = DEFAULT_CHUNK,
+        hooks: Hooks | None = None,
     ) -> None:
         self.engine = engine
         self.tok = engine.tokenizer
@@ -207,7 +210,7 @@ class Agent:
         self.sampling = sampling
         queued = deque(script) if script is not None else None
         self.turns = Steps(
-            self.live, self.toolbox, sampling, self.policy, queued, cap_is_eos, chunk_size
+            self.live, self.toolbox, sampling, self.policy, queued, cap_is_eos, chunk_size, hooks
         )
         self.compactor = Compactor(self.live, self.turns, self.policy)
         self.book = book
@@ -293,6 +296,7 @@ class Agent:
                 id=self.book.new_id(), workspace=str(self.workspace), title=title_of(text)
             )
         self.messages.append(Message("user", text))
+        self.turns.user_text = text
         self.turns.last_gen = None
         self.turns.last_prefill = (0, 0.0)
         with _sigint_to(self):

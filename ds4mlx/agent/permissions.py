@@ -26,6 +26,8 @@ AskFn = Callable[[str, str], str]
 
 #: Tools that need the user's permission (unless ``yes`` or an earlier "always").
 ASKING_TOOLS: frozenset[str] = frozenset({"write", "edit", "bash"})
+# MCP tools (``mcp__SERVER__TOOL``) ask like bash: a server's readOnlyHint is not trusted.
+ASKING_PREFIXES: tuple[str, ...] = ("mcp__",)
 
 
 class PathOutsideWorkspace(ValueError):
@@ -97,7 +99,8 @@ class Permissions:
 
     def needs_ask(self, tool: str) -> bool:
         """True if running ``tool`` now would ask the user."""
-        return tool in self.asking_tools and not self.yes and tool not in self._always
+        asking = tool in self.asking_tools or tool.startswith(ASKING_PREFIXES)
+        return asking and not self.yes and tool not in self._always
 
     def request(self, tool: str, summary: str) -> bool:
         """Decide whether ``tool`` may perform the action ``summary``; ask if needed.

@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ds4mlx.agent.events import Generated, Step
+from ds4mlx.agent.hooks import AFTER, BEFORE, fire_response
 from ds4mlx.agent.live import Live, LiveState
 from ds4mlx.agent.tools import ToolOutcome
 from ds4mlx.dsml import (
@@ -75,6 +76,11 @@ class Steps:
         script: scripted completions (tests), consumed in order, or None.
         cap_is_eos: an answer's ``max_tokens`` ends it as an EOS would (``--demo``).
         chunk_size: prefill chunk (tokens).
+        hooks: the ``ds4mlx.agent.hooks.Hooks`` fired around every response, or None.
+
+    Attributes:
+        responses: assistant responses generated (the hooks' ``response_index``).
+        user_text: the user message the current responses answer (the hooks' payload).
     """
 
     def __init__(
@@ -86,8 +92,12 @@ class Steps:
         script: deque[str] | None,
         cap_is_eos: bool,
         chunk_size: int,
+        hooks=None,
     ):
         self.live = live
+        self.hooks = hooks
+        self.responses = 0
+        self.user_text = ""
         self.toolbox = toolbox
         self.sampling = sampling
         self.policy = policy
@@ -223,6 +233,7 @@ class Steps:
             if st is not None:
                 return st
         thinking = lv.conv.thinking
+        fire_response(self, BEFORE)
         gen = self.generate(
             prepared.lease,
             prepared.kind,
@@ -235,6 +246,8 @@ class Steps:
             return "interrupted"
         msg = self.close_turn(gen, thinking)
         lv.messages.append(msg)
+        fire_response(self, AFTER, gen, msg)
+        self.responses += 1
         key = lv.render() if lv.state == LiveState.TURN_END else None
         prepared.lease.finish(gen.turn, transcript_key=key)
         return gen, msg

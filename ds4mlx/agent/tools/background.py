@@ -1,8 +1,8 @@
 """Shell jobs for the agent's ``bash`` tools: run, poll, time out, stop.
 
 Every command runs as ``bash -c COMMAND`` in its own process group (session), with
-stdin closed and stderr merged into stdout. A reader thread drains the pipe into a
-bounded buffer that keeps the head and the tail of unread output and drops the
+stdin closed, stdout and stderr on separate pipes. A reader thread per pipe drains it
+into a bounded buffer that keeps the head and the tail of unread output and drops the
 middle, so a chatty command can neither block on a full pipe nor fill memory.
 Stopping a job signals the whole process group (SIGTERM, then SIGKILL after a
 grace period), so children started by the command die with it.
@@ -20,9 +20,30 @@ import subprocess
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from ds4mlx.agent.child_env import EnvPolicy, child_env
+from ds4mlx.agent.diagnostics import ExitStatus
+from ds4mlx.agent.redact import Redactor
+from ds4mlx.agent.terminal import TerminalText
+
+
+@dataclass(frozen=True)
+class JobOutput:
+    """New output of a job's two streams, each as a terminal shows it, secrets redacted."""
+
+    stdout: str
+    stderr: str
+
+    def text(self) -> str:
+        """stdout, then ``[stderr]`` and stderr when there is any (interleaving is lost)."""
+        if not self.stderr:
+            return self.stdout
+        sep = "" if not self.stdout or self.stdout.endswith("\n") else "\n"
+        return f"{self.stdout}{sep}[stderr]\n{self.stderr}"
+
 
 # How long to wait for the pipe to close after the main process exited. A command
 # that leaves a background child holding stdout would otherwise block us forever.
@@ -63,6 +84,73 @@ class _HeadTailBuffer:
         return out
 
 
+class _Pipe:
+    """One output pipe of a job: a reader thread, its bounded buffer, its terminal view.
+
+    What :meth:`read_new` returns went through :class:`~ds4mlx.agent.terminal.
+    TerminalText` (rendered as a terminal shows it) and :class:`~ds4mlx.agent.redact.
+    Redactor` (secrets replaced), both kept across reads.
+    """
+
+    def __init__(self, name: str, stream: IO[bytes], buffer_bytes: int) -> None:
+        self.name = name
+        self._stream = stream
+        self._lock = threading.Lock()
+        self.new = threading.Condition(self._lock)
+        self._buf = _HeadTailBuffer(buffer_bytes)
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._terminal = TerminalText()
+        self._redactor = Redactor()
+        self.eof = threading.Event()
+        self._thread = threading.Thread(target=self._read, name=name, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        fd = self._stream.fileno()
+        try:
+            while True:
+                data = os.read(fd, 65536)
+                if not data:
+                    break
+                with self.new:
+                    self._buf.append(data)
+                    self.new.notify_all()
+        except OSError:
+            pass
+        finally:
+            self.eof.set()
+            with self.new:
+                self.new.notify_all()
+            self._stream.close()
+
+    def read_raw(self) -> tuple[str, bool]:
+        """``(text since the last read, stream ended)``: decoded, dropped middle marked."""
+        with self._lock:
+            # Check EOF before taking: the reader sets it only after its last append.
+            final = self.eof.is_set()
+            head, dropped, tail = self._buf.take()
+        if not dropped:
+            return self._decoder.decode(head, final=final), final
+        text = self._decoder.decode(head, final=True)
+        self._decoder.reset()
+        sep = "" if not text or text.endswith("\n") else "\n"
+        marker = f"{sep}[… {dropped} bytes of output dropped …]\n"
+        return text + marker + self._decoder.decode(tail, final=final), final
+
+    def read_new(self) -> str:
+        """Output since the last read as a terminal shows it, secrets redacted.
+
+        The line still being drawn (no newline yet) is shown too, and again, complete,
+        by the read after it ends.
+        """
+        text, final = self.read_raw()
+        out = self._redactor.feed(self._terminal.feed(text, final=final))
+        pending = self._terminal.pending
+        if pending and not final:
+            out += self._redactor.peek(pending)
+        return out
+
+
 class Job:
     """One running (or finished) shell command.
 
@@ -72,7 +160,7 @@ class Job:
         cwd: working directory.
         timeout: seconds after which the job is stopped and marked ``timed_out``;
             None for no limit.
-        buffer_bytes: cap on unread output kept between polls (head + tail).
+        buffer_bytes: cap on unread output kept between polls, per stream (head + tail).
         kill_grace: seconds between SIGTERM and SIGKILL when stopping.
         env: the whole environment of the command (default: :func:`child_env` with the
             default policy: names that look secret are withheld).
@@ -100,106 +188,85 @@ class Job:
         self.stopped = False
         self.started = time.monotonic()
         self.ended: float | None = None
+        self.status: ExitStatus | None = None
         self._proc = subprocess.Popen(
             ["bash", "-c", command],
             cwd=cwd,
             env=dict(env) if env is not None else child_env(),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.PIPE,
             start_new_session=True,  # own process group: killpg reaches its children
         )
         self.pid = self._proc.pid
-        self._lock = threading.Lock()
-        self._new = threading.Condition(self._lock)
-        self._buf = _HeadTailBuffer(buffer_bytes)
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._eof = threading.Event()
-        self._reader = threading.Thread(target=self._read, name=f"job-{handle}", daemon=True)
-        self._reader.start()
+        self._exited = threading.Event()
+        # We reap the child ourselves with os.wait4 (Popen's wait hides the core flag);
+        # Popen is never asked to wait, so it cannot race this thread for the status.
+        threading.Thread(target=self._reap, name=f"reap-{handle}", daemon=True).start()
+        assert self._proc.stdout is not None and self._proc.stderr is not None
+        self.stdout = _Pipe(f"job-{handle}-out", self._proc.stdout, buffer_bytes)
+        self.stderr = _Pipe(f"job-{handle}-err", self._proc.stderr, buffer_bytes)
         self._timer: threading.Timer | None = None
         if timeout is not None:
             self._timer = threading.Timer(timeout, self._on_timeout)
             self._timer.daemon = True
             self._timer.start()
 
+    def _reap(self) -> None:
+        try:
+            _, raw, _ = os.wait4(self.pid, 0)
+        except ChildProcessError:  # pragma: no cover - reaped elsewhere: status unknown
+            raw = 0
+        self.status = ExitStatus.from_wait(raw)
+        self.ended = time.monotonic()
+        self._proc.returncode = self.status.returncode  # Popen must not wait for it again
+        self._exited.set()
+
     # --- state -----------------------------------------------------------------
 
     @property
     def returncode(self) -> int | None:
         """Exit status (negative: killed by that signal), or None while running."""
-        code = self._proc.poll()
-        if code is not None and self.ended is None:
-            self.ended = time.monotonic()
-        return code
+        return self.status.returncode if self._exited.is_set() and self.status else None
 
     @property
     def running(self) -> bool:
-        return self.returncode is None
+        return not self._exited.is_set()
 
     @property
     def elapsed(self) -> float:
         """Seconds since start, until exit once it exited."""
-        self.returncode  # noqa: B018 - refreshes `ended`
         return (self.ended or time.monotonic()) - self.started
 
     @property
     def output_open(self) -> bool:
         """True if the process exited but something it started still holds its output."""
-        return not self.running and not self._eof.is_set()
+        return not self.running and not (self.stdout.eof.is_set() and self.stderr.eof.is_set())
 
     # --- output ----------------------------------------------------------------
 
-    def _read(self) -> None:
-        fd = self._proc.stdout.fileno()
-        try:
-            while True:
-                data = os.read(fd, 65536)
-                if not data:
-                    break
-                with self._new:
-                    self._buf.append(data)
-                    self._new.notify_all()
-        except OSError:
-            pass
-        finally:
-            self._eof.set()
-            with self._new:
-                self._new.notify_all()
-            self._proc.stdout.close()
+    def read_new(self) -> JobOutput:
+        """Output of both streams since the previous call (see :meth:`_Pipe.read_new`).
 
-    def read_new(self) -> str:
-        """Output produced since the previous call, decoded as UTF-8 (bad bytes replaced).
-
-        If more than ``buffer_bytes`` accumulated, the middle is replaced by a
-        ``[… N bytes of output dropped …]`` line.
+        If more than ``buffer_bytes`` of a stream accumulated, its middle is replaced by
+        a ``[… N bytes of output dropped …]`` line.
         """
-        with self._lock:
-            # Check EOF before taking: the reader sets it only after its last append.
-            final = self._eof.is_set()
-            head, dropped, tail = self._buf.take()
-        if not dropped:
-            return self._decoder.decode(head, final=final)
-        text = self._decoder.decode(head, final=True)
-        self._decoder.reset()
-        sep = "" if not text or text.endswith("\n") else "\n"
-        marker = f"{sep}[… {dropped} bytes of output dropped …]\n"
-        return text + marker + self._decoder.decode(tail, final=final)
+        return JobOutput(self.stdout.read_new(), self.stderr.read_new())
 
     # --- lifecycle -------------------------------------------------------------
 
     def wait(self, timeout: float | None = None) -> int | None:
         """Wait up to ``timeout`` seconds for the job to exit; return its code or None.
 
-        After the exit, waits briefly for the output pipe to close so the caller
+        After the exit, waits briefly for the output pipes to close so the caller
         sees the complete output.
         """
-        try:
-            code = self._proc.wait(timeout)
-        except subprocess.TimeoutExpired:
+        if not self._exited.wait(timeout):
             return None
-        self._eof.wait(_DRAIN_S)
-        return code
+        deadline = time.monotonic() + _DRAIN_S
+        for pipe in (self.stdout, self.stderr):
+            pipe.eof.wait(max(0.0, deadline - time.monotonic()))
+        return self.returncode
 
     def stop(self, grace: float | None = None) -> int | None:
         """Stop the job's whole process group: SIGTERM, then SIGKILL after ``grace`` s.
@@ -218,8 +285,8 @@ class Job:
         self._signal(signal.SIGKILL)
         if code is None:
             code = self.wait(grace)
-        else:
-            self._eof.wait(_DRAIN_S)  # leftovers just died: let the reader see EOF
+        else:  # leftovers just died: let the readers see EOF
+            self.wait(0)
         return code
 
     def _signal(self, sig: int) -> None:

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ds4mlx.agent.redact import MARKER, introduces_marker
 from ds4mlx.agent.shaping import count_lines, line_of
 from ds4mlx.agent.tools.common import (
     FAILED,
@@ -152,6 +153,7 @@ class FileTools:
         if path.is_dir():
             raise ToolError(FAILED, f"{rel} is a directory")
         exists = path.exists()
+        old: str | None = None
         if exists and not path.is_file():  # a FIFO or device would block or misbehave
             raise ToolError(FAILED, f"{rel} is not a regular file")
         if exists:
@@ -163,6 +165,7 @@ class FileTools:
         else:
             detail = _preview(content)
         size = f"({len(data)} bytes, {count_lines(content)} lines)"
+        _refuse_redacted(content, old or "", rel)
 
         def apply() -> Result:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -184,6 +187,7 @@ class FileTools:
         except UnicodeDecodeError:
             raise ToolError(FAILED, f"{rel} is not valid UTF-8; use write or bash") from None
         old, new = _match_line_endings(text, old, new)
+        _refuse_redacted(new, old, rel)
         count = text.count(old)
         if count == 0:
             hint = ""
@@ -294,6 +298,21 @@ def _diff(old: str | None, new: str, rel: str, max_lines: int = 80) -> str:
     if len(lines) > max_lines:
         lines = lines[:max_lines] + [f"… {len(lines) - max_lines} more diff lines\n"]
     return cap("".join(line if line.endswith("\n") else line + "\n" for line in lines))
+
+
+def _refuse_redacted(new: str, old: str, rel: str) -> None:
+    """Refuse content that adds a redaction marker (see :mod:`ds4mlx.agent.redact`).
+
+    Raises:
+        ToolError: ``failed``, naming the marker's meaning.
+    """
+    if introduces_marker(new, old):
+        raise ToolError(
+            FAILED,
+            f"refused: the content for {rel} holds a redaction marker ({MARKER}…]); it "
+            "stands for a secret you were not shown, and writing it would destroy the "
+            "real value. Leave that part unchanged (edit around it) or ask the user.",
+        )
 
 
 def _preview(content: str, max_lines: int = 20) -> str:

@@ -35,7 +35,9 @@ from typing import Any
 from jsonschema import Draft202012Validator
 
 from ds4mlx.agent.child_env import EnvPolicy
+from ds4mlx.agent.mcp import McpClient
 from ds4mlx.agent.permissions import PathOutsideWorkspace, Permissions
+from ds4mlx.agent.redact import redact
 from ds4mlx.agent.shaping import CountTokens, OutputStore, approx_tokens
 from ds4mlx.agent.tools import schema as tool_schema
 from ds4mlx.agent.tools.background import JobManager
@@ -158,6 +160,8 @@ class Toolbox:
             (head and tail; the middle is dropped beyond it).
         env_policy: the environment commands get (:mod:`ds4mlx.agent.child_env`;
             default: names that look secret withheld).
+        mcp: a started :class:`~ds4mlx.agent.mcp.McpClient`; its tools are offered after
+            the built-in ones (the caller closes it).
 
     Raises:
         ValueError: ``workspace`` is not a directory, or the budget is below 64.
@@ -176,6 +180,7 @@ class Toolbox:
         kill_grace: float = 2.0,
         job_buffer_bytes: int = 1 << 20,
         env_policy: EnvPolicy | None = None,
+        mcp: McpClient | None = None,
     ) -> None:
         root = Path(workspace).resolve()
         if not root.is_dir():
@@ -209,6 +214,12 @@ class Toolbox:
             spec = copy.deepcopy(spec)
             self._tools[spec.name] = _Tool(
                 spec, handlers[spec.name], Draft202012Validator(spec.parameters)
+            )
+        self.mcp = mcp
+        for tool in mcp.tools.values() if mcp is not None else ():
+            spec = copy.deepcopy(tool.spec)
+            self._tools[spec.name] = _Tool(
+                spec, partial(self._mcp_call, spec.name), Draft202012Validator(spec.parameters)
             )
 
     # --- public API ------------------------------------------------------------
@@ -244,10 +255,9 @@ class Toolbox:
         tool = self._tools.get(name)
         if tool is None:
             close = difflib.get_close_matches(str(name), self._tools, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
             return self._error(
                 UNKNOWN_TOOL,
-                f"unknown tool {name!r}.{hint} Available tools: {', '.join(self._tools)}.",
+                tool_schema.unknown_tool_text(name, list(self._tools), close[0] if close else None),
             )
         problems = tool_schema.problems(tool.validator, arguments)
         if problems:
@@ -337,6 +347,22 @@ class Toolbox:
         text = "\n".join(p.rstrip("\n") for p in parts[:-1])
         text = f"{text}\n{parts[-1]}" if text else (parts[-1] if parts else "")
         return ToolOutcome(r.ok, text, r.error, handle, r.job)
+
+    def _mcp_call(self, name: str, a: dict[str, Any]) -> Proposal:
+        """An MCP tool: asks like ``bash`` (a server's ``readOnlyHint`` is not trusted);
+        its output is redacted (:mod:`ds4mlx.agent.redact`) and shaped like any other."""
+        assert self.mcp is not None
+        args = tool_schema.show(a, 2000)
+
+        def apply() -> Result:
+            assert self.mcp is not None
+            r = self.mcp.call(name, a)
+            body = redact(r.text) or "(no output)"
+            if r.is_error:
+                return Result(body, ok=False, error=FAILED, before=f"error: {name} failed:")
+            return Result(body)
+
+        return Proposal(f"call MCP tool {name} with {args}", apply, f"{name} {args[:200]}")
 
     def _more(self, a: dict[str, Any]) -> Result:
         """The ``more`` tool: the next chunk of a cut output (already within budget)."""

@@ -1,8 +1,8 @@
 """JSON-schema helpers for the agent's tools: build parameter schemas, explain violations.
 
 Validation itself is :mod:`jsonschema` (Draft 2020-12); this module turns its errors
-into short lines the model can fix its call from (``- field 'limit': expected a
-number >= 1, got integer 0``), fills in defaults, and summarises a call for the UI.
+into an envelope the model can fix its call from (one JSON line: each error's ``loc``,
+``input_value``, ``error_type``, ``message``, ``expected``), fills in defaults, and summarises a call for the UI.
 """
 
 from __future__ import annotations
@@ -80,55 +80,134 @@ def describe_param(name: str, schema: dict[str, Any], required: bool) -> str:
     return f"{name} ({', '.join(parts)})"
 
 
-def problems(validator: Draft202012Validator, arguments: Any) -> list[str]:
-    """What is wrong with ``arguments`` under ``validator``'s schema, one ``- …`` line each.
+def problems(validator: Draft202012Validator, arguments: Any) -> list[dict[str, Any]]:
+    """What is wrong with ``arguments`` under ``validator``'s schema; ``[]`` if valid.
 
-    Returns an empty list for valid arguments. Non-objects get a single line.
+    Returns:
+        One dict per problem, ordered by field: ``loc`` (the path to the value, a list
+        of keys and indices; ``[]`` for the arguments themselves), ``input_value`` (the
+        value, None for a missing field), ``error_type`` (the JSON-schema keyword that
+        failed: ``type``, ``minimum``, ``required``, ``additionalProperties`` …),
+        ``message`` (one line the model can act on) and ``expected`` (what would pass).
     """
     if not isinstance(arguments, dict):
-        return [f"- arguments: expected object, got {json_type(arguments)} {show(arguments)}"]
+        return [
+            _problem(
+                [], arguments, "type", f"expected object, got {json_type(arguments)}", "object"
+            )
+        ]
     props = validator.schema.get("properties", {})
-    lines: list[str] = []
-    for err in sorted(validator.iter_errors(arguments), key=lambda e: list(map(str, e.path))):
-        lines.extend(_explain(err, props))
-    return lines
+    found: dict[tuple[str, ...], dict[str, Any]] = {}
+    for err in validator.iter_errors(arguments):
+        # (jsonschema reports each missing field apart, each with the whole list.)
+        for p in _explain(err, props):
+            found.setdefault((*map(str, p["loc"]), p["error_type"]), p)
+    order = {name: i for i, name in enumerate(props)}  # schema order; extras last
+    return sorted(
+        found.values(), key=lambda p: order.get(p["loc"][0], len(order)) if p["loc"] else -1
+    )
 
 
-def _explain(err: ValidationError, props: dict[str, Any]) -> list[str]:
-    fld = ".".join(str(p) for p in err.absolute_path) or "arguments"
+def _problem(loc: list[Any], value: Any, kind: str, message: str, expected: str) -> dict[str, Any]:
+    return {
+        "loc": loc,
+        "input_value": value,
+        "error_type": kind,
+        "message": message,
+        "expected": expected,
+    }
+
+
+def _expected(schema: dict[str, Any]) -> str:
+    """``integer >= 1`` — the type and bounds of one parameter's schema."""
+    kind = str(schema.get("type", "any"))
+    if schema.get("minLength") == 1:
+        kind = f"non-empty {kind}"
+    return " ".join([kind, *(f"{w} {schema[k]}" for k, w in _BOUND_WORDS.items() if k in schema)])
+
+
+def _explain(err: ValidationError, props: dict[str, Any]) -> list[dict[str, Any]]:
+    loc = list(err.absolute_path)
     got = f"got {json_type(err.instance)} {show(err.instance)}"
     if err.validator == "required":
         return [
-            f"- field '{missing}': missing (required, expected "
-            f"{props.get(missing, {}).get('type', 'a value')})"
+            _problem(
+                [*loc, missing],
+                None,
+                "required",
+                "missing (required)",
+                _expected(props.get(missing, {})) if not loc else "a value",
+            )
             for missing in err.validator_value
             if missing not in err.instance
         ]
     if err.validator == "additionalProperties":
+        allowed = ", ".join(props)
         return [
-            f"- field '{extra}': unexpected (got {show(err.instance[extra])}); "
-            f"allowed fields: {', '.join(props)}"
+            _problem(
+                [*loc, extra],
+                err.instance[extra],
+                "additionalProperties",
+                f"unexpected field; allowed fields: {allowed}",
+                f"one of: {allowed}",
+            )
             for extra in err.instance
             if extra not in props
         ]
+    schema = err.schema if isinstance(err.schema, dict) else {}
     if err.validator == "type":
-        return [f"- field '{fld}': expected {err.validator_value}, {got}"]
+        return [
+            _problem(
+                loc,
+                err.instance,
+                "type",
+                f"expected {err.validator_value}, {got}",
+                _expected(schema),
+            )
+        ]
     if err.validator in _BOUND_WORDS:
         word = _BOUND_WORDS[err.validator]
-        return [f"- field '{fld}': expected a number {word} {err.validator_value}, {got}"]
+        msg = f"expected a number {word} {err.validator_value}, {got}"
+        return [_problem(loc, err.instance, str(err.validator), msg, _expected(schema))]
     if err.validator == "minLength":
-        return [f"- field '{fld}': expected a non-empty string, {got}"]
-    return [f"- field '{fld}': {err.message}"]
+        msg = f"expected a non-empty string, {got}"
+        return [_problem(loc, err.instance, "minLength", msg, _expected(schema))]
+    return [_problem(loc, err.instance, str(err.validator), err.message, _expected(schema))]
 
 
-def invalid_arguments_text(name: str, schema: dict[str, Any], lines: list[str]) -> str:
-    """The whole ``invalid arguments`` message: the problems, then every parameter."""
+def invalid_arguments_text(name: str, schema: dict[str, Any], errors: list[dict[str, Any]]) -> str:
+    """The whole ``invalid arguments`` message: a headline, the JSON envelope, the parameters.
+
+    The envelope is one line, ``{"status": "validation_error", "tool_name", "error_count",
+    "errors": [...]}`` with :func:`problems`' dicts, so a model (or a client reading the
+    transcript) can fix each field by its ``loc``.
+    """
     req = set(schema.get("required", []))
     params = ", ".join(describe_param(k, v, k in req) for k, v in schema["properties"].items())
+    envelope = {
+        "status": "validation_error",
+        "tool_name": name,
+        "error_count": len(errors),
+        "errors": errors,
+    }
     return (
-        f"invalid arguments for {name}:\n"
-        + "\n".join(lines)
+        f"invalid arguments for {name}\n"
+        + json.dumps(envelope, ensure_ascii=False, default=repr)
         + f"\n{name} parameters: {params}. Fix the arguments and call again."
+    )
+
+
+def unknown_tool_text(name: Any, available: list[str], hint: str | None) -> str:
+    """The ``unknown tool`` message: a headline, then ``{"status": "unknown_tool", …}``."""
+    close = f" Did you mean {hint!r}?" if hint else ""
+    envelope = {
+        "status": "unknown_tool",
+        "tool_name": name,
+        "suggestion": hint,
+        "available_tools": available,
+    }
+    return f"unknown tool {name!r}.{close} Available tools: {', '.join(available)}.\n" + json.dumps(
+        envelope, ensure_ascii=False, default=repr
     )
 
 

@@ -7,13 +7,12 @@ command runs only after the dispatcher got permission. Times are in seconds.
 
 from __future__ import annotations
 
-import re
-import signal
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ds4mlx.agent.sanitize import escape_controls
+from ds4mlx.agent.diagnostics import diagnose
+from ds4mlx.agent.terminal import clean_terminal_output
 from ds4mlx.agent.tools.background import Job, JobManager
 from ds4mlx.agent.tools.common import (
     EXIT_STATUS,
@@ -28,6 +27,9 @@ from ds4mlx.agent.tools.common import (
 from ds4mlx.agent.tools.schema import object_schema
 from ds4mlx.dsml.conversation import ToolSpec
 
+# clean_terminal_output lives in agent/terminal.py; its old import path stays.
+__all__ = ["BASH_STATUS_SPEC", "BASH_STOP_SPEC", "ShellTools", "bash_spec", "clean_terminal_output"]
+
 MAX_RUNNING_JOBS = 16
 # How much of a denied command the model is told (the denial names the call).
 DENIED_COMMAND_CHARS = 200
@@ -40,8 +42,8 @@ def bash_spec(default_timeout: float | None = None) -> ToolSpec:
     default = f"{default_timeout:g}" if default_timeout is not None else "the agent's setting"
     return ToolSpec(
         "bash",
-        "Run a bash command in the workspace directory (stdin closed, stderr merged into "
-        "stdout). Foreground commands are stopped after timeout seconds; processes they "
+        "Run a bash command in the workspace directory (stdin closed; output shown as a "
+        "terminal would, stdout then stderr after a [stderr] line, secrets redacted). Foreground commands are stopped after timeout seconds; processes they "
         "leave running are stopped when they exit. For servers, watchers or anything "
         "long, set background=true: you get a job handle to poll with bash_status and "
         "stop with bash_stop.",
@@ -91,36 +93,6 @@ BASH_STOP_SPEC = ToolSpec(
     "Stop a background job (its whole process group) and return its remaining output.",
     object_schema({"handle": dict(_HANDLE)}, ["handle"]),
 )
-
-# Escape sequences (ECMA-48), each in its 7-bit (ESC …) and 8-bit (C1) spelling:
-# CSI (colours, cursor moves): ESC [ or \x9b, parameters, intermediates, final byte;
-# strings (OSC titles, links and clipboard; DCS, SOS, PM, APC): ESC ] P X ^ _ or
-# \x9d \x90 \x98 \x9e \x9f, up to BEL or ST (ESC \ or \x9c);
-# nF (charset selection ESC ( 0, ESC # 8): ESC, intermediates, final byte;
-# the two-byte rest (ESC 7/8 save/restore cursor, ESC c reset, ESC M, ESC =).
-_ANSI_RE = re.compile(
-    r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]"
-    r"|(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)"
-    r"|\x1b[ -/]+[0-~]"
-    r"|\x1b[0-~]"
-)
-
-
-def clean_terminal_output(text: str) -> str:
-    """What a terminal shows of ``text``, as plain text: no escape sequence, no control.
-
-    Escape sequences are removed, carriage returns applied (progress bars redraw a line
-    with ``\\r`` hundreds of times; only the last state of each line is worth tokens),
-    and any control character left (a lone ``ESC``, an unterminated OSC, BEL,
-    backspace) is written as a ``\\xNN`` escape by
-    :func:`~ds4mlx.agent.sanitize.escape_controls`. ``\\n`` and ``\\t`` stay.
-    """
-    text = _ANSI_RE.sub("", text).replace("\r\n", "\n")
-    if "\r" in text:
-        text = "\n".join(
-            line.rsplit("\r", 1)[-1] if "\r" in line else line for line in text.split("\n")
-        )
-    return escape_controls(text)
 
 
 class ShellTools:
@@ -180,8 +152,9 @@ class ShellTools:
             raise
         if code is None:
             job.stop()
+            out = job.read_new()
             return Result(
-                _drain(job) or "(no output)",
+                out.text() or "(no output)",
                 ok=False,
                 error=TIMEOUT,
                 before=(
@@ -194,14 +167,17 @@ class ShellTools:
         leftovers = job.output_open
         # Stop whatever the command left running in its process group (see tool doc).
         job.stop(grace=0.2)
-        output = _drain(job)
-        status = _exit_text(code) + f" · {job.elapsed:.1f} s"
+        out = job.read_new()
+        exit_status = job.status
+        assert exit_status is not None  # the job exited
+        status = exit_status.describe() + f" · {job.elapsed:.1f} s"
         if leftovers:
             status += " · processes it left running were stopped (use background=true for those)"
         return Result(
-            output or "(no output)",
-            ok=code == 0,
-            error=None if code == 0 else EXIT_STATUS,
+            out.text() or "(no output)",
+            ok=exit_status.ok,
+            error=None if exit_status.ok else EXIT_STATUS,
+            before="" if exit_status.ok else "\n".join(diagnose(out.stdout, out.stderr, self.cwd)),
             after=f"[{status}]",
         )
 
@@ -209,15 +185,18 @@ class ShellTools:
         job = self._job(a["handle"])
         if a["wait"] > 0 and job.running:
             job.wait(a["wait"])
-        output = _drain(job)
+        out = job.read_new()
         status, ok, err = _job_status(job)
-        return Result(output or "(no new output)", ok=ok, error=err, after=status)
+        before = "" if ok else "\n".join(diagnose(out.stdout, out.stderr, self.cwd))
+        return Result(
+            out.text() or "(no new output)", ok=ok, error=err, before=before, after=status
+        )
 
     def stop(self, a: dict[str, Any]) -> Result:
         job = self._job(a["handle"])
         was_running = job.running
         job.stop()
-        output = _drain(job)
+        output = job.read_new().text()
         status, ok, err = _job_status(job)
         if not was_running:
             status = status[:-1] + "; it had already ended]"
@@ -231,16 +210,11 @@ class ShellTools:
             raise ToolError(NOT_FOUND, exc.args[0]) from None
 
 
-def _drain(job: Job) -> str:
-    """The job's output since the last read, as a terminal would show it."""
-    return clean_terminal_output(job.read_new())
-
-
 def _job_status(job: Job) -> tuple[str, bool, str | None]:
     """``([status line], ok, error kind)`` of a background job."""
-    code = job.returncode
+    st = job.status
     h = job.handle
-    if code is None:
+    if job.running or st is None:
         return f"[{h} still running after {job.elapsed:.0f} s]", True, None
     if job.timed_out:
         return (
@@ -252,17 +226,7 @@ def _job_status(job: Job) -> tuple[str, bool, str | None]:
     if job.stopped:
         return f"[{h} stopped by bash_stop after {job.elapsed:.1f} s]", True, None
     return (
-        f"[{h} finished: {_exit_text(code)} after {job.elapsed:.1f} s]",
-        code == 0,
-        (None if code == 0 else EXIT_STATUS),
+        f"[{h} finished: {st.describe()} after {job.elapsed:.1f} s]",
+        st.ok,
+        (None if st.ok else EXIT_STATUS),
     )
-
-
-def _exit_text(code: int) -> str:
-    """``exit code 2`` or ``killed by signal SIGTERM`` for a (negative = signal) status."""
-    if code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"

@@ -1,0 +1,128 @@
+"""MCP tools in the agent (issue 21 item 8): a real stdio server and a real streamable-HTTP
+server (tests/fixtures/mcp_server.py, the official SDK's MCPServer) discovered, filtered by
+allow/deny, called through the Toolbox (asked like bash, validated, redacted)."""
+
+from __future__ import annotations
+
+import io
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mcp")
+
+from ds4mlx.agent.child_env import EnvPolicy  # noqa: E402
+from ds4mlx.agent.mcp import McpClient, McpConfigError, load_config, parse_config  # noqa: E402
+from ds4mlx.agent.permissions import Permissions  # noqa: E402
+from ds4mlx.agent.tools import FAILED, INVALID_ARGUMENTS, Toolbox  # noqa: E402
+
+SERVER = str(Path(__file__).parent / "fixtures" / "mcp_server.py")
+GH = "ghp_" + "A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def http_server():
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, SERVER, "http", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail("MCP HTTP fixture server did not start")
+    yield f"http://127.0.0.1:{port}/mcp"
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_mcp_stdio_and_http_discovered_filtered_called(
+    workspace: Path, http_server: str, monkeypatch
+) -> None:
+    monkeypatch.setenv("FIXTURE_API_TOKEN", "do-not-pass")
+    cfg = parse_config(
+        {
+            "mcpServers": {
+                "local": {"command": sys.executable, "args": [SERVER, "stdio"], "env": {"X": "1"}},
+                "remote": {"type": "http", "url": http_server},
+                "broken": {"command": str(workspace / "no-such-server")},
+            },
+            "deny": ["mcp__remote__env_probe", "mcp__remote__leak"],
+        }
+    )
+    warnings: list[str] = []
+    log = io.StringIO()
+    errlog = open(workspace.parent / "mcp.log", "w")  # noqa: SIM115 - closed below
+    client = McpClient(
+        cfg, cwd=workspace, env_policy=EnvPolicy(), timeout=60, log=errlog, warn=warnings.append
+    )
+    try:
+        client.start()
+        names = sorted(client.tools)
+        assert names == [
+            "mcp__local__add",
+            "mcp__local__env_probe",
+            "mcp__local__explode",
+            "mcp__local__leak",
+            "mcp__remote__add",
+            "mcp__remote__explode",
+        ]
+        assert len(warnings) == 1 and "'broken' not available" in warnings[0]
+        asked: list[str] = []
+        perms = Permissions(ask=lambda tool, summary: asked.append(tool) or "once")
+        with Toolbox(workspace, perms, mcp=client) as tb:
+            assert "mcp__remote__add" in [s.name for s in tb.specs]
+            out = tb.run("mcp__local__add", {"a": 2, "b": 40})
+            assert out.ok and out.text == "42"
+            out = tb.run("mcp__remote__add", {"a": 1, "b": 1})
+            assert out.ok and out.text == "2"
+            assert asked == ["mcp__local__add", "mcp__remote__add"]  # asked like bash
+            # Validated against the server's schema before anything is sent.
+            out = tb.run("mcp__local__add", {"a": "x"})
+            assert not out.ok and out.error == INVALID_ARGUMENTS
+            # A raising tool reaches the model as an error result.
+            for server in ("local", "remote"):
+                out = tb.run(f"mcp__{server}__explode", {"why": "boom"})
+                assert not out.ok and out.error == FAILED
+                assert out.text.startswith(f"error: mcp__{server}__explode failed:")
+            # Output is redacted; the server got child_env's environment plus its own env.
+            out = tb.run("mcp__local__leak", {})
+            assert GH not in out.text and "[redacted: GitHub Token]" in out.text
+            assert tb.run("mcp__local__env_probe", {"name": "FIXTURE_API_TOKEN"}).text == "<unset>"
+            assert tb.run("mcp__local__env_probe", {"name": "X"}).text == "1"
+    finally:
+        client.close()
+        errlog.close()
+    assert "fixture server starting" in (workspace.parent / "mcp.log").read_text()
+    assert log.getvalue() == ""
+
+
+def test_mcp_config_errors_are_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(McpConfigError, match=r"cannot read MCP config .*bad\.json"):
+        load_config(bad)
+    with pytest.raises(McpConfigError, match="needs a command string"):
+        parse_config({"mcpServers": {"a": {"args": []}}})
+    with pytest.raises(McpConfigError, match="server names"):
+        parse_config({"mcpServers": {"a__b": {"command": "x"}}})
+    cfg = parse_config({"mcpServers": {}, "allow": ["mcp__a__*"], "deny": ["mcp__a__rm"]})
+    assert cfg.offered("mcp__a__ls") and not cfg.offered("mcp__a__rm")
+    assert not cfg.offered("mcp__b__ls")

@@ -1,0 +1,390 @@
+"""The agent's tool runtime (issue 21): terminal rendering, redaction, streams and status,
+diagnostics — on real subprocesses, compilers and files in temp workspaces."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from ds4mlx.agent.tools.shell import clean_terminal_output
+
+from ds4mlx.agent.diagnostics import ExitStatus, diagnose
+from ds4mlx.agent.hooks import Hooks
+from ds4mlx.agent.loop import Agent
+from ds4mlx.agent.permissions import Permissions
+from ds4mlx.agent.redact import Redactor, redact
+from ds4mlx.agent.terminal import TerminalText
+from ds4mlx.agent.tools import EXIT_STATUS, FAILED, Toolbox
+from tests.agent_script import RecordingUI, invoke, turn
+
+
+@pytest.fixture
+def ws(workspace: Path) -> Path:
+    return workspace
+
+
+@pytest.fixture
+def tb(ws: Path):
+    with Toolbox(ws, Permissions(yes=True), kill_grace=0.3, bash_timeout=60) as box:
+        yield box
+
+
+# ------------------------------------------------------------------ terminal_output
+
+
+@pytest.mark.parametrize(
+    ("raw", "shown"),
+    [
+        ("Done\r", "Done"),  # EOF commits the line; \r only moves the cursor
+        ("abc\r\r\n", "abc\n"),
+        ("12345\rab\n", "ab345\n"),  # \r overwrites from column 0
+        ("10%\r50%\r100%\n", "100%\n"),
+        ("downloading 99%\r\x1b[Kdone\n", "done\n"),  # erase in line
+        ("abc\bX\n", "abX\n"),  # BS steps back, the next character overwrites
+        ("ding\x07dong\n", "dingdong\n"),  # BEL shows nothing
+        ("\x1b[1;31mred\x1b[0m plain\n", "red plain\n"),
+        ("\x1b]0;title\x07after\n", "after\n"),  # OSC ended by BEL
+        ("\x1b]8;;http://x\x1b\\link\x1b]8;;\x1b\\\n", "link\n"),  # OSC 8 ended by ST
+        ("a\x1bP1;2|payload text\x1b\\b\n", "ab\n"),  # DCS payload gone
+        ("a\x1b_apc payload\x1b\\b\n", "ab\n"),  # APC
+        ("a\x1b^pm\x1b\\b\x1bXsos\x9cc\n", "abc\n"),  # PM, SOS (8-bit ST)
+        ("a\x90c1 dcs\x9cb\n", "ab\n"),  # 8-bit DCS
+        ("col\tumn\t\n", "col\tumn\t\n"),  # tabs kept as tabs (edit must match them)
+        ("ünïcödé ✓\n", "ünïcödé ✓\n"),
+    ],
+)
+def test_terminal_output_renders_like_a_terminal(raw: str, shown: str) -> None:
+    assert clean_terminal_output(raw) == shown
+
+
+def test_terminal_output_keeps_state_across_reads() -> None:
+    t = TerminalText()
+    # A CSI split in the middle of its parameters, then a carriage return.
+    assert t.feed("12345\x1b[3") == ""
+    assert t.pending == "12345"
+    assert t.feed("1mX\rab\n") == "ab345X\n"
+    # OSC and DCS payloads split across reads, ST split between ESC and backslash.
+    assert t.feed("a\x1b]0;ti") == "" and t.pending == "a"
+    assert t.feed("tle\x07b\x1bPpay") == "" and t.pending == "ab"
+    assert t.feed("load\x1b") == ""
+    assert t.feed("\\c\n") == "abc\n"
+    # UTF-8 bytes split inside a character.
+    data = "é€✓\n".encode()
+    assert t.feed(data[:1]) == "" and t.feed(data[1:4]) == ""
+    assert t.feed(data[4:], final=True) == "é€✓\n"
+    # An unterminated sequence at the end of the stream is dropped, the line committed.
+    assert t.feed("tail\x1b]0;never ends", final=True) == "tail"
+
+
+def test_terminal_output_from_a_real_command_and_a_polled_job(tb: Toolbox) -> None:
+    cmd = r"printf '\033[32mok\033[0m\nstep 1/3\rstep 2/3\rstep 3/3\n\033]0;t\007\033P+q\033\\end'"
+    out = tb.run("bash", {"command": cmd})
+    assert out.text.startswith("ok\nstep 3/3\nend\n[exit code 0")
+    # A job's line split across two polls: the renderer keeps the cursor state.
+    job = tb.run(
+        "bash",
+        {"command": r"printf '12345'; sleep 0.5; printf '\rab\n'", "background": True},
+    ).job
+    time.sleep(0.25)
+    first = tb.run("bash_status", {"handle": job}).text
+    assert first.startswith("12345")
+    second = tb.run("bash_status", {"handle": job, "wait": 5}).text
+    assert second.startswith("ab345\n") and "finished: exit code 0" in second
+
+
+# ------------------------------------------------------------------ redact
+
+GH = "ghp_" + "A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8"
+AWS = "AKIA" + "IOSFODNN7EXAMPLE"
+JWT = (
+    "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0."
+    "dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U"
+)
+SHA = "3f786850e387550fdab836ed7e6dc881de23001b"
+INTEGRITY = (
+    '"integrity": "sha512-Kq5sNclPz7QV2+lfQIuwmE3V2bHtTOdAHK1rSd9HXSpzE0qjW1XJD5ZBCmn0vPh'
+    '4TAS3Y2UVbb/Y41GnNUAo5g=="'
+)
+PEM = "-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEAx1\nq2w3e4r5t6y7\n-----END RSA PRIVATE KEY-----\n"
+LEAKY = (
+    f"export GITHUB_TOKEN={GH}\n"
+    f"aws_access_key_id = {AWS}\n"
+    f"auth: Bearer {JWT}\n"
+    "DB_PASSWORD=hunter2-not-a-pattern\n"
+    "KEYBOARD=us\n"
+    f"commit {SHA}\n"
+    f"  {INTEGRITY}\n"
+    f"{PEM}"
+    "url https://deploy:s3cretpass@git.example.com/repo.git\n"
+    "the end\n"
+)
+
+
+def test_redact_fake_keys_and_keep_hashes() -> None:
+    out = redact(LEAKY)
+    for secret in (GH, AWS, JWT, "hunter2", "MIIEowIBAAKCAQEAx1", "q2w3e4r5t6y7", "s3cretpass"):
+        assert secret not in out
+    lines = out.splitlines()
+    assert "export GITHUB_TOKEN=[redacted: GitHub Token]" in lines
+    assert "aws_access_key_id = [redacted: AWS Access Key]" in lines
+    assert "auth: Bearer [redacted: JSON Web Token]" in lines
+    assert "DB_PASSWORD=[redacted: Secret Assignment]" in lines
+    assert "[redacted: Private Key]" in lines  # the whole PEM block, one line
+    assert "url https://deploy:[redacted: Basic Auth Credentials]" in lines
+    # No entropy plugins: a git SHA and a lockfile hash are kept, as is a harmless name.
+    assert f"commit {SHA}" in lines and f"  {INTEGRITY}" in lines
+    assert "KEYBOARD=us" in lines and lines[-1] == "the end"
+
+
+def test_redact_pem_block_split_across_reads() -> None:
+    r = Redactor()
+    assert r.feed("a\n-----BEGIN PRIVATE KEY-----\nAAAA\n") == "a\n[redacted: Private Key]\n"
+    assert r.feed("BBBB\n-----END PRIVATE KEY-----\nok\n") == "ok\n"
+
+
+def test_redact_command_output_but_not_read_and_refuse_marker_writes(tb: Toolbox, ws: Path) -> None:
+    (ws / "creds.env").write_text(LEAKY)
+    out = tb.run("bash", {"command": "cat creds.env; cat creds.env >&2"})
+    assert out.ok and GH not in out.text and AWS not in out.text and "hunter2" not in out.text
+    assert out.text.count("[redacted: GitHub Token]") == 2  # stdout and stderr
+    assert SHA in out.text
+    # A background job's output is redacted too.
+    job = tb.run("bash", {"command": "cat creds.env", "background": True}).job
+    polled = tb.run("bash_status", {"handle": job, "wait": 5}).text
+    assert GH not in polled and "[redacted: GitHub Token]" in polled
+    # read is exact: edit needs the real text.
+    assert GH in tb.run("read", {"path": "creds.env"}).text
+    # Writing the placeholder would destroy the secret: refused, the file unchanged.
+    bad = out.text.split("\n[stderr]")[0]
+    w = tb.run("write", {"path": "creds.env", "content": bad})
+    assert not w.ok and w.error == FAILED and "redaction marker" in w.text
+    e = tb.run(
+        "edit",
+        {
+            "path": "creds.env",
+            "old": f"export GITHUB_TOKEN={GH}",
+            "new": "export GITHUB_TOKEN=[redacted: GitHub Token]",
+        },
+    )
+    assert not e.ok and "redaction marker" in e.text
+    assert (ws / "creds.env").read_text() == LEAKY
+    # A file that already holds a marker can still be edited around it.
+    (ws / "doc.md").write_text("shown as [redacted: GitHub Token] in output\n")
+    e = tb.run("edit", {"path": "doc.md", "old": "shown as", "new": "appears as"})
+    assert e.ok, e.text
+
+
+# ------------------------------------------------------------------ diagnostic (streams, status)
+
+
+def test_diagnostic_streams_apart_and_exit_status(tb: Toolbox) -> None:
+    out = tb.run("bash", {"command": "echo out1; echo err1 >&2; echo out2; exit 3"})
+    assert not out.ok and out.error == EXIT_STATUS
+    assert out.text.startswith("out1\nout2\n[stderr]\nerr1\n[exit code 3")
+    out = tb.run("bash", {"command": "kill -SEGV $$"})
+    assert "[killed by signal SIGSEGV" in out.text
+    # bash reports its killed child as 128+N; decoded.
+    out = tb.run("bash", {"command": "sleep 30 & kill -SEGV $!; wait $!"})
+    assert "[exit code 139 (its last command was killed by SIGSEGV)" in out.text
+    out = tb.run("bash", {"command": "exit 200"})
+    assert "[exit code 200 ·" in out.text  # not a signal number: plain
+
+
+def test_diagnostic_exit_status_words() -> None:
+    # Raw wait-status words as the kernel reports them (signal in the low 7 bits,
+    # 0x80 the core flag; exit code in the second byte).
+    assert ExitStatus.from_wait(signal.SIGSEGV | 0x80).describe() == (
+        "killed by signal SIGSEGV (core dumped)"
+    )
+    assert ExitStatus.from_wait(signal.SIGKILL).returncode == -signal.SIGKILL
+    st = ExitStatus.from_wait(2 << 8)
+    assert st.code == 2 and not st.ok and st.describe() == "exit code 2"
+    assert ExitStatus.from_wait(130 << 8).describe().endswith("killed by SIGINT)")
+
+
+def test_diagnostic_failing_pytest(tb: Toolbox, ws: Path) -> None:
+    (ws / "test_calc.py").write_text(
+        "def double(x):\n    return x * 3\n\n"
+        "def test_double():\n    assert double(2) == 4\n\n"
+        "def test_ok():\n    assert True\n\n"
+        "def test_raises():\n    raise KeyError('missing')\n"
+    )
+    cmd = f"{sys.executable} -m pytest -q -p no:cacheprovider test_calc.py"
+    out = tb.run("bash", {"command": cmd})
+    assert not out.ok
+    lines = out.text.splitlines()
+    assert lines[0] == "[diagnostic]"
+    top = "\n".join(lines[:10])
+    assert "pytest failed: test_calc.py::test_double - assert 6 == 4" in top
+    assert "pytest failed: test_calc.py::test_raises - KeyError: 'missing'" in top
+    assert "pytest: 2 failed, 1 passed" in top
+
+
+def test_diagnostic_python_traceback_names_the_workspace_frame(tb: Toolbox, ws: Path) -> None:
+    (ws / "app.py").write_text(
+        "import json\n\ndef load(text):\n    return json.loads(text)\n\nload('{bad')\n"
+    )
+    out = tb.run("bash", {"command": f"{sys.executable} app.py"})
+    assert not out.ok
+    lines = out.text.splitlines()
+    assert lines[0] == "[diagnostic]"
+    assert lines[1].startswith("python: json.decoder.JSONDecodeError: Expecting property name")
+    # The innermost frame in the workspace, not json's own modules.
+    assert lines[2] == "  at app.py:4 in load"
+
+
+def test_diagnostic_c_compiler_error(tb: Toolbox, ws: Path) -> None:
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler (CI installs gcc)")
+    (ws / "bad.c").write_text("int main(void) {\n  return undefined_var;\n}\n")
+    out = tb.run("bash", {"command": "cc -c bad.c -o bad.o"})
+    assert not out.ok
+    lines = out.text.splitlines()
+    assert lines[0] == "[diagnostic]"
+    assert lines[1].startswith("bad.c:2:10: error:") and "undefined_var" in lines[1]
+
+
+def test_diagnostic_rust_compile_error_and_panic(tb: Toolbox, ws: Path) -> None:
+    if shutil.which("rustc") is None:
+        pytest.skip("no rustc (CI installs it)")
+    (ws / "bad.rs").write_text('fn main() {\n    let x: i32 = "s";\n}\n')
+    out = tb.run("bash", {"command": "rustc --edition 2021 bad.rs -o bad"})
+    assert not out.ok
+    lines = out.text.splitlines()
+    assert lines[0] == "[diagnostic]"
+    assert lines[1] == "rust error[E0308]: mismatched types at bad.rs:2:18"
+    (ws / "boom.rs").write_text(
+        'fn main() {\n    let v: Vec<i32> = Vec::new();\n    println!("{}", v[3]);\n}\n'
+    )
+    out = tb.run("bash", {"command": "rustc --edition 2021 boom.rs -o boom && ./boom"})
+    assert not out.ok and "[exit code 101" in out.text
+    lines = out.text.splitlines()
+    assert lines[0] == "[diagnostic]"
+    assert lines[1].startswith("rust panic in thread 'main' at boom.rs:3:")
+    assert "index out of bounds" in lines[1]
+
+
+def test_diagnostic_frame_is_short_and_absent_on_success(tb: Toolbox, ws: Path) -> None:
+    many = "".join(f"f{i}.c:{i}:1: error: e{i}\n" for i in range(1, 40))
+    frame = diagnose("", many, ws)
+    assert len(frame) == 10 and frame[-1] == "… 31 more"
+    assert diagnose("all fine\n", "", ws) == []
+    out = tb.run("bash", {"command": "echo 'Traceback (most recent call last):'; echo 'X: y'"})
+    assert out.ok and not out.text.startswith("[diagnostic]")  # exit 0: no frame
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX process groups")
+def test_diagnostic_background_job_failure(tb: Toolbox, ws: Path) -> None:
+    (ws / "crash.py").write_text("def f():\n    raise RuntimeError('job broke')\n\nf()\n")
+    job = tb.run("bash", {"command": f"{sys.executable} crash.py", "background": True}).job
+    st = tb.run("bash_status", {"handle": job, "wait": 10})
+    assert not st.ok and st.text.startswith("[diagnostic]\npython: RuntimeError: job broke")
+    assert "  at crash.py:2 in f" in st.text
+
+
+# ------------------------------------------------------------------ validation envelope
+
+
+def test_validation_envelope_for_read(tb: Toolbox) -> None:
+    out = tb.run("read", {"path": "x.txt", "limit": 0, "extra": True})
+    assert not out.ok
+    headline, line, params = out.text.split("\n")
+    assert headline == "error: invalid arguments for read"
+    env = json.loads(line)
+    assert env["status"] == "validation_error" and env["tool_name"] == "read"
+    assert env["error_count"] == 2
+    assert [e["loc"] for e in env["errors"]] == [["limit"], ["extra"]]
+    limit, extra = env["errors"]
+    assert limit == {
+        "loc": ["limit"],
+        "input_value": 0,
+        "error_type": "minimum",
+        "message": "expected a number >= 1, got integer 0",
+        "expected": "integer >= 1",
+    }
+    assert extra["input_value"] is True and extra["error_type"] == "additionalProperties"
+    assert params.startswith("read parameters: path (string, non-empty, required)")
+    unknown = json.loads(tb.run("raed", {}).text.split("\n")[1])
+    assert unknown["status"] == "unknown_tool" and unknown["suggestion"] == "read"
+
+
+# ------------------------------------------------------------------ hooks
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_f32_dir):
+    from ds4mlx.engine import Engine
+
+    return Engine.load(tiny_f32_dir, ctx_size=4096)
+
+
+def test_hooks_log_every_response(engine, workspace: Path, tmp_path: Path) -> None:
+    log = tmp_path / "hooks.jsonl"
+    hook = f"cat >> {log}; echo >> {log}"
+    script = [
+        turn("Look.", "Listing.", invoke("bash", command="echo hi")),
+        turn("Seen.", "Done."),
+    ]
+    hooks = Hooks(before=hook, after=hook, timeout=5, cwd=workspace)
+    agent = Agent(engine, workspace, ui=RecordingUI(), script=script, yes=True, hooks=hooks)
+    try:
+        assert agent.send("run it").ok
+    finally:
+        agent.close()
+    records = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    assert [r["event"] for r in records] == [
+        "before_response",
+        "after_response",
+        "before_response",
+        "after_response",
+    ]
+    assert [r["response_index"] for r in records] == [0, 0, 1, 1]
+    assert all(r["user_text"] == "run it" and r["model"] == engine.path.name for r in records)
+    first, last = records[1], records[3]
+    assert first["tool_call"] is True and first["tool_calls"][0]["name"] == "bash"
+    assert first["tool_calls"][0]["arguments"] == {"command": "echo hi"}
+    assert last["tool_call"] is False and last["response_text"] == "Done."
+    assert first["generated_tokens"] > 0 and last["interrupted"] is False
+    assert records[0]["generated_tokens"] == 0 and "response_text" not in records[0]
+
+
+def test_hooks_failing_or_slow_warn_and_the_turn_completes(
+    engine, workspace: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hooks = Hooks(
+        before="echo 'bad \x1b]0;t\x07 thing' >&2; exit 3",
+        after="sleep 30",
+        timeout=1,
+        cwd=workspace,
+    )
+    agent = Agent(engine, workspace, ui=RecordingUI(), script=[turn("T.", "Fine.")], hooks=hooks)
+    start = time.monotonic()
+    try:
+        res = agent.send("hello")
+    finally:
+        agent.close()
+    assert res.ok and agent.messages[-1].content == "Fine."
+    assert time.monotonic() - start < 25  # the sleeping hook was killed at its timeout
+    err = capsys.readouterr().err
+    assert "warning: before_response hook exited with status 3: bad \\x1b]0;t\\x07 thing" in err
+    assert "warning: after_response hook killed after 1 s (--hook-timeout)" in err
+
+
+def test_hooks_bad_timeout_flag_is_one_line_exit_2(workspace: Path) -> None:
+    import subprocess
+
+    r = subprocess.run(
+        [sys.executable, "-m", "ds4mlx.cli", "agent", "-m", str(workspace / "none")]
+        + ["--workspace", str(workspace), "--hook-timeout", "0", "-p", "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2
+    assert r.stderr.strip() == "ds4mlx agent: --hook-timeout must be within 1..3600 s, got 0"
