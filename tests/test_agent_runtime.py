@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-from ds4mlx.agent.tools.shell import clean_terminal_output
 
 from ds4mlx.agent.diagnostics import ExitStatus, diagnose
 from ds4mlx.agent.hooks import Hooks
@@ -21,6 +20,7 @@ from ds4mlx.agent.permissions import Permissions
 from ds4mlx.agent.redact import Redactor, redact
 from ds4mlx.agent.terminal import TerminalText
 from ds4mlx.agent.tools import EXIT_STATUS, FAILED, Toolbox
+from ds4mlx.agent.tools.shell import clean_terminal_output
 from tests.agent_script import RecordingUI, invoke, turn
 
 

@@ -324,7 +324,9 @@ def test_background_job_wait_and_exit_code(tb: Toolbox) -> None:
 def test_background_job_stop(tb: Toolbox, ws: Path) -> None:
     out = tb.run(
         "bash",
-        {"command": "sleep 60 & echo $! > child.pid; echo up; wait", "background": True},
+        # "up" goes out before child.pid exists: a stop that lands right after the pid
+        # file is written must still find it in the output.
+        {"command": "sleep 60 & echo up; echo $! > child.pid; wait", "background": True},
     )
     deadline = time.monotonic() + 5
     while not (ws / "child.pid").exists() and time.monotonic() < deadline:

@@ -114,24 +114,20 @@ class Agent:
             reset).
         workspace: directory the tools work in.
         ui: :class:`AgentUI` (default: silent, denies permissions).
-        store: disk KV store (:class:`~ds4mlx.kv.store.DiskKVStore`) for session
-            snapshots and shared prompt prefixes (the prompt cache's disk tier,
-            with the default save policy); None disables both.
+        store: disk KV store (:class:`~ds4mlx.kv.store.DiskKVStore`): session snapshots
+            and shared prefixes (the prompt cache's disk tier); None disables both.
         book: :class:`~ds4mlx.agent.sessions.SessionBook` for ``/list``/``/switch``;
             None disables sessions.
         yes: allow every tool without asking.
         thinking: thinking mode for new turns.
-        sampling: :class:`~ds4mlx.engine.SamplingParams` (default: temperature 1,
-            min_p 0.05, docs/ARCHITECTURE.md §6).
+        sampling: :class:`~ds4mlx.engine.SamplingParams` (default: T 1, min_p 0.05).
         max_tokens: most tokens one model turn may generate (default: the context).
         cap_is_eos: reaching ``max_tokens`` ends the turn as an EOS would (the demo
             model's cap: it practically never samples EOS).
         max_steps: most tool rounds per user message (int).
-        tool_output_tokens: token budget of one tool result (default ``ctx // 8``
-            clamped to 64..4096).
+        tool_output_tokens: token budget of one tool result (``ctx // 8`` in 64..4096).
         bash_timeout: default foreground command timeout (seconds).
-        env_policy: the environment commands get (:mod:`ds4mlx.agent.child_env`;
-            default: names that look secret withheld).
+        env_policy: the environment commands get (default: secret-looking names withheld).
         policy: :class:`~ds4mlx.agent.compaction.CompactionPolicy`.
         script: scripted decoding (tests only): one completion text per generation,
             consumed in order (answers and compaction summaries alike); an EOS is added
