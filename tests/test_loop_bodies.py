@@ -28,19 +28,41 @@ from server_util import Server, tiny_model_dir  # noqa: F401
 CTX = 4096
 
 
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (none once it is gone)."""
+    out: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass  # exited meanwhile
+    return out
+
+
+def _vetting_child(pid: int) -> bool:
+    """Whether ``pid`` has a multiprocessing worker child (the body-vetting process)."""
+    for c in _children(pid):
+        try:
+            with open(f"/proc/{c}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    return True
+        except OSError:
+            pass  # exited meanwhile
+    return False
+
+
 def _rss_bytes(pid: int) -> int:
-    """Resident bytes of process ``pid`` and all its descendants (0 once gone)."""
+    """Resident bytes of process ``pid`` and all its descendants."""
     total, todo = 0, [pid]
     while todo:
         p = todo.pop()
         try:
             with open(f"/proc/{p}/status") as f:
                 total += next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmRSS:"))
-            for tid in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
         except (OSError, StopIteration):
             continue  # exited meanwhile (a zombie has no VmRSS)
+        todo += _children(p)
     return total
 
 
@@ -132,7 +154,10 @@ def test_large_bodies_leave_the_loop_free(server):
     assert all(len(raw) < 32 * 2**20 for _, _, raw in bodies)
     assert len(bodies[0][2]) > 31_000_000
     with httpx.Client(base_url=server.url, timeout=300) as c:
-        c.get("/health")
+        # A small body is built in the server: no vetting child, no process hop.
+        small = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert c.post("/v1/chat/completions", json=small).status_code == 200
+        assert _children(server.proc.pid) == []
         baseline = _rss_bytes(server.proc.pid)
         with _Probe(server) as probe:
             time.sleep(0.3)
@@ -191,3 +216,8 @@ def test_large_body_paths(server):
         for extra in ({}, {"x_pad": pad})
     ]
     assert counts[0] == counts[1] > 0
+    # Idle for VET_IDLE_S (30 s), the child exits and gives its memory back.
+    deadline = time.monotonic() + 120
+    while _vetting_child(server.proc.pid) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not _vetting_child(server.proc.pid)

@@ -15,8 +15,8 @@ Where that work runs:
   0.3-0.5 s CPU each, 1-2.5 s of wall time on a loaded machine). So `validate` takes a
   long list in slices of `SLICE` items, and bodies that could hold such calls for long
   do not come here first:
-- A larger body is first *vetted* in a child process (one, started lazily, `spawn`ed, so
-  no thread state is forked): the child runs the same function on the same bytes, with a
+- A larger body is first *vetted* in a child process (one, started lazily, `spawn`ed so
+  no thread state is forked, gone after `VET_IDLE_S` seconds without a large body): the child runs the same function on the same bytes, with a
   snapshot of the state a body needs (the context size, the configuration, the reasoning
   carrier's key; no tool memory, no tokenizer). If the function raises `APIError` there
   (malformed, invalid, over the cheap context bound), that is the answer: the parent
@@ -68,6 +68,11 @@ _pool: ThreadPoolExecutor | None = None
 VET_BYTES = 1 << 20
 # One child: a burst of large bodies queues for it, so their memory is one body's.
 _vet_pool: ProcessPoolExecutor | None = None
+# The child exits after this many seconds without a large body: it holds the route
+# modules' imports (~300 MB) and what the allocator kept of its largest body.
+VET_IDLE_S = 30.0
+# [bodies being vetted now, loop time the last one ended]
+_vetting: list[float] = [0, 0.0]
 
 
 class OpenModel(BaseModel):
@@ -130,16 +135,28 @@ async def _vet(fn: Callable[..., Any], raw: bytes | str, args: tuple) -> APIErro
             initargs=(snapshot, carrier.carrier().key),
         )
     pool = _vet_pool
+    _vetting[0] += 1
     try:
         return await asyncio.wrap_future(pool.submit(_child_vet, fn, raw, args))
     except BrokenProcessPool:
         log.warning("the body-vetting child died; building this body in process")
         if _vet_pool is pool:
-            _vet_pool = None  # the next large body starts a new child
-            pool.shutdown(wait=False, cancel_futures=True)
+            shutdown()  # the next large body starts a new child
     except Exception as e:  # e.g. an unpicklable call: the parent decides
         log.warning("body not vetted (%s: %s); building it in process", type(e).__name__, e)
+    finally:
+        _vetting[0] -= 1
+        loop = asyncio.get_running_loop()
+        _vetting[1] = loop.time()
+        loop.call_later(VET_IDLE_S, _retire_idle)
     return None
+
+
+def _retire_idle() -> None:
+    """Stop the child once no large body came for `VET_IDLE_S` (on the event loop)."""
+    idle = asyncio.get_running_loop().time() - _vetting[1]
+    if _vetting[0] == 0 and idle >= VET_IDLE_S * 0.99:
+        shutdown()
 
 
 def shutdown() -> None:
