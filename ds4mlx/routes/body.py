@@ -16,11 +16,11 @@ Where that work runs:
   long list in slices of `SLICE` items, and bodies that could hold such calls for long
   do not come here first:
 - A larger body is first *vetted* in a child process (one, started lazily, `spawn`ed so
-  no thread state is forked, gone after `VET_IDLE_S` seconds without a large body): the child runs the same function on the same bytes, with a
-  snapshot of the state a body needs (the context size, the configuration, the reasoning
-  carrier's key; no tool memory, no tokenizer). If the function raises `APIError` there
-  (malformed, invalid, over the cheap context bound), that is the answer: the parent
-  never parses the body. Otherwise (the body is accepted, or the function needs what the
+  no thread state is forked, gone after `VET_IDLE_S` seconds without a large body): the
+  child runs the same function on the same bytes, with a snapshot of the state a body
+  needs (the context size, the configuration, the reasoning carrier's key; no tool
+  memory, no tokenizer). If the function raises `APIError` there (malformed, invalid,
+  over the cheap context bound), that is the answer: the parent never parses the body. Otherwise (the body is accepted, or the function needs what the
   child lacks) the child's result is dropped and the parent builds the request on the
   thread pool as above. The child only ever shortcuts a refusal; what the server accepts
   is always built by the one in-process path, with the live tool memory.
