@@ -54,13 +54,26 @@ def register(app) -> None:
     from quart import request, websocket
     from werkzeug.exceptions import HTTPException
 
-    from ds4mlx.routes import access, anthropic, carrier, completions, models, openai, responses
+    from ds4mlx.routes import (
+        access,
+        anthropic,
+        body,
+        carrier,
+        completions,
+        models,
+        openai,
+        responses,
+    )
     from ds4mlx.routes.common import state
     from ds4mlx.routes.errors import APIError, http_exception_to_api
 
     carrier.install(app, app.extensions["ds4mlx"].config.reasoning_key)
     for mod in (openai, completions, anthropic, responses, models):
         app.register_blueprint(mod.bp)
+
+    @app.after_serving
+    async def _stop_vetting() -> None:
+        body.shutdown()
 
     def rejected(e: APIError, method: str | None = None, path: str | None = None) -> None:
         # A client mistake is not a server fault, but the operator should see why a

@@ -637,11 +637,12 @@ class MessageEncoder:
 @bp.post("/v1/messages/count_tokens")
 async def count_tokens():
     """Token count of the rendered prompt: ``{"input_tokens": n}``."""
+    return json_response({"input_tokens": await offload(_count, await read_body())})
 
-    def count(raw: bytes) -> int:
-        return len(tokenize(render(_conversation(parse(CountTokensRequest, raw)))))
 
-    return json_response({"input_tokens": await offload(count, await read_body())})
+def _count(raw: bytes) -> int:
+    """The tokens of a count request's rendered prompt (off the event loop)."""
+    return len(tokenize(render(_conversation(parse(CountTokensRequest, raw)))))
 
 
 def _job(raw: bytes, path: str) -> tuple[MessagesRequest, GenRequest]:

@@ -2,14 +2,28 @@
 
 The loop only receives the bytes (`read_body`; Quart enforces the 32 MiB limit while
 they arrive); JSON parsing, validation and everything a route builds from the body run
-on a small thread pool (`offload`), so one large body never stalls the other clients
-(``/health`` included).
+off the loop (`offload`), so one large body never stalls the other clients (``/health``
+included).
 
-A thread alone is not enough: the JSON parser and pydantic's validator are single C
-calls that hold the GIL for their whole run (200k messages: ~1.3 s of validation on one
-call). `validate` therefore validates a long list field (``messages``, ``input``,
-``tools``) in slices of `SLICE` items, one short call each, and the thread yields the
-GIL between them.
+Where that work runs:
+
+- A body of at most `VET_BYTES` (nearly every request) is built on a small thread pool.
+  A thread alone does not free the loop for long: the JSON parser, pydantic's validator,
+  a regex or a join over the whole text are single C calls holding the GIL, and so is
+  every full collection of the cyclic garbage collector, which a body of many small
+  objects triggers again and again as the heap grows (200k messages: ~15 collections of
+  0.3-0.5 s CPU each, 1-2.5 s of wall time on a loaded machine). So `validate` takes a
+  long list in slices of `SLICE` items, and bodies that could hold such calls for long
+  do not come here first:
+- A larger body is first *vetted* in a child process (one, started lazily, `spawn`ed so
+  no thread state is forked, gone after `VET_IDLE_S` seconds without a large body): the
+  child runs the same function on the same bytes, with a snapshot of the state a body
+  needs (the context size, the configuration, the reasoning carrier's key; no tool
+  memory, no tokenizer). If the function raises `APIError` there (malformed, invalid,
+  over the cheap context bound), that is the answer: the parent never parses the body. Otherwise (the body is accepted, or the function needs what the
+  child lacks) the child's result is dropped and the parent builds the request on the
+  thread pool as above. The child only ever shortcuts a refusal; what the server accepts
+  is always built by the one in-process path, with the live tool memory.
 """
 
 from __future__ import annotations
@@ -18,16 +32,25 @@ import asyncio
 import contextvars
 import functools
 import json
+import logging
+import multiprocessing
+import signal
 import typing
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from quart import request
 from werkzeug.exceptions import HTTPException
 
+from ds4mlx.routes import carrier
+from ds4mlx.routes.common import state
 from ds4mlx.routes.errors import APIError, errors_to_api, http_exception_to_api
+
+log = logging.getLogger("ds4mlx.server")
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -39,6 +62,17 @@ SLICE = 2000
 # here instead of multiplying memory and GIL contention.
 _WORKERS = 2
 _pool: ThreadPoolExecutor | None = None
+# Bodies larger than this (bytes) are vetted in the child process first. Below it the
+# in-process work holds the GIL for tens of milliseconds at most (a 1 MiB body: ~30 ms
+# of parsing), and the hop (spawn once, then a pickle of the bytes each way) is not paid.
+VET_BYTES = 1 << 20
+# One child: a burst of large bodies queues for it, so their memory is one body's.
+_vet_pool: ProcessPoolExecutor | None = None
+# The child exits after this many seconds without a large body: it holds the route
+# modules' imports (~300 MB) and what the allocator kept of its largest body.
+VET_IDLE_S = 30.0
+# [bodies being vetted now, loop time the last one ended]
+_vetting: list[float] = [0, 0.0]
 
 
 class OpenModel(BaseModel):
@@ -51,16 +85,119 @@ class OpenModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-async def offload(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Run ``fn(*args, **kwargs)`` on the body pool (at most `_WORKERS` at a time), in a
-    copy of the caller's context (so ``quart.current_app`` works there); its exception
-    propagates."""
+async def offload(fn: Callable[..., T], raw: bytes | str, *args: Any) -> T:
+    """``fn(raw, *args)`` off the event loop: the request ``fn`` builds from the body
+    ``raw``; its exception propagates.
+
+    A body over `VET_BYTES` is first vetted in the child process (module doc): an
+    `APIError` ``fn`` raises there is raised here without running ``fn`` in this
+    process. Then (and for every smaller body) ``fn`` runs on the thread pool (at most
+    `_WORKERS` at a time), in a copy of the caller's context (so ``quart.current_app``
+    works there). ``fn`` and ``args`` must pickle for the vetting (module-level
+    functions, plain data); one that does not is simply not vetted.
+    """
     global _pool
+    if len(raw) > VET_BYTES:
+        refusal = await _vet(fn, raw, args)
+        if refusal is not None:
+            raise refusal
     if _pool is None:
         _pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="ds4mlx-body")
     ctx = contextvars.copy_context()
-    call = functools.partial(ctx.run, fn, *args, **kwargs)
+    call = functools.partial(ctx.run, fn, raw, *args)
     return await asyncio.get_running_loop().run_in_executor(_pool, call)
+
+
+@dataclass
+class ChildState:
+    """What a body function reads from the server state (``routes.common.state``), in
+    the vetting child: the context size (tokens) and the `ServerConfig`. No tool memory
+    (a remembered call renders canonically there), no tokenizer (a function that
+    tokenizes fails there: no verdict, the parent runs it)."""
+
+    ctx_size: int
+    config: Any
+    tool_memory: None = None
+    tokenizer: None = None
+    unknown_models: set[str] = field(default_factory=set)
+
+
+async def _vet(fn: Callable[..., Any], raw: bytes | str, args: tuple) -> APIError | None:
+    """The child's refusal of ``fn(raw, *args)``, or None (accepted, or no verdict)."""
+    global _vet_pool
+    if _vet_pool is None:
+        st = state()
+        snapshot = ChildState(ctx_size=st.ctx_size, config=st.config)
+        _vet_pool = ProcessPoolExecutor(
+            1,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_child_start,
+            initargs=(snapshot, carrier.carrier().key),
+        )
+    pool = _vet_pool
+    _vetting[0] += 1
+    try:
+        return await asyncio.wrap_future(pool.submit(_child_vet, fn, raw, args))
+    except BrokenProcessPool:
+        log.warning("the body-vetting child died; building this body in process")
+        if _vet_pool is pool:
+            shutdown()  # the next large body starts a new child
+    except Exception as e:  # e.g. an unpicklable call: the parent decides
+        log.warning("body not vetted (%s: %s); building it in process", type(e).__name__, e)
+    finally:
+        _vetting[0] -= 1
+        loop = asyncio.get_running_loop()
+        _vetting[1] = loop.time()
+        loop.call_later(VET_IDLE_S, _retire_idle)
+    return None
+
+
+def _retire_idle() -> None:
+    """Stop the child once no large body came for `VET_IDLE_S` (on the event loop)."""
+    idle = asyncio.get_running_loop().time() - _vetting[1]
+    if _vetting[0] == 0 and idle >= VET_IDLE_S * 0.99:
+        shutdown()
+
+
+def shutdown() -> None:
+    """Stop the vetting child, if one was started (the server's ``after_serving``)."""
+    global _vet_pool
+    if _vet_pool is not None:
+        _vet_pool.shutdown(wait=False, cancel_futures=True)
+        _vet_pool = None
+
+
+# The vetting child's app: its extensions are the `ChildState` and the carrier.
+_child_app: Any = None
+
+
+def _child_start(snapshot: ChildState, carrier_key: bytes) -> None:
+    from quart import Quart
+
+    global _child_app
+    # The parent owns Ctrl-C: the terminal's SIGINT reaches the whole process group, and
+    # the parent's shutdown stops this child.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _child_app = Quart("ds4mlx-vet")
+    _child_app.extensions["ds4mlx"] = snapshot
+    carrier.install(_child_app, carrier_key)
+
+
+def _child_vet(fn: Callable[..., Any], raw: bytes | str, args: tuple) -> APIError | None:
+    """In the child: run ``fn(raw, *args)`` in the child's app context; its `APIError`,
+    else None. The result is dropped (never pickled back): only a refusal is an answer."""
+
+    async def run() -> None:
+        async with _child_app.app_context():
+            fn(raw, *args)
+
+    try:
+        asyncio.run(run())
+    except APIError as e:
+        return e
+    except Exception:
+        return None  # needs what the child lacks, or a fault: the parent finds out
+    return None
 
 
 async def read_body() -> bytes:
@@ -101,11 +238,6 @@ def parse(model: type[M], raw: bytes | str) -> M:
     return validate(model, parse_json(raw))
 
 
-async def read_json() -> Any:
-    """The body as JSON, parsed off the loop (`parse_json`)."""
-    return await offload(parse_json, await read_body())
-
-
 async def parse_body(model: type[M]) -> M:
     """Read the body and validate it with ``model`` off the loop; return the typed request.
 
@@ -114,7 +246,11 @@ async def parse_body(model: type[M]) -> M:
     Raises:
         APIError: 4xx for any malformed, mistyped or oversized body.
     """
-    return await offload(parse, model, await read_body())
+    return await offload(_parse_as, await read_body(), model)
+
+
+def _parse_as(raw: bytes | str, model: type[M]) -> M:
+    return parse(model, raw)
 
 
 def _json_type(v: Any) -> str:

@@ -86,6 +86,7 @@ class ReasoningCarrier:
         from cryptography.hazmat.primitives.ciphers.aead import AESSIV
         from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+        self.key = key  # the secret, for the body-vetting child (``routes.body``)
         # AES-256-SIV takes a 512-bit key (two AES-256 keys), derived from the secret.
         siv_key = HKDF(
             algorithm=hashes.SHA256(), length=64, salt=None, info=b"ds4mlx reasoning carrier"

@@ -59,6 +59,11 @@ class APIError(Exception):
         self.code = code
         self.anthropic_type = anthropic_type
 
+    def __reduce__(self):
+        # Pickled by the body-vetting child (``routes.body``): ``Exception`` would call
+        # ``APIError(message)``; rebuild from the required arguments, then the fields.
+        return (type(self), (self.status, self.message), dict(self.__dict__))
+
 
 def openai_error(err: APIError) -> dict[str, Any]:
     """The OpenAI error object for ``err`` (every route but the Messages API's)."""
