@@ -51,11 +51,10 @@ def _answer(err, path: str | None = None):
 def register(app) -> None:
     """Register every blueprint, error handler and request hook on ``app``, and build
     the app's reasoning carrier (``--reasoning-key``, else the stored key)."""
-    from quart import request, websocket
+    from quart import request
     from werkzeug.exceptions import HTTPException
 
     from ds4mlx.routes import (
-        access,
         anthropic,
         body,
         carrier,
@@ -64,7 +63,6 @@ def register(app) -> None:
         openai,
         responses,
     )
-    from ds4mlx.routes.common import state
     from ds4mlx.routes.errors import APIError, http_exception_to_api
 
     carrier.install(app, app.extensions["ds4mlx"].config.reasoning_key)
@@ -102,6 +100,18 @@ def register(app) -> None:
     async def _any_error(e: Exception):
         log.exception("unhandled error on %s %s", request.method, request.path)
         return _answer(APIError(500, f"internal error: {type(e).__name__}", type="server_error"))
+
+    _install_access(app, rejected)
+
+
+def _install_access(app, rejected) -> None:
+    """The access hooks (`ds4mlx.routes.access`): Host and Origin on every request and
+    WebSocket upgrade, the API key, size and content type of HTTP requests, CORS answers.
+    ``rejected(err, method=None, path=None)`` logs a refusal."""
+    from quart import request, websocket
+
+    from ds4mlx.routes import access
+    from ds4mlx.routes.common import state
 
     @app.before_request
     async def _access():
