@@ -12,9 +12,9 @@ mx = pytest.importorskip("mlx.core")
 
 import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear  # noqa: E402
 
 from ds4mlx.model.loading import load_model  # noqa: E402
+from ds4mlx.model.moe import QuantizedSwitchLinear  # noqa: E402
 from ds4mlx.model.network import QuantizedGroupedLinear  # noqa: E402
 from ds4mlx.model.tiny import make_tiny  # noqa: E402
 
