@@ -1,7 +1,7 @@
-"""ds4mlx's MLX network against the transformers oracle (DESIGN.md §2 "Reference").
+"""ds4mlx's MLX network against the transformers oracle (docs/ARCHITECTURE.md §2).
 
 The oracle is a tiny float32 ``DeepseekV4ForCausalLM`` built by ``model_fixtures`` under
-DS4_NETWORK.md's fixture rules, saved with ``save_pretrained`` and loaded by ds4mlx.
+the fixture rules listed there, saved with ``save_pretrained`` and loaded by ds4mlx.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def _forward_np(model, toks, cache=None, **kw):
 
 
 def test_fixture_is_discriminating(oracle):
-    """The oracle must exercise what DS4_NETWORK.md's fixture rules ask for."""
+    """The oracle must exercise what model_fixtures' fixture rules ask for."""
     cfg = oracle["ref"].config
     seen = oracle["seen"]
     assert cfg.hc_mult >= 3

@@ -1,7 +1,7 @@
 """Issue 4, must-hold 1: the official openai and anthropic SDKs against a real server.
 
 One ``ds4mlx serve`` process (tiny model, scripted decoding) for the module. Scripted
-decoding makes the model emit thinking, text and DSML tool calls (DESIGN.md §2) while
+decoding makes the model emit thinking, text and DSML tool calls while
 the forward passes, KV state and usage stay real.
 """
 
