@@ -217,3 +217,19 @@ def test_serve_demo_imports_no_mlx_lm_transformers_or_torch(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == []
+
+
+def test_readme_test_command_is_what_ci_runs():
+    """README's test command is the last line of ``.ci/run``: the fast set, then the slow."""
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8").strip().splitlines()[-1]
+    assert ci in (REPO / "README.md").read_text(encoding="utf-8")
+    fast, slow = ci.index('-m "not slow"'), ci.index("-m slow")
+    assert fast < slow
+
+
+def test_a_hanging_test_dumps_its_stacks():
+    import tomllib
+
+    ini = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert ini["timeout_method"] == "signal"  # dumps every thread's stack, then fails
+    assert 0 < ini["faulthandler_timeout"] < ini["timeout"]

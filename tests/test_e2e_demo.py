@@ -16,13 +16,13 @@ import tomllib
 
 import httpx
 import pytest
-from server_util import REPO, Server, require_cli, tiny_model_dir  # noqa: F401
+from server_util import REPO, Server, require_cli
 
 CTX = 65536  # Claude Code: a ~19k-token prompt plus ~33k kept free
 
 
 @pytest.fixture(scope="module")
-def demo(tiny_model_dir, tmp_path_factory):  # noqa: F811 (fixture from server_util)
+def demo(tiny_model_dir, tmp_path_factory):
     cache = tmp_path_factory.mktemp("demo_cache")
     (cache / "ds4mlx").mkdir()
     # The session's tiny checkpoint is the demo model (same maker, same arguments).

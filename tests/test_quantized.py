@@ -22,12 +22,8 @@ TEXT = "The quick brown fox jumps over the lazy dog. " * 12
 
 
 @pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    return {
-        "float": make_tiny(str(root / "float"), expert_bits=None, other_bits=None),
-        "q": make_tiny(str(root / "q")),
-    }
+def tiny_dirs(tiny_f32_dir, tiny_checkpoint):
+    return {"float": str(tiny_f32_dir), "q": str(tiny_checkpoint(seed=0))}
 
 
 @pytest.fixture(scope="module")
