@@ -54,12 +54,14 @@ def _claude(server: Server, tmp_path, *args: str) -> subprocess.CompletedProcess
     )
 
 
+@pytest.mark.slow  # the real client CLI
 def test_item11_claude_code_is_told_the_server_context_window(demo, tmp_path):
     r = _claude(demo, tmp_path, "/context")  # a local command: no model request
     assert r.returncode == 0, r.stdout + r.stderr
     assert "/ 65.5k" in r.stdout, r.stdout[:600]  # not Claude Code's own 200k
 
 
+@pytest.mark.slow  # the real client CLI
 def test_item10_claude_code_shows_text_on_the_first_try(demo, tmp_path):
     n0 = len(demo.request_lines())
     r = _claude(demo, tmp_path, "say hi")
@@ -69,6 +71,7 @@ def test_item10_claude_code_shows_text_on_the_first_try(demo, tmp_path):
     assert len(lines) == 1, lines  # no "output token limit" retry
 
 
+@pytest.mark.slow  # the real client CLI
 def test_item10_codex_exec_shows_text(demo, tmp_path):
     exe = require_cli("codex")
     config = tomllib.loads((REPO / "examples" / "codex-config.toml").read_text())
