@@ -203,9 +203,11 @@ def test_engine_load_imports_no_mlx_lm_transformers_or_torch(tiny_f32_dir):
     assert json.loads(r.stdout.strip().splitlines()[-1]) == []
 
 
-def test_serve_demo_imports_no_mlx_lm_transformers_or_torch(tmp_path):
+def test_serve_demo_imports_no_mlx_lm_transformers_or_torch(tmp_path, tiny_model_dir):
     from server_util import free_port
 
+    (tmp_path / "ds4mlx").mkdir()
+    (tmp_path / "ds4mlx" / "demo").symlink_to(tiny_model_dir)  # the demo model, made once
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
     r = subprocess.run(
         [sys.executable, "-c", _SERVE_PROBE.format(heavy=_HEAVY), str(free_port())],
