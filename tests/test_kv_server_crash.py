@@ -11,12 +11,11 @@ good share of the kills land mid-write). After every kill and every restart:
   skipped and reported, never used (the server still answers, from another prefix or
   cold).
 
-Starting a Python process that imports MLX and Quart takes a few seconds on a loaded
-2-core machine. To keep twenty restarts
-affordable, a *zygote* process imports all of that once and forks each server from
-it; the child then runs the very ``ds4mlx serve`` code path (``ds4mlx.cli.main``), so
-the kills hit a real server. Run as ``python tests/test_kv_server_crash.py zygote`` it
-is that zygote (one JSON ``[argv, log path]`` per stdin line; answers with the pid).
+Starting a Python process that imports MLX and Quart takes seconds on a loaded 2-core
+machine. To keep twenty restarts affordable, a *zygote* process imports all of that once
+and forks each server from it; the child then runs the very ``ds4mlx serve`` code path
+(``ds4mlx.cli.main``), so the kills hit a real server. Run as
+``python tests/test_kv_server_crash.py zygote`` it is that zygote (one JSON ``[argv, log path]`` per stdin line; answers with the pid).
 """
 
 from __future__ import annotations
@@ -51,16 +50,16 @@ def zygote() -> None:
     from hypercorn import asyncio as _h  # noqa: F401
 
     import ds4mlx.cli
-    import ds4mlx.engine
-    import ds4mlx.kv.plan
-    import ds4mlx.kv.store
-    import ds4mlx.model.loading
-    import ds4mlx.routes.anthropic
-    import ds4mlx.routes.models
-    import ds4mlx.routes.openai
-    import ds4mlx.routes.responses
-    import ds4mlx.server.app
-    import ds4mlx.server.cli
+    import ds4mlx.engine  # noqa: F401
+    import ds4mlx.kv.plan  # noqa: F401
+    import ds4mlx.kv.store  # noqa: F401
+    import ds4mlx.model.loading  # noqa: F401
+    import ds4mlx.routes.anthropic  # noqa: F401
+    import ds4mlx.routes.models  # noqa: F401
+    import ds4mlx.routes.openai  # noqa: F401
+    import ds4mlx.routes.responses  # noqa: F401
+    import ds4mlx.server.app  # noqa: F401
+    import ds4mlx.server.cli  # noqa: F401
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped automatically
     print("ready", flush=True)
