@@ -15,7 +15,8 @@ Starting a Python process that imports MLX and Quart takes seconds on a loaded 2
 machine. To keep twenty restarts affordable, a *zygote* process imports all of that once
 and forks each server from it; the child then runs the very ``ds4mlx serve`` code path
 (``ds4mlx.cli.main``), so the kills hit a real server. Run as
-``python tests/test_kv_server_crash.py zygote`` it is that zygote (one JSON ``[argv, log path]`` per stdin line; answers with the pid).
+``python tests/test_kv_server_crash.py zygote`` it is that zygote (one JSON
+``[argv, log path]`` per stdin line; answers with the pid).
 """
 
 from __future__ import annotations
