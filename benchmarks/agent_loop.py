@@ -1,4 +1,4 @@
-"""Agent-loop reuse and restart benchmark (DESIGN.md §8, issue 5).
+"""Agent-loop reuse and restart benchmark (docs/ARCHITECTURE.md §8).
 
 A scripted Anthropic tool session against a real ``ds4mlx serve``: a system prompt of
 ``--system-tokens`` tokens, thinking on (display omitted, replayed through the

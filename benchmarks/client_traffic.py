@@ -456,7 +456,7 @@ def _tool_script(turn: int, step: int, client: str) -> tuple[str, dict]:
     if client == "codex":
         return "exec_command", {"cmd": f"sed -n 1,40p src/{_word(turn + step)}_{turn}.py"}
     if (turn + step) % 2:
-        return "Read", {"file_path": f"/work/src/{_word(turn * 3 + step)}_{turn}.py"}
+        return "Read", {"file_path": f"/project/src/{_word(turn * 3 + step)}_{turn}.py"}
     return "Bash", {
         "command": f"pytest -q tests/test_{_word(turn)}.py",
         "description": "Run the tests",

@@ -19,8 +19,8 @@ class SamplingParams:
         seed: seeds the session's generator at the start of a request
             (``Session.seed``), making the sampled continuation reproducible.
 
-    The filters are mlx-lm's (``apply_top_p``, ``apply_min_p``, ``apply_top_k``, in the
-    order mlx-lm's ``make_sampler`` applies them, on the untempered distribution); the
+    The filters (``ds4mlx.engine.sampling``: top-p, then min-p, then top-k, on the
+    untempered distribution; the order mlx-lm's ``make_sampler`` uses) run first; the
     temperature then scales the surviving log-probabilities before the categorical draw.
 
     Raises:

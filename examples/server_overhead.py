@@ -1,4 +1,4 @@
-"""Server overhead benchmark (DESIGN.md §8): decode tokens/s seen by a streaming HTTP
+"""Server overhead benchmark (docs/ARCHITECTURE.md §8): decode tokens/s seen by a streaming HTTP
 client ÷ engine-only decode tokens/s, same model, same prompt, greedy.
 
     python examples/server_overhead.py -m /path/to/model [--tokens 256]

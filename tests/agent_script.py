@@ -1,6 +1,6 @@
 """Helpers for the agent tests: scripted DSML turns and a recording UI.
 
-Scripted decoding (DESIGN.md §2): the engine still runs the forward pass for every
+Scripted decoding (``serve --enable-scripted-decoding``): the engine still runs the forward pass for every
 scripted token, so the KV state and token counts the tests measure are real.
 """
 

@@ -23,14 +23,48 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="session")
-def tiny_f32_dir(tmp_path_factory) -> Path:
-    """The seeded tiny DS4 checkpoint, unquantized float32 (quantized matmuls are slow on
-    the CPU). Shared read-only by every test module that needs a real engine."""
+def tiny_checkpoint(tmp_path_factory):
+    """``tiny_checkpoint(**make_tiny_kwargs) -> Path``: one tiny DS4 checkpoint per distinct
+    set of `ds4mlx.model.tiny.make_tiny` arguments, made once per session and shared
+    read-only (tests copy it before changing anything)."""
     from ds4mlx.model.tiny import make_tiny
 
-    d = tmp_path_factory.mktemp("tiny_f32")
-    make_tiny(d, seed=0, expert_bits=None, other_bits=None)
-    return d
+    made: dict[tuple, Path] = {}
+
+    def get(**kwargs) -> Path:
+        key = tuple(sorted(kwargs.items()))
+        if key not in made:
+            made[key] = Path(make_tiny(str(tmp_path_factory.mktemp("tiny")), **kwargs))
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_f32_dir(tiny_checkpoint) -> Path:
+    """The seeded tiny DS4 checkpoint, unquantized float32 (quantized matmuls are slow on
+    the CPU); the same one ``serve --demo`` makes. Shared read-only by every test module
+    that needs a real engine."""
+    from ds4mlx.model.demo import DEMO_TINY_KWARGS
+
+    return tiny_checkpoint(**DEMO_TINY_KWARGS)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_f32_dir) -> Path:
+    """The checkpoint the server tests serve: `tiny_f32_dir` (what ``serve --demo`` uses)."""
+    return tiny_f32_dir
+
+
+@pytest.fixture(scope="session")
+def server_factory():
+    """``server_factory(model_dir, **Server kwargs) -> Server``: a running ``ds4mlx serve``
+    shared by the session, one per distinct set of flags (`server_util.ServerPool`)."""
+    from server_util import ServerPool
+
+    pool = ServerPool()
+    yield pool.get
+    pool.close()
 
 
 @pytest.fixture

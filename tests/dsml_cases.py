@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -20,13 +19,8 @@ from typing import Any
 
 from ds4mlx.dsml.conversation import Conversation, Message, ToolCall, ToolSpec
 
-# DeepSeek's own encoding test vectors (DESIGN.md §4). DS4MLX_DSV4_VECTORS overrides.
-_VECTOR_DIRS = [
-    os.environ.get("DS4MLX_DSV4_VECTORS", ""),
-    str(Path(__file__).parent / "fixtures" / "dsv4-encoding"),
-    "/work/shared/fixtures/dsv4-encoding",
-]
-FIXTURES = next((Path(d) for d in _VECTOR_DIRS if d and Path(d, "input_1.json").exists()), None)
+# DeepSeek's own encoding test vectors (input_N.json -> output_N.txt), kept in the repo.
+FIXTURES = Path(__file__).parent / "fixtures" / "dsv4-encoding"
 
 
 def load_oracle() -> ModuleType | None:

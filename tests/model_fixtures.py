@@ -1,6 +1,6 @@
 """Test helpers: a tiny float32 ``transformers.DeepseekV4ForCausalLM`` oracle.
 
-The reference follows the fixture rules of ``DS4_NETWORK.md`` so that it can tell the
+The reference follows these fixture rules so that it can tell the
 subtle variants apart: ``hc_mult`` 3 (comb vs combᵀ is visible), YaRN on the compressed
 layers, distinct experts per ``tid2eid`` row, a random router bias, expert weights large
 enough that the SwiGLU clamp fires, 8 indexer heads with a small ``index_topk`` (so the
@@ -8,7 +8,7 @@ indexer really selects), randomized sinks / norms / hc scales / ``ape``, and all
 attention kinds plus both MoE kinds.
 
 transformers clamps the shared expert; DeepSeek's official code does not, so every
-layer's ``mlp.shared_experts.limit`` is set to ``inf`` (``DS4_NETWORK.md`` "Test oracle").
+layer's ``mlp.shared_experts.limit`` is set to ``inf`` (docs/ARCHITECTURE.md §2).
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def build_reference(seed: int = 0, **overrides):
                 gate.tid2eid.copy_(rows)
             if hasattr(gate, "e_score_correction_bias"):
                 gate.e_score_correction_bias.copy_(rnd(gate.e_score_correction_bias.shape, 0.2))
-            # The official model does not clamp the shared expert (DS4_NETWORK.md, MoE).
+            # The official model does not clamp the shared expert (docs/ARCHITECTURE.md §2, MoE).
             layer.mlp.shared_experts.limit = float("inf")
     return model
 

@@ -21,10 +21,12 @@ import json
 import os
 import re
 import shutil
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    import torch  # imported where used: collecting tests must not pay for it
 
 FP8_MAX = 448.0
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
@@ -44,11 +46,15 @@ RELEASE_QUANT = {
 
 def _pow2_scale(amax: torch.Tensor, top: float) -> torch.Tensor:
     """Power-of-two scale so that amax / scale ≤ top (ue8m0, as DeepSeek's quantizer)."""
+    import torch
+
     return torch.exp2(torch.ceil(torch.log2(torch.clamp(amax, min=1e-30) / top)))
 
 
 def quantize_fp8(w: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
     """``(F8_E4M3 weight, F8_E8M0 block scale, dequantized float32)`` of ``w (out, in)``."""
+    import torch
+
     t = torch.from_numpy(w).float()
     out, inn = t.shape
     bo, bi = -(-out // 128), -(-inn // 128)
@@ -64,6 +70,8 @@ def quantize_fp8(w: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]
 
 def quantize_fp4(w: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
     """``(I8 packed e2m1 (out, in/2), F8_E8M0 scale (out, in/32), dequantized float32)``."""
+    import torch
+
     t = torch.from_numpy(w).float()
     out, inn = t.shape
     g = t.view(out, inn // 32, 32)
@@ -87,6 +95,9 @@ def write_release(
     fp8 added). Returns the dequantized weights under the same names (float32, ``tid2eid``
     int32), i.e. exactly the network the written checkpoint encodes.
     """
+    import torch
+    from safetensors.torch import save_file
+
     os.makedirs(out_dir, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     deq: dict[str, np.ndarray] = {}

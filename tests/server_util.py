@@ -1,8 +1,9 @@
 """Helpers for the server tests: a real ``ds4mlx serve`` subprocess on 127.0.0.1.
 
 Every end-to-end test talks to a real server process (the tiny float32 model, a free
-port, scripted decoding enabled) that the test module starts once and stops with
-SIGINT, checking that it shuts down cleanly.
+port, scripted decoding enabled), stopped with SIGINT and checked to shut down cleanly:
+one a test module starts itself (``with Server(...)``), or one shared by the session and
+memoized by its flags (the ``server_factory`` fixture, a `ServerPool`).
 """
 
 from __future__ import annotations
@@ -44,17 +45,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    """The tiny float32 DS4 checkpoint (what ``serve --demo`` uses), made once per session."""
-    from ds4mlx.model.demo import DEMO_TINY_KWARGS
-    from ds4mlx.model.tiny import make_tiny
-
-    d = tmp_path_factory.mktemp("tiny_serve")
-    make_tiny(d, **DEMO_TINY_KWARGS)
-    return d
 
 
 class Server:
@@ -200,6 +190,48 @@ class Server:
         if exc[0] is None:
             assert rc == 0, f"server exited with {rc}:\n{self.log()[-3000:]}"
             self.log_path.unlink(missing_ok=True)  # kept when something failed
+
+
+class ServerPool:
+    """Servers shared by the whole test session, one per distinct set of flags.
+
+    `get` starts a `Server` the first time its arguments are asked for and returns the
+    running one afterwards; `close` (session end) stops each with SIGINT and fails if one
+    did not exit cleanly. For tests that do not need a fresh server: a shared one has
+    served other modules' requests (prompt cache, ``/health`` counters, log lines), so
+    such tests count from what they see first (``n0 = len(s.request_lines())``).
+    """
+
+    def __init__(self) -> None:
+        self._servers: dict[str, Server] = {}
+
+    def get(self, model_dir, **kw) -> Server:
+        """The running server for ``Server(model_dir, **kw)``.
+
+        Raises:
+            RuntimeError: it did not start, or a shared one has died since.
+        """
+        key = json.dumps([str(model_dir), kw], sort_keys=True, default=str)
+        s = self._servers.get(key)
+        if s is None:
+            s = self._servers[key] = Server(model_dir, **kw).start()
+        elif s.proc.poll() is not None:
+            raise RuntimeError(f"shared server exited with {s.proc.returncode}:\n{s.log()[-3000:]}")
+        return s
+
+    def close(self) -> None:
+        bad = []
+        for s in self._servers.values():
+            try:
+                rc = s.stop()
+            finally:
+                s.kill()
+            if rc != 0:
+                bad.append(f"{s.cmd}: exit {rc}\n{s.log()[-2000:]}")
+            else:
+                s.log_path.unlink(missing_ok=True)
+        self._servers.clear()
+        assert not bad, "\n".join(bad)
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from server_util import Server, tiny_model_dir, ws_upgrade  # noqa: F401
+from server_util import Server, ws_upgrade
 
 from ds4mlx.origins import host_name, json_content_type, origin_key
 from ds4mlx.server.app import access_rows

@@ -14,7 +14,10 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
 from server_util import REPO, require_cli
+
+pytestmark = pytest.mark.slow
 
 
 def _benchmark():

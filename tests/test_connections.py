@@ -18,7 +18,7 @@ import time
 
 import httpx
 import pytest
-from server_util import Server, tiny_model_dir  # noqa: F401
+from server_util import Server
 
 from ds4mlx.server.connections import LOG_INTERVAL_S
 

@@ -30,7 +30,7 @@ from kv_server_util import (
     tool_calls,
     traced_server,
 )
-from server_util import Server, tiny_model_dir  # noqa: F401
+from server_util import Server  # noqa: F401
 
 READ = {
     "name": "read",
@@ -63,7 +63,7 @@ SHORT_SYSTEM = long_system(20, seed=3)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):  # noqa: F811 (fixture from server_util)
+def server(tiny_model_dir, tmp_path_factory):
     # No disk tier: the cold references below must be cold, not disk hits.
     extra = ["--kv-disk-dir", "none"]
     with traced_server(tiny_model_dir, tmp_path_factory, ctx=16384, extra=extra) as s:

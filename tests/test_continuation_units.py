@@ -153,15 +153,12 @@ def test_visible_keys_match_both_ways_of_dropping_reasoning():
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def engine(tiny_f32_dir):
     from ds4mlx.blas import needs_reexec
     from ds4mlx.engine import Engine
-    from ds4mlx.model.tiny import make_tiny
 
     assert not needs_reexec()  # conftest re-executes pytest with OpenBLAS
-    d = tmp_path_factory.mktemp("tiny_units")
-    make_tiny(d, expert_bits=None, other_bits=None)
-    return Engine.load(d, ctx_size=4096)
+    return Engine.load(tiny_f32_dir, ctx_size=4096)
 
 
 def _job(engine, conv, text=None):

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm"),
     pytest.mark.timeout(300),
 ]

@@ -7,12 +7,12 @@ from __future__ import annotations
 import shutil
 
 from kv_server_util import Trace, post, script
-from server_util import Server, tiny_model_dir  # noqa: F401
+from server_util import Server
 
 from ds4mlx.model.demo import DEMO_MAX_TOKENS as CAP
 
 
-def test_demo_cap_binds_the_whole_turn(tiny_model_dir, tmp_path):  # noqa: F811
+def test_demo_cap_binds_the_whole_turn(tiny_model_dir, tmp_path):
     cache = tmp_path / "cache"
     shutil.copytree(tiny_model_dir, cache / "ds4mlx" / "demo")
     trace = tmp_path / "trace.jsonl"

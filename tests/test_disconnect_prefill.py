@@ -22,7 +22,7 @@ import time
 
 import httpx
 import pytest
-from server_util import Server, tiny_model_dir  # noqa: F401
+from server_util import Server
 
 PROMPT_WORDS = 24000  # ~24k tokens: tens of seconds of prefill on this CPU
 
@@ -45,7 +45,7 @@ def _leave_mid_prefill(s: Server, body: dict) -> None:
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
-def test_disconnect_during_prefill_cancels_between_chunks(tiny_model_dir, stream):  # noqa: F811
+def test_disconnect_during_prefill_cancels_between_chunks(tiny_model_dir, stream):
     with Server(tiny_model_dir, ctx=32768, extra=["--kv-disk-dir", "none"]) as s:
         body = {
             "model": "deepseek-chat",
@@ -84,12 +84,10 @@ def pipelined(port: int) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def slow_keepalive_server(tiny_model_dir):  # noqa: F811
+def slow_keepalive_server(server_factory, tiny_model_dir):
     # Keepalives far apart: a stream must not need one to notice the client left.
-    with Server(
-        tiny_model_dir, ctx=32768, extra=["--kv-disk-dir", "none", "--keepalive", "120"]
-    ) as s:
-        yield s
+    extra = ["--kv-disk-dir", "none", "--keepalive", "120"]
+    return server_factory(tiny_model_dir, ctx=32768, extra=extra)
 
 
 @pytest.mark.parametrize(

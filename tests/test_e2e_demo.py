@@ -16,13 +16,13 @@ import tomllib
 
 import httpx
 import pytest
-from server_util import REPO, Server, require_cli, tiny_model_dir  # noqa: F401
+from server_util import REPO, Server, require_cli
 
 CTX = 65536  # Claude Code: a ~19k-token prompt plus ~33k kept free
 
 
 @pytest.fixture(scope="module")
-def demo(tiny_model_dir, tmp_path_factory):  # noqa: F811 (fixture from server_util)
+def demo(tiny_model_dir, tmp_path_factory):
     cache = tmp_path_factory.mktemp("demo_cache")
     (cache / "ds4mlx").mkdir()
     # The session's tiny checkpoint is the demo model (same maker, same arguments).
@@ -54,12 +54,14 @@ def _claude(server: Server, tmp_path, *args: str) -> subprocess.CompletedProcess
     )
 
 
+@pytest.mark.slow  # the real client CLI
 def test_item11_claude_code_is_told_the_server_context_window(demo, tmp_path):
     r = _claude(demo, tmp_path, "/context")  # a local command: no model request
     assert r.returncode == 0, r.stdout + r.stderr
     assert "/ 65.5k" in r.stdout, r.stdout[:600]  # not Claude Code's own 200k
 
 
+@pytest.mark.slow  # the real client CLI
 def test_item10_claude_code_shows_text_on_the_first_try(demo, tmp_path):
     n0 = len(demo.request_lines())
     r = _claude(demo, tmp_path, "say hi")
@@ -69,6 +71,7 @@ def test_item10_claude_code_shows_text_on_the_first_try(demo, tmp_path):
     assert len(lines) == 1, lines  # no "output token limit" retry
 
 
+@pytest.mark.slow  # the real client CLI
 def test_item10_codex_exec_shows_text(demo, tmp_path):
     exe = require_cli("codex")
     config = tomllib.loads((REPO / "examples" / "codex-config.toml").read_text())

@@ -19,7 +19,7 @@ import sys
 
 import httpx
 import pytest
-from server_util import REPO, Server
+from server_util import REPO, Server, free_port
 
 DOCS = [REPO / "README.md", REPO / "examples" / "README.md"]
 
@@ -184,8 +184,10 @@ def test_opencode_example_names_models_the_server_serves(demo):
 
 def test_serve_without_a_model_says_how_to_get_one(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "DS4MLX_MODEL"}
+    # A free port: the default 8000 may be taken here, and serve checks the port first.
+    serve = [sys.executable, "-m", "ds4mlx.cli", "serve", "--port", str(free_port())]
     r = subprocess.run(
-        [sys.executable, "-m", "ds4mlx.cli", "serve"],
+        serve,
         capture_output=True,
         text=True,
         env=env,
@@ -194,7 +196,7 @@ def test_serve_without_a_model_says_how_to_get_one(tmp_path):
     assert r.returncode == 2 and "--demo" in r.stderr and "-m /path" in r.stderr, r.stderr
     env["DS4MLX_MODEL"] = str(tmp_path / "nowhere")
     r = subprocess.run(
-        [sys.executable, "-m", "ds4mlx.cli", "serve"],
+        serve,
         capture_output=True,
         text=True,
         env=env,

@@ -17,13 +17,12 @@ from ds4mlx.model.checkpoint import scan  # noqa: E402
 from ds4mlx.model.config import ModelArgs  # noqa: E402
 from ds4mlx.model.errors import FitError  # noqa: E402
 from ds4mlx.model.loading import load_model, read_config  # noqa: E402
-from ds4mlx.model.tiny import make_tiny  # noqa: E402
 from ds4mlx.model.units import format_bytes, parse_size  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def tiny_q(tmp_path_factory):
-    return make_tiny(str(tmp_path_factory.mktemp("fit") / "q"), seed=0)
+def tiny_q(tiny_checkpoint):
+    return str(tiny_checkpoint(seed=0))
 
 
 @pytest.fixture(autouse=True)

@@ -17,23 +17,25 @@ surrogates removed, so that they reach rendering and generation.
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from importlib.util import find_spec
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
-from server_util import EOS, Server, tiny_model_dir  # noqa: F401
+from server_util import EOS, Server
 
-hypothesis_jsonschema = pytest.importorskip("hypothesis_jsonschema")
+pytestmark = pytest.mark.slow
+
+if find_spec("hypothesis_jsonschema") is None:
+    # find_spec: hypothesis is imported by the test itself, not when the suite is collected.
+    pytest.skip("hypothesis-jsonschema not installed", allow_module_level=True)
 
 CTX = 2048
-BUDGET_S = 180  # the whole run, generation included (the issue's limit)
 
 # endpoint -> (pydantic model, bodies)
 PLAN = {
@@ -46,13 +48,26 @@ PLAN = {
     "/v1/detokenize": ("ds4mlx.routes.models:DetokenizeRequest", 150),
 }
 
-JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda inner: (
-        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
-    ),
-    max_leaves=8,
-)
+if TYPE_CHECKING:
+    from hypothesis import strategies as st
+
+
+@functools.cache
+def _json_values() -> st.SearchStrategy:
+    """Arbitrary small JSON values."""
+    from hypothesis import strategies as st
+
+    return st.recursive(
+        st.none()
+        | st.booleans()
+        | st.integers()
+        | st.floats(allow_nan=False)
+        | st.text(max_size=20),
+        lambda inner: (
+            st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+        ),
+        max_leaves=8,
+    )
 
 
 def _model(ref: str):
@@ -65,6 +80,9 @@ def _model(ref: str):
 def _walk(node: dict[str, Any], defs: dict[str, Any], depth: int = 0) -> st.SearchStrategy:
     """A strategy for JSON instances of ``node`` (composites by hand, leaves by
     ``hypothesis_jsonschema.from_schema``)."""
+    import hypothesis_jsonschema
+    from hypothesis import strategies as st
+
     if "$ref" in node:
         return _walk(defs[node["$ref"].rsplit("/", 1)[-1]], defs, depth)
     for key in ("anyOf", "oneOf"):
@@ -83,7 +101,7 @@ def _walk(node: dict[str, Any], defs: dict[str, Any], depth: int = 0) -> st.Sear
             optional={k: v for k, v in props.items() if k not in req},
         )
     if kind == "object":
-        return st.dictionaries(st.text(max_size=8), JSON_VALUES, max_size=3)
+        return st.dictionaries(st.text(max_size=8), _json_values(), max_size=3)
     leaf = {k: v for k, v in node.items() if k not in ("title", "description", "default")}
     return hypothesis_jsonschema.from_schema(leaf or {})
 
@@ -101,6 +119,8 @@ def _no_surrogates(v: Any) -> Any:
 
 def bodies(ref: str) -> st.SearchStrategy:
     """Bodies for the model ``ref``; one in eight with one field replaced by junk."""
+    from hypothesis import strategies as st
+
     schema = _model(ref).model_json_schema()
     valid = _walk(schema, schema.get("$defs", {}))
 
@@ -113,11 +133,11 @@ def bodies(ref: str) -> st.SearchStrategy:
             body = _no_surrogates(body)  # most bodies get past the lone-surrogate 400
         return body
 
-    return st.tuples(valid, st.integers(0, 7), JSON_VALUES).map(spoil)
+    return st.tuples(valid, st.integers(0, 7), _json_values()).map(spoil)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):  # noqa: F811 (fixture from server_util)
+def server(tiny_model_dir, tmp_path_factory):
     cache = tmp_path_factory.mktemp("fuzz_cache")
     (cache / "ds4mlx").mkdir()
     (cache / "ds4mlx" / "demo").symlink_to(tiny_model_dir)  # the demo model
@@ -134,6 +154,7 @@ def server(tiny_model_dir, tmp_path_factory):  # noqa: F811 (fixture from server
 
 def _generate(ref: str, n: int, submit) -> None:
     """Draw ``n`` bodies for ``ref`` and hand each to ``submit`` as it is generated."""
+    from hypothesis import HealthCheck, Phase, given, settings
 
     @settings(
         max_examples=n,
@@ -193,7 +214,6 @@ def test_schema_fuzz_never_5xx_and_the_worker_survives(server):
 
     assert sum(counts.values()) >= 2000, counts
     assert not failures, failures[:5]
-    assert took < BUDGET_S or os.environ.get("DS4MLX_FUZZ_NO_BUDGET"), (took, counts)
     assert "Traceback" not in server.log() and "unhandled error" not in server.log()
     # The worker is alive and a valid request is answered correctly.
     h = server.wait_idle(timeout=60)

@@ -9,7 +9,7 @@ import sys
 import time
 
 import httpx
-from server_util import Server, tiny_model_dir  # noqa: F401
+from server_util import Server
 
 CMD = [sys.executable, "-m", "ds4mlx.cli"]
 
@@ -50,7 +50,7 @@ def test_busy_port_is_found_before_the_model_loads(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
-def test_banner_suggests_openblas_and_rejected_requests_are_logged(tiny_model_dir):  # noqa: F811
+def test_banner_suggests_openblas_and_rejected_requests_are_logged(tiny_model_dir):
     env = {"DS4MLX_NO_OPENBLAS": "1", "LD_PRELOAD": ""}
     with Server(tiny_model_dir, ctx=1024, extra=["--api-key", "k"], env=env) as srv:
         auth = {"Authorization": "Bearer k"}

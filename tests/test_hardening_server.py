@@ -12,13 +12,13 @@ import re
 import httpx
 import pytest
 from kv_server_util import traced_server
-from server_util import EOS, Server, sse_events, tiny_model_dir  # noqa: F401
+from server_util import EOS, Server, sse_events  # noqa: F401
 
 CTX = 2048
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):  # noqa: F811 (fixture from server_util)
+def server(tiny_model_dir, tmp_path_factory):
     with traced_server(tiny_model_dir, tmp_path_factory, ctx=CTX) as s:
         yield s
 

@@ -21,6 +21,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
 
 IDENT = "ds4-crash-test"
 CTX = 8192

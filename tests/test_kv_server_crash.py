@@ -11,12 +11,12 @@ good share of the kills land mid-write). After every kill and every restart:
   skipped and reported, never used (the server still answers, from another prefix or
   cold).
 
-Starting a Python process that imports MLX, mlx-lm (which pulls in transformers and
-torch) and Quart takes ~5 s on a loaded 2-core machine. To keep twenty restarts
-affordable, a *zygote* process imports all of that once and forks each server from
-it; the child then runs the very ``ds4mlx serve`` code path (``ds4mlx.cli.main``), so
-the kills hit a real server. Run as ``python tests/test_kv_server_crash.py zygote`` it
-is that zygote (one JSON ``[argv, log path]`` per stdin line; answers with the pid).
+Starting a Python process that imports MLX and Quart takes seconds on a loaded 2-core
+machine. To keep twenty restarts affordable, a *zygote* process imports all of that once
+and forks each server from it; the child then runs the very ``ds4mlx serve`` code path
+(``ds4mlx.cli.main``), so the kills hit a real server. Run as
+``python tests/test_kv_server_crash.py zygote`` it is that zygote (one JSON
+``[argv, log path]`` per stdin line; answers with the pid).
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from kv_server_util import EOS, Trace, long_system, script
-from server_util import free_port, pid_alive, tiny_model_dir  # noqa: F401
+from server_util import free_port, pid_alive
+
+pytestmark = pytest.mark.slow
 
 KILLS = 20
 BUDGET_MB = 6
@@ -141,7 +143,7 @@ def _check_dir(d: Path) -> None:
             raise AssertionError(f"{p.name} does not load: {e}") from e
 
 
-def test_kill_9_during_snapshot_writes(tiny_model_dir, tmp_path):  # noqa: F811
+def test_kill_9_during_snapshot_writes(tiny_model_dir, tmp_path):
     from ds4mlx.kv.store import load_file
 
     kv = tmp_path / "kv"

@@ -18,7 +18,7 @@ from kv_server_util import (
     script,
     tool_calls,
 )
-from server_util import Server, tiny_model_dir  # noqa: F401
+from server_util import Server
 
 from ds4mlx.kv.store import scan_dir
 
@@ -69,7 +69,7 @@ class DiskServer:
 
 
 @pytest.fixture(scope="module")
-def disk(tiny_model_dir, tmp_path_factory):  # noqa: F811 (fixture from server_util)
+def disk(tiny_model_dir, tmp_path_factory):
     d = DiskServer(tiny_model_dir, tmp_path_factory.mktemp("disk"))
     d.start()
     try:

@@ -33,7 +33,7 @@ from kv_server_util import (
     tool_calls,
     traced_server,
 )
-from server_util import Server, tiny_model_dir  # noqa: F401
+from server_util import Server
 
 from ds4mlx.kv.store import scan_dir
 
@@ -41,7 +41,7 @@ TOOL = LOOKUP_TOOL
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):  # noqa: F811 (fixture from server_util)
+def server(tiny_model_dir, tmp_path_factory):
     with traced_server(tiny_model_dir, tmp_path_factory) as s:
         yield s
 
@@ -194,7 +194,7 @@ def test_usage_is_what_the_model_processed_on_every_path(server):
     assert anthropic_usage(r4)[1] >= anthropic_usage(r4)[0] - 1
 
 
-def test_default_directory_is_the_user_cache(tiny_model_dir, tmp_path):  # noqa: F811
+def test_default_directory_is_the_user_cache(tiny_model_dir, tmp_path):
     cache = tmp_path / "xdg"
     s = Server(tiny_model_dir, ctx=4096, env={"XDG_CACHE_HOME": str(cache)}, kv_dir=False)
     assert "--kv-disk-dir" not in s.cmd

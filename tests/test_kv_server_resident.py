@@ -25,7 +25,7 @@ from kv_server_util import (
     tool_calls,
     traced_server,
 )
-from server_util import Server, tiny_model_dir  # noqa: F401
+from server_util import Server  # noqa: F401
 
 from ds4mlx.kv.store import scan_dir
 
@@ -33,7 +33,7 @@ TOOL = LOOKUP_TOOL
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):  # noqa: F811 (fixture from server_util)
+def server(tiny_model_dir, tmp_path_factory):
     with traced_server(tiny_model_dir, tmp_path_factory, extra=["--sessions", "2"]) as s:
         h = s.health()
         assert h["sessions"] == 2 and 1 <= len(h["states"]) <= 2, h  # states made as needed

@@ -545,14 +545,12 @@ def test_cli_ls_verify_flags_corrupt_data(tmp_path, capsys, monkeypatch):
 # --------------------------------------------------------------------------- engine
 
 
-def test_real_session_state_round_trip(tmp_path):
+def test_real_session_state_round_trip(tmp_path, tiny_checkpoint):
     """A real Session snapshot (tiny DS4 network) through the store restores a session
     that continues exactly like the original."""
-    tiny = pytest.importorskip("ds4mlx.model.tiny")
     from ds4mlx.engine import Engine, SessionState
 
-    tiny.make_tiny(tmp_path / "tiny", seed=0)
-    eng = Engine.load(tmp_path / "tiny", ctx_size=1024)
+    eng = Engine.load(tiny_checkpoint(seed=0), ctx_size=1024)
     store = DiskKVStore(
         tmp_path / "kv",
         budget_bytes=2**30,

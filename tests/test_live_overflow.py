@@ -8,12 +8,12 @@ import json
 
 import httpx
 from kv_server_util import Trace, post, script
-from server_util import Server, sse_events, tiny_model_dir  # noqa: F401
+from server_util import Server, sse_events
 
 CTX = 1024
 
 
-def test_live_thinking_that_would_overflow_is_rebuilt(tiny_model_dir, tmp_path):  # noqa: F811
+def test_live_thinking_that_would_overflow_is_rebuilt(tiny_model_dir, tmp_path):
     trace = tmp_path / "trace.jsonl"
     with Server(tiny_model_dir, ctx=CTX, extra=["--trace", str(trace)]) as s:
         t = Trace(trace)

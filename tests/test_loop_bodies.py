@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_util import Server, tiny_model_dir  # noqa: F401
+from server_util import Server
 
 CTX = 4096
 

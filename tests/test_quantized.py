@@ -12,9 +12,9 @@ mx = pytest.importorskip("mlx.core")
 
 import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear  # noqa: E402
 
 from ds4mlx.model.loading import load_model  # noqa: E402
+from ds4mlx.model.moe import QuantizedSwitchLinear  # noqa: E402
 from ds4mlx.model.network import QuantizedGroupedLinear  # noqa: E402
 from ds4mlx.model.tiny import make_tiny  # noqa: E402
 
@@ -22,12 +22,8 @@ TEXT = "The quick brown fox jumps over the lazy dog. " * 12
 
 
 @pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    return {
-        "float": make_tiny(str(root / "float"), expert_bits=None, other_bits=None),
-        "q": make_tiny(str(root / "q")),
-    }
+def tiny_dirs(tiny_f32_dir, tiny_checkpoint):
+    return {"float": str(tiny_f32_dir), "q": str(tiny_checkpoint(seed=0))}
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from server_util import EOS, Server, sse_events, tiny_model_dir  # noqa: F401
+from server_util import EOS, Server, sse_events
 
 N_CLIENTS = 20
 REFERENCE = {
@@ -24,9 +24,8 @@ REFERENCE = {
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):  # noqa: F811 (fixture from server_util)
-    with Server(tiny_model_dir, ctx=4096) as s:
-        yield s
+def server(server_factory, tiny_model_dir):
+    return server_factory(tiny_model_dir, ctx=4096)
 
 
 def _chat_stream(url: str, i: int, out: dict) -> None:
@@ -135,7 +134,7 @@ def test_killed_client_frees_worker_within_a_token_and_state_stays_consistent(se
     assert after == before
 
 
-def test_graceful_shutdown_cancels_running_and_queued_jobs(tiny_model_dir):  # noqa: F811
+def test_graceful_shutdown_cancels_running_and_queued_jobs(tiny_model_dir):
     s = Server(tiny_model_dir, ctx=2048).start()
     try:
         body = {
@@ -178,7 +177,7 @@ def test_graceful_shutdown_cancels_running_and_queued_jobs(tiny_model_dir):  # n
         s.kill()
 
 
-def test_cancelled_prefill_logs_what_was_prefilled_not_a_rate(tiny_model_dir):  # noqa: F811
+def test_cancelled_prefill_logs_what_was_prefilled_not_a_rate(tiny_model_dir):
     """A job cancelled during a long prefill (here by SIGTERM) logs how far the prefill
     got, not a tok/s of the whole suffix over the time until the cancel."""
     s = Server(tiny_model_dir, ctx=8192).start()

@@ -10,7 +10,7 @@ import json
 
 import httpx
 import pytest
-from server_util import Server, tiny_model_dir, ws_upgrade  # noqa: F401
+from server_util import ws_upgrade
 
 KEY = "sekret"
 CTX = 1024
@@ -18,9 +18,10 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):  # noqa: F811 (fixture from server_util)
-    with Server(tiny_model_dir, ctx=CTX, extra=["--api-key", KEY, "--cors"], scripted=False) as s:
-        yield s
+def server(server_factory, tiny_model_dir):
+    return server_factory(
+        tiny_model_dir, ctx=CTX, extra=["--api-key", KEY, "--cors"], scripted=False
+    )
 
 
 @pytest.fixture(scope="module")

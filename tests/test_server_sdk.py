@@ -1,7 +1,7 @@
 """Issue 4, must-hold 1: the official openai and anthropic SDKs against a real server.
 
 One ``ds4mlx serve`` process (tiny model, scripted decoding) for the module. Scripted
-decoding makes the model emit thinking, text and DSML tool calls (DESIGN.md §2) while
+decoding makes the model emit thinking, text and DSML tool calls while
 the forward passes, KV state and usage stay real.
 """
 
@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import httpx
-import openai
 import pytest
-from server_util import EOS, Server, sse_events, tiny_model_dir, tool_call_dsml  # noqa: F401
+from server_util import EOS, Server, sse_events, tool_call_dsml
 
 MODEL = "deepseek-ai/DeepSeek-V4-Flash"  # a served id with a "/" in it
 
@@ -42,7 +40,7 @@ def trace_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, trace_file):  # noqa: F811 (fixture from server_util)
+def server(tiny_model_dir, trace_file):
     extra = ["--served-model-name", MODEL, "--keepalive", "0.2", "--trace", str(trace_file)]
     with Server(tiny_model_dir, ctx=8192, extra=extra) as s:
         yield s
@@ -50,11 +48,15 @@ def server(tiny_model_dir, trace_file):  # noqa: F811 (fixture from server_util)
 
 @pytest.fixture(scope="module")
 def oai(server):
+    import openai  # here, not at module level: collecting the suite need not import the SDKs
+
     return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
 def ant(server):
+    import anthropic
+
     return anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=120)
 
 
@@ -510,6 +512,8 @@ def test_responses_streaming_function_call_events(oai, server):
 
 
 def test_responses_previous_response_id_rejected_clearly(oai):
+    import openai
+
     with pytest.raises(openai.BadRequestError) as e:
         oai.responses.create(model=MODEL, input="hi", previous_response_id="resp_123")
     assert "previous_response_id" in str(e.value) and "store" in str(e.value)

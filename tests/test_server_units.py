@@ -1,5 +1,5 @@
 """Unit tests of server pieces that need no running server: the prefill planner's
-prefix rules (DESIGN.md §3 steps 4, 5, 7), the reasoning carrier, error shapes."""
+prefix rules (docs/ARCHITECTURE.md §3), the reasoning carrier, error shapes."""
 
 from __future__ import annotations
 

@@ -397,12 +397,58 @@ def _signals(*, interactive: bool, exiting: bool = False):
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGHUP, on_term)
     try:
-        yield state
+        # Inside the handlers' lifetime: the watcher re-sends only while on_term is installed.
+        with _redeliver_until_handled(state, (signal.SIGTERM, signal.SIGHUP)):
+            yield state
     finally:
         for s, h in prev.items():
             signal.signal(s, h)
         if exiting:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+_REDELIVER_S = 0.05
+
+
+@contextlib.contextmanager
+def _redeliver_until_handled(state: SignalState, signals: tuple[int, ...]):
+    """Re-send a terminating signal to the main thread until its Python handler has run.
+
+    CPython runs a Python signal handler only in the main thread, when the interpreter
+    next checks; a main thread blocked in C learns of a signal only from ``EINTR``. The
+    prompt's ``input()`` blocks in readline's ``select`` with no timeout, so SIGTERM was
+    lost (the agent stayed at the prompt) when it arrived after the interpreter's last
+    check but before ``select`` started, or when the kernel handed it to another thread
+    (it may pick any thread that does not block the signal). Python's wakeup fd records
+    every signal whichever thread took it: a watcher thread reading it re-sends the
+    signal to the main thread (``pthread_kill``, interrupting the ``select``) every
+    ``_REDELIVER_S`` s until ``state.terminating`` shows the handler ran. Must be entered
+    on the main thread, while the handlers are installed.
+    """
+    r, w = os.pipe()
+    os.set_blocking(w, False)  # set_wakeup_fd requires it
+    prev_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    done = threading.Event()
+    main = threading.main_thread().ident
+
+    def watch() -> None:
+        while data := os.read(r, 64):
+            sig = next((s for s in data if s in signals), None)
+            # Each re-send writes the wakeup fd again; the loop below already covers it.
+            while sig is not None and not state.terminating and not done.wait(_REDELIVER_S):
+                if not state.terminating:
+                    signal.pthread_kill(main, sig)
+
+    watcher = threading.Thread(target=watch, name="signal-redeliver", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(prev_fd)
+        done.set()
+        os.close(w)  # the watcher reads EOF and ends
+        watcher.join()
+        os.close(r)
 
 
 def _detach_terminal() -> None:

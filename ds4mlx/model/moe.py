@@ -14,7 +14,6 @@ from functools import cache
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.switch_layers import SwitchLinear
 
 from .config import ModelArgs
 
@@ -46,8 +45,44 @@ def linear(x: mx.array, a: list[mx.array], spec: Spec) -> mx.array:
     )
 
 
+class SwitchLinear(nn.Module):
+    """One bias-free linear per expert, stacked: ``weight`` ``(E, out, in)``.
+
+    A weight holder: `experts` does the math (``_switch``). Written here rather than taken
+    from mlx-lm, whose package ``__init__`` imports transformers (seconds per process).
+    The weight starts as lazy zeros; the loader replaces it.
+    """
+
+    def __init__(self, in_dims: int, out_dims: int, n_experts: int):
+        super().__init__()
+        self.weight = mx.zeros((n_experts, out_dims, in_dims))
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_):
+        """The `QuantizedSwitchLinear` of this weight (what ``nn.quantize`` calls)."""
+        return QuantizedSwitchLinear(self.weight, group_size, bits, mode)
+
+
+class QuantizedSwitchLinear(nn.Module):
+    """MLX-quantized `SwitchLinear`: ``weight`` ``(E, out, in·bits/32)`` uint32, ``scales``
+    ``(E, out, in/group_size)`` and, in ``"affine"`` mode, ``biases`` (same shape).
+
+    Args:
+        weight: the float ``(E, out, in)`` stack to quantize (lazy: a loader replaces the
+            arrays before anything evaluates them).
+        group_size, bits, mode: as ``mx.quantize``.
+    """
+
+    def __init__(self, weight: mx.array, group_size: int, bits: int, mode: str = "affine"):
+        super().__init__()
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        packed = mx.quantize(weight, group_size=group_size, bits=bits, mode=mode)
+        self.weight, self.scales = packed[0], packed[1]
+        if len(packed) > 2 and packed[2] is not None:
+            self.biases = packed[2]
+
+
 def _switch(x: mx.array, a: list[mx.array], spec: Spec, lhs, rhs, sort: bool) -> mx.array:
-    """mlx-lm's (Quantized)SwitchLinear with explicit ``lhs_indices``.
+    """A (quantized) `SwitchLinear` as ``gather_(q)mm`` with explicit ``lhs_indices``.
 
     Left to itself ``gather_(q)mm`` builds ``arange`` lhs indices and casts int32 expert
     ids to uint32 on every call: two graph nodes per expert matmul. The caller passes
@@ -183,9 +218,9 @@ class Experts(nn.Module):
         super().__init__()
         E, dim, inter = args.n_routed_experts, args.dim, args.moe_inter_dim
         self.limit = float(args.swiglu_limit)
-        self.w1 = SwitchLinear(dim, inter, E, bias=False)
-        self.w2 = SwitchLinear(inter, dim, E, bias=False)
-        self.w3 = SwitchLinear(dim, inter, E, bias=False)
+        self.w1 = SwitchLinear(dim, inter, E)
+        self.w2 = SwitchLinear(inter, dim, E)
+        self.w3 = SwitchLinear(dim, inter, E)
 
     def parts(self) -> tuple[list[list[mx.array]], list[Spec | None]]:
         ms = (self.w1, self.w2, self.w3)

@@ -1,0 +1,63 @@
+"""ds4mlx's own top-p / min-p / top-k filters keep the same tokens as mlx-lm's.
+
+ds4mlx writes these filters itself so that no runtime path imports mlx-lm (whose
+package init pulls in transformers); mlx-lm stays the reference they are checked against.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+
+from ds4mlx.engine.sampling import (  # noqa: E402
+    SamplingParams,
+    min_p_filter,
+    sample_token,
+    top_k_filter,
+    top_p_filter,
+)
+
+
+def _logprobs(seed: int, vocab: int = 1000, scale: float = 3.0) -> mx.array:
+    logits = mx.random.normal((1, vocab), key=mx.random.key(seed)) * scale
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
+def test_top_p_matches_mlx_lm(seed, top_p):
+    from mlx_lm.sample_utils import apply_top_p
+
+    lp = _logprobs(seed)
+    assert mx.array_equal(top_p_filter(lp, top_p), apply_top_p(lp, top_p)).item()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("min_p", [0.01, 0.1, 0.5, 1.0])
+def test_min_p_matches_mlx_lm(seed, min_p):
+    from mlx_lm.sample_utils import apply_min_p
+
+    lp = _logprobs(seed)
+    assert mx.array_equal(min_p_filter(lp, min_p), apply_min_p(lp, min_p)).item()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("top_k", [1, 2, 40, 999])
+def test_top_k_matches_mlx_lm(seed, top_k):
+    from mlx_lm.sample_utils import apply_top_k
+
+    lp = _logprobs(seed)
+    ours, theirs = top_k_filter(lp, top_k), apply_top_k(lp, top_k)
+    assert mx.array_equal(mx.isinf(ours), mx.isinf(theirs)).item()
+    assert int(mx.isfinite(ours).sum()) == top_k
+
+
+def test_filters_bound_the_draw():
+    """Every draw lands among the tokens the filters keep."""
+    lp = _logprobs(7, vocab=200)[0]
+    params = SamplingParams(temperature=1.5, top_p=0.8, top_k=5, min_p=0.05)
+    kept = top_k_filter(min_p_filter(top_p_filter(lp[None], 0.8), 0.05), 5)[0]
+    allowed = {i for i, v in enumerate(kept.tolist()) if v != float("-inf")}
+    drawn = {int(sample_token(lp, params, mx.random.key(s))) for s in range(200)}
+    assert drawn and drawn <= allowed
