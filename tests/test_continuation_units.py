@@ -473,3 +473,36 @@ def test_peek_and_summary_change_nothing(engine):
     }
     # The real plan keeps what peek said it would.
     assert _plan(engine, cache, _job(engine, conv2, None)).cached == reuse.cached
+
+
+def test_disk_falls_back_to_a_shorter_snapshot_that_verifies(engine, tmp_path, caplog):
+    """Issue 19, must-hold 2: a reply holds a sampled special token that the next request
+    carries back as plain text, so the longest snapshot (the evicted turn) matches as text
+    only; the prompt-end snapshot of that turn, shorter, verifies and is used."""
+    import logging
+
+    from ds4mlx.dsml import ToolMemory
+    from ds4mlx.kv.cache import PromptCache
+    from ds4mlx.kv.disk import DiskCache
+    from ds4mlx.kv.policy import KVCacheSettings
+
+    settings = KVCacheSettings(
+        disk_dir=str(tmp_path), min_tokens=16, cold_max_tokens=0, continued_interval_tokens=0
+    )
+    cache = PromptCache(engine, ToolMemory(), DiskCache(engine, settings))
+    cache.reset()
+    turn1 = Conversation([_SYS, Message("user", "q")], thinking=False)
+    reply = f"one two three {USER} four five six seven eight nine ten"
+    p1 = _run(engine, cache, _marked_job(engine, turn1), reply, text=reply)
+    assert p1.decision == "cold"
+    end1 = p1.prompt_tokens
+    other = Conversation([Message("user", "other " * 40)], thinking=False)
+    _plan(engine, cache, _marked_job(engine, other))  # evicts turn 1 with its reply
+    turn2 = Conversation(
+        [*turn1.messages, Message("assistant", reply), Message("user", "q2")], thinking=False
+    )
+    with caplog.at_level(logging.INFO, logger="ds4mlx.kv"):
+        p = _plan(engine, cache, _marked_job(engine, turn2))
+    assert (p.decision, p.cached) == ("disk", end1), (p.decision, p.detail)
+    assert "not as tokens" in caplog.text  # the longer candidate was refused, with why
+    assert "tried=2" in p.detail, p.detail
