@@ -66,6 +66,7 @@ from ds4mlx.routes.mapping import (
     join_newline,
     late_system,
     placeholder,
+    system_in_conversation,
 )
 from ds4mlx.routes.pipeline import (
     demo_policy,
@@ -426,7 +427,7 @@ def to_conversation(
             text = join_newline(b.text for b in blocks if isinstance(b, TextBlock))
             kept = text if keep_billing_header else strip_billing_lines(text)
             if kept is not None:
-                late.append(kept)
+                system_in_conversation(msgs, late, kept)
         elif m.role == "user":
             msgs.extend(_user_turn(blocks))
         else:

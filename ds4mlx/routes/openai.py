@@ -49,6 +49,7 @@ from ds4mlx.routes.mapping import (
     late_system,
     openai_tool_choice,
     parts_text,
+    system_in_conversation,
 )
 from ds4mlx.routes.pipeline import demo_policy, prepare, respond, sampling_params, stream
 from ds4mlx.routes.sse import sse
@@ -250,7 +251,10 @@ def to_conversation(req: ChatRequest, *, default_thinking: bool = True) -> Conve
     msgs: list[Message] = []
     for m in req.messages:
         if m.role in ("system", "developer"):
-            (late if msgs else system_parts).append(parts_text(m.content))
+            if msgs:
+                system_in_conversation(msgs, late, parts_text(m.content))
+            else:
+                system_parts.append(parts_text(m.content))
         elif m.role == "user":
             msgs.append(Message(role="user", content=parts_text(m.content)))
         elif m.role == "assistant":

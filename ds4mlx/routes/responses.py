@@ -75,6 +75,7 @@ from ds4mlx.routes.mapping import (
     openai_tool_choice,
     parts_text,
     placeholder,
+    system_in_conversation,
 )
 from ds4mlx.routes.pipeline import (
     demo_policy,
@@ -356,7 +357,11 @@ class _Turns:
     def message(self, it: MessageItem) -> None:
         text = parts_text(it.content)
         if it.role in ("system", "developer"):
-            (self.late if self.msgs else self.system).append(text)
+            if self.msgs:
+                self.open = False  # a reminder after an assistant turn closes it
+                system_in_conversation(self.msgs, self.late, text)
+            else:
+                self.system.append(text)
         elif it.role == "user":
             self._other(Message(role="user", content=text))
         else:
