@@ -65,7 +65,7 @@ SHORT_SYSTEM = long_system(20, seed=3)
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):  # noqa: F811 (fixture from server_util)
     # No disk tier: the cold references below must be cold, not disk hits.
-    extra = ["--kv-disk-dir", "none"]
+    extra = ["--kv-disk-dir", "none", "--sessions", "1"]  # _unrelated replaces the one state
     with traced_server(tiny_model_dir, tmp_path_factory, ctx=16384, extra=extra) as s:
         yield s
 
