@@ -156,3 +156,43 @@ def test_a_small_recent_state_goes_before_a_long_interrupted_one(server):
 
 def _evict_sizes(server) -> list[int]:
     return [e.tokens for e in scan_dir(server.kv_dir).entries if e.reason == "evict"]
+
+
+def test_claude_code_headers_keep_each_agent_on_its_own_state(server):
+    """Issue 19: requests carrying Claude Code's agent/session headers go to their
+    agent's state. The main conversation (session id only) restarts compacted — it
+    continues nothing — and goes to its own state, not the sub-agent's (the least
+    valuable one), so the sub-agent's next turn still continues live."""
+    import httpx
+
+    def send(headers, system, messages):
+        script(server, "Sure." + EOS)
+        body = {"model": "deepseek-chat", "max_tokens": 20, "system": system, "tools": [TOOL]}
+        r = httpx.post(
+            server.url + "/v1/messages",
+            json={**body, "messages": messages},
+            headers=headers,
+            timeout=300,
+        )
+        assert r.status_code == 200, r.text[:2000]
+        return r.json(), server.trace.last()
+
+    main_h = {"x-claude-code-session-id": "sess-1"}
+    sub_h = {**main_h, "x-claude-code-agent-id": "agent-7"}
+    main_sys, sub_sys = long_system(200, seed=101), long_system(20, seed=102)
+    sub = [{"role": "user", "content": "explore"}]
+    send(main_h, main_sys, [{"role": "user", "content": "main task"}])
+    rs, plan = send(sub_h, sub_sys, sub)
+    sub_state = plan["detail"].split("state=")[1].split()[0]
+    _, plan = send(main_h, main_sys, [{"role": "user", "content": "summary of the task so far"}])
+    assert f"state={sub_state} " not in plan["detail"] + " ", plan
+    assert "via=key" in plan["detail"], plan
+    sub += [
+        {"role": "assistant", "content": rs["content"]},
+        {"role": "user", "content": "go on"},
+    ]
+    _, plan = send(sub_h, sub_sys, sub)
+    assert plan["decision"] in ("exact-token-prefix", "text-prefix"), plan
+    assert f"state={sub_state} via=live" in plan["detail"], plan
+    states = {s["key"]: s["tokens"] for s in server.health()["states"]}
+    assert {"session:sess-1", "agent:agent-7"} <= set(states), states
