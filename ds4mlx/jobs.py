@@ -186,6 +186,9 @@ class GenRequest:
         conversation: the `Conversation` (for the prompt cache's live continuations),
             or None.
         labels: the route's `LiveLabels`, or None for the prompt cache's own names.
+        state_key: the client's name of the conversation (Claude Code's agent or session
+            id, Codex's ``prompt_cache_key``), or None: the prompt cache keeps each such
+            conversation on its own resident state.
     """
 
     path: str
@@ -194,6 +197,7 @@ class GenRequest:
     prompt_tokens: list[int] | None = None
     conversation: Conversation | None = None
     labels: LiveLabels | None = None
+    state_key: str | None = None
 
 
 @dataclass

@@ -65,7 +65,7 @@ SHORT_SYSTEM = long_system(20, seed=3)
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     # No disk tier: the cold references below must be cold, not disk hits.
-    extra = ["--kv-disk-dir", "none"]
+    extra = ["--kv-disk-dir", "none", "--sessions", "1"]  # _unrelated replaces the one state
     with traced_server(tiny_model_dir, tmp_path_factory, ctx=16384, extra=extra) as s:
         yield s
 
@@ -476,3 +476,73 @@ def test_debug_script_reset_alone_drops_the_queue(server):
     assert r.status_code == 200 and r.json() == {"queued": 0}, r.text
     r = httpx.post(url, json={}, timeout=10)
     assert r.status_code == 400 and "give texts or tokens" in r.json()["error"]["message"]
+
+
+# --------------------------------------------------------------------------- issue 19
+
+LATE = "Available agent types: general, explore."
+
+
+def _late_turns(shape: str):
+    """``(path, body(history), next(history, resp, result, late) -> history, start)`` of
+    one API shape: a tool loop whose second request carries a system message after the
+    first tool result (Claude Code's sub-agents)."""
+    system = {"role": "system", "content": LATE}
+    if shape == "chat":
+
+        def nxt(h, r, result, late):
+            (call,) = r["choices"][0]["message"]["tool_calls"]
+            res = {"role": "tool", "tool_call_id": call["id"], "content": result}
+            return (
+                h
+                + [{"role": "assistant", "content": None, "tool_calls": [call]}, res]
+                + ([system] if late else [])
+            )
+
+        body = lambda h: {"model": "deepseek-chat", "messages": h, "tools": [READ_OAI]}  # noqa: E731
+        start = [{"role": "system", "content": SHORT_SYSTEM}, {"role": "user", "content": "Go."}]
+        return "/v1/chat/completions", body, nxt, start
+    if shape == "anthropic":
+
+        def nxt(h, r, result, late):
+            res = {"role": "user", "content": _results(_tool_uses(r), [result])}
+            return (
+                h
+                + [{"role": "assistant", "content": r["content"]}, res]
+                + ([system] if late else [])
+            )
+
+        return "/v1/messages", _ant_body, nxt, [{"role": "user", "content": "Go."}]
+
+    def nxt(h, r, result, late):
+        (c,) = _resp_calls(r)
+        out = {"type": "function_call_output", "call_id": c["call_id"], "output": result}
+        return h + _replay_items(r) + [out] + ([{"type": "message", **system}] if late else [])
+
+    start = [{"type": "message", "role": "user", "content": "Go."}]
+    return "/v1/responses", _resp_body, nxt, start
+
+
+@pytest.mark.parametrize("shape", ["chat", "anthropic", "responses"])
+def test_late_system_text_is_in_the_live_state(server, shape):
+    """Issue 19, must-hold 3: a system message after the first assistant turn is text of
+    the user turn it follows, so the live tool-results continuation carries it: the
+    tokens the state holds are the tokenized rendering of the request, and the next
+    request continues live."""
+    _unrelated(server)
+    path, body, nxt, hist = _late_turns(shape)
+    call = lambda f: tool_calls(invoke("read", ("path", f, None)))  # noqa: E731
+    script(server, call("a"))
+    r = post(server, path, body(hist))
+    for turn, late in ((2, True), (3, False)):
+        hist = nxt(hist, r, f"content {turn}", late)
+        script(server, call(f"f{turn}"))
+        r = post(server, path, body(hist))
+        plan = server.trace.last()
+        assert plan["decision"] == f"live-{shape}", plan
+        text = server.trace.prompts()[-1]["text"]
+        assert (
+            f"<tool_result>content 2</tool_result>\n\n<system-reminder>\n{LATE}\n</system-reminder>"
+            in text
+        )
+        assert plan["prompt"] == len(tokenize(server, text)), plan

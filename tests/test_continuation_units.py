@@ -470,3 +470,93 @@ def test_peek_and_summary_change_nothing(engine):
     }
     # The real plan keeps what peek said it would.
     assert _plan(engine, cache, _job(engine, conv2, None)).cached == reuse.cached
+
+
+def test_disk_falls_back_to_a_shorter_snapshot_that_verifies(engine, tmp_path, caplog):
+    """Issue 19, must-hold 2: a reply holds a sampled special token that the next request
+    carries back as plain text, so the longest snapshot (the evicted turn) matches as text
+    only; the prompt-end snapshot of that turn, shorter, verifies and is used."""
+    import logging
+
+    from ds4mlx.dsml import ToolMemory
+    from ds4mlx.kv.cache import PromptCache
+    from ds4mlx.kv.disk import DiskCache
+    from ds4mlx.kv.policy import KVCacheSettings
+
+    settings = KVCacheSettings(
+        disk_dir=str(tmp_path), min_tokens=16, cold_max_tokens=0, continued_interval_tokens=0
+    )
+    cache = PromptCache(engine, ToolMemory(), DiskCache(engine, settings))
+    cache.reset()
+    turn1 = Conversation([_SYS, Message("user", "q")], thinking=False)
+    reply = f"one two three {USER} four five six seven eight nine ten"
+    p1 = _run(engine, cache, _marked_job(engine, turn1), reply, text=reply)
+    assert p1.decision == "cold"
+    end1 = p1.prompt_tokens
+    other = Conversation([Message("user", "other " * 40)], thinking=False)
+    _plan(engine, cache, _marked_job(engine, other))  # evicts turn 1 with its reply
+    turn2 = Conversation(
+        [*turn1.messages, Message("assistant", reply), Message("user", "q2")], thinking=False
+    )
+    with caplog.at_level(logging.INFO, logger="ds4mlx.kv"):
+        p = _plan(engine, cache, _marked_job(engine, turn2))
+    assert (p.decision, p.cached) == ("disk", end1), (p.decision, p.detail)
+    assert "not as tokens" in caplog.text  # the longer candidate was refused, with why
+    assert "tried=2" in p.detail, p.detail
+
+
+def _keyed(engine, conv, key):
+    from ds4mlx.kv.cache import Prompt
+
+    job = _marked_job(engine, conv)
+    r = job.request
+    return Prompt(r.prompt_tokens, r.prompt_text, conv, thinking=conv.thinking, state_key=key)
+
+
+def test_keyed_states_continue_live_and_side_requests_spare_them(engine):
+    """Issue 19: two agent keys interleaved, each with a short side request after its
+    turn, on 3 resident states: every round after the first of each continues live on
+    its own state and the side requests never take a conversation's state; a third key
+    takes the least valuable state, never the main conversation's. /health's summary
+    names each state's key."""
+    from ds4mlx.dsml import ToolMemory
+    from ds4mlx.engine import SamplingParams, TurnSpec, run_turn
+    from ds4mlx.kv.cache import PromptCache
+
+    tok = engine.tokenizer
+    cache = PromptCache(engine, ToolMemory(), sessions=3, side_tokens=64)
+
+    def run(prompt, reply):
+        lease = cache.begin(prompt)
+        script = tok.encode(reply) + [tok.eos_id]
+        spec = TurnSpec(SamplingParams(temperature=0), max_tokens=len(script), parse=False)
+        res = run_turn(lease.session, tok, spec, prefill=lease.plan, script=script)
+        lease.finish(SimpleNamespace(finish="stop", tool_calls=[], text=reply, decoded=res))
+        return lease
+
+    convs = {
+        "main": [Message("system", "main " * 60), Message("user", "q0")],
+        "agent": [Message("system", "sub " * 40), Message("user", "q0")],
+    }
+    home: dict[str, int] = {}
+    for rnd in range(4):
+        for key, msgs in convs.items():
+            conv = Conversation(list(msgs), tools=TOOLS, thinking=False)
+            lease = run(_keyed(engine, conv, key), f"a{rnd}")
+            if rnd == 0:
+                home[key] = lease.state.index
+            else:
+                assert lease.plan.decision.endswith("prefix"), (key, rnd, lease.plan.detail)
+                assert "via=live" in lease.plan.detail
+            assert lease.state.index == home[key]
+            msgs += [Message("assistant", f"a{rnd}"), Message("user", f"q{rnd + 1}")]
+            side = Conversation([Message("user", f"title {key} {rnd}")], thinking=False)
+            lease = run(_keyed(engine, side, key), "T")
+            assert lease.state.index not in home.values(), lease.plan.detail
+            assert "via=side" in lease.plan.detail or "via=room" in lease.plan.detail
+    states = {s["key"]: s for s in cache.summary()["states"]}
+    assert states["main"]["state"] == home["main"] and states["main"]["tokens"] > 100
+    # A third key: the least valuable state (the side state), not main's nor agent's.
+    third = Conversation([Message("system", "third " * 30), Message("user", "q")], tools=TOOLS)
+    lease = run(_keyed(engine, third, "third"), "x")
+    assert lease.state.index not in home.values(), lease.plan.detail

@@ -116,3 +116,20 @@ def test_device_memory_is_real():
         "cgroup memory limit",
         "Metal recommended working set",
     )
+
+
+def test_default_sessions_are_what_memory_holds_at_most_four(tiny_q):
+    """Issue 19: ``serve``'s default ``--sessions`` is min(4, the states whose KV the
+    budget holds after the weights and working memory), at least 1; not even one is the
+    fit check's refusal with its numbers."""
+    args = ModelArgs.from_dict(read_config(tiny_q))
+    weights = fit.check_fit(tiny_q, 4096, memory_limit=1 << 40, dtype_bytes=4, gpu=False)
+    base = weights.weights + weights.working
+    kv = fit.kv_bytes(args, 4096, 4)
+    for states, want in ((1, 1), (2, 2), (3, 3), (4, 4), (9, 4)):
+        n, rep = fit.sessions_that_fit(
+            tiny_q, 4096, base + states * kv + kv // 2, dtype_bytes=4, gpu=False
+        )
+        assert (n, rep.sessions) == (want, want) and rep.fits
+    with pytest.raises(FitError, match="ctx 4096"):
+        fit.sessions_that_fit(tiny_q, 4096, base + kv // 2, dtype_bytes=4, gpu=False)

@@ -23,6 +23,8 @@ from server_util import Server
 from ds4mlx.kv.store import scan_dir
 
 SETTINGS = [
+    "--sessions",
+    "1",  # _unrelated evicts the one live state
     "--kv-cache-min-tokens",
     "256",
     "--kv-cache-boundary-align-tokens",

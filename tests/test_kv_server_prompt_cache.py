@@ -42,7 +42,8 @@ TOOL = LOOKUP_TOOL
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    with traced_server(tiny_model_dir, tmp_path_factory) as s:
+    # _unrelated evicts the one live state.
+    with traced_server(tiny_model_dir, tmp_path_factory, extra=["--sessions", "1"]) as s:
         yield s
 
 

@@ -68,7 +68,7 @@ def test_interleaved_conversations_keep_their_own_state(server):
     r1 = post(server, "/v1/messages", main)
     p1, _ = anthropic_usage(r1)
     live_main = p1 + r1["usage"]["output_tokens"] - 1
-    assert server.trace.last()["detail"].endswith("state=0/2")
+    assert "state=0/2 via=" in server.trace.last()["detail"]
     (use,) = [b for b in r1["content"] if b["type"] == "tool_use"]
 
     side_msgs = [
@@ -77,7 +77,7 @@ def test_interleaved_conversations_keep_their_own_state(server):
     ]
     rs = _side(server, 72, side_msgs)  # another state: the main one stays resident
     plan = server.trace.last()
-    assert plan["decision"] == "cold" and plan["detail"].endswith("state=1/2"), plan
+    assert plan["decision"] == "cold" and "state=1/2 via=" in plan["detail"], plan
 
     # The main conversation's tool result continues its state live: its binding was
     # not cleared by the side request, which ran on the other state.
@@ -95,7 +95,7 @@ def test_interleaved_conversations_keep_their_own_state(server):
     script(server, "Done." + EOS)
     r2 = post(server, "/v1/messages", main2)
     plan = server.trace.last()
-    assert plan["decision"] == "live-anthropic" and plan["detail"].endswith("state=0/2"), plan
+    assert plan["decision"] == "live-anthropic" and "state=0/2 via=" in plan["detail"], plan
     total, cached = anthropic_usage(r2)
     assert cached == live_main
     assert (total, cached) == (plan["prompt"], plan["cached"])  # usage on this path
@@ -107,7 +107,7 @@ def test_interleaved_conversations_keep_their_own_state(server):
     ]
     r3 = _side(server, 72, side2)
     plan = server.trace.last()
-    assert plan["detail"].endswith("state=1/2"), plan
+    assert "state=1/2 via=" in plan["detail"], plan
     assert plan["decision"] in ("exact-token-prefix", "text-prefix"), plan
     ps, _ = chat_usage(rs)
     assert chat_usage(r3)[1] >= ps + rs["usage"]["completion_tokens"] - 1
@@ -118,7 +118,7 @@ def test_interleaved_conversations_keep_their_own_state(server):
     # disk and replaced.
     _side(server, 73)
     plan = server.trace.last()
-    assert plan["decision"] == "cold" and plan["detail"].endswith("state=0/2"), plan
+    assert plan["decision"] == "cold" and "state=0/2 via=" in plan["detail"], plan
     # Its evict snapshot (written by the writer thread) holds the main conversation's
     # whole live state.
     want = total + r2["usage"]["output_tokens"] - 1
@@ -137,13 +137,13 @@ def test_a_small_recent_state_goes_before_a_long_interrupted_one(server):
         {"role": "user", "content": "big"},
     ]
     rb = _side(server, 91, big)
-    big_state = server.trace.last()["detail"].split("state=")[1]
+    big_state = server.trace.last()["detail"].split("state=")[1].split()[0]
     _side(server, 92, [{"role": "user", "content": "title?"}])  # a few tokens
-    small_state = server.trace.last()["detail"].split("state=")[1]
+    small_state = server.trace.last()["detail"].split("state=")[1].split()[0]
     assert small_state != big_state
     _side(server, 93)  # matches neither
     plan = server.trace.last()
-    assert plan["decision"] == "cold" and plan["detail"].endswith(f"state={small_state}"), plan
+    assert plan["decision"] == "cold" and f"state={small_state} via=" in plan["detail"], plan
     big2 = big + [
         {"role": "assistant", "content": rb["choices"][0]["message"]["content"]},
         {"role": "user", "content": "more"},
@@ -151,8 +151,48 @@ def test_a_small_recent_state_goes_before_a_long_interrupted_one(server):
     _side(server, 91, big2)
     plan = server.trace.last()
     assert plan["decision"] in ("exact-token-prefix", "text-prefix"), plan
-    assert plan["detail"].endswith(f"state={big_state}"), plan
+    assert f"state={big_state} via=" in plan["detail"], plan
 
 
 def _evict_sizes(server) -> list[int]:
     return [e.tokens for e in scan_dir(server.kv_dir).entries if e.reason == "evict"]
+
+
+def test_claude_code_headers_keep_each_agent_on_its_own_state(server):
+    """Issue 19: requests carrying Claude Code's agent/session headers go to their
+    agent's state. The main conversation (session id only) restarts compacted — it
+    continues nothing — and goes to its own state, not the sub-agent's (the least
+    valuable one), so the sub-agent's next turn still continues live."""
+    import httpx
+
+    def send(headers, system, messages):
+        script(server, "Sure." + EOS)
+        body = {"model": "deepseek-chat", "max_tokens": 20, "system": system, "tools": [TOOL]}
+        r = httpx.post(
+            server.url + "/v1/messages",
+            json={**body, "messages": messages},
+            headers=headers,
+            timeout=300,
+        )
+        assert r.status_code == 200, r.text[:2000]
+        return r.json(), server.trace.last()
+
+    main_h = {"x-claude-code-session-id": "sess-1"}
+    sub_h = {**main_h, "x-claude-code-agent-id": "agent-7"}
+    main_sys, sub_sys = long_system(200, seed=101), long_system(20, seed=102)
+    sub = [{"role": "user", "content": "explore"}]
+    send(main_h, main_sys, [{"role": "user", "content": "main task"}])
+    rs, plan = send(sub_h, sub_sys, sub)
+    sub_state = plan["detail"].split("state=")[1].split()[0]
+    _, plan = send(main_h, main_sys, [{"role": "user", "content": "summary of the task so far"}])
+    assert f"state={sub_state} " not in plan["detail"] + " ", plan
+    assert "via=key" in plan["detail"], plan
+    sub += [
+        {"role": "assistant", "content": rs["content"]},
+        {"role": "user", "content": "go on"},
+    ]
+    _, plan = send(sub_h, sub_sys, sub)
+    assert plan["decision"] in ("exact-token-prefix", "text-prefix"), plan
+    assert f"state={sub_state} via=live" in plan["detail"], plan
+    states = {s["key"]: s["tokens"] for s in server.health()["states"]}
+    assert {"session:sess-1", "agent:agent-7"} <= set(states), states

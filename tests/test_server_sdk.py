@@ -42,6 +42,7 @@ def trace_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, trace_file):
     extra = ["--served-model-name", MODEL, "--keepalive", "0.2", "--trace", str(trace_file)]
+    extra += ["--sessions", "1"]  # an unrelated request replaces the one live state
     with Server(tiny_model_dir, ctx=8192, extra=extra) as s:
         yield s
 

@@ -403,3 +403,26 @@ def test_text_prefix_requires_the_same_markers(tok):
         FakeSession(tok, real), tok, Rendered(text + rest), tok.encode(text + "x") + [1]
     )
     assert p.decision in ("exact-token-prefix", "text-prefix") and p.keep == len(real)
+
+
+def test_state_key_from_claude_code_headers_and_prompt_cache_key(caplog):
+    """Issue 19: a sub-agent's id over the session's over a body's prompt_cache_key;
+    values that are not printable or longer than 256 bytes are ignored, one log line."""
+    import logging
+
+    from ds4mlx.routes.common import state_key
+
+    sub = {"x-claude-code-agent-id": "a1", "x-claude-code-session-id": "s1"}
+    assert state_key(sub, "k") == "agent:a1"
+    assert state_key({"x-claude-code-session-id": "s1"}, "k") == "session:s1"
+    assert state_key({}, "k") == state_key(None, "k") == "cache:k"
+    assert state_key({}, None) is None
+    for bad in ("a\nb", "x" * 257, "", "é" * 129):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ds4mlx.server"):
+            assert state_key({"x-claude-code-agent-id": bad}, None) is None
+        assert len(caplog.records) == 1, caplog.text
+    assert state_key({"x-claude-code-agent-id": "x" * 256}, None) == "agent:" + "x" * 256
+    assert state_key({"x-claude-code-agent-id": "a\tb", "x-claude-code-session-id": "s"}) == (
+        "session:s"
+    )

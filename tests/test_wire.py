@@ -234,9 +234,11 @@ def test_openai_chat_roles_tools_and_reasoning():
         ],
     }
     conv = chat_conv(body)
-    assert _roles(conv) == ["system", "user", "assistant", "tool"]
-    # A developer message inside the conversation renders after the tools section.
-    assert conv.messages[0].content == "S1" and conv.late_system == "D"
+    assert _roles(conv) == ["system", "user", "assistant", "tool", "user"]
+    # A developer message after the first assistant turn is text of the user turn it
+    # follows (issue 19: the KV holds the request's rendering).
+    assert conv.messages[0].content == "S1" and conv.late_system == ""
+    assert conv.messages[4].content == "<system-reminder>\nD\n</system-reminder>"
     assert conv.messages[1].content == "q[image_url]"
     a = conv.messages[2]
     assert a.reasoning == "think"
@@ -460,3 +462,29 @@ def test_tool_result_is_error_reaches_the_model():
     )
     for ok in (False, None):
         assert conv(ok).messages[-1].content == "No such file"
+
+
+def test_system_text_after_the_first_assistant_turn_joins_a_user_turn():
+    """Issue 19: before the first assistant turn, system text renders after the tools
+    section; after it, as ``<system-reminder>`` text of the user turn it follows (after
+    its tool results and text, joined by a blank line), or opening the next user turn."""
+    reminder = lambda t: f"<system-reminder>\n{t}\n</system-reminder>"  # noqa: E731
+    body = {
+        "system": "TOP",
+        "messages": [
+            {"role": "user", "content": "hello"},
+            {"role": "system", "content": "EARLY"},
+            {"role": "assistant", "content": "hi"},
+            {"role": "system", "content": "OPENS"},
+            {"role": "user", "content": "next"},
+            {"role": "system", "content": "AFTER"},
+        ],
+    }
+    conv = anthropic_conv(body)
+    assert conv.late_system == "EARLY"
+    text = render_prompt(conv)
+    assert text.startswith("<｜begin▁of▁sentence｜>TOP\n\nEARLY<｜User｜>hello")
+    assert text.endswith(
+        f"hi<｜end▁of▁sentence｜><｜User｜>{reminder('OPENS')}\n\nnext\n\n{reminder('AFTER')}"
+        "<｜Assistant｜><think>"
+    )

@@ -82,11 +82,13 @@ class Conversation:
     that tool). It does not change the rendered prompt; the generation loop opens the
     tool-call block itself once the visible reply starts.
 
-    ``late_system``: system instructions that arrive inside the conversation (Claude
-    Code's environment block, OpenAI ``developer`` messages). They render in the leading
-    system block *after* the tools section, joined by a blank line, so the top-level
-    system text and the tools form a prefix that a request and its retry share even when
-    the retry carries the same text elsewhere (docs/ARCHITECTURE.md §4).
+    ``late_system``: system instructions that arrive inside the conversation before the
+    first assistant turn (Claude Code's environment block, OpenAI ``developer``
+    messages). They render in the leading system block *after* the tools section, joined
+    by a blank line, so the top-level system text and the tools form a prefix that a
+    request and its retry share even when the retry carries the same text elsewhere.
+    Later system text is user-turn text (``<system-reminder>``), placed by the routes
+    (docs/ARCHITECTURE.md §4).
     """
 
     messages: list[Message] = field(default_factory=list)

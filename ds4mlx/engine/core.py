@@ -141,7 +141,9 @@ class Engine:
         self.session = Session(self)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, *, ctx_size: int | None = None, dtype=None) -> Engine:
+    def load(
+        cls, path: str | os.PathLike, *, ctx_size: int | None = None, dtype=None, sessions: int = 1
+    ) -> Engine:
         """Load the checkpoint directory ``path`` (config.json, *.safetensors, tokenizer).
 
         Args:
@@ -150,6 +152,8 @@ class Engine:
                 limit capped at 65536 on a GPU, 32768 on the CPU).
             dtype: compute dtype of unquantized weights; default bfloat16 on a GPU and
                 float32 on the CPU, where MLX has no fast half-precision arithmetic.
+            sessions: resident session states the caller keeps (``serve --sessions``),
+                counted by the fit check.
         Raises:
             ds4mlx.model.loading.LoadError: unreadable or unsupported checkpoint.
             ds4mlx.tokenizer.TokenizerError: unusable tokenizer.
@@ -162,7 +166,7 @@ class Engine:
             dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
         # The fit check (weights + KV at this context vs device memory) runs before any
         # weight is read.
-        model, args = load_model(str(path), dtype=dtype, ctx_size=ctx_size)
+        model, args = load_model(str(path), dtype=dtype, ctx_size=ctx_size, sessions=sessions)
         with open(path / "config.json") as f:
             config = json.load(f)
         return cls(model, args, Tokenizer.load(path), path=path, config=config, ctx_size=ctx_size)

@@ -73,6 +73,9 @@ class Prompt:
         thinking: the prompt opened ``<think>`` (its turn's visible key is bound).
         transcript: the caller keeps its own transcript and binds it (the agent:
             ``Lease.finish(transcript_key=…)``); the turn binds nothing else.
+        state_key: the client's name for the conversation (an agent or session id, a
+            prompt cache key), or None: a prompt that continues no live state goes to
+            the state last used under that key (`PromptCache.begin`).
     """
 
     tokens: Tokens
@@ -80,6 +83,7 @@ class Prompt:
     conversation: Any = None
     thinking: bool = False
     transcript: bool = False
+    state_key: str | None = None
 
     @property
     def text(self) -> Rendered | None:
@@ -203,13 +207,17 @@ class PromptCache:
                 if n:
                     log.info("kv cache: reloaded %d tool-memory entries", n)
         sessions = settings.sessions if settings is not None else 1
-        return cls(engine, tool_memory, disk, sessions=sessions)
+        side = settings.min_tokens if settings is not None else 0
+        return cls(engine, tool_memory, disk, sessions=sessions, side_tokens=side)
 
-    def __init__(self, engine, tool_memory=None, disk=None, *, sessions: int = 1):
+    def __init__(
+        self, engine, tool_memory=None, disk=None, *, sessions: int = 1, side_tokens: int = 0
+    ):
         from ds4mlx.kv.tier import DiskTier
 
         self.engine = engine
         self.disk = disk
+        self.side_tokens = side_tokens
         self.tier = DiskTier(engine, disk, tool_memory) if disk is not None else None
         self.planner = Planner(engine, tool_memory, self.tier)
         self.states = ResidentStates(engine, sessions, Resident(0, engine.session))
@@ -232,11 +240,11 @@ class PromptCache:
         """
         rendered = prompt.text
         tokens = _lazy(prompt.tokens)
-        r = self._choose(prompt, rendered, tokens)
+        r, why = self._choose(prompt, rendered, tokens)
         before = (len(r.session.tokens), r.bindings.save())
         plan = self.planner.plan(r, tokens, rendered, prompt.conversation)
         if self.states.n > 1:
-            plan.detail = f"{plan.detail} state={r.index}/{self.states.n}".strip()
+            plan.detail = f"{plan.detail} state={r.index}/{self.states.n} via={why}".strip()
         plan.session = r.session
         n, ctx = plan.prompt_tokens, r.session.ctx_size
         if n == 0 or n >= ctx:
@@ -258,10 +266,15 @@ class PromptCache:
         r.bindings.clear()
         return Lease(self, r, plan, None, saves=False)
 
-    def _choose(self, prompt: Prompt, rendered, tokens) -> Resident:
-        """The state for a job: the best live match (a tool-id continuation over a text
-        key over a prefix, then the most tokens kept), else `ResidentStates.room_for`."""
+    def _choose(self, prompt: Prompt, rendered, tokens) -> tuple[Resident, str]:
+        """The state for a job and why (``live``, ``side``, ``key``, ``room``; for the
+        log line) (docs/ARCHITECTURE.md §3, resident states): the best live
+        match (a tool-id continuation over a text key over a prefix, then the most tokens
+        kept); else, for a side request (`_is_side`), room that spares conversations
+        (`ResidentStates.room_for`); else the state of the prompt's ``state_key``; else
+        room (a free state, or the least valuable one)."""
         states = self.states
+        side, why = False, "only"
         if states.n == 1:
             r = states.states[0]
         else:
@@ -270,9 +283,37 @@ class PromptCache:
                 score = self.planner.live_match(s, tokens, rendered, prompt.conversation)
                 if score is not None and (best is None or score > best[0]):
                     best = (score, s)
-            r = best[1] if best is not None else states.room_for()
+            side = best is None and self._is_side(prompt, rendered, tokens)
+            keyed = [s for s in states.states if prompt.state_key and s.key == prompt.state_key]
+            if best is not None:
+                r, why = best[1], "live"
+            elif side:
+                r, why = states.room_for(side=True), "side"
+            elif keyed:
+                r, why = keyed[0], "key"
+            else:
+                r, why = states.room_for(), "room"
+            log.debug("kv: state %d for a job (%s)", r.index, why)
+        if not side and prompt.state_key:
+            for s in states.states:  # a key names one state
+                if s.key == prompt.state_key and s is not r:
+                    s.key = None
+            r.key = prompt.state_key
+        r.side = side
         states.touch(r)
-        return r
+        return r, why
+
+    def _is_side(self, prompt: Prompt, rendered, tokens) -> bool:
+        """A side request (a title, a quota probe): no tools and fewer prompt tokens than
+        the disk tier's ``--kv-cache-min-tokens``. It never takes a conversation's state
+        while a free or side state exists."""
+        conv = prompt.conversation
+        if self.side_tokens <= 0 or conv is None or conv.tools:
+            return False
+        # A token is at least one character: a long text is no side request, untokenized.
+        if rendered is not None and len(rendered.text) >= self.side_tokens * 16:
+            return False
+        return len(tokens()) < self.side_tokens
 
     # ---------------------------------------------------------------- queries
 

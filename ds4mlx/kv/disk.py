@@ -9,7 +9,8 @@
 - `save_live` writes the live state (``evict`` before an unrelated request replaces it,
   ``shutdown`` on clean exit, and the checkpoints), with the tool-memory entries whose
   exact DSML is inside its text.
-- `lookup` finds and verifies the longest stored rendered-text prefix of a prompt.
+- `lookup` finds and verifies the longest stored rendered-text prefix of a prompt whose
+  tokens are the prompt's (falling back to shorter ones).
 - `reload_tool_memory` puts the persisted tool-memory entries back at startup, so exact
   DSML replay survives a restart.
 
@@ -269,9 +270,11 @@ class DiskCache:
         if self.writer is not None and not self.writer.close(timeout):
             log.warning("kv cache: the writer did not drain in %.0f s; pending saves lost", timeout)
 
-    def lookup(self, rendered_text: str) -> Loaded | None:
+    def lookup(self, rendered_text: str, accept=None, limit: int = 0) -> Loaded | None:
         """The verified snapshot with the longest text that is a prefix of
-        ``rendered_text`` (same model identity and context size), or None.
+        ``rendered_text`` (same model identity and context size) and that ``accept``
+        takes, or None: `DiskKVStore.lookup_and_load` (``accept``, ``limit``: the
+        candidate check made before any KV array is read, the most candidates tried).
 
         Corrupt or foreign files are skipped (and reported by the store), never loaded.
         """
@@ -281,7 +284,7 @@ class DiskCache:
             data = rendered_text.encode("utf-8", "surrogatepass")
             self.writer.wait_for(lambda p: p.prefix_of(data), timeout=60)
         try:
-            return self.store.lookup_and_load(rendered_text)
+            return self.store.lookup_and_load(rendered_text, accept=accept, limit=limit)
         except Exception:
             log.exception("kv cache: lookup failed")
             return None

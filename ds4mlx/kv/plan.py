@@ -22,8 +22,10 @@ prompt may continue from. The planner holds nothing between jobs.
 5. ``text-prefix`` — the live tokens' text is a byte prefix of the rendered prompt:
    keep them and tokenize only the remaining text, on its own (tokens of the whole
    prompt are never reused across that boundary: BPE may merge across it);
-6. ``disk`` — the longest stored rendered-text prefix (`ds4mlx.kv.disk.DiskCache`):
-   restore it, tokenize and prefill the rest;
+6. ``disk`` — the longest stored rendered-text prefix whose tokens are the prompt's
+   (`ds4mlx.kv.tier.DiskTier.restore`: candidates from the longest down, each checked
+   from its text and tokens before its KV is read): restore it, tokenize and prefill
+   the rest;
 7. ``cold`` — reset and prefill everything.
 
 Every text-keyed rule (3, 5, 6) requires the same *tokens*, not only the same bytes:

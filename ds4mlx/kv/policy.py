@@ -183,7 +183,7 @@ class KVCacheSettings:
             reject_different_quant=args.kv_cache_reject_different_quant,
             prompt_end=not args.kv_cache_no_prompt_end,
             write_queue_mb=args.kv_write_queue_mb,
-            sessions=args.sessions,
+            sessions=args.sessions if args.sessions is not None else 1,
         )
 
 
@@ -248,9 +248,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-write-queue-mb", type=int, metavar="MB", default=DEFAULT_WRITE_QUEUE_MB,
                    help="pending snapshot bytes the writer thread holds before it drops the "
                         "oldest pending save (default %(default)s)")  # fmt: skip
-    g.add_argument("--sessions", type=int, metavar="N", default=1,
-                   help="live KV states kept resident in memory; a job runs on the best "
-                        "match, one at a time (default %(default)s)")  # fmt: skip
+    g.add_argument("--sessions", type=int, metavar="N", default=None,
+                   help="live KV states kept resident in memory (a conversation, each "
+                        "sub-agent, side requests); a job runs on the best match, one at a "
+                        "time (default: min(4, what memory holds after the weights))")  # fmt: skip
 
 
 # --------------------------------------------------------------------------- points

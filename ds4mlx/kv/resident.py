@@ -48,6 +48,9 @@ class Resident:
             its ``evict`` save is indexed by them too.
         last_used: when a job last ran on it (``time.monotonic()`` seconds).
         last_job: the `ResidentStates` job count when a job last ran on it.
+        key: the client's name of the conversation it holds (``Prompt.state_key``), or
+            None.
+        side: its last job was a side request (``PromptCache._is_side``).
     """
 
     index: int
@@ -58,6 +61,8 @@ class Resident:
     live_keys: tuple[tuple[str, tuple[int, ...]], ...] = ()
     last_used: float = 0.0
     last_job: int = 0
+    key: str | None = None
+    side: bool = False
 
     @property
     def live(self) -> bool:
@@ -93,10 +98,12 @@ class ResidentStates:
             out |= r.bindings.bound_tool_ids()
         return out
 
-    def room_for(self) -> Resident:
+    def room_for(self, side: bool = False) -> Resident:
         """The state a job that matches none should run on: an empty one (made when
         fewer than ``n`` exist), else the least valuable (`value`; its state is
-        replaced; ties go to the least recently used)."""
+        replaced; ties go to the least recently used). A ``side`` request takes the
+        least valuable state that last served a side request when there is one, so it
+        never replaces a conversation while such a scratch state exists."""
         empty = [r for r in self.states if not r.live]
         if empty:
             return empty[0]
@@ -104,7 +111,8 @@ class ResidentStates:
             r = Resident(len(self.states), self.engine.new_session())
             self.states.append(r)
             return r
-        return min(self.states, key=lambda r: (self.value(r), r.last_used))
+        pool = [r for r in self.states if r.side] if side else []
+        return min(pool or self.states, key=lambda r: (self.value(r), r.last_used))
 
     def value(self, r: Resident) -> float:
         """Tokens of ``r`` ÷ (1 + jobs run since ``r`` was last used): the prefill its
@@ -118,10 +126,13 @@ class ResidentStates:
         r.last_job = self.jobs
 
     def describe(self) -> list[dict]:
-        """Per state: index, live tokens, bound tool ids (for ``/health`` and logs)."""
+        """Per state: index, client key, side flag, live tokens, bound tool ids (for
+        ``/health`` and logs)."""
         return [
             {
                 "state": r.index,
+                "key": r.key,
+                "side": r.side,
                 "tokens": len(r.session.tokens),
                 "bound_tool_ids": len(r.bindings.bound_tool_ids()),
             }

@@ -225,6 +225,8 @@ class Loaded:
         arrays: the session arrays under their original names (``mx.array``, evaluated).
         meta: the engine's ``SessionState.meta`` as saved.
         tool_memory: tool id -> exact sampled DSML.
+        tried: lookup candidates tried before it was taken, itself included (1 unless
+            `DiskKVStore.lookup_and_load` fell back from longer ones).
     """
 
     entry: Entry
@@ -233,6 +235,7 @@ class Loaded:
     arrays: dict[str, mx.array]
     meta: dict[str, str]
     tool_memory: dict[str, str]
+    tried: int = 1
 
     def suffix(self, rendered_prompt: str) -> str:
         """The part of ``rendered_prompt`` after this snapshot's text.
@@ -906,27 +909,77 @@ class DiskKVStore:
             loaded.entry = e2
             return loaded
 
-    def lookup_and_load(self, rendered_prompt: str) -> Loaded | None:
+    def read_tokens(self, entry: Entry) -> list[int]:
+        """The token ids of ``entry``, reading only its small token tensor (no KV array).
+        Not verified: `load` checks the digest of everything.
+
+        Raises:
+            KVStoreError: the file is unreadable or vanished.
+        """
+        try:
+            with safe_open(str(entry.path), framework="numpy") as f:
+                return f.get_tensor(TOKENS_KEY).astype("int64").tolist()
+        except Exception as e:  # vanished, truncated, replaced: not this candidate
+            raise KVStoreError(f"tokens of {entry.path.name} unreadable: {e}") from e
+
+    def lookup_and_load(
+        self,
+        rendered_prompt: str,
+        *,
+        accept: Callable[[Entry, str, Callable[[], list[int]]], str | None] | None = None,
+        limit: int = 0,
+    ) -> Loaded | None:
         """:meth:`lookup` then :meth:`load`, falling back to shorter prefixes when a
-        candidate fails to load. Returns None when nothing usable matches."""
+        candidate is rejected or fails to load. Returns None when nothing usable matches.
+
+        Args:
+            rendered_prompt: the prompt's rendered text.
+            accept: ``accept(entry, text, tokens)`` checks a candidate before any KV
+                array is read: ``text`` is the prompt prefix it matched (its own text or
+                the alias), ``tokens()`` reads its token ids (`read_tokens`). Returns
+                None to take it, or why not (logged; the next candidate is tried).
+            limit: the most candidates tried (0: no limit).
+
+        The loaded snapshot's ``tried`` counts the candidates tried, itself included.
+        """
         failed: list[str] = []
-        while True:
+        data = _utf8(rendered_prompt)
+        while not limit or len(failed) < limit:
             e = self.lookup(rendered_prompt, exclude=failed)
             if e is None:
                 return None
+            read: list[list[int]] = []
+
+            def tokens(e=e, read=read) -> list[int]:
+                if not read:
+                    read.append(self.read_tokens(e))
+                return read[0]
+
+            text = data[: e.via_alias or e.text_bytes].decode("utf-8", "surrogatepass")
             try:
-                loaded = self.load(e)
+                why = accept(e, text, tokens) if accept is not None else None
+                if why is None:
+                    loaded = self.load(e)
+                    if read and loaded.tokens != read[0]:  # replaced since its tokens were read
+                        why = "changed while it was checked"
             except KVStoreError:
+                failed.append(e.key)
+                continue
+            if why is not None:
+                log.info("kv cache: %s (%d tokens) %s; not used", e.key[:12], e.tokens, why)
                 failed.append(e.key)
                 continue
             if e.via_alias:
                 # The alias hashed to a prefix of the prompt: that prefix is its text.
-                loaded.text = _utf8(rendered_prompt)[: e.via_alias].decode("utf-8", "surrogatepass")
+                loaded.text = text
                 # How it matched (the hit count is the loaded entry's).
                 loaded.entry = replace(
                     loaded.entry, via_alias=e.via_alias, alias_marks=e.alias_marks
                 )
+            loaded.tried = len(failed) + 1
             return loaded
+        log.info("kv cache: none of %d snapshot candidates verifies", limit)
+        return None
 
     def tool_maps(self, *, newest_first: bool = False) -> Iterator[tuple[Entry, dict[str, str]]]:
         """Yield ``(entry, {tool id: exact DSML})`` for each compatible snapshot with tools.

@@ -19,7 +19,11 @@ from ds4mlx.kv.resident import Resident
 
 log = logging.getLogger("ds4mlx.kv")
 
-__all__ = ["DiskTier"]
+__all__ = ["MAX_CANDIDATES", "DiskTier"]
+
+# The most disk snapshots a lookup checks, longest first, before it gives up (cold). A
+# check reads only a candidate's text and token tensors.
+MAX_CANDIDATES = 8
 
 
 class DiskTier:
@@ -96,30 +100,36 @@ class DiskTier:
 
     def restore(self, r: Resident, rendered: Rendered) -> tuple[int, str, int] | None:
         """Rule 6: restore into ``r`` the longest stored rendered-text prefix of
-        ``rendered`` whose markers match; ``(tokens restored, log detail, characters of
-        the prompt it covers)`` or None (no hit: ``r`` is unchanged).
+        ``rendered`` whose markers match, trying up to `MAX_CANDIDATES` from the longest
+        down; ``(tokens restored, log detail, characters of the prompt it covers)`` or
+        None (no hit: ``r`` is unchanged).
 
-        Loads first, then saves the state (evict) it replaces: saving first could
-        evict, within the byte budget, the very snapshot about to be loaded.
+        Each candidate is checked from its small text and token tensors before any KV
+        array is read; a rejected one is logged and the next is tried. Loads first, then
+        saves the state (evict) it replaces: saving first could evict, within the byte
+        budget, the very snapshot about to be loaded.
         """
         from ds4mlx.engine import SessionState, SnapshotError
 
         t0 = time.perf_counter()
-        loaded = self.disk.lookup(rendered.text)
+        tok = self.engine.tokenizer
+
+        def accept(entry, text: str, tokens) -> str | None:
+            # The same bytes must be the same tokens. The snapshot's own text is what its
+            # tokens decode to: checked against them. An alias is a rendering whose text
+            # is not the tokens' (a visible key leaves out the reasoning the state holds,
+            # by design): checked by the marks stored with it.
+            end = len(text)
+            if entry.via_alias:
+                same = _same_key(tok, entry.alias_marks, rendered, end)
+            else:
+                same = _same_markers(tok, tokens(), rendered, end)
+            return None if same else "matches as text, not as tokens"
+
+        loaded = self.disk.lookup(rendered.text, accept, MAX_CANDIDATES)
         if loaded is None:
             return None
-        # The same bytes must be the same tokens. The snapshot's own text is what its
-        # tokens decode to: checked against them. An alias is a rendering whose text is
-        # not the tokens' (a visible key leaves out the reasoning the state holds, by
-        # design): checked by the marks stored with it.
-        tok, end = self.engine.tokenizer, len(loaded.text)
-        if loaded.entry.via_alias:
-            same = _same_key(tok, loaded.entry.alias_marks, rendered, end)
-        else:
-            same = _same_markers(tok, loaded.tokens, rendered, end)
-        if not same:
-            log.info("kv cache: %s matches as text, not as tokens; not used", loaded.entry.key[:12])
-            return None
+        end = len(loaded.text)
         self.evict(r)
         state = SessionState(tokens=loaded.tokens, arrays=loaded.arrays, meta=loaded.meta)
         try:
@@ -133,7 +143,7 @@ class DiskTier:
         n = len(loaded.tokens)
         ms = (time.perf_counter() - t0) * 1e3
         e = loaded.entry
-        detail = f"ids=0 key={e.key[:12]} reason={e.reason} load={ms:.0f}ms"
+        detail = f"ids=0 key={e.key[:12]} reason={e.reason} tried={loaded.tried} load={ms:.0f}ms"
         return n, detail, end
 
     def resume(self, r: Resident, key: str) -> int | None:

@@ -20,7 +20,7 @@ resident without paging), else physical RAM (or a lower cgroup limit). ``memory_
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .checkpoint import TensorInfo, scan
 from .config import ModelArgs
@@ -299,3 +299,29 @@ def check_fit(
             report,
         )
     return report
+
+
+DEFAULT_SESSIONS = 4  # resident states by default, when memory holds them
+
+
+def sessions_that_fit(
+    path: str,
+    ctx_size: int | None = None,
+    memory_limit: int | str | None = None,
+    *,
+    cap: int = DEFAULT_SESSIONS,
+    dtype_bytes: int | None = None,
+    gpu: bool | None = None,
+) -> tuple[int, FitReport]:
+    """``ds4mlx serve``'s default ``--sessions``: how many resident states (each with its
+    KV at ``ctx_size``) the memory budget holds after the weights and working memory,
+    at most ``cap`` and at least 1; with the report of that many.
+
+    Raises:
+        FitError: not even one state fits (the message has the numbers).
+        ValueError: a bad config or memory limit.
+    """
+    one = check_fit(path, ctx_size, 1, memory_limit, dtype_bytes=dtype_bytes, gpu=gpu)
+    spare = one.available - one.total
+    n = max(1, min(cap, 1 + spare // max(1, one.kv_per_session)))
+    return n, replace(one, sessions=n)

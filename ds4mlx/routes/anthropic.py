@@ -54,7 +54,7 @@ from ds4mlx.dsml import (
 from ds4mlx.jobs import GenRequest, JobDone, JobFailed, JobStarted, LiveLabels
 from ds4mlx.routes.body import OpenModel, offload, parse, read_body
 from ds4mlx.routes.carrier import carrier
-from ds4mlx.routes.common import json_response, model_thinking, new_id, state
+from ds4mlx.routes.common import json_response, model_thinking, new_id, state, state_key
 from ds4mlx.routes.errors import APIError, Wording, failed_to_api
 from ds4mlx.routes.mapping import (
     WireError,
@@ -66,6 +66,7 @@ from ds4mlx.routes.mapping import (
     join_newline,
     late_system,
     placeholder,
+    system_in_conversation,
 )
 from ds4mlx.routes.pipeline import (
     demo_policy,
@@ -426,7 +427,7 @@ def to_conversation(
             text = join_newline(b.text for b in blocks if isinstance(b, TextBlock))
             kept = text if keep_billing_header else strip_billing_lines(text)
             if kept is not None:
-                late.append(kept)
+                system_in_conversation(msgs, late, kept)
         elif m.role == "user":
             msgs.extend(_user_turn(blocks))
         else:
@@ -645,8 +646,9 @@ def _count(raw: bytes) -> int:
     return len(tokenize(render(_conversation(parse(CountTokensRequest, raw)))))
 
 
-def _job(raw: bytes, path: str) -> tuple[MessagesRequest, GenRequest]:
-    """The typed request and its job (off the event loop: parse, validate, map, render)."""
+def _job(raw: bytes, path: str, key: str | None) -> tuple[MessagesRequest, GenRequest]:
+    """The typed request and its job (off the event loop: parse, validate, map, render);
+    ``key``: its `state_key` (from the headers)."""
     req = parse(MessagesRequest, raw)
     conv = _conversation(req)
     gen = prepare(
@@ -657,6 +659,7 @@ def _job(raw: bytes, path: str) -> tuple[MessagesRequest, GenRequest]:
         sampling=sampling_params(conv.thinking, req),
         id_prefix="toolu_",
         stops=req.stop_sequences,
+        state_key=key,
     )
     return req, gen
 
@@ -664,7 +667,8 @@ def _job(raw: bytes, path: str) -> tuple[MessagesRequest, GenRequest]:
 @bp.post("/v1/messages")
 async def messages():
     """Anthropic Messages (streaming and not). Errors: Anthropic error shapes."""
-    req, gen = await offload(_job, await read_body(), request.path)
+    key = state_key(request.headers)
+    req, gen = await offload(_job, await read_body(), request.path, key)
     st = state()
     job = st.submit(gen)
     enc = MessageEncoder(

@@ -16,6 +16,13 @@ from typing import Any
 
 from quart import Response, current_app
 
+log = logging.getLogger("ds4mlx.server")
+
+# Claude Code's conversation headers, the most specific first: a sub-agent's id, then
+# the session's (the main conversation and its side requests).
+STATE_HEADERS = ("x-claude-code-agent-id", "x-claude-code-session-id")
+MAX_STATE_KEY_BYTES = 256
+
 
 def json_response(obj: Any, status: int = 200) -> Response:
     return current_app.response_class(
@@ -59,3 +66,32 @@ def model_thinking(model: str | None) -> bool:
             "on" if thinking else "off",
         )
     return thinking
+
+
+def state_key(headers: Any = None, body_key: Any = None) -> str | None:
+    """The client's name of the conversation a request belongs to, for the prompt cache's
+    resident states (docs/ARCHITECTURE.md §3): Claude Code's ``x-claude-code-agent-id``,
+    else its ``x-claude-code-session-id`` (``headers``: a mapping, case-insensitive as
+    Quart's), else a body's ``prompt_cache_key`` (Codex). Returned with its source
+    (``agent:ID``, ``session:ID``, ``cache:KEY``) so names never collide across sources,
+    or None. A value that is not a printable string of 1 to `MAX_STATE_KEY_BYTES` bytes
+    is ignored, with one log line."""
+    found = [(h, headers.get(h)) for h in STATE_HEADERS] if headers is not None else []
+    found.append(("prompt_cache_key", body_key))
+    for name, value in found:
+        if value is None:
+            continue
+        if (
+            not isinstance(value, str)
+            or not value
+            or not value.isprintable()
+            or len(value.encode("utf-8", "surrogatepass")) > MAX_STATE_KEY_BYTES
+        ):
+            log.warning(
+                "ignoring %s: not a printable value of 1 to %d bytes", name, MAX_STATE_KEY_BYTES
+            )
+            continue
+        # x-claude-code-agent-id -> agent, x-claude-code-session-id -> session.
+        source = "cache" if name == "prompt_cache_key" else name.split("-")[-2]
+        return f"{source}:{value}"
+    return None

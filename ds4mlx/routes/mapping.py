@@ -134,6 +134,25 @@ def late_system(parts: list[str]) -> str:
     return join_blank(parts)
 
 
+def system_in_conversation(msgs: list[Message], late: list[str], text: str) -> None:
+    """Place system text met inside the conversation (docs/ARCHITECTURE.md §4).
+
+    Before the first assistant turn it goes to ``late`` (``Conversation.late_system``,
+    rendered after the tools section). After it, it becomes text of the user turn it
+    belongs to, ``<system-reminder>\nTEXT\n</system-reminder>``: a user message appended
+    to ``msgs``, which the renderer joins with a blank line to the user turn it follows
+    (after its tool results and text), or which opens the next user turn when it follows
+    an assistant turn. So a live continuation's suffix carries it, as the KV must hold
+    the request's rendering; the official encoding has no place for it there.
+    """
+    if not text:
+        return
+    if any(m.role == "assistant" for m in msgs):
+        msgs.append(Message(role="user", content=f"<system-reminder>\n{text}\n</system-reminder>"))
+    else:
+        late.append(text)
+
+
 def checked_choice(
     required: bool, name: str | None, tools: list[ToolSpec]
 ) -> tuple[bool, str | None]:

@@ -38,7 +38,15 @@ from ds4mlx.dsml import (
 )
 from ds4mlx.jobs import GenRequest, JobDone, JobFailed, JobStarted, LiveLabels, TokenLogprob
 from ds4mlx.routes.body import OpenModel, offload, parse, read_body
-from ds4mlx.routes.common import json_response, model_thinking, new_id, now, state
+from ds4mlx.routes.common import (
+    STATE_HEADERS,
+    json_response,
+    model_thinking,
+    new_id,
+    now,
+    state,
+    state_key,
+)
 from ds4mlx.routes.errors import APIError, Wording, failed_to_api, openai_error
 from ds4mlx.routes.mapping import (
     WireError,
@@ -49,6 +57,7 @@ from ds4mlx.routes.mapping import (
     late_system,
     openai_tool_choice,
     parts_text,
+    system_in_conversation,
 )
 from ds4mlx.routes.pipeline import demo_policy, prepare, respond, sampling_params, stream
 from ds4mlx.routes.sse import sse
@@ -250,7 +259,10 @@ def to_conversation(req: ChatRequest, *, default_thinking: bool = True) -> Conve
     msgs: list[Message] = []
     for m in req.messages:
         if m.role in ("system", "developer"):
-            (late if msgs else system_parts).append(parts_text(m.content))
+            if msgs:
+                system_in_conversation(msgs, late, parts_text(m.content))
+            else:
+                system_parts.append(parts_text(m.content))
         elif m.role == "user":
             msgs.append(Message(role="user", content=parts_text(m.content)))
         elif m.role == "assistant":
@@ -454,8 +466,10 @@ class ChatEncoder:
 # --------------------------------------------------------------------------- route
 
 
-def _job(raw: bytes, path: str) -> tuple[ChatRequest, Conversation, GenRequest]:
-    """The typed request, its conversation and its job (off the event loop)."""
+def _job(raw: bytes, path: str, headers) -> tuple[ChatRequest, Conversation, GenRequest]:
+    """The typed request, its conversation and its job (off the event loop); ``headers``
+    (a plain dict of the conversation headers) and the body's ``prompt_cache_key`` name
+    its resident state (`state_key`)."""
     req = parse(ChatRequest, raw)
     conv = conversation(req)
     gen = prepare(
@@ -467,6 +481,7 @@ def _job(raw: bytes, path: str) -> tuple[ChatRequest, Conversation, GenRequest]:
         id_prefix="call_",
         stops=stops_of(req.stop),
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        state_key=state_key(headers, (req.model_extra or {}).get("prompt_cache_key")),
     )
     return req, conv, gen
 
@@ -474,7 +489,8 @@ def _job(raw: bytes, path: str) -> tuple[ChatRequest, Conversation, GenRequest]:
 @bp.post("/v1/chat/completions")
 async def chat_completions():
     """OpenAI Chat Completions (streaming and not). Errors: 400 shapes of OpenAI."""
-    req, conv, gen = await offload(_job, await read_body(), request.path)
+    headers = {h: request.headers.get(h) for h in STATE_HEADERS}
+    req, conv, gen = await offload(_job, await read_body(), request.path, headers)
     st = state()
     job = st.submit(gen)
     meta = {

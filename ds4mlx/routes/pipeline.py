@@ -59,6 +59,7 @@ def prepare(
     id_prefix: str,
     stops: list[str] | None = None,
     top_logprobs: int | None = None,
+    state_key: str | None = None,
 ) -> GenRequest:
     """Render and bound ``conv``; return the job to submit (call off the event loop).
 
@@ -72,6 +73,7 @@ def prepare(
         id_prefix: prefix of new tool-call ids (``toolu_``, ``call_``).
         stops: stop strings.
         top_logprobs: chat ``logprobs``: None (off) or alternatives per token.
+        state_key: the client's conversation name (`ds4mlx.routes.common.state_key`).
     Raises:
         APIError: 400 for a conversation that cannot be rendered or a rendering the
             context cannot hold (`bound`).
@@ -92,7 +94,12 @@ def prepare(
         cap_is_eos=cap_is_eos,
     )
     return GenRequest(
-        path=path, turn=turn, prompt=rendered, conversation=conv, labels=wording.labels
+        path=path,
+        turn=turn,
+        prompt=rendered,
+        conversation=conv,
+        labels=wording.labels,
+        state_key=state_key,
     )
 
 

@@ -62,7 +62,15 @@ from ds4mlx.jobs import GenRequest, JobDone, JobFailed, JobStarted, LiveLabels
 from ds4mlx.routes.access import check_auth
 from ds4mlx.routes.body import OpenModel, offload, parse_json, read_body, validate
 from ds4mlx.routes.carrier import carrier
-from ds4mlx.routes.common import json_response, model_thinking, new_id, now, state
+from ds4mlx.routes.common import (
+    STATE_HEADERS,
+    json_response,
+    model_thinking,
+    new_id,
+    now,
+    state,
+    state_key,
+)
 from ds4mlx.routes.errors import APIError, Wording, failed_to_api, openai_error
 from ds4mlx.routes.mapping import (
     WireError,
@@ -75,6 +83,7 @@ from ds4mlx.routes.mapping import (
     openai_tool_choice,
     parts_text,
     placeholder,
+    system_in_conversation,
 )
 from ds4mlx.routes.pipeline import (
     demo_policy,
@@ -356,7 +365,11 @@ class _Turns:
     def message(self, it: MessageItem) -> None:
         text = parts_text(it.content)
         if it.role in ("system", "developer"):
-            (self.late if self.msgs else self.system).append(text)
+            if self.msgs:
+                self.open = False  # a reminder after an assistant turn closes it
+                system_in_conversation(self.msgs, self.late, text)
+            else:
+                self.system.append(text)
         elif it.role == "user":
             self._other(Message(role="user", content=text))
         else:
@@ -492,12 +505,16 @@ def _resolve_previous(data: dict[str, Any], req: ResponsesRequest, store) -> dic
     return {**data, "input": prev + _raw_items(data["input"])}
 
 
-def _prepare(data: Any, *, path: str, store: dict[str, list[Any]] | None = None) -> _Prepared:
+def _prepare(
+    data: Any, *, path: str, store: dict[str, list[Any]] | None = None, headers=None
+) -> _Prepared:
     """Validate a Responses body and build its `GenRequest` (off the event loop; raises
     `APIError`).
 
     ``store`` is a WebSocket connection's own responses (id → full item list); with it,
     ``previous_response_id`` naming one of them is resolved by prepending its items.
+    ``headers``: the conversation headers (`state_key`), with the body's
+    ``prompt_cache_key`` naming the request's resident state.
     """
     req = validate(ResponsesRequest, data)
     if req.conversation is not None:
@@ -530,6 +547,7 @@ def _prepare(data: Any, *, path: str, store: dict[str, list[Any]] | None = None)
         max_tokens=req.max_output_tokens,
         sampling=sampling,
         id_prefix="call_",
+        state_key=state_key(headers, (req.model_extra or {}).get("prompt_cache_key")),
     )
     return _Prepared(req, _raw_items(data["input"]), gen)
 
@@ -822,7 +840,8 @@ def _encoder(prep: _Prepared) -> ResponseEncoder:
 @bp.post("/v1/responses")
 async def create_response():
     """Create a response (SSE when ``stream`` is true, else the response object)."""
-    prep = await offload(_http_request, await read_body(), request.path)
+    headers = {h: request.headers.get(h) for h in STATE_HEADERS}
+    prep = await offload(_http_request, await read_body(), request.path, headers)
     job = state().submit(prep.gen)
     enc = _encoder(prep)
     if prep.req.stream:
@@ -830,8 +849,8 @@ async def create_response():
     return json_response(await respond(job, enc, NAMES))
 
 
-def _http_request(raw: bytes, path: str) -> _Prepared:
-    return _prepare(parse_json(raw), path=path)
+def _http_request(raw: bytes, path: str, headers) -> _Prepared:
+    return _prepare(parse_json(raw), path=path, headers=headers)
 
 
 @bp.get("/v1/responses/<path:response_id>")

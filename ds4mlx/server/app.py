@@ -130,11 +130,12 @@ def banner(engine, config: ServerConfig, url: str, *, connections: int | None = 
         t.add_row("[bold]KV cache[/]", kv)
     t.add_row("[bold]disk cache[/]", _disk_line(config.kv))
     n = getattr(config.kv, "sessions", 1)
+    why = f"; {config.sessions_why}" if config.sessions_why else ""
     t.add_row(
         "[bold]live states[/]",
-        f"{n} resident (--sessions; a job runs on the best match, one at a time)"
+        f"{n} resident (a conversation, sub-agent or side request each; one job at a time{why})"
         if n > 1
-        else "1 (--sessions N keeps N resident for interleaved conversations)",
+        else f"1 (--sessions N keeps N resident for interleaved conversations{why})",
     )
     t.add_row("[bold]device[/]", f"{device}, BLAS {blas_label()}")
     t.add_row(

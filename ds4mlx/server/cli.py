@@ -93,6 +93,7 @@ def run_serve(args, register) -> int:
     except ValueError as e:
         print(f"ds4mlx serve: {e}", file=sys.stderr)
         return 2
+    kv, sessions_why = _default_sessions(kv, args, model)
     if args.tokens is not None and args.tokens < 1:
         print("ds4mlx serve: --tokens must be >= 1", file=sys.stderr)
         return 2
@@ -132,11 +133,14 @@ def run_serve(args, register) -> int:
         host=args.host,
         port=args.port,
         kv=kv,
+        sessions_why=sessions_why,
         tool_memory_max_ids=args.tool_memory_max_ids,
         exact_dsml_replay=not args.disable_exact_dsml_tool_replay,
     )
     try:
-        engine, worker = start_worker(lambda: Engine.load(model, ctx_size=args.ctx), config)
+        engine, worker = start_worker(
+            lambda: Engine.load(model, ctx_size=args.ctx, sessions=kv.sessions), config
+        )
     except Exception as e:  # LoadError, TokenizerError, OSError, ValueError…
         print(f"ds4mlx serve: cannot load model {model}: {e}", file=sys.stderr)
         return 2
@@ -145,3 +149,28 @@ def run_serve(args, register) -> int:
     except OSError as e:
         print(f"ds4mlx serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
+
+
+def _default_sessions(kv, args, model: str):
+    """``(settings, why)``: ``kv`` with ``--sessions`` resolved. Given, it is kept (the
+    fit check at load refuses more than memory holds, with the numbers); absent, it is
+    min(4, what the memory budget holds after the weights), at least 1
+    (`ds4mlx.model.fit.sessions_that_fit`)."""
+    from dataclasses import replace
+
+    from ds4mlx.model.fit import DEFAULT_SESSIONS, sessions_that_fit
+
+    if args.sessions is not None:
+        return kv, "--sessions"
+    try:
+        n, report = sessions_that_fit(model, args.ctx)
+    except Exception:  # FitError, a bad config: the load reports it with its numbers
+        return kv, "default"
+    kv = replace(kv, sessions=n)
+    if n == 1:
+        why = f"only one fits: {report.describe()}; side requests will evict the conversation"
+    elif n < DEFAULT_SESSIONS:
+        why = f"default: what memory holds after the weights, {report.describe()}"
+    else:
+        why = f"default: min({DEFAULT_SESSIONS}, what memory holds after the weights)"
+    return kv, why

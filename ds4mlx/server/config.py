@@ -55,6 +55,8 @@ class ServerConfig:
             ``ds4mlx.routes.common.load_reasoning_key``).
         kv: ``ds4mlx.kv.policy.KVCacheSettings`` (``--kv-disk-dir``, ``--kv-cache-*``);
             None: no disk cache.
+        sessions_why: how ``kv.sessions`` was chosen, for the banner (``--sessions``, or
+            the default's memory figures).
         tool_memory_max_ids: tool-call ids whose exact DSML is remembered
             (``--tool-memory-max-ids``).
         exact_dsml_replay: render replayed tool calls from the exact sampled DSML
@@ -80,6 +82,7 @@ class ServerConfig:
     port: int = 8000
     reasoning_key: bytes | None = None
     kv: Any = None
+    sessions_why: str = ""
     tool_memory_max_ids: int = 100_000
     exact_dsml_replay: bool = True
 

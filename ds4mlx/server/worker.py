@@ -223,7 +223,11 @@ class Worker:
         tok = self.tokenizer
         t_start = time.monotonic()
         prompt = Prompt(
-            _prompt_tokens(req, tok), req.prompt, req.conversation, thinking=req.turn.thinking
+            _prompt_tokens(req, tok),
+            req.prompt,
+            req.conversation,
+            thinking=req.turn.thinking,
+            state_key=req.state_key,
         )
         try:
             lease = self.cache.begin(prompt)
