@@ -161,7 +161,7 @@ class Toolbox:
         env_policy: the environment commands get (:mod:`ds4mlx.agent.child_env`;
             default: names that look secret withheld).
         mcp: a started :class:`~ds4mlx.agent.mcp.McpClient`; its tools are offered after
-            the built-in ones (the caller closes it).
+            the built-in ones (:meth:`close` closes it).
 
     Raises:
         ValueError: ``workspace`` is not a directory, or the budget is below 64.
@@ -279,8 +279,10 @@ class Toolbox:
         return tool_schema.describe_call(name, arguments)
 
     def close(self) -> None:
-        """Stop all background jobs still running."""
+        """Stop all background jobs still running; close the MCP connections."""
         self.jobs.stop_all()
+        if self.mcp is not None:
+            self.mcp.close()
 
     def __enter__(self) -> Toolbox:
         return self
