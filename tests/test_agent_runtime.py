@@ -388,3 +388,102 @@ def test_hooks_bad_timeout_flag_is_one_line_exit_2(workspace: Path) -> None:
     )
     assert r.returncode == 2
     assert r.stderr.strip() == "ds4mlx agent: --hook-timeout must be within 1..3600 s, got 0"
+
+
+# ------------------------------------------------------------------ idempotent (at most once)
+
+
+def test_idempotent_interrupted_write_then_same_call_is_written_once(
+    engine, ws: Path, tmp_path: Path
+) -> None:
+    from ds4mlx.agent import once
+    from ds4mlx.agent.sessions import SessionBook
+
+    write = invoke("write", path="a.txt", content="hello\n")
+    script = [turn("W.", "", write), turn("Again.", "", write), turn("Ok.", "Done.")]
+    book = SessionBook(tmp_path / "sessions")
+    ui = RecordingUI(answers={"write": "once"})
+    agent = Agent(engine, ws, ui=ui, book=book, script=script)
+    real = agent.toolbox.run
+    saved_before: list = []
+
+    def ctrl_c_after_the_write(name, arguments):
+        saved_before.extend(book.get(agent.record.id).messages)
+        real(name, arguments)  # the file is written ...
+        agent.toolbox.run = real
+        raise KeyboardInterrupt  # ... and Ctrl+C lands before its result is recorded
+
+    agent.toolbox.run = ctrl_c_after_the_write
+    try:
+        assert agent.send("write it").status == "interrupted"
+        # Saved before the call ran: the call, not yet its result.
+        assert saved_before[-1].role == "assistant" and saved_before[-1].tool_calls
+        cut = agent.messages[-1]
+        assert cut.role == "tool" and cut.content.startswith(once.UNKNOWN)
+        assert book.get(agent.record.id).messages[-1].content == cut.content  # saved after it
+        st = (ws / "a.txt").stat()
+        assert agent.send("go on").ok
+    finally:
+        agent.close()
+    results = [m.content for m in agent.messages if m.role == "tool"]
+    assert results[1] == "already applied: a.txt already holds this content; nothing was written"
+    assert [t for t, _ in ui.asked] == ["write"]  # the repeat asked nothing ...
+    after = (ws / "a.txt").stat()
+    assert (after.st_ino, after.st_mtime_ns) == (st.st_ino, st.st_mtime_ns)  # ... wrote nothing
+    assert (ws / "a.txt").read_text() == "hello\n"
+
+
+def test_idempotent_repeated_edit_of_unknown_outcome_reconciles(engine, ws: Path) -> None:
+    (ws / "m.py").write_text("x = 1\n")
+    edit = invoke("edit", path="m.py", old="x = 1", new="x = 2")
+    script = [turn("E.", "", edit), turn("Again.", "", edit), turn("Ok.", "Done.")]
+    ui = RecordingUI(answers={"edit": "once"})
+    agent = Agent(engine, ws, ui=ui, script=script)
+    real = agent.toolbox.run
+
+    def ctrl_c_after_the_edit(name, arguments):
+        real(name, arguments)
+        agent.toolbox.run = real
+        raise KeyboardInterrupt
+
+    agent.toolbox.run = ctrl_c_after_the_edit
+    try:
+        agent.send("edit it")
+        assert agent.send("go on").ok
+    finally:
+        agent.close()
+    results = [m.content for m in agent.messages if m.role == "tool"]
+    assert results[1].startswith("already applied: m.py")
+    assert len(ui.asked) == 1 and (ws / "m.py").read_text() == "x = 2\n"
+
+
+def test_idempotent_restored_session_with_unanswered_call_is_not_run(
+    engine, ws: Path, tmp_path: Path
+) -> None:
+    from ds4mlx.agent import once
+    from ds4mlx.agent.sessions import SessionBook, SessionRecord
+    from ds4mlx.dsml import Message, ToolCall
+
+    book = SessionBook(tmp_path / "sessions")
+    agent = Agent(engine, ws, ui=RecordingUI(), book=book, yes=True, script=[turn("Ok.", "Fine.")])
+    call = ToolCall("call_cut", "bash", {"command": "echo ran >> ran.txt"})
+    crashed = SessionRecord(
+        id=book.new_id(),
+        workspace=str(agent.workspace),
+        messages=[
+            agent.messages[0],
+            Message("user", "run it"),
+            Message("assistant", "", reasoning="Run.", tool_calls=[call]),
+        ],
+    )
+    book.put(crashed)  # what a crash while the call ran leaves on disk
+    try:
+        said = agent.switch(crashed.id)
+        assert "1 tool call(s) cut by a crash answered 'outcome unknown', not rerun" in said
+        assert agent.send("continue").ok
+    finally:
+        agent.close()
+    assert not (ws / "ran.txt").exists()
+    results = [m for m in book.get(crashed.id).messages if m.role == "tool"]
+    assert [m.tool_call_id for m in results] == ["call_cut"]
+    assert results[0].content == once.CUT_TEXT

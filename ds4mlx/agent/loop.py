@@ -209,6 +209,7 @@ class Agent:
         self.compactor = Compactor(self.live, self.turns, self.policy)
         self.book = book
         self.control = SessionControl(self.live, book, self.workspace, self.toolbox, self._fresh)
+        self.turns.persist = self.control.persist
         cache.reset()
 
     # ----------------------------------------------------------------- public API

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from ds4mlx.agent import once
 from ds4mlx.agent.events import Generated, Step
 from ds4mlx.agent.hooks import AFTER, BEFORE, fire_response
 from ds4mlx.agent.live import Live, LiveState
@@ -106,6 +108,8 @@ class Steps:
         self.chunk_size = chunk_size
         self.last_gen: Step | None = None
         self.last_prefill = (0, 0.0)
+        # Writes the transcript (`SessionControl.persist`): before a round, after each result.
+        self.persist: Callable[[], None] = lambda: None
 
     def prepare(self, *, compact: bool) -> Prepared:
         """Put the transcript into the live state through the prompt cache (a lease:
@@ -286,10 +290,18 @@ class Steps:
         return Message("assistant", content=content, reasoning=reasoning)
 
     def run_tools(self, calls: list[ToolCall], call_errors: dict[str, str]) -> bool:
-        """Run ``calls`` in order, appending one tool message each; False if interrupted."""
+        """Run ``calls`` in order, appending one tool message each; False if interrupted.
+
+        At most once (:mod:`ds4mlx.agent.once`): the transcript is written before the
+        round and after each result; a call id that has a result is not run again; a
+        ``write``/``edit`` repeating one of unknown outcome is checked against the file.
+        """
         lv = self.live
         interrupted = False
+        self.persist()
         for call in calls:
+            if call.id in once.answered(lv.messages):
+                continue  # its result is in the transcript already
             outcome: ToolOutcome | None = None
             interrupted = interrupted or lv.cancel  # Ctrl+C between two calls
             try:
@@ -309,19 +321,17 @@ class Steps:
                 else:
                     lv.phase = "tools"
                     lv.ui.tool_start(call, self.toolbox.describe(call.name, call.arguments))
-                    outcome = self.toolbox.run(call.name, call.arguments)
+                    if once.repeats_unknown(call, lv.messages):
+                        outcome = self.toolbox.already_applied(call.name, call.arguments)
+                    outcome = outcome or self.toolbox.run(call.name, call.arguments)
             except KeyboardInterrupt:
                 interrupted = True
-                outcome = ToolOutcome(
-                    False,
-                    "error: interrupted by the user while it ran; its outcome is unknown "
-                    "(it may have run in part)",
-                    INTERRUPTED,
-                )
+                outcome = ToolOutcome(False, once.INTERRUPTED_TEXT, INTERRUPTED)
             finally:
                 lv.phase = "model"
                 if outcome is None:  # an unexpected error escaped: still answer the call
                     outcome = ToolOutcome(False, "error: the agent failed to run this call")
                 lv.messages.append(Message("tool", outcome.text, tool_call_id=call.id))
+                self.persist()
             lv.ui.tool_result(call, outcome)
         return not interrupted

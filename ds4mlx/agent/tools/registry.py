@@ -194,7 +194,7 @@ class Toolbox:
             buffer_bytes=job_buffer_bytes, kill_grace=kill_grace, env_policy=env_policy
         )
         self._ws = Workspace(root)
-        files = FileTools(self._ws)
+        self._files = files = FileTools(self._ws)
         shell = ShellTools(root, self.jobs, bash_timeout)
         handlers: dict[str, Handler] = {
             "read": files.read,
@@ -273,6 +273,19 @@ class Toolbox:
         if isinstance(step, ToolOutcome):
             return step
         return self._finish(step)
+
+    def already_applied(self, name: str, arguments: Any) -> ToolOutcome | None:
+        """For a ``write``/``edit`` repeating one of unknown outcome: an ``ok`` outcome
+        saying "already applied" when the file shows it in effect (nothing asked, nothing
+        written), else None (run it normally). Invalid calls and other tools: None."""
+        tool = self._tools.get(name)
+        if name not in ("write", "edit") or tool is None:
+            return None
+        if tool_schema.problems(tool.validator, arguments):
+            return None
+        args = tool_schema.with_defaults(tool.spec.parameters, arguments)
+        step = self._guarded(name, partial(self._files.applied, name, args))
+        return ToolOutcome(True, step) if isinstance(step, str) else None
 
     def describe(self, name: str, arguments: Any) -> str:
         """One-line human summary of a call, for the UI (``read path=a.py offset=3``)."""
