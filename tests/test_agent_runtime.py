@@ -487,3 +487,85 @@ def test_idempotent_restored_session_with_unanswered_call_is_not_run(
     results = [m for m in book.get(crashed.id).messages if m.role == "tool"]
     assert [m.tool_call_id for m in results] == ["call_cut"]
     assert results[0].content == once.CUT_TEXT
+
+
+# ------------------------------------------------------------------ notice (jobs and notices)
+
+
+def test_notice_receipt_shows_handle_and_default_deadline(ws: Path) -> None:
+    with Toolbox(ws, Permissions(yes=True), kill_grace=0.3, job_timeout=1.5) as box:
+        out = box.run("bash", {"command": "sleep 30", "background": True})
+        assert out.ok and out.job == "job_1"
+        assert out.text.startswith("started background job job_1 (timeout 1.5 s)")
+        assert "pid" not in out.text  # `kill PID` would orphan the rest of the group
+        st = box.run("bash_status", {"handle": "job_1", "wait": 20})
+        assert "job_1 timed out after 1.5 s" in st.text and st.error == "timeout"
+    with Toolbox(ws, Permissions(yes=True)) as box:
+        assert "(timeout 3600 s)" in box.run("bash", {"command": "true", "background": True}).text
+
+
+def test_notice_yes_stopped_at_the_output_limit(ws: Path) -> None:
+    with Toolbox(ws, Permissions(yes=True), kill_grace=0.3, job_output_limit=1 << 20) as box:
+        assert box.run("bash", {"command": "yes", "background": True}).ok
+        st = box.run("bash_status", {"handle": "job_1", "wait": 30})
+        assert not st.ok and st.error == FAILED
+        assert "[job_1 stopped: output limit (1 MiB) reached after" in st.text
+        job = box.jobs.get("job_1")
+        assert not job.running and job.output_limited
+
+
+def _late_results(agent: Agent) -> list[str]:
+    return [
+        m.content for m in agent.messages if m.role == "tool" and m.content.startswith("[result of")
+    ]
+
+
+def test_notice_job_end_is_a_late_result_in_the_next_suffix(engine, ws: Path) -> None:
+    from ds4mlx.dsml.tokens import EOS
+
+    script = [
+        turn("Start.", "", invoke("bash", command="sleep 2; echo done", background=True)),
+        turn("Wait.", "", invoke("bash", command="sleep 3")),  # the job ends meanwhile
+        turn("Seen.", "It finished."),
+        turn("Ok.", "Nothing new."),
+    ]
+    ui = RecordingUI()
+    agent = Agent(engine, ws, ui=ui, script=script, yes=True)
+    try:
+        assert agent.send("run it in the background").ok
+        start = next(m for m in agent.messages if m.role == "assistant" and m.tool_calls)
+        call_id = start.tool_calls[0].id
+        [late] = _late_results(agent)
+        assert late.startswith(
+            f'[result of {call_id} bash(command="sleep 2; echo done", background=true): '
+            "job_1 exited 0 after 2."
+        )
+        assert late.endswith("]\ndone")
+        # It went out in the suffix after the round's results, inside <tool_result>: that
+        # prefill is EOS + one user turn (results, then the notice) + the assistant opener.
+        suffix = [s for s in agent.steps if s.kind == "tool_results"][-1].text
+        assert suffix.startswith(EOS + "<｜User｜><tool_result>")
+        assert suffix.count("<｜User｜>") == 1 and suffix.endswith("<｜Assistant｜><think>")
+        assert suffix.index("<tool_result>[result of") > suffix.index("<tool_result>")
+        assert agent.consistent()
+        assert agent.send("anything else?").ok
+        assert len(_late_results(agent)) == 1  # never twice
+    finally:
+        agent.close()
+
+
+def test_notice_not_sent_after_bash_status_saw_the_end(engine, ws: Path) -> None:
+    script = [
+        turn("Start.", "", invoke("bash", command="echo hi", background=True)),
+        turn("Poll.", "", invoke("bash_status", handle="job_1", wait=30)),
+        turn("Seen.", "Done."),
+    ]
+    agent = Agent(engine, ws, ui=RecordingUI(), script=script, yes=True)
+    try:
+        assert agent.send("go").ok
+    finally:
+        agent.close()
+    assert _late_results(agent) == []
+    assert (
+        "job_1 finished: exit code 0" in [m.content for m in agent.messages if m.role == "tool"][1]
+    )

@@ -366,7 +366,7 @@ def _blocked_on(pid: int) -> str:
 def test_sigterm_sighup_stop_jobs_and_save(tiny, tmp_path, signame):
     """SIGTERM/SIGHUP work like /quit: background jobs stopped, session saved with KV."""
     script = [
-        turn("Start it.", "Started.", invoke("bash", command="sleep 311; echo done",
+        turn("Start it.", "Started.", invoke("bash", command="echo $$ > job.pid; sleep 311",
                                               background=True)),
         turn("Done.", "All done."),
     ]  # fmt: skip
@@ -375,9 +375,9 @@ def test_sigterm_sighup_stop_jobs_and_save(tiny, tmp_path, signame):
         child.expect("type a message")
         child.expect("› ")
         child.sendline("start a background job")
-        child.expect(r"started background job job_1 \(pid (\d+)")
-        pid = int(child.match.group(1))
+        child.expect(r"started background job job_1 \(timeout 3600 s\)")
         child.expect("All done.")
+        pid = int((tmp_path / "ws" / "job.pid").read_text())
         child.expect("› ")
         assert pid_alive(pid)
         child.kill(getattr(signal, signame))

@@ -85,6 +85,20 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--bash-timeout", type=float, default=120.0, help="foreground command timeout, s (120)"
     )
+    p.add_argument(
+        "--job-timeout",
+        type=float,
+        default=3600.0,
+        metavar="S",
+        help="background job deadline when the call sets none, s (3600)",
+    )
+    p.add_argument(
+        "--job-output-limit-mb",
+        type=float,
+        default=64.0,
+        metavar="MB",
+        help="a background job printing more than this (MiB) is stopped (64)",
+    )
     p.add_argument("--hide-thinking", action="store_true", help="do not stream the reasoning")
     p.add_argument(
         "--pass-env",
@@ -202,6 +216,12 @@ def _run_config(args: argparse.Namespace, workspace: Path):
             script = _load_script(args.script_file)
         except (OSError, ValueError) as e:
             raise ValueError(f"bad --script-file: {e}") from None
+    for flag, value in (
+        ("--job-timeout", args.job_timeout),
+        ("--job-output-limit-mb", args.job_output_limit_mb),
+    ):
+        if not value > 0:
+            raise ValueError(f"{flag} must be positive, got {value:g}")
     env_policy = EnvPolicy.from_config(inherit=args.inherit_env, passed=args.pass_env)
     hooks = Hooks(
         before=args.before_response_hook,
@@ -306,6 +326,8 @@ def run(args: argparse.Namespace) -> int:
             tool_output_tokens=args.tool_output_tokens,
             bash_timeout=args.bash_timeout,
             env_policy=env_policy,
+            job_timeout=args.job_timeout,
+            job_output_limit=int(args.job_output_limit_mb * 2**20),
             script=script,
             hooks=hooks,
             mcp=mcp,

@@ -26,6 +26,7 @@ from ds4mlx.dsml import (
     ThinkingDelta,
     ToolCall,
     render_assistant_turn,
+    render_late_result,
 )
 from ds4mlx.dsml.tokens import THINK_END
 from ds4mlx.engine import FINISH_CANCELLED, FINISH_STOP, Turn, TurnHooks, TurnSpec, run_turn
@@ -110,6 +111,7 @@ class Steps:
         self.last_prefill = (0, 0.0)
         # Writes the transcript (`SessionControl.persist`): before a round, after each result.
         self.persist: Callable[[], None] = lambda: None
+        self.job_calls: dict[str, ToolCall] = {}  # background job handle -> its call
 
     def prepare(self, *, compact: bool) -> Prepared:
         """Put the transcript into the live state through the prompt cache (a lease:
@@ -230,6 +232,7 @@ class Steps:
         answer turn, closed into the transcript and bound in the prompt cache:
         ``(Generated, Message)``, or a ``SendResult`` status when it did not run."""
         lv = self.live
+        self.add_notices()
         prepared = self.prepare(compact=True)
         if prepared.compact is not None:
             prepared.lease.abandon()
@@ -255,6 +258,18 @@ class Steps:
         key = lv.render() if lv.state == LiveState.TURN_END else None
         prepared.lease.finish(gen.turn, transcript_key=key)
         return gen, msg
+
+    def add_notices(self) -> None:
+        """Background jobs that ended since the model heard of them: each a late result
+        of its call (``dsml.render_late_result``) after the pending results or user
+        text, so it goes out in the next suffix; shown in the UI too."""
+        for handle, outcome, detail in self.toolbox.job_notices():
+            call = self.job_calls.get(handle)
+            if call is None:  # started in another session: its call is not here
+                continue
+            text = render_late_result(call.id, call.name, call.arguments, outcome, detail)
+            self.live.messages.append(Message("tool", text, tool_call_id=call.id))
+            self.live.ui.notice(f"{handle}: {outcome}")
 
     def close_turn(self, gen: Generated, thinking: bool) -> Message:
         """The transcript message for a generated turn; the live state ends on it.
@@ -333,5 +348,7 @@ class Steps:
                     outcome = ToolOutcome(False, "error: the agent failed to run this call")
                 lv.messages.append(Message("tool", outcome.text, tool_call_id=call.id))
                 self.persist()
+                if outcome.job:
+                    self.job_calls[outcome.job] = call
             lv.ui.tool_result(call, outcome)
         return not interrupted

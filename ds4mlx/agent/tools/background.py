@@ -19,7 +19,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -44,6 +44,10 @@ class JobOutput:
         sep = "" if not self.stdout or self.stdout.endswith("\n") else "\n"
         return f"{self.stdout}{sep}[stderr]\n{self.stderr}"
 
+
+#: A background job's deadline when its call sets none (s), and its output ceiling (bytes).
+JOB_TIMEOUT = 3600.0
+JOB_OUTPUT_LIMIT = 64 << 20
 
 # How long to wait for the pipe to close after the main process exited. A command
 # that leaves a background child holding stdout would otherwise block us forever.
@@ -92,8 +96,15 @@ class _Pipe:
     Redactor` (secrets replaced), both kept across reads.
     """
 
-    def __init__(self, name: str, stream: IO[bytes], buffer_bytes: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        stream: IO[bytes],
+        buffer_bytes: int,
+        on_bytes: Callable[[int], None] = lambda n: None,
+    ) -> None:
         self.name = name
+        self._on_bytes = on_bytes
         self._stream = stream
         self._lock = threading.Lock()
         self.new = threading.Condition(self._lock)
@@ -115,6 +126,7 @@ class _Pipe:
                 with self.new:
                     self._buf.append(data)
                     self.new.notify_all()
+                self._on_bytes(len(data))
         except OSError:
             pass
         finally:
@@ -164,6 +176,8 @@ class Job:
         kill_grace: seconds between SIGTERM and SIGKILL when stopping.
         env: the whole environment of the command (default: :func:`child_env` with the
             default policy: names that look secret are withheld).
+        output_limit: bytes of output (both streams, read or not) after which the job is
+            stopped and marked ``output_limited``; None for no limit.
 
     Raises:
         OSError: bash could not be started.
@@ -179,8 +193,15 @@ class Job:
         buffer_bytes: int = 1 << 20,
         kill_grace: float = 2.0,
         env: Mapping[str, str] | None = None,
+        output_limit: int | None = None,
     ) -> None:
         self.handle = handle
+        self.output_limit = output_limit
+        self.output_limited = False
+        self.output_bytes = 0
+        # The model was told of the end (bash_status/bash_stop, or a notice): no notice.
+        self.end_seen = False
+        self._count_lock = threading.Lock()
         self.command = command
         self.kill_grace = kill_grace
         self.timeout = timeout
@@ -204,8 +225,8 @@ class Job:
         # Popen is never asked to wait, so it cannot race this thread for the status.
         threading.Thread(target=self._reap, name=f"reap-{handle}", daemon=True).start()
         assert self._proc.stdout is not None and self._proc.stderr is not None
-        self.stdout = _Pipe(f"job-{handle}-out", self._proc.stdout, buffer_bytes)
-        self.stderr = _Pipe(f"job-{handle}-err", self._proc.stderr, buffer_bytes)
+        self.stdout = _Pipe(f"job-{handle}-out", self._proc.stdout, buffer_bytes, self._count)
+        self.stderr = _Pipe(f"job-{handle}-err", self._proc.stderr, buffer_bytes, self._count)
         self._timer: threading.Timer | None = None
         if timeout is not None:
             self._timer = threading.Timer(timeout, self._on_timeout)
@@ -221,6 +242,17 @@ class Job:
         self.ended = time.monotonic()
         self._proc.returncode = self.status.returncode  # Popen must not wait for it again
         self._exited.set()
+
+    def _count(self, n: int) -> None:
+        """A reader got ``n`` bytes: past ``output_limit``, stop the job (once, from
+        another thread: the reader must keep draining while the group dies)."""
+        with self._count_lock:
+            self.output_bytes += n
+            over = self.output_limit is not None and self.output_bytes > self.output_limit
+            first = over and not self.output_limited
+            self.output_limited = self.output_limited or over
+        if first and self.running:
+            threading.Thread(target=self.stop, name=f"limit-{self.handle}", daemon=True).start()
 
     # --- state -----------------------------------------------------------------
 
@@ -311,6 +343,10 @@ class JobManager:
         kill_grace: seconds between SIGTERM and SIGKILL when stopping.
         env_policy: which of the agent's environment variables commands get
             (:mod:`ds4mlx.agent.child_env`; default: names that look secret withheld).
+        job_timeout: a background job's deadline when its call gives none, seconds
+            (``--job-timeout``, default :data:`JOB_TIMEOUT`).
+        output_limit: bytes a background job may print before it is stopped
+            (``--job-output-limit-mb``, default :data:`JOB_OUTPUT_LIMIT`).
     """
 
     def __init__(
@@ -319,7 +355,11 @@ class JobManager:
         buffer_bytes: int = 1 << 20,
         kill_grace: float = 2.0,
         env_policy: EnvPolicy | None = None,
+        job_timeout: float = JOB_TIMEOUT,
+        output_limit: int = JOB_OUTPUT_LIMIT,
     ) -> None:
+        self.job_timeout = job_timeout
+        self.output_limit = output_limit
         self.buffer_bytes = buffer_bytes
         self.kill_grace = kill_grace
         self.env_policy = env_policy or EnvPolicy()
@@ -344,6 +384,7 @@ class JobManager:
             buffer_bytes=self.buffer_bytes,
             kill_grace=self.kill_grace,
             env=child_env(self.env_policy),
+            output_limit=self.output_limit if register else None,
         )
         if register:
             self._jobs[handle] = job
@@ -365,6 +406,14 @@ class JobManager:
     def jobs(self) -> list[Job]:
         """All background jobs of the session, oldest first (running or not)."""
         return list(self._jobs.values())
+
+    def ended_unseen(self) -> list[Job]:
+        """Background jobs that ended since the model last heard of them, oldest first;
+        each is marked seen (a job's end is announced once)."""
+        out = [j for j in self._jobs.values() if not j.running and not j.end_seen]
+        for j in out:
+            j.end_seen = True
+        return out
 
     def stop_all(self) -> None:
         """Stop every job that is still running (session end)."""

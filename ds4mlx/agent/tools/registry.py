@@ -40,7 +40,7 @@ from ds4mlx.agent.permissions import PathOutsideWorkspace, Permissions
 from ds4mlx.agent.redact import redact
 from ds4mlx.agent.shaping import CountTokens, OutputStore, approx_tokens
 from ds4mlx.agent.tools import schema as tool_schema
-from ds4mlx.agent.tools.background import JobManager
+from ds4mlx.agent.tools.background import JOB_OUTPUT_LIMIT, JOB_TIMEOUT, JobManager
 from ds4mlx.agent.tools.common import (
     EXIT_STATUS,
     FAILED,
@@ -162,6 +162,8 @@ class Toolbox:
             default: names that look secret withheld).
         mcp: a started :class:`~ds4mlx.agent.mcp.McpClient`; its tools are offered after
             the built-in ones (:meth:`close` closes it).
+        job_timeout: a background job's deadline when its call gives none, seconds.
+        job_output_limit: bytes a background job may print before it is stopped.
 
     Raises:
         ValueError: ``workspace`` is not a directory, or the budget is below 64.
@@ -181,6 +183,8 @@ class Toolbox:
         job_buffer_bytes: int = 1 << 20,
         env_policy: EnvPolicy | None = None,
         mcp: McpClient | None = None,
+        job_timeout: float = JOB_TIMEOUT,
+        job_output_limit: int = JOB_OUTPUT_LIMIT,
     ) -> None:
         root = Path(workspace).resolve()
         if not root.is_dir():
@@ -191,11 +195,15 @@ class Toolbox:
         self.bash_timeout = bash_timeout
         self.outputs = OutputStore(output_token_budget, count_tokens)
         self.jobs = JobManager(
-            buffer_bytes=job_buffer_bytes, kill_grace=kill_grace, env_policy=env_policy
+            buffer_bytes=job_buffer_bytes,
+            kill_grace=kill_grace,
+            env_policy=env_policy,
+            job_timeout=job_timeout,
+            output_limit=job_output_limit,
         )
         self._ws = Workspace(root)
         self._files = files = FileTools(self._ws)
-        shell = ShellTools(root, self.jobs, bash_timeout)
+        self._shell = shell = ShellTools(root, self.jobs, bash_timeout)
         handlers: dict[str, Handler] = {
             "read": files.read,
             "more": self._more,
@@ -286,6 +294,16 @@ class Toolbox:
         args = tool_schema.with_defaults(tool.spec.parameters, arguments)
         step = self._guarded(name, partial(self._files.applied, name, args))
         return ToolOutcome(True, step) if isinstance(step, str) else None
+
+    def job_notices(self) -> list[tuple[str, str, str]]:
+        """``(handle, outcome, detail)`` for each background job that ended since the
+        model last heard of it (once each; not after bash_status/bash_stop saw the end);
+        the detail is redacted and within the output budget."""
+        out = []
+        for job in self.jobs.ended_unseen():
+            outcome, detail = self._shell.notice(job)
+            out.append((job.handle, outcome, self.outputs.shape(detail).text if detail else ""))
+        return out
 
     def describe(self, name: str, arguments: Any) -> str:
         """One-line human summary of a call, for the UI (``read path=a.py offset=3``)."""

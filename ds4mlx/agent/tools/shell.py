@@ -55,7 +55,8 @@ def bash_spec(default_timeout: float | None = None) -> ToolSpec:
                     "exclusiveMinimum": 0,
                     "maximum": 86400,
                     "description": "Seconds before the command is stopped. Foreground "
-                    f"default: {default}; background default: no limit.",
+                    f"default: {default}; background default: the agent's job timeout "
+                    "(raise it, up to 86400, for servers).",
                 },
                 "background": {
                     "type": "boolean",
@@ -113,8 +114,8 @@ class ShellTools:
         command: str = a["command"]
         background: bool = a["background"]
         timeout = a.get("timeout")
-        if not background and timeout is None:
-            timeout = self.default_timeout
+        if timeout is None:
+            timeout = self.jobs.job_timeout if background else self.default_timeout
         limit = f"timeout {timeout:g} s" if timeout is not None else "no timeout"
         mode = "background job" if background else "foreground"
         short = " ⏎ ".join(ln.strip() for ln in command.strip().splitlines() if ln.strip())
@@ -138,8 +139,10 @@ class ShellTools:
             )
         job = self.jobs.start(command, self.cwd, timeout=timeout)
         return Result(
-            f"started background job {job.handle} (pid {job.pid}, {limit}). Poll it with "
-            f'bash_status handle="{job.handle}"; stop it with bash_stop.',
+            # The handle, not the pid: `kill PID` would orphan the rest of its group.
+            f"started background job {job.handle} ({limit}). Poll it with "
+            f'bash_status handle="{job.handle}"; stop it (its whole process group) with '
+            "bash_stop; you are told when it ends.",
             job=job.handle,
         )
 
@@ -187,6 +190,7 @@ class ShellTools:
             job.wait(a["wait"])
         out = job.read_new()
         status, ok, err = _job_status(job)
+        job.end_seen = job.end_seen or not job.running
         before = "" if ok else "\n".join(diagnose(out.stdout, out.stderr, self.cwd))
         return Result(
             out.text() or "(no new output)", ok=ok, error=err, before=before, after=status
@@ -197,11 +201,31 @@ class ShellTools:
         was_running = job.running
         job.stop()
         output = job.read_new().text()
+        job.end_seen = True
         status, ok, err = _job_status(job)
         if not was_running:
             status = status[:-1] + "; it had already ended]"
             ok, err = True, None
         return Result(output or "(no new output)", ok=ok, error=err, after=status)
+
+    def notice(self, job: Job, last_lines: int = 10) -> tuple[str, str]:
+        """``(outcome, detail)`` of an ended job for its late result: ``job_1 exited 0
+        after 2.0 s``; the diagnostic (when it failed) and the last lines of its unread
+        output."""
+        job.wait(0)  # let the readers see EOF
+        out = job.read_new()
+        status, ok, _ = _job_status(job)
+        st = job.status
+        if st is not None and ok and not job.stopped:
+            outcome = f"{job.handle} exited {st.returncode} after {job.elapsed:.1f} s"
+        else:
+            outcome = status.strip("[]")
+        lines = out.text().rstrip("\n").splitlines()
+        tail = lines[-last_lines:]
+        if len(lines) > len(tail):
+            tail.insert(0, f"[… {len(lines) - len(tail)} earlier lines …]")
+        diag = [] if ok else diagnose(out.stdout, out.stderr, self.cwd)
+        return outcome, "\n".join(diag + tail)
 
     def _job(self, handle: str) -> Job:
         try:
@@ -216,6 +240,13 @@ def _job_status(job: Job) -> tuple[str, bool, str | None]:
     h = job.handle
     if job.running or st is None:
         return f"[{h} still running after {job.elapsed:.0f} s]", True, None
+    if job.output_limited:
+        return (
+            f"[{h} stopped: output limit ({(job.output_limit or 0) / 2**20:g} MiB) reached "
+            f"after {job.elapsed:.1f} s]",
+            False,
+            FAILED,
+        )
     if job.timed_out:
         return (
             f"[{h} timed out after {job.timeout:g} s and was stopped; outcome unknown — "
