@@ -569,3 +569,25 @@ def test_notice_not_sent_after_bash_status_saw_the_end(engine, ws: Path) -> None
     assert (
         "job_1 finished: exit code 0" in [m.content for m in agent.messages if m.role == "tool"][1]
     )
+
+
+# ------------------------------------------------------------------ stdin (input prompts)
+
+
+def test_stdin_prompt_answered_or_given_eof(ws: Path) -> None:
+    seen: list[tuple[str, str]] = []
+
+    def ask(command: str, prompt: str) -> str | None:
+        seen.append((command, prompt))
+        return "y" if "Apply?" in prompt else None
+
+    with Toolbox(ws, Permissions(yes=True), bash_timeout=60, ask_input=ask) as box:
+        out = box.run("bash", {"command": 'read -p "Apply? " a; echo got=$a'})
+        assert out.ok and out.text.startswith("got=y"), out.text
+        assert "[stdin: the user answered its input]" in out.text
+        assert seen[0][1].endswith("Apply? ")  # the prompt a pipe would have hidden
+        out = box.run("bash", {"command": "cat"})  # EOF chosen: cat ends, exit 0
+        assert out.ok and "exit code 0" in out.text and "end of file" in out.text
+    with Toolbox(ws, Permissions(yes=True), bash_timeout=60) as box:  # -p: nobody to ask
+        out = box.run("bash", {"command": 'read -p "Apply? " a; echo got=$a'})
+        assert out.text.startswith("got=\n") and "no terminal to ask" in out.text

@@ -328,6 +328,8 @@ def run(args: argparse.Namespace) -> int:
             env_policy=env_policy,
             job_timeout=args.job_timeout,
             job_output_limit=int(args.job_output_limit_mb * 2**20),
+            # -p: a command waiting for input gets end of file (said in its result).
+            ask_input=ui.ask_input if interactive else None,
             script=script,
             hooks=hooks,
             mcp=mcp,

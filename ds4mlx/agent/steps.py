@@ -265,7 +265,8 @@ class Steps:
         text, so it goes out in the next suffix; shown in the UI too."""
         for handle, outcome, detail in self.toolbox.job_notices():
             call = self.job_calls.get(handle)
-            if call is None:  # started in another session: its call is not here
+            calls = (c.id for m in self.live.messages for c in m.tool_calls)
+            if call is None or call.id not in calls:  # its call is in another session
                 continue
             text = render_late_result(call.id, call.name, call.arguments, outcome, detail)
             self.live.messages.append(Message("tool", text, tool_call_id=call.id))

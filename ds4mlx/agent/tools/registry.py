@@ -164,6 +164,8 @@ class Toolbox:
             the built-in ones (:meth:`close` closes it).
         job_timeout: a background job's deadline when its call gives none, seconds.
         job_output_limit: bytes a background job may print before it is stopped.
+        ask_input: answers a foreground command's input prompt (``ShellTools``); None
+            gives it end of file.
 
     Raises:
         ValueError: ``workspace`` is not a directory, or the budget is below 64.
@@ -185,6 +187,7 @@ class Toolbox:
         mcp: McpClient | None = None,
         job_timeout: float = JOB_TIMEOUT,
         job_output_limit: int = JOB_OUTPUT_LIMIT,
+        ask_input: Callable[[str, str], str | None] | None = None,
     ) -> None:
         root = Path(workspace).resolve()
         if not root.is_dir():
@@ -203,7 +206,7 @@ class Toolbox:
         )
         self._ws = Workspace(root)
         self._files = files = FileTools(self._ws)
-        self._shell = shell = ShellTools(root, self.jobs, bash_timeout)
+        self._shell = shell = ShellTools(root, self.jobs, bash_timeout, ask_input)
         handlers: dict[str, Handler] = {
             "read": files.read,
             "more": self._more,
