@@ -126,3 +126,87 @@ def test_mcp_config_errors_are_one_line(tmp_path: Path) -> None:
     cfg = parse_config({"mcpServers": {}, "allow": ["mcp__a__*"], "deny": ["mcp__a__rm"]})
     assert cfg.offered("mcp__a__ls") and not cfg.offered("mcp__a__rm")
     assert not cfg.offered("mcp__b__ls")
+
+
+# ---------------------------------------------------------------- the agent and its CLI
+
+
+def _cli(workspace: Path, *extra: str, model: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ds4mlx.cli", "agent", "-m", model, "--workspace", str(workspace)]
+        + ["--kv-disk-dir", str(workspace.parent / "kv"), *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_mcp_tools_are_in_the_agent_first_prompt_and_called(
+    tiny_f32_dir: Path, workspace: Path
+) -> None:
+    from ds4mlx.agent.loop import Agent
+    from ds4mlx.engine import Engine
+    from tests.agent_script import RecordingUI, invoke, turn
+
+    cfg = parse_config(
+        {"mcpServers": {"local": {"command": sys.executable, "args": [SERVER, "stdio"]}}}
+    )
+    errlog = open(workspace.parent / "mcp.log", "w")  # noqa: SIM115 - closed below
+    client = McpClient(cfg, cwd=workspace, timeout=60, log=errlog)
+    client.start()
+    engine = Engine.load(tiny_f32_dir, ctx_size=4096)
+    script = [turn("Add.", "", invoke("mcp__local__add", a=2, b=3)), turn("Ok.", "Five.")]
+    agent = Agent(engine, workspace, ui=RecordingUI(), script=script, yes=True, mcp=client)
+    try:
+        # Discovered before the first prompt: the tool is in the system prefix.
+        assert "mcp__local__add" in agent.render().text
+        assert agent.send("add 2 and 3").ok
+        assert [m.content for m in agent.messages if m.role == "tool"] == ["5"]
+    finally:
+        agent.close()
+        errlog.close()
+    assert client._portal is None  # closed with the agent's toolbox
+
+
+def test_mcp_cli_bad_config_is_one_line_exit_2(workspace: Path) -> None:
+    (workspace / ".mcp.json").write_text('{"mcpServers": {"a": {"args": []}}}')
+    r = _cli(workspace, "-p", "x", model=str(workspace / "none"))
+    assert r.returncode == 2
+    assert r.stderr.strip() == (
+        f"ds4mlx agent: {workspace / '.mcp.json'}: mcpServers.a: needs a command string "
+        "and an args list"
+    )
+    missing = workspace / "missing.json"
+    r = _cli(workspace, "--mcp-config", str(missing), "-p", "x", model=str(workspace / "none"))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert r.stderr.startswith(f"ds4mlx agent: cannot read MCP config {missing}")
+
+
+def test_mcp_cli_workspace_config_broken_server_warns_and_agent_goes_on(
+    tiny_f32_dir: Path, workspace: Path
+) -> None:
+    import json
+
+    from tests.agent_script import invoke, turn
+
+    (workspace / ".mcp.json").write_text(
+        json.dumps(
+            {
+                "mcpServers": {
+                    "local": {"command": sys.executable, "args": [SERVER, "stdio"]},
+                    "broken": {"command": str(workspace / "no-such-server")},
+                }
+            }
+        )
+    )
+    script = workspace.parent / "script.json"
+    script.write_text(
+        json.dumps([turn("Add.", "", invoke("mcp__local__add", a=20, b=22)), turn("Ok.", "Sum.")])
+    )
+    r = _cli(workspace, "--yes", "--script-file", str(script), "-p", "add", model=str(tiny_f32_dir))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "Sum."
+    assert "warning: MCP server 'broken' not available" in r.stderr
+    assert "42" in r.stderr  # the tool's result, shown in the transcript
+    log = (workspace.parent / "kv" / "mcp-servers.log").read_text()
+    assert "fixture server starting" in log

@@ -388,3 +388,206 @@ def test_hooks_bad_timeout_flag_is_one_line_exit_2(workspace: Path) -> None:
     )
     assert r.returncode == 2
     assert r.stderr.strip() == "ds4mlx agent: --hook-timeout must be within 1..3600 s, got 0"
+
+
+# ------------------------------------------------------------------ idempotent (at most once)
+
+
+def test_idempotent_interrupted_write_then_same_call_is_written_once(
+    engine, ws: Path, tmp_path: Path
+) -> None:
+    from ds4mlx.agent import once
+    from ds4mlx.agent.sessions import SessionBook
+
+    write = invoke("write", path="a.txt", content="hello\n")
+    script = [turn("W.", "", write), turn("Again.", "", write), turn("Ok.", "Done.")]
+    book = SessionBook(tmp_path / "sessions")
+    ui = RecordingUI(answers={"write": "once"})
+    agent = Agent(engine, ws, ui=ui, book=book, script=script)
+    real = agent.toolbox.run
+    saved_before: list = []
+
+    def ctrl_c_after_the_write(name, arguments):
+        saved_before.extend(book.get(agent.record.id).messages)
+        real(name, arguments)  # the file is written ...
+        agent.toolbox.run = real
+        raise KeyboardInterrupt  # ... and Ctrl+C lands before its result is recorded
+
+    agent.toolbox.run = ctrl_c_after_the_write
+    try:
+        assert agent.send("write it").status == "interrupted"
+        # Saved before the call ran: the call, not yet its result.
+        assert saved_before[-1].role == "assistant" and saved_before[-1].tool_calls
+        cut = agent.messages[-1]
+        assert cut.role == "tool" and cut.content.startswith(once.UNKNOWN)
+        assert book.get(agent.record.id).messages[-1].content == cut.content  # saved after it
+        st = (ws / "a.txt").stat()
+        assert agent.send("go on").ok
+    finally:
+        agent.close()
+    results = [m.content for m in agent.messages if m.role == "tool"]
+    assert results[1] == "already applied: a.txt already holds this content; nothing was written"
+    assert [t for t, _ in ui.asked] == ["write"]  # the repeat asked nothing ...
+    after = (ws / "a.txt").stat()
+    assert (after.st_ino, after.st_mtime_ns) == (st.st_ino, st.st_mtime_ns)  # ... wrote nothing
+    assert (ws / "a.txt").read_text() == "hello\n"
+
+
+def test_idempotent_repeated_edit_of_unknown_outcome_reconciles(engine, ws: Path) -> None:
+    (ws / "m.py").write_text("x = 1\n")
+    edit = invoke("edit", path="m.py", old="x = 1", new="x = 2")
+    script = [turn("E.", "", edit), turn("Again.", "", edit), turn("Ok.", "Done.")]
+    ui = RecordingUI(answers={"edit": "once"})
+    agent = Agent(engine, ws, ui=ui, script=script)
+    real = agent.toolbox.run
+
+    def ctrl_c_after_the_edit(name, arguments):
+        real(name, arguments)
+        agent.toolbox.run = real
+        raise KeyboardInterrupt
+
+    agent.toolbox.run = ctrl_c_after_the_edit
+    try:
+        agent.send("edit it")
+        assert agent.send("go on").ok
+    finally:
+        agent.close()
+    results = [m.content for m in agent.messages if m.role == "tool"]
+    assert results[1].startswith("already applied: m.py")
+    assert len(ui.asked) == 1 and (ws / "m.py").read_text() == "x = 2\n"
+
+
+def test_idempotent_restored_session_with_unanswered_call_is_not_run(
+    engine, ws: Path, tmp_path: Path
+) -> None:
+    from ds4mlx.agent import once
+    from ds4mlx.agent.sessions import SessionBook, SessionRecord
+    from ds4mlx.dsml import Message, ToolCall
+
+    book = SessionBook(tmp_path / "sessions")
+    agent = Agent(engine, ws, ui=RecordingUI(), book=book, yes=True, script=[turn("Ok.", "Fine.")])
+    call = ToolCall("call_cut", "bash", {"command": "echo ran >> ran.txt"})
+    crashed = SessionRecord(
+        id=book.new_id(),
+        workspace=str(agent.workspace),
+        messages=[
+            agent.messages[0],
+            Message("user", "run it"),
+            Message("assistant", "", reasoning="Run.", tool_calls=[call]),
+        ],
+    )
+    book.put(crashed)  # what a crash while the call ran leaves on disk
+    try:
+        said = agent.switch(crashed.id)
+        assert "1 tool call(s) cut by a crash answered 'outcome unknown', not rerun" in said
+        assert agent.send("continue").ok
+    finally:
+        agent.close()
+    assert not (ws / "ran.txt").exists()
+    results = [m for m in book.get(crashed.id).messages if m.role == "tool"]
+    assert [m.tool_call_id for m in results] == ["call_cut"]
+    assert results[0].content == once.CUT_TEXT
+
+
+# ------------------------------------------------------------------ notice (jobs and notices)
+
+
+def test_notice_receipt_shows_handle_and_default_deadline(ws: Path) -> None:
+    with Toolbox(ws, Permissions(yes=True), kill_grace=0.3, job_timeout=1.5) as box:
+        out = box.run("bash", {"command": "sleep 30", "background": True})
+        assert out.ok and out.job == "job_1"
+        assert out.text.startswith("started background job job_1 (timeout 1.5 s)")
+        assert "pid" not in out.text  # `kill PID` would orphan the rest of the group
+        st = box.run("bash_status", {"handle": "job_1", "wait": 20})
+        assert "job_1 timed out after 1.5 s" in st.text and st.error == "timeout"
+    with Toolbox(ws, Permissions(yes=True)) as box:
+        assert "(timeout 3600 s)" in box.run("bash", {"command": "true", "background": True}).text
+
+
+def test_notice_yes_stopped_at_the_output_limit(ws: Path) -> None:
+    with Toolbox(ws, Permissions(yes=True), kill_grace=0.3, job_output_limit=1 << 20) as box:
+        assert box.run("bash", {"command": "yes", "background": True}).ok
+        st = box.run("bash_status", {"handle": "job_1", "wait": 30})
+        assert not st.ok and st.error == FAILED
+        assert "[job_1 stopped: output limit (1 MiB) reached after" in st.text
+        job = box.jobs.get("job_1")
+        assert not job.running and job.output_limited
+
+
+def _late_results(agent: Agent) -> list[str]:
+    return [
+        m.content for m in agent.messages if m.role == "tool" and m.content.startswith("[result of")
+    ]
+
+
+def test_notice_job_end_is_a_late_result_in_the_next_suffix(engine, ws: Path) -> None:
+    from ds4mlx.dsml.tokens import EOS
+
+    script = [
+        turn("Start.", "", invoke("bash", command="sleep 2; echo done", background=True)),
+        turn("Wait.", "", invoke("bash", command="sleep 3")),  # the job ends meanwhile
+        turn("Seen.", "It finished."),
+        turn("Ok.", "Nothing new."),
+    ]
+    ui = RecordingUI()
+    agent = Agent(engine, ws, ui=ui, script=script, yes=True)
+    try:
+        assert agent.send("run it in the background").ok
+        start = next(m for m in agent.messages if m.role == "assistant" and m.tool_calls)
+        call_id = start.tool_calls[0].id
+        [late] = _late_results(agent)
+        assert late.startswith(
+            f'[result of {call_id} bash(command="sleep 2; echo done", background=true): '
+            "job_1 exited 0 after 2."
+        )
+        assert late.endswith("]\ndone")
+        # It went out in the suffix after the round's results, inside <tool_result>: that
+        # prefill is EOS + one user turn (results, then the notice) + the assistant opener.
+        suffix = [s for s in agent.steps if s.kind == "tool_results"][-1].text
+        assert suffix.startswith(EOS + "<｜User｜><tool_result>")
+        assert suffix.count("<｜User｜>") == 1 and suffix.endswith("<｜Assistant｜><think>")
+        assert suffix.index("<tool_result>[result of") > suffix.index("<tool_result>")
+        assert agent.consistent()
+        assert agent.send("anything else?").ok
+        assert len(_late_results(agent)) == 1  # never twice
+    finally:
+        agent.close()
+
+
+def test_notice_not_sent_after_bash_status_saw_the_end(engine, ws: Path) -> None:
+    script = [
+        turn("Start.", "", invoke("bash", command="echo hi", background=True)),
+        turn("Poll.", "", invoke("bash_status", handle="job_1", wait=30)),
+        turn("Seen.", "Done."),
+    ]
+    agent = Agent(engine, ws, ui=RecordingUI(), script=script, yes=True)
+    try:
+        assert agent.send("go").ok
+    finally:
+        agent.close()
+    assert _late_results(agent) == []
+    assert (
+        "job_1 finished: exit code 0" in [m.content for m in agent.messages if m.role == "tool"][1]
+    )
+
+
+# ------------------------------------------------------------------ stdin (input prompts)
+
+
+def test_stdin_prompt_answered_or_given_eof(ws: Path) -> None:
+    seen: list[tuple[str, str]] = []
+
+    def ask(command: str, prompt: str) -> str | None:
+        seen.append((command, prompt))
+        return "y" if "Apply?" in prompt else None
+
+    with Toolbox(ws, Permissions(yes=True), bash_timeout=60, ask_input=ask) as box:
+        out = box.run("bash", {"command": 'read -p "Apply? " a; echo got=$a'})
+        assert out.ok and out.text.startswith("got=y"), out.text
+        assert "[stdin: the user answered its input]" in out.text
+        assert seen[0][1].endswith("Apply? ")  # the prompt a pipe would have hidden
+        out = box.run("bash", {"command": "cat"})  # EOF chosen: cat ends, exit 0
+        assert out.ok and "exit code 0" in out.text and "end of file" in out.text
+    with Toolbox(ws, Permissions(yes=True), bash_timeout=60) as box:  # -p: nobody to ask
+        out = box.run("bash", {"command": 'read -p "Apply? " a; echo got=$a'})
+        assert out.text.startswith("got=\n") and "no terminal to ask" in out.text

@@ -218,3 +218,35 @@ def test_late_system_text_renders_after_the_tools_section():
     assert a[tools_end:].startswith("\nSkills: a, b, c<｜User｜>hi")
     only_late = render_prompt(Conversation([Message("user", "q")], late_system="env"))
     assert only_late.startswith("<｜begin▁of▁sentence｜>env<｜User｜>q")
+
+
+def test_notice_late_result_names_its_call_and_sorts_after_the_round() -> None:
+    from ds4mlx.dsml import Conversation, Message, ToolCall, render_late_result, render_prompt
+
+    text = render_late_result("call_1", "bash", {"command": "sleep 2", "background": True}, "ok")
+    assert text == '[result of call_1 bash(command="sleep 2", background=true): ok]'
+    assert render_late_result("c", "t", {"x": "y" * 300}, "done", "a\nb\n").endswith(
+        "…): done]\na\nb"
+    )
+    conv = Conversation(
+        messages=[
+            Message("user", "go"),
+            Message("assistant", "", tool_calls=[ToolCall("call_1", "bash", {"command": "a"})]),
+            Message("tool", "started", tool_call_id="call_1"),
+            Message(
+                "assistant",
+                "",
+                tool_calls=[
+                    ToolCall("call_2", "read", {"path": "x"}),
+                    ToolCall("call_3", "read", {"path": "y"}),
+                ],
+            ),
+            Message("tool", "two", tool_call_id="call_2"),
+            Message("tool", text, tool_call_id="call_1"),  # the job of call_1 ended
+            Message("tool", "three", tool_call_id="call_3"),
+        ],
+        thinking=False,
+    )
+    out = render_prompt(conv)
+    assert out.index("<tool_result>two") < out.index("<tool_result>three")
+    assert out.index("<tool_result>three") < out.index("<tool_result>[result of call_1")

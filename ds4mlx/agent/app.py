@@ -85,6 +85,20 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--bash-timeout", type=float, default=120.0, help="foreground command timeout, s (120)"
     )
+    p.add_argument(
+        "--job-timeout",
+        type=float,
+        default=3600.0,
+        metavar="S",
+        help="background job deadline when the call sets none, s (3600)",
+    )
+    p.add_argument(
+        "--job-output-limit-mb",
+        type=float,
+        default=64.0,
+        metavar="MB",
+        help="a background job printing more than this (MiB) is stopped (64)",
+    )
     p.add_argument("--hide-thinking", action="store_true", help="do not stream the reasoning")
     p.add_argument(
         "--pass-env",
@@ -119,6 +133,19 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="seconds a hook may run before it is killed (10; 1..3600)",
     )
+    p.add_argument(
+        "--mcp-config",
+        default=None,
+        metavar="FILE",
+        help="MCP servers (Claude Code's mcpServers JSON; default: .mcp.json in the workspace)",
+    )
+    p.add_argument(
+        "--mcp-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds an MCP server may take to start, or a call to answer (60)",
+    )
     # Tests only: a JSON list of completion texts, one per model turn (scripted decoding).
     p.add_argument("--script-file", default=None, help=argparse.SUPPRESS)
 
@@ -131,11 +158,54 @@ def _load_script(path: str) -> list[str]:
     return data
 
 
-def _run_config(args: argparse.Namespace, workspace: Path):
-    """``(script, env_policy, hooks)`` from the flags, checked before the model loads.
+def _mcp_config(args: argparse.Namespace, workspace: Path):
+    """The MCP configuration: ``--mcp-config FILE``, else the workspace's ``.mcp.json``,
+    else None.
 
     Raises:
-        ValueError: a bad ``--script-file`` or ``--hook-timeout`` (the message says which).
+        ValueError: unreadable or malformed config, or ``--mcp-timeout`` not positive.
+    """
+    from ds4mlx.agent.mcp import McpConfigError, load_config
+
+    if not args.mcp_timeout > 0:
+        raise ValueError(f"--mcp-timeout must be positive, got {args.mcp_timeout:g}")
+    path = Path(args.mcp_config) if args.mcp_config else workspace / ".mcp.json"
+    if not args.mcp_config and not path.exists():
+        return None
+    try:
+        return load_config(path)
+    except McpConfigError as e:
+        raise ValueError(str(e)) from None
+
+
+def _start_mcp(config, args: argparse.Namespace, workspace: Path, env_policy, warn, log_dir):
+    """Start the configured MCP servers and discover their tools (before the first prompt,
+    so they are in the cached prefix); a server that fails is a warning. None without a
+    config. Servers' stderr goes to ``log_dir/mcp-servers.log`` (discarded if unwritable).
+    """
+    if config is None:
+        return None
+    from ds4mlx.agent.mcp import McpClient
+
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(log_dir / "mcp-servers.log", "a", encoding="utf-8")  # noqa: SIM115
+    except OSError:
+        log = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
+    client = McpClient(
+        config, cwd=workspace, env_policy=env_policy, timeout=args.mcp_timeout, log=log, warn=warn
+    )
+    client.start()
+    return client
+
+
+def _run_config(args: argparse.Namespace, workspace: Path):
+    """``(script, env_policy, hooks, mcp_config)`` from the flags, checked before the
+    model loads.
+
+    Raises:
+        ValueError: a bad ``--script-file``, ``--hook-timeout``, ``--mcp-timeout`` or MCP
+            config (the message says which).
     """
     from ds4mlx.agent.child_env import EnvPolicy
     from ds4mlx.agent.hooks import Hooks
@@ -146,6 +216,12 @@ def _run_config(args: argparse.Namespace, workspace: Path):
             script = _load_script(args.script_file)
         except (OSError, ValueError) as e:
             raise ValueError(f"bad --script-file: {e}") from None
+    for flag, value in (
+        ("--job-timeout", args.job_timeout),
+        ("--job-output-limit-mb", args.job_output_limit_mb),
+    ):
+        if not value > 0:
+            raise ValueError(f"{flag} must be positive, got {value:g}")
     env_policy = EnvPolicy.from_config(inherit=args.inherit_env, passed=args.pass_env)
     hooks = Hooks(
         before=args.before_response_hook,
@@ -154,7 +230,7 @@ def _run_config(args: argparse.Namespace, workspace: Path):
         cwd=workspace,
         env_policy=env_policy,
     )
-    return script, env_policy, hooks
+    return script, env_policy, hooks, _mcp_config(args, workspace)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -162,7 +238,8 @@ def run(args: argparse.Namespace) -> int:
     from ds4mlx.agent.loop import Agent
     from ds4mlx.agent.ui import RichUI, SafeConsole
 
-    err = SafeConsole(stderr=True, highlight=False)
+    # One line per message however long (paths), never read as rich markup.
+    err = SafeConsole(stderr=True, highlight=False, soft_wrap=True, markup=False)
     model = args.model or os.environ.get("DS4MLX_MODEL")
     if args.demo:
         if args.model:
@@ -181,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"ds4mlx agent: workspace {workspace} is not a directory")
         return 2
     try:
-        script, env_policy, hooks = _run_config(args, workspace)
+        script, env_policy, hooks, mcp_config = _run_config(args, workspace)
     except ValueError as e:
         err.print(f"ds4mlx agent: {e}")
         return 2
@@ -226,6 +303,9 @@ def run(args: argparse.Namespace) -> int:
     )
     from ds4mlx.model.demo import DEMO_MAX_TOKENS
 
+    mcp = _start_mcp(
+        mcp_config, args, workspace, env_policy, lambda m: err.print(f"warning: {m}"), kv_dir
+    )
     try:
         agent = Agent(
             engine,
@@ -246,10 +326,17 @@ def run(args: argparse.Namespace) -> int:
             tool_output_tokens=args.tool_output_tokens,
             bash_timeout=args.bash_timeout,
             env_policy=env_policy,
+            job_timeout=args.job_timeout,
+            job_output_limit=int(args.job_output_limit_mb * 2**20),
+            # -p: a command waiting for input gets end of file (said in its result).
+            ask_input=ui.ask_input if interactive else None,
             script=script,
             hooks=hooks,
+            mcp=mcp,
         )
     except ValueError as e:
+        if mcp is not None:
+            mcp.close()
         err.print(f"ds4mlx agent: {e}")
         return 2
     banner = (

@@ -71,9 +71,9 @@ import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from ds4mlx.agent import compaction as cmp
-from ds4mlx.agent.child_env import EnvPolicy
 from ds4mlx.agent.compactor import Compactor
 from ds4mlx.agent.events import (
     AgentError,
@@ -126,8 +126,8 @@ class Agent:
             model's cap: it practically never samples EOS).
         max_steps: most tool rounds per user message (int).
         tool_output_tokens: token budget of one tool result (``ctx // 8`` in 64..4096).
-        bash_timeout: default foreground command timeout (seconds).
-        env_policy: the environment commands get (default: secret-looking names withheld).
+        tool_options: passed to :class:`~ds4mlx.agent.tools.Toolbox` (``bash_timeout``,
+            ``env_policy``, ``mcp`` — its tools are in the first prompt —, job limits).
         policy: :class:`~ds4mlx.agent.compaction.CompactionPolicy`.
         script: scripted decoding (tests only): one completion text per generation,
             consumed in order (answers and compaction summaries alike); an EOS is added
@@ -156,13 +156,12 @@ class Agent:
         cap_is_eos: bool = False,
         max_steps: int = 100,
         tool_output_tokens: int | None = None,
-        bash_timeout: float = 120.0,
-        env_policy: EnvPolicy | None = None,
         policy: cmp.CompactionPolicy | None = None,
         script: Iterable[str] | None = None,
         system_prompt: str | None = None,
         chunk_size: int = DEFAULT_CHUNK,
         hooks: Hooks | None = None,
+        **tool_options: Any,
     ) -> None:
         self.engine = engine
         self.tok = engine.tokenizer
@@ -179,8 +178,7 @@ class Agent:
             Permissions(ask=self._ask, yes=yes),
             output_token_budget=budget,
             count_tokens=lambda s: len(self.tok.encode_plain(s)),
-            bash_timeout=bash_timeout,
-            env_policy=env_policy,
+            **tool_options,
         )
         self.workspace = self.toolbox.workspace
         self.system_prompt = (system_prompt or DEFAULT_SYSTEM_PROMPT).replace(
@@ -211,6 +209,7 @@ class Agent:
         self.compactor = Compactor(self.live, self.turns, self.policy)
         self.book = book
         self.control = SessionControl(self.live, book, self.workspace, self.toolbox, self._fresh)
+        self.turns.persist = self.control.persist
         cache.reset()
 
     # ----------------------------------------------------------------- public API

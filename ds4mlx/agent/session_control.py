@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from ds4mlx.agent import once
 from ds4mlx.agent.events import AgentError, Step
 from ds4mlx.agent.live import Live, LiveState
 from ds4mlx.agent.sessions import SessionBook, SessionRecord, transcript_digest
@@ -114,7 +115,7 @@ class SessionControl:
         n = lv.cache.resume(rec.kv_key) if rec.kv_key else None
         if n is None:
             lv.cache.reset()
-            return (
+            return self._close_cut(
                 f"switched to session {sid} ({len(rec.messages)} messages); its KV snapshot "
                 "is not on disk, the next message rebuilds it"
             )
@@ -124,10 +125,19 @@ class SessionControl:
         if lv.state == LiveState.TURN_END:
             lv.bind_transcript()
         lv.steps.append(Step("restore", 0, n, n, time.monotonic() - t0))
-        return (
+        return self._close_cut(
             f"switched to session {sid}: restored {n} tokens from the disk KV cache in "
             f"{(time.monotonic() - t0) * 1e3:.0f} ms (no prefill)"
         )
+
+    def _close_cut(self, said: str) -> str:
+        """Answer the calls a crash cut "outcome unknown" (never rerun them); ``said``
+        plus a note when there were any. After the restore: they are pending results."""
+        n = once.close_cut_calls(self.live.messages)
+        if n:
+            self.persist()
+            said += f"; {n} tool call(s) cut by a crash answered 'outcome unknown', not rerun"
+        return said
 
     def close(self) -> None:
         """Save the session (``shutdown`` snapshot) and stop background jobs."""

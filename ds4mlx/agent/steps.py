@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from ds4mlx.agent import once
 from ds4mlx.agent.events import Generated, Step
 from ds4mlx.agent.hooks import AFTER, BEFORE, fire_response
 from ds4mlx.agent.live import Live, LiveState
@@ -24,6 +26,7 @@ from ds4mlx.dsml import (
     ThinkingDelta,
     ToolCall,
     render_assistant_turn,
+    render_late_result,
 )
 from ds4mlx.dsml.tokens import THINK_END
 from ds4mlx.engine import FINISH_CANCELLED, FINISH_STOP, Turn, TurnHooks, TurnSpec, run_turn
@@ -106,6 +109,9 @@ class Steps:
         self.chunk_size = chunk_size
         self.last_gen: Step | None = None
         self.last_prefill = (0, 0.0)
+        # Writes the transcript (`SessionControl.persist`): before a round, after each result.
+        self.persist: Callable[[], None] = lambda: None
+        self.job_calls: dict[str, ToolCall] = {}  # background job handle -> its call
 
     def prepare(self, *, compact: bool) -> Prepared:
         """Put the transcript into the live state through the prompt cache (a lease:
@@ -226,6 +232,7 @@ class Steps:
         answer turn, closed into the transcript and bound in the prompt cache:
         ``(Generated, Message)``, or a ``SendResult`` status when it did not run."""
         lv = self.live
+        self.add_notices()
         prepared = self.prepare(compact=True)
         if prepared.compact is not None:
             prepared.lease.abandon()
@@ -251,6 +258,19 @@ class Steps:
         key = lv.render() if lv.state == LiveState.TURN_END else None
         prepared.lease.finish(gen.turn, transcript_key=key)
         return gen, msg
+
+    def add_notices(self) -> None:
+        """Background jobs that ended since the model heard of them: each a late result
+        of its call (``dsml.render_late_result``) after the pending results or user
+        text, so it goes out in the next suffix; shown in the UI too."""
+        for handle, outcome, detail in self.toolbox.job_notices():
+            call = self.job_calls.get(handle)
+            calls = (c.id for m in self.live.messages for c in m.tool_calls)
+            if call is None or call.id not in calls:  # its call is in another session
+                continue
+            text = render_late_result(call.id, call.name, call.arguments, outcome, detail)
+            self.live.messages.append(Message("tool", text, tool_call_id=call.id))
+            self.live.ui.notice(f"{handle}: {outcome}")
 
     def close_turn(self, gen: Generated, thinking: bool) -> Message:
         """The transcript message for a generated turn; the live state ends on it.
@@ -286,10 +306,18 @@ class Steps:
         return Message("assistant", content=content, reasoning=reasoning)
 
     def run_tools(self, calls: list[ToolCall], call_errors: dict[str, str]) -> bool:
-        """Run ``calls`` in order, appending one tool message each; False if interrupted."""
+        """Run ``calls`` in order, appending one tool message each; False if interrupted.
+
+        At most once (:mod:`ds4mlx.agent.once`): the transcript is written before the
+        round and after each result; a call id that has a result is not run again; a
+        ``write``/``edit`` repeating one of unknown outcome is checked against the file.
+        """
         lv = self.live
         interrupted = False
+        self.persist()
         for call in calls:
+            if call.id in once.answered(lv.messages):
+                continue  # its result is in the transcript already
             outcome: ToolOutcome | None = None
             interrupted = interrupted or lv.cancel  # Ctrl+C between two calls
             try:
@@ -309,19 +337,19 @@ class Steps:
                 else:
                     lv.phase = "tools"
                     lv.ui.tool_start(call, self.toolbox.describe(call.name, call.arguments))
-                    outcome = self.toolbox.run(call.name, call.arguments)
+                    if once.repeats_unknown(call, lv.messages):
+                        outcome = self.toolbox.already_applied(call.name, call.arguments)
+                    outcome = outcome or self.toolbox.run(call.name, call.arguments)
             except KeyboardInterrupt:
                 interrupted = True
-                outcome = ToolOutcome(
-                    False,
-                    "error: interrupted by the user while it ran; its outcome is unknown "
-                    "(it may have run in part)",
-                    INTERRUPTED,
-                )
+                outcome = ToolOutcome(False, once.INTERRUPTED_TEXT, INTERRUPTED)
             finally:
                 lv.phase = "model"
                 if outcome is None:  # an unexpected error escaped: still answer the call
                     outcome = ToolOutcome(False, "error: the agent failed to run this call")
                 lv.messages.append(Message("tool", outcome.text, tool_call_id=call.id))
+                self.persist()
+                if outcome.job:
+                    self.job_calls[outcome.job] = call
             lv.ui.tool_result(call, outcome)
         return not interrupted

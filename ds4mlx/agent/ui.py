@@ -169,6 +169,24 @@ class RichUI(AgentUI):
             if decision is not None:
                 return decision
 
+    def ask_input(self, command: str, prompt: str) -> str | None:
+        """A foreground command waits for input: show what it printed last (escaped)
+        and read the answer: a line answers it, Ctrl+D (EOF) sends end of file, Ctrl+C
+        (KeyboardInterrupt, raised by the agent's handler while tools run) stops it."""
+        self.prefill_done()
+        self._newline()
+        tail = prompt.rsplit("\n", 1)[-1] if prompt.strip() else ""
+        self.line(
+            "the command waits for input: type a line to answer it, Ctrl+D for end of "
+            "file, Ctrl+C to stop it",
+            "yellow",
+        )
+        try:
+            return self.console.input(Text(escape_controls(tail) or "input › "), markup=False)
+        except EOFError:
+            self.console.print()
+            return None
+
     def prefill_progress(self, done: int, total: int) -> None:
         if total < PROGRESS_MIN_TOKENS or not self.console.is_interactive:
             return

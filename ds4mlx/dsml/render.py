@@ -305,16 +305,23 @@ def _sort_tool_results(turns: list[_Turn]) -> None:
     """Order each user turn's tool results by the latest assistant call order, in place.
 
     ``encoding_dsv4.py``: ``sort_tool_results_by_call_order`` — text blocks keep their
-    slots, unknown ids sort as position 0, the sort is stable.
+    slots, unknown ids sort as position 0, the sort is stable. One addition: a late
+    result (:func:`render_late_result`) answers a call of an *earlier* assistant turn;
+    it sorts after the latest turn's results (API clients never send those).
     """
     order: dict[str, int] = {}
+    earlier: set[str] = set()
     for turn in turns:
         if turn.role == "assistant" and turn.tool_calls:
+            earlier.update(order)
             order = {c.id: i for i, c in enumerate(turn.tool_calls) if c.id}
         elif turn.role == "user" and turn.blocks:
             results = [b for b in turn.blocks if b[0] == "tool"]
             if len(results) > 1 and order:
-                ranked = iter(sorted(results, key=lambda b: order.get(b[2] or "", 0)))
+                late = len(order)
+                ranks = [order.get(c, late if c in earlier else 0) for _, _, c in results]
+                by_rank = sorted(range(len(results)), key=ranks.__getitem__)
+                ranked = iter([results[i] for i in by_rank])
                 turn.blocks = [next(ranked) if b[0] == "tool" else b for b in turn.blocks]
 
 
@@ -528,6 +535,26 @@ def render_prompt(
     replayed tool-call ids. Raises ``ValueError`` for an unknown role.
     """
     return render(conv, context_size=context_size, tool_memory=tool_memory).text
+
+
+def render_late_result(
+    call_id: str, name: str, arguments: dict[str, Any], outcome: str, detail: str = ""
+) -> str:
+    """The text of a result that arrives after its call's round (a background job's end),
+    sent as a ``tool`` message answering ``call_id`` so it renders in ``<tool_result>``
+    (a job's output never reads as the user's words)::
+
+        [result of call_ID bash(command="sleep 2; echo done", background=true): job_1 exited 0]
+        detail lines…
+
+    Argument values are JSON, each cut to 120 characters (``…``).
+    """
+    shown = []
+    for k, v in arguments.items():
+        text = json.dumps(v, ensure_ascii=False)
+        shown.append(f"{k}={text if len(text) <= 120 else text[:119] + '…'}")
+    head = f"[result of {call_id} {name}({', '.join(shown)}): {outcome}]"
+    return f"{head}\n{detail.rstrip()}" if detail.strip() else head
 
 
 def render_tool_results_suffix(

@@ -1,7 +1,8 @@
 """Shell jobs for the agent's ``bash`` tools: run, poll, time out, stop.
 
 Every command runs as ``bash -c COMMAND`` in its own process group (session), with
-stdin closed, stdout and stderr on separate pipes. A reader thread per pipe drains it
+stdout and stderr on separate pipes; stdin is ``/dev/null``, or for foreground runs a
+pseudo-terminal the runtime owns (:meth:`Job.reading_stdin`, :meth:`Job.answer`). A reader thread per pipe drains it
 into a bounded buffer that keeps the head and the tail of unread output and drops the
 middle, so a chatty command can neither block on a full pipe nor fill memory.
 Stopping a job signals the whole process group (SIGTERM, then SIGKILL after a
@@ -15,11 +16,13 @@ from __future__ import annotations
 import codecs
 import itertools
 import os
+import platform
 import signal
 import subprocess
+import termios
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -43,6 +46,36 @@ class JobOutput:
             return self.stdout
         sep = "" if not self.stdout or self.stdout.endswith("\n") else "\n"
         return f"{self.stdout}{sep}[stderr]\n{self.stderr}"
+
+
+#: A background job's deadline when its call sets none (s), and its output ceiling (bytes).
+JOB_TIMEOUT = 3600.0
+JOB_OUTPUT_LIMIT = 64 << 20
+
+# The read(2) syscall number as /proc/PID/syscall shows it (Linux only; None elsewhere:
+# a command blocked on its input is then not detected and runs into its timeout).
+_READ_SYSCALL = {"x86_64": "0", "aarch64": "63", "arm64": "63"}.get(platform.machine())
+
+
+def _group_pids(pgid: int) -> list[int]:
+    """Pids of the live processes in process group ``pgid`` (from ``/proc``; [] without)."""
+    out = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()  # after "pid (comm) "
+        if len(fields) > 2 and int(fields[2]) == pgid:
+            out.append(int(name))
+    return out
 
 
 # How long to wait for the pipe to close after the main process exited. A command
@@ -92,8 +125,15 @@ class _Pipe:
     Redactor` (secrets replaced), both kept across reads.
     """
 
-    def __init__(self, name: str, stream: IO[bytes], buffer_bytes: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        stream: IO[bytes],
+        buffer_bytes: int,
+        on_bytes: Callable[[int], None] = lambda n: None,
+    ) -> None:
         self.name = name
+        self._on_bytes = on_bytes
         self._stream = stream
         self._lock = threading.Lock()
         self.new = threading.Condition(self._lock)
@@ -115,6 +155,7 @@ class _Pipe:
                 with self.new:
                     self._buf.append(data)
                     self.new.notify_all()
+                self._on_bytes(len(data))
         except OSError:
             pass
         finally:
@@ -136,6 +177,13 @@ class _Pipe:
         sep = "" if not text or text.endswith("\n") else "\n"
         marker = f"{sep}[… {dropped} bytes of output dropped …]\n"
         return text + marker + self._decoder.decode(tail, final=final), final
+
+    def peek_tail(self, chars: int = 300) -> str:
+        """The last ``chars`` characters of the unread output, not consumed (an input
+        prompt to show the user); decoded with replacement, not rendered."""
+        with self._lock:
+            data = bytes(self._buf.tail or self._buf.head)
+        return data.decode("utf-8", errors="replace")[-chars:]
 
     def read_new(self) -> str:
         """Output since the last read as a terminal shows it, secrets redacted.
@@ -164,6 +212,11 @@ class Job:
         kill_grace: seconds between SIGTERM and SIGKILL when stopping.
         env: the whole environment of the command (default: :func:`child_env` with the
             default policy: names that look secret are withheld).
+        output_limit: bytes of output (both streams, read or not) after which the job is
+            stopped and marked ``output_limited``; None for no limit.
+        pty_stdin: stdin is a pseudo-terminal the runtime owns (echo off, line mode), so a
+            prompt such as ``read -p`` is shown and :meth:`answer` can reply; else
+            stdin is ``/dev/null`` (end of file at once).
 
     Raises:
         OSError: bash could not be started.
@@ -179,8 +232,16 @@ class Job:
         buffer_bytes: int = 1 << 20,
         kill_grace: float = 2.0,
         env: Mapping[str, str] | None = None,
+        output_limit: int | None = None,
+        pty_stdin: bool = False,
     ) -> None:
         self.handle = handle
+        self.output_limit = output_limit
+        self.output_limited = False
+        self.output_bytes = 0
+        # The model was told of the end (bash_status/bash_stop, or a notice): no notice.
+        self.end_seen = False
+        self._count_lock = threading.Lock()
         self.command = command
         self.kill_grace = kill_grace
         self.timeout = timeout
@@ -189,23 +250,38 @@ class Job:
         self.started = time.monotonic()
         self.ended: float | None = None
         self.status: ExitStatus | None = None
+        self._master: int | None = None
+        self._tty = ""
+        stdin: int = subprocess.DEVNULL
+        if pty_stdin:
+            self._master, stdin = os.openpty()
+            attrs = termios.tcgetattr(stdin)
+            attrs[3] &= ~termios.ECHO  # answers are not echoed back into the output
+            termios.tcsetattr(stdin, termios.TCSANOW, attrs)
+            self._tty = os.ttyname(stdin)
         self._proc = subprocess.Popen(
             ["bash", "-c", command],
             cwd=cwd,
             env=dict(env) if env is not None else child_env(),
-            stdin=subprocess.DEVNULL,
+            stdin=stdin,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            start_new_session=True,  # own process group: killpg reaches its children
+            # Own process group: killpg reaches its children. With a pty as stdin, not
+            # a new session: a session leader takes the pty as its controlling terminal,
+            # and its exit would hang up (SIGHUP) what it leaves running.
+            start_new_session=not pty_stdin,
+            process_group=0 if pty_stdin else None,
         )
         self.pid = self._proc.pid
+        if pty_stdin:
+            os.close(stdin)  # the child holds the terminal side now
         self._exited = threading.Event()
         # We reap the child ourselves with os.wait4 (Popen's wait hides the core flag);
         # Popen is never asked to wait, so it cannot race this thread for the status.
         threading.Thread(target=self._reap, name=f"reap-{handle}", daemon=True).start()
         assert self._proc.stdout is not None and self._proc.stderr is not None
-        self.stdout = _Pipe(f"job-{handle}-out", self._proc.stdout, buffer_bytes)
-        self.stderr = _Pipe(f"job-{handle}-err", self._proc.stderr, buffer_bytes)
+        self.stdout = _Pipe(f"job-{handle}-out", self._proc.stdout, buffer_bytes, self._count)
+        self.stderr = _Pipe(f"job-{handle}-err", self._proc.stderr, buffer_bytes, self._count)
         self._timer: threading.Timer | None = None
         if timeout is not None:
             self._timer = threading.Timer(timeout, self._on_timeout)
@@ -221,6 +297,51 @@ class Job:
         self.ended = time.monotonic()
         self._proc.returncode = self.status.returncode  # Popen must not wait for it again
         self._exited.set()
+
+    # --- input (pty stdin) -----------------------------------------------------
+
+    def reading_stdin(self) -> bool:
+        """True if a process of the job's group is blocked in ``read`` on the job's
+        terminal (Linux: ``/proc/PID/syscall`` is a read on fd 0, and fd 0 is that pty)."""
+        if self._master is None or _READ_SYSCALL is None or not self.running:
+            return False
+        for pid in _group_pids(self.pid):
+            try:
+                with open(f"/proc/{pid}/syscall") as f:
+                    fields = f.read().split()
+                if (
+                    fields[:2] == [_READ_SYSCALL, "0x0"]
+                    and os.readlink(f"/proc/{pid}/fd/0") == self._tty
+                ):
+                    return True
+            except (OSError, IndexError):
+                continue
+        return False
+
+    def answer(self, line: str | None) -> None:
+        """Reply on the job's terminal: ``line`` and a newline, or end of file (None)."""
+        if self._master is None:
+            return
+        data = b"\x04" if line is None else line.encode("utf-8", "replace") + b"\n"
+        try:
+            os.write(self._master, data)
+        except OSError:
+            pass  # the reader is gone
+
+    def prompt_text(self) -> str:
+        """The end of its unread stdout and stderr (what a prompt just printed)."""
+        return (self.stdout.peek_tail() + self.stderr.peek_tail())[-300:]
+
+    def _count(self, n: int) -> None:
+        """A reader got ``n`` bytes: past ``output_limit``, stop the job (once, from
+        another thread: the reader must keep draining while the group dies)."""
+        with self._count_lock:
+            self.output_bytes += n
+            over = self.output_limit is not None and self.output_bytes > self.output_limit
+            first = over and not self.output_limited
+            self.output_limited = self.output_limited or over
+        if first and self.running:
+            threading.Thread(target=self.stop, name=f"limit-{self.handle}", daemon=True).start()
 
     # --- state -----------------------------------------------------------------
 
@@ -287,6 +408,9 @@ class Job:
             code = self.wait(grace)
         else:  # leftovers just died: let the readers see EOF
             self.wait(0)
+        if self._master is not None and code is not None:
+            os.close(self._master)
+            self._master = None
         return code
 
     def _signal(self, sig: int) -> None:
@@ -311,6 +435,10 @@ class JobManager:
         kill_grace: seconds between SIGTERM and SIGKILL when stopping.
         env_policy: which of the agent's environment variables commands get
             (:mod:`ds4mlx.agent.child_env`; default: names that look secret withheld).
+        job_timeout: a background job's deadline when its call gives none, seconds
+            (``--job-timeout``, default :data:`JOB_TIMEOUT`).
+        output_limit: bytes a background job may print before it is stopped
+            (``--job-output-limit-mb``, default :data:`JOB_OUTPUT_LIMIT`).
     """
 
     def __init__(
@@ -319,7 +447,11 @@ class JobManager:
         buffer_bytes: int = 1 << 20,
         kill_grace: float = 2.0,
         env_policy: EnvPolicy | None = None,
+        job_timeout: float = JOB_TIMEOUT,
+        output_limit: int = JOB_OUTPUT_LIMIT,
     ) -> None:
+        self.job_timeout = job_timeout
+        self.output_limit = output_limit
         self.buffer_bytes = buffer_bytes
         self.kill_grace = kill_grace
         self.env_policy = env_policy or EnvPolicy()
@@ -327,9 +459,16 @@ class JobManager:
         self._ids = itertools.count(1)
 
     def start(
-        self, command: str, cwd: Path, *, timeout: float | None = None, register: bool = True
+        self,
+        command: str,
+        cwd: Path,
+        *,
+        timeout: float | None = None,
+        register: bool = True,
+        pty_stdin: bool = False,
     ) -> Job:
-        """Start ``command`` in ``cwd``; ``register=False`` for foreground runs (no handle kept).
+        """Start ``command`` in ``cwd``; ``register=False`` for foreground runs (no handle kept);
+        ``pty_stdin`` gives it a terminal as stdin (foreground runs, see `Job`).
 
         Raises:
             OSError: bash could not be started.
@@ -344,6 +483,8 @@ class JobManager:
             buffer_bytes=self.buffer_bytes,
             kill_grace=self.kill_grace,
             env=child_env(self.env_policy),
+            output_limit=self.output_limit if register else None,
+            pty_stdin=pty_stdin,
         )
         if register:
             self._jobs[handle] = job
@@ -365,6 +506,14 @@ class JobManager:
     def jobs(self) -> list[Job]:
         """All background jobs of the session, oldest first (running or not)."""
         return list(self._jobs.values())
+
+    def ended_unseen(self) -> list[Job]:
+        """Background jobs that ended since the model last heard of them, oldest first;
+        each is marked seen (a job's end is announced once)."""
+        out = [j for j in self._jobs.values() if not j.running and not j.end_seen]
+        for j in out:
+            j.end_seen = True
+        return out
 
     def stop_all(self) -> None:
         """Stop every job that is still running (session end)."""

@@ -175,6 +175,27 @@ class FileTools:
         what = "overwrite" if exists else "create"
         return Proposal(f"{what} {rel} {size}\n{detail}".rstrip(), apply)
 
+    def applied(self, name: str, a: dict[str, Any]) -> str | None:
+        """Whether the ``write``/``edit`` call ``a`` is already in effect (a repeat of one
+        whose outcome is unknown): the file holds ``content``, or ``old`` is gone and
+        ``new`` present. Returns the result text ("already applied: …") or None.
+        """
+        path = self.ws.path(a["path"])
+        rel = self.ws.rel(path)
+        try:
+            text = path.read_bytes().decode("utf-8") if path.is_file() else None
+        except (OSError, UnicodeDecodeError):
+            return None
+        if text is None:
+            return None
+        if name == "write" and text == a["content"]:
+            return f"already applied: {rel} already holds this content; nothing was written"
+        if name == "edit":
+            old, new = _match_line_endings(text, a["old"], a["new"])
+            if old not in text and new and new in text:
+                return f"already applied: {rel} no longer holds old and holds new; nothing changed"
+        return None
+
     def edit(self, a: dict[str, Any]) -> Proposal:
         path = self.ws.path(a["path"])
         rel = self.ws.rel(path)

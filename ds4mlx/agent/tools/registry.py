@@ -40,7 +40,7 @@ from ds4mlx.agent.permissions import PathOutsideWorkspace, Permissions
 from ds4mlx.agent.redact import redact
 from ds4mlx.agent.shaping import CountTokens, OutputStore, approx_tokens
 from ds4mlx.agent.tools import schema as tool_schema
-from ds4mlx.agent.tools.background import JobManager
+from ds4mlx.agent.tools.background import JOB_OUTPUT_LIMIT, JOB_TIMEOUT, JobManager
 from ds4mlx.agent.tools.common import (
     EXIT_STATUS,
     FAILED,
@@ -161,7 +161,11 @@ class Toolbox:
         env_policy: the environment commands get (:mod:`ds4mlx.agent.child_env`;
             default: names that look secret withheld).
         mcp: a started :class:`~ds4mlx.agent.mcp.McpClient`; its tools are offered after
-            the built-in ones (the caller closes it).
+            the built-in ones (:meth:`close` closes it).
+        job_timeout: a background job's deadline when its call gives none, seconds.
+        job_output_limit: bytes a background job may print before it is stopped.
+        ask_input: answers a foreground command's input prompt (``ShellTools``); None
+            gives it end of file.
 
     Raises:
         ValueError: ``workspace`` is not a directory, or the budget is below 64.
@@ -181,6 +185,9 @@ class Toolbox:
         job_buffer_bytes: int = 1 << 20,
         env_policy: EnvPolicy | None = None,
         mcp: McpClient | None = None,
+        job_timeout: float = JOB_TIMEOUT,
+        job_output_limit: int = JOB_OUTPUT_LIMIT,
+        ask_input: Callable[[str, str], str | None] | None = None,
     ) -> None:
         root = Path(workspace).resolve()
         if not root.is_dir():
@@ -191,11 +198,15 @@ class Toolbox:
         self.bash_timeout = bash_timeout
         self.outputs = OutputStore(output_token_budget, count_tokens)
         self.jobs = JobManager(
-            buffer_bytes=job_buffer_bytes, kill_grace=kill_grace, env_policy=env_policy
+            buffer_bytes=job_buffer_bytes,
+            kill_grace=kill_grace,
+            env_policy=env_policy,
+            job_timeout=job_timeout,
+            output_limit=job_output_limit,
         )
         self._ws = Workspace(root)
-        files = FileTools(self._ws)
-        shell = ShellTools(root, self.jobs, bash_timeout)
+        self._files = files = FileTools(self._ws)
+        self._shell = shell = ShellTools(root, self.jobs, bash_timeout, ask_input)
         handlers: dict[str, Handler] = {
             "read": files.read,
             "more": self._more,
@@ -274,13 +285,38 @@ class Toolbox:
             return step
         return self._finish(step)
 
+    def already_applied(self, name: str, arguments: Any) -> ToolOutcome | None:
+        """For a ``write``/``edit`` repeating one of unknown outcome: an ``ok`` outcome
+        saying "already applied" when the file shows it in effect (nothing asked, nothing
+        written), else None (run it normally). Invalid calls and other tools: None."""
+        tool = self._tools.get(name)
+        if name not in ("write", "edit") or tool is None:
+            return None
+        if tool_schema.problems(tool.validator, arguments):
+            return None
+        args = tool_schema.with_defaults(tool.spec.parameters, arguments)
+        step = self._guarded(name, partial(self._files.applied, name, args))
+        return ToolOutcome(True, step) if isinstance(step, str) else None
+
+    def job_notices(self) -> list[tuple[str, str, str]]:
+        """``(handle, outcome, detail)`` for each background job that ended since the
+        model last heard of it (once each; not after bash_status/bash_stop saw the end);
+        the detail is redacted and within the output budget."""
+        out = []
+        for job in self.jobs.ended_unseen():
+            outcome, detail = self._shell.notice(job)
+            out.append((job.handle, outcome, self.outputs.shape(detail).text if detail else ""))
+        return out
+
     def describe(self, name: str, arguments: Any) -> str:
         """One-line human summary of a call, for the UI (``read path=a.py offset=3``)."""
         return tool_schema.describe_call(name, arguments)
 
     def close(self) -> None:
-        """Stop all background jobs still running."""
+        """Stop all background jobs still running; close the MCP connections."""
         self.jobs.stop_all()
+        if self.mcp is not None:
+            self.mcp.close()
 
     def __enter__(self) -> Toolbox:
         return self

@@ -7,6 +7,8 @@ command runs only after the dispatcher got permission. Times are in seconds.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -42,8 +44,9 @@ def bash_spec(default_timeout: float | None = None) -> ToolSpec:
     default = f"{default_timeout:g}" if default_timeout is not None else "the agent's setting"
     return ToolSpec(
         "bash",
-        "Run a bash command in the workspace directory (stdin closed; output shown as a "
-        "terminal would, stdout then stderr after a [stderr] line, secrets redacted). Foreground commands are stopped after timeout seconds; processes they "
+        "Run a bash command in the workspace directory (output shown as a terminal would, "
+        "stdout then stderr after a [stderr] line, secrets redacted; a foreground command "
+        "that reads its input asks the user, a background one gets end of file). Foreground commands are stopped after timeout seconds; processes they "
         "leave running are stopped when they exit. For servers, watchers or anything "
         "long, set background=true: you get a job handle to poll with bash_status and "
         "stop with bash_stop.",
@@ -55,7 +58,8 @@ def bash_spec(default_timeout: float | None = None) -> ToolSpec:
                     "exclusiveMinimum": 0,
                     "maximum": 86400,
                     "description": "Seconds before the command is stopped. Foreground "
-                    f"default: {default}; background default: no limit.",
+                    f"default: {default}; background default: the agent's job timeout "
+                    "(raise it, up to 86400, for servers).",
                 },
                 "background": {
                     "type": "boolean",
@@ -102,19 +106,30 @@ class ShellTools:
         cwd: the workspace root; every command runs there.
         jobs: the session's jobs (background ones are addressed by handle).
         default_timeout: foreground ``bash`` timeout when the call gives none, seconds.
+        ask_input: ``f(command, prompt_text) -> line | None`` when a foreground command
+            waits for input on its terminal: the user's line answers it, None sends end
+            of file, KeyboardInterrupt stops it. None (``-p``): end of file, said in the
+            result. The time spent asking does not count toward the timeout.
     """
 
-    def __init__(self, cwd: Path, jobs: JobManager, default_timeout: float) -> None:
+    def __init__(
+        self,
+        cwd: Path,
+        jobs: JobManager,
+        default_timeout: float,
+        ask_input: Callable[[str, str], str | None] | None = None,
+    ) -> None:
         self.cwd = cwd
         self.jobs = jobs
         self.default_timeout = default_timeout
+        self.ask_input = ask_input
 
     def bash(self, a: dict[str, Any]) -> Proposal:
         command: str = a["command"]
         background: bool = a["background"]
         timeout = a.get("timeout")
-        if not background and timeout is None:
-            timeout = self.default_timeout
+        if timeout is None:
+            timeout = self.jobs.job_timeout if background else self.default_timeout
         limit = f"timeout {timeout:g} s" if timeout is not None else "no timeout"
         mode = "background job" if background else "foreground"
         short = " ⏎ ".join(ln.strip() for ln in command.strip().splitlines() if ln.strip())
@@ -138,15 +153,46 @@ class ShellTools:
             )
         job = self.jobs.start(command, self.cwd, timeout=timeout)
         return Result(
-            f"started background job {job.handle} (pid {job.pid}, {limit}). Poll it with "
-            f'bash_status handle="{job.handle}"; stop it with bash_stop.',
+            # The handle, not the pid: `kill PID` would orphan the rest of its group.
+            f"started background job {job.handle} ({limit}). Poll it with "
+            f'bash_status handle="{job.handle}"; stop it (its whole process group) with '
+            "bash_stop; you are told when it ends.",
             job=job.handle,
         )
 
+    def _wait_answering(self, job: Job, command: str, timeout: float) -> tuple[int | None, str]:
+        """Wait up to ``timeout`` s for ``job``, answering its input prompts (see the
+        class doc); ``(exit code or None on timeout, note on what its input got)``."""
+        deadline = time.monotonic() + timeout
+        blocked, got = 0, []
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None, ""
+            code = job.wait(min(left, 0.1))
+            if code is not None or not job.running:
+                return code, ("[stdin: " + "; ".join(got) + "]") if got else ""
+            # Blocked twice in a row: a read that just started may be answered by itself.
+            blocked = blocked + 1 if job.reading_stdin() else 0
+            if blocked < 2:
+                continue
+            blocked = 0
+            if self.ask_input is None:
+                job.answer(None)
+                got.append("it read its input and got end of file (no terminal to ask)")
+                continue
+            t0 = time.monotonic()
+            line = self.ask_input(command, job.prompt_text())
+            deadline += time.monotonic() - t0
+            job.answer(line)
+            got.append(
+                "the user answered its input" if line is not None else "the user sent end of file"
+            )
+
     def _foreground(self, command: str, timeout: float) -> Result:
-        job = self.jobs.start(command, self.cwd, register=False)
+        job = self.jobs.start(command, self.cwd, register=False, pty_stdin=True)
         try:
-            code = job.wait(timeout)
+            code, stdin_note = self._wait_answering(job, command, timeout)
         except BaseException:  # Ctrl+C in the agent: do not leave the command running
             job.stop()
             raise
@@ -173,6 +219,8 @@ class ShellTools:
         status = exit_status.describe() + f" · {job.elapsed:.1f} s"
         if leftovers:
             status += " · processes it left running were stopped (use background=true for those)"
+        if stdin_note:
+            status += f"]\n{stdin_note[:-1]}"
         return Result(
             out.text() or "(no output)",
             ok=exit_status.ok,
@@ -187,6 +235,7 @@ class ShellTools:
             job.wait(a["wait"])
         out = job.read_new()
         status, ok, err = _job_status(job)
+        job.end_seen = job.end_seen or not job.running
         before = "" if ok else "\n".join(diagnose(out.stdout, out.stderr, self.cwd))
         return Result(
             out.text() or "(no new output)", ok=ok, error=err, before=before, after=status
@@ -197,11 +246,31 @@ class ShellTools:
         was_running = job.running
         job.stop()
         output = job.read_new().text()
+        job.end_seen = True
         status, ok, err = _job_status(job)
         if not was_running:
             status = status[:-1] + "; it had already ended]"
             ok, err = True, None
         return Result(output or "(no new output)", ok=ok, error=err, after=status)
+
+    def notice(self, job: Job, last_lines: int = 10) -> tuple[str, str]:
+        """``(outcome, detail)`` of an ended job for its late result: ``job_1 exited 0
+        after 2.0 s``; the diagnostic (when it failed) and the last lines of its unread
+        output."""
+        job.wait(0)  # let the readers see EOF
+        out = job.read_new()
+        status, ok, _ = _job_status(job)
+        st = job.status
+        if st is not None and ok and not job.stopped:
+            outcome = f"{job.handle} exited {st.returncode} after {job.elapsed:.1f} s"
+        else:
+            outcome = status.strip("[]")
+        lines = out.text().rstrip("\n").splitlines()
+        tail = lines[-last_lines:]
+        if len(lines) > len(tail):
+            tail.insert(0, f"[… {len(lines) - len(tail)} earlier lines …]")
+        diag = [] if ok else diagnose(out.stdout, out.stderr, self.cwd)
+        return outcome, "\n".join(diag + tail)
 
     def _job(self, handle: str) -> Job:
         try:
@@ -216,6 +285,13 @@ def _job_status(job: Job) -> tuple[str, bool, str | None]:
     h = job.handle
     if job.running or st is None:
         return f"[{h} still running after {job.elapsed:.0f} s]", True, None
+    if job.output_limited:
+        return (
+            f"[{h} stopped: output limit ({(job.output_limit or 0) / 2**20:g} MiB) reached "
+            f"after {job.elapsed:.1f} s]",
+            False,
+            FAILED,
+        )
     if job.timed_out:
         return (
             f"[{h} timed out after {job.timeout:g} s and was stopped; outcome unknown — "
