@@ -80,7 +80,9 @@ class Conversation:
 
     ``tool_required`` / ``tool_name``: the client's forced ``tool_choice`` (any tool /
     that tool). It does not change the rendered prompt; the generation loop opens the
-    tool-call block itself once the visible reply starts.
+    tool-call block itself once the visible reply starts. ``tool_none``: the client's
+    ``tool_choice: none``: no tools are rendered and a call the model writes anyway is
+    dropped (never reported as a call nor shown as text).
 
     ``late_system``: system instructions that arrive inside the conversation (Claude
     Code's environment block, OpenAI ``developer`` messages). They render in the leading
@@ -95,4 +97,5 @@ class Conversation:
     reasoning_effort: str | None = None
     tool_required: bool = False
     tool_name: str | None = None
+    tool_none: bool = False
     late_system: str = ""

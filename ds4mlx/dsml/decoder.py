@@ -135,6 +135,7 @@ class ParseError:
 
 
 Event = ThinkingDelta | TextDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd | ParseError
+_CALL_EVENTS = (ToolCallStart, ToolCallArgsDelta, ToolCallEnd)
 
 
 @dataclass
@@ -325,6 +326,10 @@ class StreamDecoder:
     reasoning. ``tools``: the offered tools; their schemas order each call's
     arguments (unknown names or properties keep the sampled order). ``id_prefix``:
     ``"toolu_"`` (Anthropic) or ``"call_"`` (OpenAI) for new call ids (`new_tool_id`).
+    ``calls`` False (the client's ``tool_choice: none``): a tool-call block the model
+    writes anyway is parsed as usual but yields no ``ToolCall*`` event and no
+    ``result.tool_calls``; its bytes are never text either (the visible text ends where
+    the block starts). ``dropped_calls`` counts the calls left out.
 
     ``feed(text)`` and ``finish()`` return lists of events (`ThinkingDelta`,
     `TextDelta`, `ToolCallStart`, `ToolCallArgsDelta`, `ToolCallEnd`, `ParseError`);
@@ -336,10 +341,17 @@ class StreamDecoder:
     """
 
     def __init__(
-        self, thinking: bool, tools: list[ToolSpec] | None = None, id_prefix: str = "toolu_"
+        self,
+        thinking: bool,
+        tools: list[ToolSpec] | None = None,
+        id_prefix: str = "toolu_",
+        *,
+        calls: bool = True,
     ) -> None:
         self.thinking = thinking
         self.id_prefix = id_prefix
+        self.calls = calls
+        self.dropped_calls = 0
         self._order: dict[str, list[str]] = {}
         for tool in tools or []:
             props = (tool.parameters or {}).get("properties") or {}
@@ -402,6 +414,8 @@ class StreamDecoder:
         )
         if self._probe is not None and self.tool_block_closed:
             self._probe.merge_into(res)
+        if not self.calls:
+            res.tool_calls = []
         return res
 
     @property
@@ -432,7 +446,10 @@ class StreamDecoder:
 
     def _take(self) -> list[Event]:
         events, self._events = self._events, []
-        return events
+        if self.calls:
+            return events
+        self.dropped_calls += sum(isinstance(e, ToolCallEnd) for e in events)
+        return [e for e in events if not isinstance(e, _CALL_EVENTS)]
 
     def _error(self, message: str) -> None:
         self._errors.append(message)

@@ -75,6 +75,9 @@ class TurnSpec:
         stops: stop strings, matched in visible text.
         tool_required: force a tool call (see the module doc).
         tool_name: with ``tool_required``, the tool whose name is forced too, or None.
+        calls: False for the client's ``tool_choice: none``: a tool-call block the model
+            writes anyway is dropped (``StreamDecoder(calls=False)``: no call, no text;
+            `TurnResult.dropped_calls` counts them).
         logprobs: raw turns: top-N alternatives per token (`RawText.logprobs`), or None.
         top_logprobs: chat turns: top-N alternatives per visible token (a `TokenLogprob`
             event before the text it completes), or None.
@@ -96,6 +99,7 @@ class TurnSpec:
     stops: Sequence[str] = ()
     tool_required: bool = False
     tool_name: str | None = None
+    calls: bool = True
     logprobs: int | None = None
     top_logprobs: int | None = None
     greedy_after_script: bool = False
@@ -160,6 +164,8 @@ class TurnResult:
             the turn is left out: it is never presented as runnable).
         call_errors: id → why that call must not run (its DSML needed repair, or was
             cut by the end of the turn).
+        dropped_calls: calls the model wrote under ``TurnSpec.calls`` False (never
+            reported; the live state holds their tokens).
         reasoning: the reasoning text sampled.
         text: the visible text emitted (after stop strings).
         raw: the whole generated text, as sampled.
@@ -176,6 +182,7 @@ class TurnResult:
     decoded: DecodeResult | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
     call_errors: dict[str, str] = field(default_factory=dict)
+    dropped_calls: int = 0
     reasoning: str = ""
     text: str = ""
     raw: str = ""
@@ -205,7 +212,9 @@ class _Turn:
         self.cancel = cancel or (lambda: False)
         self.tool_memory = tool_memory
         self.decoder = (
-            StreamDecoder(spec.thinking, list(spec.tools), id_prefix=spec.id_prefix)
+            StreamDecoder(
+                spec.thinking, list(spec.tools), id_prefix=spec.id_prefix, calls=spec.calls
+            )
             if spec.parse
             else None
         )
@@ -426,6 +435,7 @@ class _Turn:
         r.reasoning = "".join(self.reasoning)
         if self.decoder is not None:
             r.decoded = self.decoder.result
+            r.dropped_calls = self.decoder.dropped_calls
         if not self.spec.thinking:
             r.reasoning_tokens = 0
         return r

@@ -84,7 +84,7 @@ def register(app) -> None:
     async def _auth():
         if request.method == "OPTIONS" and state().config.cors:
             return app.response_class("", status=204)
-        if request.path in ("/", "/health"):
+        if request.path in ("/", "/health", "/api/hello"):
             return None
         err = check_auth()
         if err is not None:

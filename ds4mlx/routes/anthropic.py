@@ -443,6 +443,7 @@ def to_conversation(
         reasoning_effort=effort if thinking else None,
         tool_required=required,
         tool_name=name,
+        tool_none=(req.tool_choice or {}).get("type") == "none",
     )
 
 
@@ -613,6 +614,8 @@ class MessageEncoder:
             return [*out, self._ev("error", error=err)]
         if e.finish == "length":
             reason = "max_tokens"
+        elif e.finish == "context":
+            reason = "model_context_window_exceeded"
         elif e.finish == "stop_sequence":
             reason = "stop_sequence"
         else:

@@ -169,8 +169,9 @@ def usage_of(d: JobDone) -> dict[str, Any]:
 
 
 def finish_of(d: JobDone, tools: bool) -> str:
-    """OpenAI ``finish_reason``: ``length``, ``tool_calls`` or ``stop``."""
-    if d.finish == "length":
+    """OpenAI ``finish_reason``: ``length`` (also for a full context: OpenAI has no
+    other word for it), ``tool_calls`` or ``stop``."""
+    if d.finish in ("length", "context"):
         return "length"
     return "tool_calls" if tools else "stop"
 
@@ -275,6 +276,7 @@ def to_conversation(req: ChatRequest, *, default_thinking: bool = True) -> Conve
         reasoning_effort=effort,
         tool_required=required,
         tool_name=name,
+        tool_none=req.tool_choice == "none",
     )
 
 

@@ -88,6 +88,7 @@ def prepare(
         stops=tuple(stops or ()),
         tool_required=conv.tool_required,
         tool_name=conv.tool_name,
+        calls=not conv.tool_none,
         top_logprobs=top_logprobs,
         cap_is_eos=cap_is_eos,
     )

@@ -216,7 +216,7 @@ class Worker:
         self.jobs_done += 1
 
     def _run_job(self, job: Job) -> None:
-        from ds4mlx.engine import ContextOverflowError, run_turn
+        from ds4mlx.engine import FINISH_CONTEXT, FINISH_LENGTH, ContextOverflowError, run_turn
         from ds4mlx.kv.plan import PlanRejected
 
         req = job.request
@@ -252,11 +252,12 @@ class Worker:
             detail=detail,
         )
         job.emit(JobStarted(plan.prompt_tokens, plan.cached, decision))
+        spec = _fitted(req.turn, s.ctx_size - plan.prompt_tokens, script)
         try:
             result = run_turn(
                 s,
                 tok,
-                _fitted(req.turn, s.ctx_size - plan.prompt_tokens, script),
+                spec,
                 prefill=plan,
                 emit=self._emitter(job),
                 cancel=job.cancelled,
@@ -270,6 +271,8 @@ class Worker:
             return
         if self.tracer.enabled:
             self.tracer.write(job.id, "output", text=result.raw, finish=result.finish)
+        if result.finish == FINISH_LENGTH and spec.max_tokens < req.turn.max_tokens:
+            result.finish = FINISH_CONTEXT  # the room left, not the client's limit, ended it
         self._done(job, plan, result, t_start, decision, detail)
 
     def _emitter(self, job: Job) -> Callable[[Any], None]:
@@ -285,10 +288,8 @@ class Worker:
 
     def _done(self, job: Job, plan, result, t_start: float, decision: str, detail: str) -> None:
         """Report the turn (bindings, event, trace, log line)."""
-        from ds4mlx.engine import FINISH_CONTEXT
-
         req = job.request
-        finish = "length" if result.finish == FINISH_CONTEXT else result.finish
+        finish = result.finish
         calls = list(result.tool_calls)
         outcome = JobDone(
             finish=finish,
@@ -307,7 +308,9 @@ class Worker:
         try:
             self.planner.after_generation(
                 plan.session or self.session,
-                finish=finish,
+                # Dropped calls (tool_choice none) are in the live state but in no
+                # rendering of this turn: it must bind nothing, as a cut turn does.
+                finish=finish if not result.dropped_calls else "dropped-calls",
                 tool_calls=calls,
                 # The rendering with its content spans: the turn's visible keys carry
                 # where the prompt spells special tokens as plain text.
