@@ -306,3 +306,58 @@ def test_context_full_stop_is_reported_as_such(server, client, path, stream):
     server.script(long)
     out = call(client, path, {**body, key: 5}, stream)
     assert out["finish"] == LENGTH[path], out
+
+
+# --------------------------------------------------------------------------- item 6
+
+CUT_AT = (
+    'Sure.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+    '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter'
+)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", PROTOCOLS)
+def test_call_cut_inside_its_closing_tag_streams_no_markup(server, client, path, stream):
+    """max_tokens ends the turn inside ``</｜DSML｜parameter>``: the streamed arguments
+    stop at the value, with none of the tag's bytes; the cut call is never a call."""
+    n = client.post("/v1/tokenize", json={"text": CUT_AT}).json()["count"]
+    server.script(CUT_AT + ">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>" + EOS)
+    key = "max_output_tokens" if path == RESP else "max_tokens"
+    out = call(client, path, body_for(path, "go", tools=[TOOL[path]], **{key: n}), stream)
+    assert out["finish"] == LENGTH[path] and out["text"] == "Sure."
+    assert "DSML" not in out["raw"] and "｜" not in out["raw"]
+    if stream:
+        assert out["args"] == '{"city": "Paris', out["args"]
+    assert out["calls"] == ([] if not stream else ["get_weather"])
+
+
+def _logprob_text(entries: list[dict[str, Any]]) -> str:
+    return "".join(e["token"] for e in entries)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_cover_the_visible_content_only(server, client, stream):
+    """Logprobs are the tokens of the content the client sees: none for the tool call's
+    DSML (markup and arguments) nor for the separator held back as part of its opener."""
+    server.script("Sure thing." + tool_call_dsml("get_weather", city="Qwzx"))
+    body = body_for(CHAT, "go", tools=[TOOL[CHAT]], logprobs=True, top_logprobs=2)
+    if not stream:
+        r = client.post(CHAT, json=body)
+        choice = r.json()["choices"][0]
+        content, entries = choice["message"]["content"], choice["logprobs"]["content"]
+    else:
+        content, entries = "", []
+        with client.stream("POST", CHAT, json={**body, "stream": True}) as r:
+            for _, d in sse_events(r.iter_lines()):
+                if d in (None, "[DONE]"):
+                    continue
+                for c in json.loads(d).get("choices", []):
+                    content += c["delta"].get("content") or ""
+                    entries += (c.get("logprobs") or {}).get("content") or []
+    assert content == "Sure thing."
+    seen = _logprob_text(entries)
+    assert "DSML" not in seen and "Qwzx" not in seen
+    # Every token shown, and none past it (a token may end in the held "\n\n").
+    assert seen.rstrip("\n") == content, seen
+    assert all(len(e["top_logprobs"]) == 2 for e in entries)

@@ -281,15 +281,16 @@ def _partial(buf: str, markers: tuple[str, ...]) -> int:
     return 0
 
 
-def _without_cut_marker(buf: str) -> str:
-    """Visible text at the end of a turn, minus a tool-call opener cut by that end.
+def _without_cut_marker(buf: str, markers: tuple[str, ...] = _TEXT_STOPS) -> str:
+    """Text at the end of a turn, minus a marker cut by that end.
 
-    The tail held back as a possible ``\n\n<｜DSML｜tool_calls>`` is the model opening a
-    call once it holds the ``｜DSML｜`` token (as for `StreamDecoder.in_structure`); a
-    turn cut there (``max_tokens``) must not show the marker's bytes as text. A tail
-    without it (``\n\n``, ``<``) is ordinary text and is kept.
+    The tail held back as a possible marker (``\n\n<｜DSML｜tool_calls>`` in visible
+    text, ``</｜DSML｜parameter>`` in a parameter value) is the model writing markup once
+    it holds the ``｜DSML｜`` token (as for `StreamDecoder.in_structure`); a turn cut
+    there (``max_tokens``) must not show the marker's bytes as text or arguments. A tail
+    without it (``\n\n``, ``<``, ``</``) is ordinary text and is kept.
     """
-    held = _partial(buf, _TEXT_STOPS)
+    held = _partial(buf, markers)
     if held and DSML in buf[len(buf) - held :]:
         return buf[: len(buf) - held]
     return buf
@@ -802,6 +803,7 @@ class StreamDecoder:
             self._call = None
             self._error("generation ended inside an invoke header")
         elif st in (_INV_BODY, _PAR_HEAD, _PAR_STR, _PAR_JSON, _SKIP):
+            buf = _without_cut_marker(buf, (PARAM_CLOSE,))
             if st in (_PAR_STR, _PAR_JSON) and buf:
                 self._body_piece(buf)
             if st == _PAR_HEAD:

@@ -79,8 +79,11 @@ class TurnSpec:
             writes anyway is dropped (``StreamDecoder(calls=False)``: no call, no text;
             `TurnResult.dropped_calls` counts them).
         logprobs: raw turns: top-N alternatives per token (`RawText.logprobs`), or None.
-        top_logprobs: chat turns: top-N alternatives per visible token (a `TokenLogprob`
-            event before the text it completes), or None.
+        top_logprobs: chat turns: top-N alternatives per token of the visible text (a
+            `TokenLogprob` event before the text it completes; a token counts when its
+            text starts inside what the client sees), or None. Reasoning, tool-call
+            tokens (DSML markup and arguments alike) and a separator held back as part
+            of the tool-call opener get none.
         greedy_after_script: argmax once a scripted continuation runs out (tests).
         cap_is_eos: reaching ``max_tokens`` ends the turn as ``stop`` and feeds the
             last token (``serve --demo``).
@@ -227,6 +230,13 @@ class _Turn:
         self.reasoning: list[str] = []
         self.pending_ids: list[int] = []
         self.pending_lp: list[TokenLogprob] = []
+        # Chat logprobs: (offset of the token's text in the reply after </think>, entry);
+        # the visible text is a prefix of that reply, so a token whose text starts past
+        # the end of what was shown (DSML markup, a separator held back as part of the
+        # tool-call opener, text after a stop string) never gets an entry.
+        self.lp_queue: collections.deque[tuple[int, TokenLogprob]] = collections.deque()
+        self.reply_chars = 0
+        self.shown = 0
         self.open_errors: list[str] = []
         self.in_call = False
         self.forced: collections.deque[int] = collections.deque()
@@ -247,6 +257,11 @@ class _Turn:
 
     def _emit_text(self, text: str) -> None:
         self.visible.append(text)
+        self.shown += len(text)
+        # Logprobs cover the tokens whose text the client sees: a token's entry goes out
+        # (before the text it completes) once the visible text reaches its first char.
+        while self.lp_queue and self.lp_queue[0][0] < self.shown:
+            self.emit(self.lp_queue.popleft()[1])
         self.emit(TextDelta(text))
 
     def _track_call(self, ev: Any) -> None:
@@ -296,8 +311,9 @@ class _Turn:
         piece = self.detok.add(t)
         self.raw.append(piece)
         if self.decoder is not None:
-            if lp is not None:
-                self.emit(lp)
+            if lp is not None:  # held until the visible text reaches this token
+                self.lp_queue.append((self.reply_chars, lp))
+                self.reply_chars += len(piece)
             return self._out(self.decoder.feed(piece))
         self.pending_ids.append(t)
         if lp is not None:

@@ -143,7 +143,7 @@ class CompletionEncoder:
             lp = _logprobs_obj(e, self.offset, self.tokenizer)
             for k, v in lp.items():
                 self.lp[k] += v
-            self.offset += sum(len(t) for t, _, _ in e.logprobs)
+            self.offset += sum(len(t) for t in lp["tokens"])
         else:
             self.offset += len(e.text)
         return [self._chunk(e.text, lp)]
