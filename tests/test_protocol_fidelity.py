@@ -361,3 +361,63 @@ def test_chat_logprobs_cover_the_visible_content_only(server, client, stream):
     # Every token shown, and none past it (a token may end in the held "\n\n").
     assert seen.rstrip("\n") == content, seen
     assert all(len(e["top_logprobs"]) == 2 for e in entries)
+
+
+# --------------------------------------------------------------------------- item 2
+
+BOS = "<｜begin▁of▁sentence｜>"
+Q = {"role": "user", "content": "Capital of France?"}
+PREFILL = "The capital of France is"
+HEAD = f"{BOS}<｜User｜>Capital of France?<｜Assistant｜>"
+
+
+def _count(client: httpx.Client, text: str) -> int:
+    return client.post("/v1/tokenize", json={"text": text}).json()["count"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("thinking", [False, True])
+def test_chat_prefix_true_continues_the_assistant_message(server, client, thinking, stream):
+    """DeepSeek's ``prefix: true``: the trailing assistant message renders open and the
+    response is only the continuation, as visible text even in thinking mode."""
+    msgs = [Q, {"role": "assistant", "content": PREFILL, "prefix": True}]
+    body = body_for(CHAT, "", thinking=thinking, max_tokens=20)
+    body["messages"] = msgs
+    rendered = client.post("/v1/tokenize", json={**body, "messages": msgs}).json()["tokens"]
+    text = client.post("/v1/detokenize", json={"tokens": rendered}).json()["text"]
+    assert text == HEAD + ("<think></think>" if thinking else "</think>") + PREFILL
+    server.script(" Paris." + EOS)
+    out = call(client, CHAT, body, stream)
+    assert out["text"] == " Paris." and out["finish"] == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("thinking", [False, True])
+def test_chat_trailing_assistant_without_prefix_gets_a_new_reply(server, client, thinking, stream):
+    """Without ``prefix`` the trailing assistant message is a finished turn and a new
+    reply opens after it (DeepSeek's conversion): nothing is generated after EOS."""
+    msgs = [Q, {"role": "assistant", "content": PREFILL}]
+    body = body_for(CHAT, "", thinking=thinking, max_tokens=20)
+    body["messages"] = msgs
+    rendered = client.post("/v1/tokenize", json=body).json()["tokens"]
+    text = client.post("/v1/detokenize", json={"tokens": rendered}).json()["text"]
+    opener = "<think>" if thinking else "</think>"
+    assert text == f"{HEAD}</think>{PREFILL}{EOS}<｜Assistant｜>{opener}"
+    server.script(("Hm.</think>" if thinking else "") + "Paris." + EOS)
+    out = call(client, CHAT, body, stream)
+    assert out["text"] == "Paris." and out["finish"] == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("thinking", [False, True])
+def test_anthropic_prefill_continues_the_assistant_message(server, client, thinking, stream):
+    """Anthropic's prefill contract: a trailing assistant message is continued (open),
+    and the response holds only the continuation (a JSON ``{`` prefill too)."""
+    for prefill, cont in ((PREFILL, " Paris."), ("{", '"city": "Paris"}')):
+        body = body_for(MSGS, "", thinking=thinking)
+        body["messages"] = [Q, {"role": "assistant", "content": prefill}]
+        n = client.post("/v1/messages/count_tokens", json=body).json()["input_tokens"]
+        assert n == _count(client, HEAD + ("<think></think>" if thinking else "</think>") + prefill)
+        server.script(cont + EOS)
+        out = call(client, MSGS, body, stream)
+        assert out["text"] == cont and out["finish"] == "end_turn"

@@ -38,6 +38,7 @@ from .render import (
     render_tool_calls,
     render_tool_results_suffix,
     render_tools_section,
+    reply_thinking,
     think_max_active,
 )
 from .stops import StopMatcher
@@ -76,5 +77,6 @@ __all__ = [
     "render_tool_calls",
     "render_tool_results_suffix",
     "render_tools_section",
+    "reply_thinking",
     "think_max_active",
 ]

@@ -58,6 +58,11 @@ class Message:
       ``read_url`` (DeepSeek's quick-instruction tasks); None for normal turns.
     - ``response_format``: a JSON schema dict rendered as a "## Response Format"
       section after a ``system``/``developer`` message's text.
+
+    ``prefix`` (DeepSeek's chat field, and every trailing Anthropic assistant message):
+    the conversation's last message is an assistant turn the model continues (a
+    prefill): it renders open, without EOS (``<think>reasoning</think>content``, or
+    ``<think>reasoning`` still thinking when it has no content); ignored elsewhere.
     """
 
     role: Role
@@ -68,6 +73,7 @@ class Message:
     tools: list[ToolSpec] = field(default_factory=list)
     task: str | None = None
     response_format: dict[str, Any] | None = None
+    prefix: bool = False
 
 
 @dataclass
@@ -89,6 +95,11 @@ class Conversation:
     system block *after* the tools section, joined by a blank line, so the top-level
     system text and the tools form a prefix that a request and its retry share even when
     the retry carries the same text elsewhere (docs/ARCHITECTURE.md §4).
+
+    ``open_reply``: a conversation that ends with a closed assistant turn (no
+    ``prefix``) is a request for a new reply after it: a reply opener follows its EOS,
+    as DeepSeek's conversion renders it. Protocol routes set it; the agent's transcript
+    keys (a conversation through a sampled turn) leave it off.
     """
 
     messages: list[Message] = field(default_factory=list)
@@ -99,3 +110,4 @@ class Conversation:
     tool_name: str | None = None
     tool_none: bool = False
     late_system: str = ""
+    open_reply: bool = False

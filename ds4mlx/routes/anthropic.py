@@ -431,6 +431,9 @@ def to_conversation(
             msgs.extend(_user_turn(blocks))
         else:
             msgs.append(_assistant_turn(blocks, decode_reasoning))
+    if msgs and msgs[-1].role == "assistant":
+        # Anthropic's prefill: the reply continues a trailing assistant message.
+        msgs[-1].prefix = True
     tools = _tools(req)
     thinking = req.thinking.type != "disabled" if req.thinking else default_thinking
     _, effort = effort_to_reasoning((req.output_config or {}).get("effort"))
@@ -444,6 +447,7 @@ def to_conversation(
         tool_required=required,
         tool_name=name,
         tool_none=(req.tool_choice or {}).get("type") == "none",
+        open_reply=True,
     )
 
 

@@ -97,6 +97,7 @@ class ChatMessage(OpenModel):
     tool_calls: list[ChatToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    prefix: bool | None = None  # DeepSeek: the trailing assistant message is continued
 
 
 class FunctionDef(OpenModel):
@@ -218,6 +219,7 @@ def _assistant_turn(m: ChatMessage) -> Message:
         content=parts_text(m.content),
         reasoning=reasoning if isinstance(reasoning, str) else None,
         tool_calls=calls,
+        prefix=bool(m.prefix),
     )
 
 
@@ -277,6 +279,7 @@ def to_conversation(req: ChatRequest, *, default_thinking: bool = True) -> Conve
         tool_required=required,
         tool_name=name,
         tool_none=req.tool_choice == "none",
+        open_reply=True,
     )
 
 

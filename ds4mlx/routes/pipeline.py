@@ -31,7 +31,7 @@ from typing import Any, Protocol, TypeVar
 
 from quart import Response
 
-from ds4mlx.dsml import Conversation, Rendered
+from ds4mlx.dsml import Conversation, Rendered, reply_thinking
 from ds4mlx.dsml import render as render_conv
 from ds4mlx.jobs import GenRequest, Job, JobDone, JobFailed, JobStarted, PrefillProgress, TurnSpec
 from ds4mlx.routes.common import state
@@ -82,7 +82,8 @@ def prepare(
     turn = TurnSpec(
         sampling=sampling,
         max_tokens=limit,
-        thinking=conv.thinking,
+        # A continued assistant message (prefix) with content: the reply is visible text.
+        thinking=reply_thinking(conv),
         tools=tuple(conv.tools),
         id_prefix=id_prefix,
         stops=tuple(stops or ()),

@@ -451,6 +451,7 @@ def to_conversation(
         tool_required=required,
         tool_name=name,
         tool_none=req.tool_choice == "none",
+        open_reply=True,
     )
 
 
