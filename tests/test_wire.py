@@ -237,7 +237,7 @@ def test_openai_chat_roles_tools_and_reasoning():
     assert _roles(conv) == ["system", "user", "assistant", "tool"]
     # A developer message inside the conversation renders after the tools section.
     assert conv.messages[0].content == "S1" and conv.late_system == "D"
-    assert conv.messages[1].content == "q[image_url]"
+    assert conv.messages[1].content == "q\n\n[image_url]"
     a = conv.messages[2]
     assert a.reasoning == "think"
     assert a.tool_calls == [

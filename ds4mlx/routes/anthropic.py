@@ -309,7 +309,8 @@ def _result_text(content: str | list[dict[str, Any]] | None) -> str:
 
 
 def _user_turn(blocks: list[Any]) -> list[Message]:
-    """A user message: its tool results (``tool`` messages), then its text, if any."""
+    """A user message: its tool results (``tool`` messages), then its text blocks, if
+    any, joined by a blank line as DeepSeek's own conversion joins them."""
     out: list[Message] = []
     texts: list[str] = []
     for b in blocks:
@@ -323,7 +324,7 @@ def _user_turn(blocks: list[Any]) -> list[Message]:
         else:
             texts.append(placeholder(b.type))
     if texts or not out:
-        out.append(Message(role="user", content=join_newline(texts)))
+        out.append(Message(role="user", content="\n\n".join(texts)))
     return out
 
 
