@@ -332,7 +332,8 @@ def test_malformed_details():
     dec, _ = run([MALFORMED["truncated_in_json_value"][0]], thinking=False)
     assert dec.result.tool_calls[0].arguments == {"path": "a.py"}
     dec, _ = run([MALFORMED["truncated_in_close_marker"][0]], thinking=False)
-    assert dec.result.tool_calls[0].arguments == {"new": "abc</｜DSML｜para"}
+    # Issue 20 item 6: the cut closing tag's bytes are not part of the value.
+    assert dec.result.tool_calls[0].arguments == {"new": "abc"}
     dec, _ = run([MALFORMED["bad_param_header"][0]], thinking=False)
     assert dec.result.tool_calls[0].arguments == {"path": "a.py"}
     dec, _ = run([MALFORMED["missing_invoke_close"][0]], thinking=False)
