@@ -88,8 +88,9 @@ class JobDone:
     """The job ended.
 
     Attributes:
-        finish: ``"stop"`` (EOS), ``"stop_sequence"``, ``"length"`` (max_tokens or a full
-            context), ``"cancelled"``.
+        finish: ``"stop"`` (EOS), ``"stop_sequence"``, ``"length"`` (the client's
+            ``max_tokens``), ``"context"`` (the context filled: the room the prompt left,
+            lower than the client's limit, ran out), ``"cancelled"``.
         stop_sequence: the matched stop string, or None.
         prompt_tokens, cached_tokens, completion_tokens, reasoning_tokens: usage (int).
         tool_calls: the calls sampled, in order.

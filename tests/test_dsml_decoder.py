@@ -332,7 +332,8 @@ def test_malformed_details():
     dec, _ = run([MALFORMED["truncated_in_json_value"][0]], thinking=False)
     assert dec.result.tool_calls[0].arguments == {"path": "a.py"}
     dec, _ = run([MALFORMED["truncated_in_close_marker"][0]], thinking=False)
-    assert dec.result.tool_calls[0].arguments == {"new": "abc</｜DSML｜para"}
+    # Issue 20 item 6: the cut closing tag's bytes are not part of the value.
+    assert dec.result.tool_calls[0].arguments == {"new": "abc"}
     dec, _ = run([MALFORMED["bad_param_header"][0]], thinking=False)
     assert dec.result.tool_calls[0].arguments == {"path": "a.py"}
     dec, _ = run([MALFORMED["missing_invoke_close"][0]], thinking=False)
@@ -566,3 +567,46 @@ def test_property_mutated_blocks_recover(msg, thinking, ops, data):
     check_stream_consistency(e2)
     assert not any(m.startswith("internal") for m in d1.result.errors)
     assert normalized(d1, e1) == normalized(d2, e2)
+
+
+@pytest.mark.parametrize(
+    ("value", "tail", "args"),
+    [
+        ('string="true">Paris', "</｜DSML｜parameter", '{"city": "Paris'),
+        ('string="true">Paris', "</｜DSML｜", '{"city": "Paris'),
+        ('string="true">a</b', "</", '{"city": "a</b</'),  # not markup: kept
+        ('string="false">12', "</｜DSML｜param", ""),  # a cut JSON value is never streamed
+    ],
+)
+def test_a_closing_tag_cut_by_the_end_of_the_turn_is_not_arguments(value, tail, args):
+    """Issue 20 item 6: max_tokens ends the turn inside ``</｜DSML｜parameter>``: none of
+    the tag's bytes reach the streamed arguments, fed whole or char by char."""
+    text = (
+        f'\n\n{TOOL_CALLS_OPEN}\n<｜DSML｜invoke name="get_weather">\n'
+        f'<｜DSML｜parameter name="city" {value}{tail}'
+    )
+    for pieces in ([text], list(text)):
+        dec = StreamDecoder(False, TOOLS)
+        evs = [e for p in pieces for e in dec.feed(p)] + dec.finish()
+        streamed = "".join(e.text for e in evs if isinstance(e, ToolCallArgsDelta))
+        assert streamed == args
+        (end,) = [e for e in evs if isinstance(e, ToolCallEnd)]
+        assert not end.closed
+
+
+def test_tool_choice_none_drops_calls_in_text_and_in_reasoning():
+    """Issue 20 item 1: ``calls=False``: no call event, no call in the result, none of
+    the block's bytes as text, wherever the block is."""
+    block = (
+        f'\n\n{TOOL_CALLS_OPEN}\n<｜DSML｜invoke name="get_weather">\n'
+        f'<｜DSML｜parameter name="city" string="true">Qwzx{PARAM_CLOSE}\n'
+        "</｜DSML｜invoke>\n</｜DSML｜tool_calls>" + EOS
+    )
+    for thinking, text in ((False, "Sure." + block), (True, "hmm" + block)):
+        for pieces in ([text], list(text)):
+            dec = StreamDecoder(thinking, TOOLS, calls=False)
+            evs = [e for p in pieces for e in dec.feed(p)] + dec.finish()
+            assert not [e for e in evs if isinstance(e, ToolCallStart | ToolCallEnd)]
+            shown = "".join(e.text for e in evs if isinstance(e, TextDelta | ThinkingDelta))
+            assert shown == ("hmm" if thinking else "Sure.") and dec.dropped_calls == 1
+            assert dec.result.tool_calls == []

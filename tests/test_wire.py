@@ -239,7 +239,7 @@ def test_openai_chat_roles_tools_and_reasoning():
     # follows (issue 19: the KV holds the request's rendering).
     assert conv.messages[0].content == "S1" and conv.late_system == ""
     assert conv.messages[4].content == "<system-reminder>\nD\n</system-reminder>"
-    assert conv.messages[1].content == "q[image_url]"
+    assert conv.messages[1].content == "q\n\n[image_url]"
     a = conv.messages[2]
     assert a.reasoning == "think"
     assert a.tool_calls == [

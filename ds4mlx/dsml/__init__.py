@@ -39,6 +39,7 @@ from .render import (
     render_tool_calls,
     render_tool_results_suffix,
     render_tools_section,
+    reply_thinking,
     think_max_active,
 )
 from .stops import StopMatcher
@@ -78,5 +79,6 @@ __all__ = [
     "render_late_result",
     "render_tool_results_suffix",
     "render_tools_section",
+    "reply_thinking",
     "think_max_active",
 ]

@@ -58,6 +58,11 @@ class Message:
       ``read_url`` (DeepSeek's quick-instruction tasks); None for normal turns.
     - ``response_format``: a JSON schema dict rendered as a "## Response Format"
       section after a ``system``/``developer`` message's text.
+
+    ``prefix`` (DeepSeek's chat field, and every trailing Anthropic assistant message):
+    the conversation's last message is an assistant turn the model continues (a
+    prefill): it renders open, without EOS (``<think>reasoning</think>content``, or
+    ``<think>reasoning`` still thinking when it has no content); ignored elsewhere.
     """
 
     role: Role
@@ -68,6 +73,7 @@ class Message:
     tools: list[ToolSpec] = field(default_factory=list)
     task: str | None = None
     response_format: dict[str, Any] | None = None
+    prefix: bool = False
 
 
 @dataclass
@@ -80,7 +86,9 @@ class Conversation:
 
     ``tool_required`` / ``tool_name``: the client's forced ``tool_choice`` (any tool /
     that tool). It does not change the rendered prompt; the generation loop opens the
-    tool-call block itself once the visible reply starts.
+    tool-call block itself once the visible reply starts. ``tool_none``: the client's
+    ``tool_choice: none``: no tools are rendered and a call the model writes anyway is
+    dropped (never reported as a call nor shown as text).
 
     ``late_system``: system instructions that arrive inside the conversation before the
     first assistant turn (Claude Code's environment block, OpenAI ``developer``
@@ -89,6 +97,11 @@ class Conversation:
     request and its retry share even when the retry carries the same text elsewhere.
     Later system text is user-turn text (``<system-reminder>``), placed by the routes
     (docs/ARCHITECTURE.md §4).
+
+    ``open_reply``: a conversation that ends with a closed assistant turn (no
+    ``prefix``) is a request for a new reply after it: a reply opener follows its EOS,
+    as DeepSeek's conversion renders it. Protocol routes set it; the agent's transcript
+    keys (a conversation through a sampled turn) leave it off.
     """
 
     messages: list[Message] = field(default_factory=list)
@@ -97,4 +110,6 @@ class Conversation:
     reasoning_effort: str | None = None
     tool_required: bool = False
     tool_name: str | None = None
+    tool_none: bool = False
     late_system: str = ""
+    open_reply: bool = False

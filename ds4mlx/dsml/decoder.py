@@ -135,6 +135,7 @@ class ParseError:
 
 
 Event = ThinkingDelta | TextDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd | ParseError
+_CALL_EVENTS = (ToolCallStart, ToolCallArgsDelta, ToolCallEnd)
 
 
 @dataclass
@@ -280,15 +281,16 @@ def _partial(buf: str, markers: tuple[str, ...]) -> int:
     return 0
 
 
-def _without_cut_marker(buf: str) -> str:
-    """Visible text at the end of a turn, minus a tool-call opener cut by that end.
+def _without_cut_marker(buf: str, markers: tuple[str, ...] = _TEXT_STOPS) -> str:
+    """Text at the end of a turn, minus a marker cut by that end.
 
-    The tail held back as a possible ``\n\n<｜DSML｜tool_calls>`` is the model opening a
-    call once it holds the ``｜DSML｜`` token (as for `StreamDecoder.in_structure`); a
-    turn cut there (``max_tokens``) must not show the marker's bytes as text. A tail
-    without it (``\n\n``, ``<``) is ordinary text and is kept.
+    The tail held back as a possible marker (``\n\n<｜DSML｜tool_calls>`` in visible
+    text, ``</｜DSML｜parameter>`` in a parameter value) is the model writing markup once
+    it holds the ``｜DSML｜`` token (as for `StreamDecoder.in_structure`); a turn cut
+    there (``max_tokens``) must not show the marker's bytes as text or arguments. A tail
+    without it (``\n\n``, ``<``, ``</``) is ordinary text and is kept.
     """
-    held = _partial(buf, _TEXT_STOPS)
+    held = _partial(buf, markers)
     if held and DSML in buf[len(buf) - held :]:
         return buf[: len(buf) - held]
     return buf
@@ -325,6 +327,10 @@ class StreamDecoder:
     reasoning. ``tools``: the offered tools; their schemas order each call's
     arguments (unknown names or properties keep the sampled order). ``id_prefix``:
     ``"toolu_"`` (Anthropic) or ``"call_"`` (OpenAI) for new call ids (`new_tool_id`).
+    ``calls`` False (the client's ``tool_choice: none``): a tool-call block the model
+    writes anyway is parsed as usual but yields no ``ToolCall*`` event and no
+    ``result.tool_calls``; its bytes are never text either (the visible text ends where
+    the block starts). ``dropped_calls`` counts the calls left out.
 
     ``feed(text)`` and ``finish()`` return lists of events (`ThinkingDelta`,
     `TextDelta`, `ToolCallStart`, `ToolCallArgsDelta`, `ToolCallEnd`, `ParseError`);
@@ -336,10 +342,17 @@ class StreamDecoder:
     """
 
     def __init__(
-        self, thinking: bool, tools: list[ToolSpec] | None = None, id_prefix: str = "toolu_"
+        self,
+        thinking: bool,
+        tools: list[ToolSpec] | None = None,
+        id_prefix: str = "toolu_",
+        *,
+        calls: bool = True,
     ) -> None:
         self.thinking = thinking
         self.id_prefix = id_prefix
+        self.calls = calls
+        self.dropped_calls = 0
         self._order: dict[str, list[str]] = {}
         for tool in tools or []:
             props = (tool.parameters or {}).get("properties") or {}
@@ -402,6 +415,8 @@ class StreamDecoder:
         )
         if self._probe is not None and self.tool_block_closed:
             self._probe.merge_into(res)
+        if not self.calls:
+            res.tool_calls = []
         return res
 
     @property
@@ -432,7 +447,10 @@ class StreamDecoder:
 
     def _take(self) -> list[Event]:
         events, self._events = self._events, []
-        return events
+        if self.calls:
+            return events
+        self.dropped_calls += sum(isinstance(e, ToolCallEnd) for e in events)
+        return [e for e in events if not isinstance(e, _CALL_EVENTS)]
 
     def _error(self, message: str) -> None:
         self._errors.append(message)
@@ -785,6 +803,7 @@ class StreamDecoder:
             self._call = None
             self._error("generation ended inside an invoke header")
         elif st in (_INV_BODY, _PAR_HEAD, _PAR_STR, _PAR_JSON, _SKIP):
+            buf = _without_cut_marker(buf, (PARAM_CLOSE,))
             if st in (_PAR_STR, _PAR_JSON) and buf:
                 self._body_piece(buf)
             if st == _PAR_HEAD:

@@ -253,6 +253,8 @@ class _Turn:
     blocks: list[tuple[str, str, str | None]] | None = None
     # Leading system turn: Conversation.late_system, rendered after the tools section.
     late: str = ""
+    # The last turn, an assistant turn the model continues (Message.prefix).
+    open: bool = False
 
 
 def _turn_from(msg: Message, idx: int) -> _Turn:
@@ -265,6 +267,7 @@ def _turn_from(msg: Message, idx: int) -> _Turn:
         tools=list(msg.tools),
         task=msg.task if msg.task in TASK_TOKENS else None,
         response_format=msg.response_format,
+        open=msg.prefix,
     )
 
 
@@ -327,12 +330,15 @@ def _sort_tool_results(turns: list[_Turn]) -> None:
 
 def _last_user_index(turns: list[_Turn]) -> int:
     for i in range(len(turns) - 1, -1, -1):
-        if turns[i].role in ("user", "developer"):
+        if turns[i].role in ("user", "developer", _REPLY):
             return i
     return -1
 
 
 _KEEP_ROLES = ("user", "system", "tool", "latest_reminder")
+# The reply opener after a closed trailing assistant turn (Conversation.open_reply): it
+# opens the next turn as a user turn would, so the turns before it are history.
+_REPLY = "reply"
 
 
 def _drop_old_thinking(turns: list[_Turn]) -> list[_Turn]:
@@ -365,6 +371,10 @@ def _drop_old_thinking(turns: list[_Turn]) -> list[_Turn]:
 def _prepare(conv: Conversation) -> tuple[list[_Turn], bool]:
     """Merged, sorted, thinning-applied turns and whether old reasoning was dropped."""
     turns = _merge(conv)
+    for turn in turns[:-1]:
+        turn.open = False  # only the last message can be continued
+    if turns and turns[-1].role == "assistant" and not turns[-1].open and conv.open_reply:
+        turns.append(_Turn(role=_REPLY, sources=[]))
     if conv.tools or conv.late_system:
         if not turns or turns[0].role != "system":
             turns.insert(0, _Turn(role="system", sources=[]))
@@ -443,8 +453,7 @@ def _render_turn(
     elif role == "assistant":
         after_task = i > 0 and turns[i - 1].task is not None
         keep_reasoning = thinking and not after_task and (not drop or i > last_user)
-        head = (content(turn.reasoning or "") + THINK_END) if keep_reasoning else ""
-        out += head + content(turn.content) + _tool_calls(turn.tool_calls, tool_memory) + EOS
+        out += _assistant_text(turn, keep_reasoning, tool_memory)  # an open one is last
     else:
         raise ValueError(f"unknown role {role!r}")
 
@@ -468,6 +477,31 @@ def _render_turn(
     return out
 
 
+def _assistant_text(turn: _Turn, keep_reasoning: bool, tool_memory: ToolMemory | None) -> str:
+    """An assistant turn: ``reasoning</think>`` (when kept) + content + calls + EOS, or,
+    for a turn the model continues (`Message.prefix`), open: no EOS; with no content yet,
+    thinking mode leaves the reasoning open."""
+    if not turn.open:
+        head = (content(turn.reasoning or "") + THINK_END) if keep_reasoning else ""
+        return head + content(turn.content) + _tool_calls(turn.tool_calls, tool_memory) + EOS
+    if turn.tool_calls:
+        raise ValueError("an assistant message to continue (prefix) cannot hold tool calls")
+    if not keep_reasoning:
+        return content(turn.content)
+    if not turn.content:
+        return content(turn.reasoning or "")
+    return content(turn.reasoning or "") + THINK_END + content(turn.content)
+
+
+def reply_thinking(conv: Conversation) -> bool:
+    """Whether the reply to ``conv`` starts in reasoning: thinking mode, unless the
+    model continues an assistant message (`Message.prefix`) that has content."""
+    last = conv.messages[-1] if conv.messages else None
+    if last is not None and last.role == "assistant" and last.prefix and last.content:
+        return False
+    return conv.thinking
+
+
 def _marked_segments(
     conv: Conversation, *, context_size: int | None, tool_memory: ToolMemory | None
 ) -> list[Segment]:
@@ -477,6 +511,10 @@ def _marked_segments(
     preamble = think_max_active(conv, context_size)
     segments = [Segment("bos", (), BOS)]
     for i, turn in enumerate(turns):
+        if turn.role == _REPLY:
+            opener = THINK_START if conv.thinking else THINK_END
+            segments.append(Segment(turn.role, (), ASSISTANT + opener))
+            continue
         text = _render_turn(
             i,
             turns,

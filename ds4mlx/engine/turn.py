@@ -80,9 +80,15 @@ class TurnSpec:
         stops: stop strings, matched in visible text.
         tool_required: force a tool call (see the module doc).
         tool_name: with ``tool_required``, the tool whose name is forced too, or None.
+        calls: False for the client's ``tool_choice: none``: a tool-call block the model
+            writes anyway is dropped (``StreamDecoder(calls=False)``: no call, no text;
+            `TurnResult.dropped_calls` counts them).
         logprobs: raw turns: top-N alternatives per token (`RawText.logprobs`), or None.
-        top_logprobs: chat turns: top-N alternatives per visible token (a `TokenLogprob`
-            event before the text it completes), or None.
+        top_logprobs: chat turns: top-N alternatives per token of the visible text (a
+            `TokenLogprob` event before the text it completes; a token counts when its
+            text starts inside what the client sees), or None. Reasoning, tool-call
+            tokens (DSML markup and arguments alike) and a separator held back as part
+            of the tool-call opener get none.
         greedy_after_script: argmax once a scripted continuation runs out (tests).
         cap_is_eos: reaching ``max_tokens`` ends the turn as ``stop`` and feeds the
             last token (``serve --demo``).
@@ -101,6 +107,7 @@ class TurnSpec:
     stops: Sequence[str] = ()
     tool_required: bool = False
     tool_name: str | None = None
+    calls: bool = True
     logprobs: int | None = None
     top_logprobs: int | None = None
     greedy_after_script: bool = False
@@ -165,6 +172,8 @@ class TurnResult:
             the turn is left out: it is never presented as runnable).
         call_errors: id → why that call must not run (its DSML needed repair, or was
             cut by the end of the turn).
+        dropped_calls: calls the model wrote under ``TurnSpec.calls`` False (never
+            reported; the live state holds their tokens).
         reasoning: the reasoning text sampled.
         text: the visible text emitted (after stop strings).
         raw: the whole generated text, as sampled.
@@ -185,6 +194,7 @@ class TurnResult:
     decoded: DecodeResult | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
     call_errors: dict[str, str] = field(default_factory=dict)
+    dropped_calls: int = 0
     reasoning: str = ""
     text: str = ""
     raw: str = ""
@@ -264,7 +274,9 @@ class Turn:
         self.cancel = cancel or (lambda: False)
         self.tool_memory = tool_memory
         self.decoder = (
-            StreamDecoder(spec.thinking, list(spec.tools), id_prefix=spec.id_prefix)
+            StreamDecoder(
+                spec.thinking, list(spec.tools), id_prefix=spec.id_prefix, calls=spec.calls
+            )
             if spec.parse
             else None
         )
@@ -277,6 +289,13 @@ class Turn:
         self.reasoning: list[str] = []
         self.pending_ids: list[int] = []
         self.pending_lp: list[TokenLogprob] = []
+        # Chat logprobs: (offset of the token's text in the reply after </think>, entry);
+        # the visible text is a prefix of that reply, so a token whose text starts past
+        # the end of what was shown (DSML markup, a separator held back as part of the
+        # tool-call opener, text after a stop string) never gets an entry.
+        self.lp_queue: collections.deque[tuple[int, TokenLogprob]] = collections.deque()
+        self.reply_chars = 0
+        self.shown = 0
         self.open_errors: list[str] = []
         self.in_call = False
         self.forced: collections.deque[int] = collections.deque()
@@ -324,6 +343,11 @@ class Turn:
 
     def _emit_text(self, text: str) -> None:
         self.visible.append(text)
+        self.shown += len(text)
+        # Logprobs cover the tokens whose text the client sees: a token's entry goes out
+        # (before the text it completes) once the visible text reaches its first char.
+        while self.lp_queue and self.lp_queue[0][0] < self.shown:
+            self.emit(self.lp_queue.popleft()[1])
         self.emit(TextDelta(text))
 
     def _track_call(self, ev: Any) -> None:
@@ -373,8 +397,9 @@ class Turn:
         piece = self.detok.add(t)
         self.raw.append(piece)
         if self.decoder is not None:
-            if lp is not None:
-                self.emit(lp)
+            if lp is not None:  # held until the visible text reaches this token
+                self.lp_queue.append((self.reply_chars, lp))
+                self.reply_chars += len(piece)
             return self._out(self.decoder.feed(piece))
         self.pending_ids.append(t)
         if lp is not None:
@@ -533,6 +558,7 @@ class Turn:
         r.reasoning = "".join(self.reasoning)
         if self.decoder is not None:
             r.decoded = self.decoder.result
+            r.dropped_calls = self.decoder.dropped_calls
         if not self.spec.thinking:
             r.reasoning_tokens = 0
         return r

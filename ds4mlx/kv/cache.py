@@ -153,7 +153,9 @@ class Lease:
         chat = p is not None and not p.transcript and result.decoded is not None
         self._cache.planner.after_generation(
             self.state,
-            finish=result.finish,
+            # Dropped calls (``tool_choice: none``) are in the live state but in no
+            # rendering of this turn: it binds nothing, as a cut turn does.
+            finish="dropped-calls" if getattr(result, "dropped_calls", 0) else result.finish,
             tool_calls=result.tool_calls,
             # The rendering with its content spans: the turn's visible keys carry where
             # the prompt spells special tokens as plain text.

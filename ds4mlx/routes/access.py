@@ -149,12 +149,12 @@ def check_request(path: str, headers: Mapping[str, str], config) -> APIError | N
 
 
 def check_http(request) -> APIError | None:
-    """What an HTTP request passes after `check_request`: the API key (not on ``/`` and
-    ``/health``), then for a POST the declared size (413) before the content type
+    """What an HTTP request passes after `check_request`: the API key (not on ``/``, ``/health``
+    and ``/api/hello``: the probes clients send before their key), then for a POST the declared size (413) before the content type
     (415, `check_content_type`). ``request``: Quart's."""
     from werkzeug.exceptions import RequestEntityTooLarge
 
-    if request.path not in ("/", "/health"):
+    if request.path not in ("/", "/health", "/api/hello"):
         err = check_auth(request.headers)
         if err is not None:
             return err

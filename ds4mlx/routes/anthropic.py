@@ -310,7 +310,8 @@ def _result_text(content: str | list[dict[str, Any]] | None) -> str:
 
 
 def _user_turn(blocks: list[Any]) -> list[Message]:
-    """A user message: its tool results (``tool`` messages), then its text, if any."""
+    """A user message: its tool results (``tool`` messages), then its text blocks, if
+    any, joined by a blank line as DeepSeek's own conversion joins them."""
     out: list[Message] = []
     texts: list[str] = []
     for b in blocks:
@@ -324,7 +325,7 @@ def _user_turn(blocks: list[Any]) -> list[Message]:
         else:
             texts.append(placeholder(b.type))
     if texts or not out:
-        out.append(Message(role="user", content=join_newline(texts)))
+        out.append(Message(role="user", content="\n\n".join(texts)))
     return out
 
 
@@ -432,6 +433,9 @@ def to_conversation(
             msgs.extend(_user_turn(blocks))
         else:
             msgs.append(_assistant_turn(blocks, decode_reasoning))
+    if msgs and msgs[-1].role == "assistant":
+        # Anthropic's prefill: the reply continues a trailing assistant message.
+        msgs[-1].prefix = True
     tools = _tools(req)
     thinking = req.thinking.type != "disabled" if req.thinking else default_thinking
     _, effort = effort_to_reasoning((req.output_config or {}).get("effort"))
@@ -444,6 +448,8 @@ def to_conversation(
         reasoning_effort=effort if thinking else None,
         tool_required=required,
         tool_name=name,
+        tool_none=(req.tool_choice or {}).get("type") == "none",
+        open_reply=True,
     )
 
 
@@ -614,6 +620,8 @@ class MessageEncoder:
             return [*out, self._ev("error", error=err)]
         if e.finish == "length":
             reason = "max_tokens"
+        elif e.finish == "context":
+            reason = "model_context_window_exceeded"
         elif e.finish == "stop_sequence":
             reason = "stop_sequence"
         else:

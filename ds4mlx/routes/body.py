@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
-from quart import request
+from quart import current_app, request
 from werkzeug.exceptions import HTTPException
 
 from ds4mlx.routes import carrier
@@ -201,15 +201,123 @@ def _child_vet(fn: Callable[..., Any], raw: bytes | str, args: tuple) -> APIErro
 
 
 async def read_body() -> bytes:
-    """The request body's bytes (on the event loop: only the transfer).
+    """The request body's bytes, its ``Content-Encoding`` undone (`decode_body`, off the
+    loop); on the event loop only the transfer.
 
     Raises:
-        APIError: 413 over the body limit.
+        APIError: 413 over the body limit (the bytes sent, and the decoded bytes); 415
+            for a content coding this server does not decode; 400 for a body that does
+            not decode.
     """
+    codings = content_codings(request.headers.get("Content-Encoding", ""))
     try:
-        return await request.get_data(cache=False, as_text=False)
+        raw = await request.get_data(cache=False, as_text=False)
     except HTTPException as e:
         raise http_exception_to_api(e) from None
+    if not codings:
+        return raw
+    limit = current_app.config.get("MAX_CONTENT_LENGTH") or DECODED_LIMIT
+    return await offload(decode_body, raw, codings, limit)
+
+
+# Content codings a body may arrive in: gzip and deflate always (stdlib zlib), zstd when
+# the optional ``zstandard`` package is installed.
+DECODED_LIMIT = 32 * 1024 * 1024
+
+
+def _zstd() -> Any:
+    try:
+        import zstandard
+    except ImportError:
+        return None
+    return zstandard
+
+
+def content_codings(header: str) -> list[str]:
+    """The codings of a ``Content-Encoding`` header, in the order they were applied
+    (``identity`` left out), checked before the body is read.
+
+    Raises:
+        APIError: 415 naming a coding this server does not decode.
+    """
+    codings = [c.strip().lower() for c in header.split(",") if c.strip()]
+    codings = [c for c in codings if c != "identity"]
+    known = {"gzip", "x-gzip", "deflate"} | ({"zstd"} if _zstd() is not None else set())
+    for c in codings:
+        if c not in known:
+            raise APIError(
+                415,
+                f"Content-Encoding {c!r} is not supported; send the body uncompressed"
+                f" or as {', '.join(sorted(known - {'x-gzip'}))}",
+                type="invalid_request_error",
+                code="unsupported_content_encoding",
+            )
+    return codings
+
+
+def decode_body(raw: bytes, codings: list[str], limit: int) -> bytes:
+    """Undo ``codings`` (applied in that order) on ``raw``, never producing more than
+    ``limit`` bytes: a small compressed body that expands past the body limit (a zip
+    bomb) is refused as soon as it does, without expanding the rest.
+
+    Raises:
+        APIError: 413 when the decoded body exceeds ``limit`` bytes; 400 for data that
+            is not valid in its coding.
+    """
+    import zlib
+
+    for coding in reversed(codings):
+        try:
+            if coding == "zstd":
+                raw = _unzstd(raw, limit)
+            else:
+                wbits = 16 + zlib.MAX_WBITS if coding in ("gzip", "x-gzip") else zlib.MAX_WBITS
+                raw = _inflate(raw, wbits, limit, raw_fallback=coding == "deflate")
+        except APIError:
+            raise
+        except Exception as e:  # zlib.error, zstandard.ZstdError: the bytes, not us
+            raise APIError(400, f"request body is not valid {coding} data: {e}") from None
+    return raw
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        413, f"decoded request body too large (limit {limit} bytes)", code="request_too_large"
+    )
+
+
+def _inflate(raw: bytes, wbits: int, limit: int, *, raw_fallback: bool) -> bytes:
+    """zlib/gzip data → bytes, at most ``limit`` (413 past it). ``raw_fallback``: HTTP
+    ``deflate`` is zlib-wrapped, but some clients send a bare deflate stream."""
+    import zlib
+
+    try:
+        d = zlib.decompressobj(wbits)
+        out = d.decompress(raw, limit + 1)
+    except zlib.error:
+        if not raw_fallback:
+            raise
+        d = zlib.decompressobj(-zlib.MAX_WBITS)
+        out = d.decompress(raw, limit + 1)
+    if len(out) > limit or d.unconsumed_tail:
+        raise _too_large(limit)
+    if not d.eof:
+        raise APIError(400, "request body is a truncated compressed stream")
+    return out
+
+
+def _unzstd(raw: bytes, limit: int) -> bytes:
+    """zstd data → bytes, at most ``limit`` (413 past it)."""
+    import io
+
+    reader = _zstd().ZstdDecompressor().stream_reader(io.BytesIO(raw))
+    out = bytearray()
+    while len(out) <= limit:  # read() may return less than asked before the end
+        piece = reader.read(min(1 << 20, limit + 1 - len(out)))
+        if not piece:
+            return bytes(out)
+        out += piece
+    raise _too_large(limit)
 
 
 def parse_json(raw: bytes | str) -> Any:

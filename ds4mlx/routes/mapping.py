@@ -64,9 +64,10 @@ def placeholder(kind: str | None) -> str:
 
 def parts_text(content: str | list[Any] | None) -> str:
     """Text of an OpenAI message ``content``: a string, or typed parts (``.type``,
-    ``.text``; chat's ``ContentPart``, Responses' ``InputPart``) concatenated — text
-    parts (``text``, ``input_text``, ``output_text``) as their text, ``refusal`` as its
-    refusal, anything else as a placeholder."""
+    ``.text``; chat's ``ContentPart``, Responses' ``InputPart``) joined by a blank line,
+    as DeepSeek's own conversion joins them (concatenated, ``"Hello"`` and ``"there"``
+    would read ``Hellothere``) — text parts (``text``, ``input_text``, ``output_text``)
+    as their text, ``refusal`` as its refusal, anything else as a placeholder."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -80,7 +81,7 @@ def parts_text(content: str | list[Any] | None) -> str:
             parts.append(refusal if isinstance(refusal, str) else "")
         else:
             parts.append(placeholder(p.type))
-    return "".join(parts)
+    return join_blank(parts)
 
 
 def json_object(text: str | dict[str, Any] | None) -> dict[str, Any]:

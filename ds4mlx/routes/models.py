@@ -123,10 +123,12 @@ async def detokenize_route():
 
 
 @bp.get("/")
+@bp.get("/api/hello")
 async def root():
-    """What answers at the base URL: clients probe it (Claude Code sends ``HEAD /`` when
-    it starts), so it is a 200, not a logged rejection. No API key needed, like
-    ``/health``."""
+    """What answers at the base URL and at ``/api/hello``: clients probe them (Claude
+    Code sends ``HEAD /`` when it starts and ``HEAD``/``GET /api/hello`` before it
+    connects), so they are a 200, not a logged rejection. ``HEAD`` is answered like
+    ``GET`` without the body. No API key needed, like ``/health``."""
     return json_response({"status": "ok", "service": "ds4mlx", "health": "/health"})
 
 

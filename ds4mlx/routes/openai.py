@@ -106,6 +106,7 @@ class ChatMessage(OpenModel):
     tool_calls: list[ChatToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    prefix: bool | None = None  # DeepSeek: the trailing assistant message is continued
 
 
 class FunctionDef(OpenModel):
@@ -178,8 +179,9 @@ def usage_of(d: JobDone) -> dict[str, Any]:
 
 
 def finish_of(d: JobDone, tools: bool) -> str:
-    """OpenAI ``finish_reason``: ``length``, ``tool_calls`` or ``stop``."""
-    if d.finish == "length":
+    """OpenAI ``finish_reason``: ``length`` (also for a full context: OpenAI has no
+    other word for it), ``tool_calls`` or ``stop``."""
+    if d.finish in ("length", "context"):
         return "length"
     return "tool_calls" if tools else "stop"
 
@@ -226,6 +228,7 @@ def _assistant_turn(m: ChatMessage) -> Message:
         content=parts_text(m.content),
         reasoning=reasoning if isinstance(reasoning, str) else None,
         tool_calls=calls,
+        prefix=bool(m.prefix),
     )
 
 
@@ -287,6 +290,8 @@ def to_conversation(req: ChatRequest, *, default_thinking: bool = True) -> Conve
         reasoning_effort=effort,
         tool_required=required,
         tool_name=name,
+        tool_none=req.tool_choice == "none",
+        open_reply=True,
     )
 
 

@@ -31,7 +31,7 @@ from typing import Any, Protocol, TypeVar
 
 from quart import Response
 
-from ds4mlx.dsml import Conversation, Rendered
+from ds4mlx.dsml import Conversation, Rendered, reply_thinking
 from ds4mlx.dsml import render as render_conv
 from ds4mlx.jobs import GenRequest, Job, JobDone, JobFailed, JobStarted, PrefillProgress, TurnSpec
 from ds4mlx.routes.common import state
@@ -84,12 +84,14 @@ def prepare(
     turn = TurnSpec(
         sampling=sampling,
         max_tokens=limit,
-        thinking=conv.thinking,
+        # A continued assistant message (prefix) with content: the reply is visible text.
+        thinking=reply_thinking(conv),
         tools=tuple(conv.tools),
         id_prefix=id_prefix,
         stops=tuple(stops or ()),
         tool_required=conv.tool_required,
         tool_name=conv.tool_name,
+        calls=not conv.tool_none,
         top_logprobs=top_logprobs,
         cap_is_eos=cap_is_eos,
     )

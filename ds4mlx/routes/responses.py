@@ -464,6 +464,8 @@ def to_conversation(
         reasoning_effort=effort if thinking else None,
         tool_required=required,
         tool_name=name,
+        tool_none=req.tool_choice == "none",
+        open_reply=True,
     )
 
 
@@ -810,7 +812,7 @@ class ResponseEncoder:
             self.response["status"] = "failed"
             self.response["error"] = {"code": "server_error", "message": "generation cancelled"}
             return [*out, self._ev("response.failed", response=self.result())]
-        if d.finish == "length":
+        if d.finish in ("length", "context"):  # Responses has no context-full reason
             self.response["status"] = "incomplete"
             self.response["incomplete_details"] = {"reason": "max_output_tokens"}
             return [*out, self._ev("response.incomplete", response=self.result())]

@@ -216,7 +216,7 @@ class Worker:
         self.jobs_done += 1
 
     def _run_job(self, job: Job) -> None:
-        from ds4mlx.engine import ContextOverflowError, run_turn
+        from ds4mlx.engine import FINISH_CONTEXT, FINISH_LENGTH, ContextOverflowError, run_turn
         from ds4mlx.kv.cache import ContextFull, Prompt, UnknownToolId
 
         req = job.request
@@ -253,11 +253,12 @@ class Worker:
             detail=detail,
         )
         job.emit(JobStarted(plan.prompt_tokens, plan.cached, decision))
+        spec = _fitted(req.turn, s.ctx_size - plan.prompt_tokens, script)
         try:
             result = run_turn(
                 s,
                 tok,
-                _fitted(req.turn, s.ctx_size - plan.prompt_tokens, script),
+                spec,
                 prefill=plan,
                 emit=self._emitter(job),
                 cancel=job.cancelled,
@@ -271,6 +272,8 @@ class Worker:
             return
         if self.tracer.enabled:
             self.tracer.write(job.id, "output", text=result.raw, finish=result.finish)
+        if result.finish == FINISH_LENGTH and spec.max_tokens < req.turn.max_tokens:
+            result.finish = FINISH_CONTEXT  # the room left, not the client's limit, ended it
         self._done(job, lease, result, t_start, decision, detail)
 
     def _emitter(self, job: Job) -> Callable[[Any], None]:
@@ -286,10 +289,8 @@ class Worker:
 
     def _done(self, job: Job, lease, result, t_start: float, decision: str, detail: str) -> None:
         """Report the turn (bindings, event, trace, log line)."""
-        from ds4mlx.engine import FINISH_CONTEXT
-
         plan = lease.plan
-        finish = "length" if result.finish == FINISH_CONTEXT else result.finish
+        finish = result.finish
         calls = list(result.tool_calls)
         outcome = JobDone(
             finish=finish,
