@@ -233,12 +233,13 @@ class Worker:
             job.emit(JobFailed(Failure.UNKNOWN_TOOL_ID, tool_id=e.tool_id))
             return
         s = self._active = plan.session or s  # with --sessions N: the state it chose
-        script = self.scripts.popleft() if self.scripts else None
         if plan.prompt_tokens >= s.ctx_size or plan.prompt_tokens == 0:
             # The one context check: the plan knows how many tokens the session will hold
             # (a live state may hold more than the prompt renders, or fewer tokens).
             job.emit(_prompt_error(plan.prompt_tokens, s.ctx_size))
             return
+        # A refused job generates nothing: it must not take the next scripted text.
+        script = self.scripts.popleft() if self.scripts else None
         decision, detail = _labelled(plan.decision, plan.detail, req.labels)
         self.tracer.write(
             job.id, "prompt", path=req.path, text=_text(req), tokens=plan.prompt_tokens
