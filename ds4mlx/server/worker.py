@@ -239,6 +239,8 @@ class Worker:
             return
         plan = lease.plan
         s = self._active = lease.session  # with --sessions N: the state it chose
+        # After begin's checks: a refused job generates nothing and must not take the
+        # next scripted text.
         script = self.scripts.popleft() if self.scripts else None
         decision, detail = _labelled(plan.decision, plan.detail, req.labels)
         self.tracer.write(
