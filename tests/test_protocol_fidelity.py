@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_util import EOS, Server, sse_events, tiny_model_dir, tool_call_dsml  # noqa: F401
+from server_util import EOS, Server, sse_events, tool_call_dsml
 
 CTX = 1024
 CHAT = "/v1/chat/completions"
@@ -33,7 +33,7 @@ NONE = {CHAT: "none", MSGS: {"type": "none"}, RESP: "none"}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):  # noqa: F811 (fixture from server_util)
+def server(tiny_model_dir):
     with Server(tiny_model_dir, ctx=CTX, extra=["--keepalive", "0.2"]) as s:
         yield s
 
