@@ -7,6 +7,8 @@ scripted token, so the KV state and token counts the tests measure are real.
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 from typing import Any
 
 from ds4mlx.agent.loop import AgentUI, CompactionInfo, Status, Step
@@ -99,3 +101,26 @@ class RecordingUI(AgentUI):
     @property
     def calls_ended(self) -> list[ToolCallEnd]:
         return [e for e in self.events if isinstance(e, ToolCallEnd)]
+
+
+def agent_env(columns: int = 120, **extra: str) -> dict[str, str]:
+    """The environment of an agent subprocess under test: plain text (no colours to match
+    through), a fixed terminal size, unbuffered output; ``extra`` added."""
+    env = dict(os.environ)
+    env.update(NO_COLOR="1", TERM="xterm", COLUMNS=str(columns), LINES="40", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def agent_args(tiny: Path, tmp: Path, script: list[str], *extra: str) -> list[str]:
+    """``python`` arguments of ``ds4mlx agent`` on checkpoint ``tiny`` with workspace
+    ``tmp/ws``, its KV cache in ``tmp/kv`` and ``script`` as its scripted decoding."""
+    ws = tmp / "ws"
+    ws.mkdir(exist_ok=True)
+    sf = tmp / "script.json"
+    sf.write_text(json.dumps(script))
+    return [
+        "-m", "ds4mlx.cli", "agent", "-m", str(tiny), "--ctx", "8192",
+        "--workspace", str(ws), "--kv-disk-dir", str(tmp / "kv"), "--script-file", str(sf),
+        *extra,
+    ]  # fmt: skip

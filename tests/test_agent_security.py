@@ -12,8 +12,6 @@
 from __future__ import annotations
 
 import io
-import json
-import os
 import re
 import subprocess
 import sys
@@ -32,7 +30,7 @@ from ds4mlx.agent.tools.shell import clean_terminal_output
 from ds4mlx.agent.ui import CONTROL_WARNING, RichUI, SafeConsole
 from ds4mlx.dsml import TextDelta, ThinkingDelta, ToolCall, ToolCallArgsDelta, ToolCallStart
 from ds4mlx.engine import Engine
-from tests.agent_script import invoke, turn
+from tests.agent_script import agent_args, agent_env, invoke, turn
 
 TIMEOUT = 90
 ESC = "\x1b"
@@ -217,22 +215,10 @@ def test_agent_commands_do_not_see_secrets_in_the_model_context(
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(NO_COLOR="1", TERM="xterm", COLUMNS="140", LINES="40", PYTHONUNBUFFERED="1")
-    env.update(extra)
-    return env
+    return agent_env(140, **extra)  # wide enough for the spoofing command's panel line
 
 
-def _args(tiny: Path, tmp: Path, script: list[str], *extra: str) -> list[str]:
-    ws = tmp / "ws"
-    ws.mkdir(exist_ok=True)
-    sf = tmp / "script.json"
-    sf.write_text(json.dumps(script))
-    return [
-        "-m", "ds4mlx.cli", "agent", "-m", str(tiny), "--ctx", "8192",
-        "--workspace", str(ws), "--kv-disk-dir", str(tmp / "kv"), "--script-file", str(sf),
-        *extra,
-    ]  # fmt: skip
+_args = agent_args
 
 
 def test_terminal_never_receives_raw_sequences(tiny_f32_dir, tmp_path) -> None:

@@ -21,7 +21,7 @@ import pexpect
 import pytest
 from server_util import pid_alive
 
-from tests.agent_script import invoke, turn
+from tests.agent_script import agent_args, agent_env, invoke, turn
 
 pytestmark = pytest.mark.slow
 
@@ -40,23 +40,8 @@ def tiny(tiny_f32_dir) -> Path:
     return tiny_f32_dir
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    # Plain text in the terminal: no colours to match through.
-    env.update(NO_COLOR="1", TERM="xterm", COLUMNS="120", LINES="40", PYTHONUNBUFFERED="1")
-    return env
-
-
-def _args(tiny: Path, tmp: Path, script: list[str], *extra: str) -> list[str]:
-    ws = tmp / "ws"
-    ws.mkdir(exist_ok=True)
-    sf = tmp / "script.json"
-    sf.write_text(json.dumps(script))
-    return [
-        "-m", "ds4mlx.cli", "agent", "-m", str(tiny), "--ctx", "8192",
-        "--workspace", str(ws), "--kv-disk-dir", str(tmp / "kv"), "--script-file", str(sf),
-        *extra,
-    ]  # fmt: skip
+_env = agent_env
+_args = agent_args
 
 
 def test_terminal_session(tiny, tmp_path):
