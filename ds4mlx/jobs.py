@@ -190,6 +190,8 @@ class GenRequest:
         state_key: the client's name of the conversation (Claude Code's agent or session
             id, Codex's ``prompt_cache_key``), or None: the prompt cache keeps each such
             conversation on its own resident state.
+        salt: the prompt cache salt (``ds4mlx.routes.common.cache_salt``; ``""``:
+            none): live states and snapshots are reused only under the same salt.
     """
 
     path: str
@@ -199,6 +201,7 @@ class GenRequest:
     conversation: Conversation | None = None
     labels: LiveLabels | None = None
     state_key: str | None = None
+    salt: str = ""
 
 
 @dataclass

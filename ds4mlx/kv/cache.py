@@ -76,6 +76,9 @@ class Prompt:
         state_key: the client's name for the conversation (an agent or session id, a
             prompt cache key), or None: a prompt that continues no live state goes to
             the state last used under that key (`PromptCache.begin`).
+        salt: the cache salt (``""``: none): opaque to the cache (the server derives it
+            from a request's ``cache_salt`` and API key). A live state or snapshot made
+            under one salt is never reused by a prompt of another.
     """
 
     tokens: Tokens
@@ -84,6 +87,7 @@ class Prompt:
     thinking: bool = False
     transcript: bool = False
     state_key: str | None = None
+    salt: str = ""
 
     @property
     def text(self) -> Rendered | None:
@@ -244,7 +248,7 @@ class PromptCache:
         tokens = _lazy(prompt.tokens)
         r, why = self._choose(prompt, rendered, tokens)
         before = (len(r.session.tokens), r.bindings.save())
-        plan = self.planner.plan(r, tokens, rendered, prompt.conversation)
+        plan = self.planner.plan(r, tokens, rendered, prompt.conversation, prompt.salt)
         if self.states.n > 1:
             plan.detail = f"{plan.detail} state={r.index}/{self.states.n} via={why}".strip()
         plan.session = r.session
@@ -282,11 +286,17 @@ class PromptCache:
         else:
             best: tuple | None = None
             for s in states.states:
-                score = self.planner.live_match(s, tokens, rendered, prompt.conversation)
+                score = self.planner.live_match(
+                    s, tokens, rendered, prompt.conversation, prompt.salt
+                )
                 if score is not None and (best is None or score > best[0]):
                     best = (score, s)
             side = best is None and self._is_side(prompt, rendered, tokens)
-            keyed = [s for s in states.states if prompt.state_key and s.key == prompt.state_key]
+            keyed = [
+                s
+                for s in states.states
+                if prompt.state_key and s.key == prompt.state_key and s.salt == prompt.salt
+            ]
             if best is not None:
                 r, why = best[1], "live"
             elif side:
@@ -326,7 +336,7 @@ class PromptCache:
         rendered = prompt.text
         tokens = _lazy(prompt.tokens)
         for r in list(self.states.states):
-            score = self.planner.live_match(r, tokens, rendered, prompt.conversation)
+            score = self.planner.live_match(r, tokens, rendered, prompt.conversation, prompt.salt)
             if score is not None and (best is None or score[1] > best[0]):
                 best = (score[1], r.index)
         return Reuse(best[0], best[1]) if best is not None else Reuse(0, None)

@@ -193,6 +193,7 @@ class DiskCache:
         *,
         keys: Sequence[str | tuple[str, Sequence[int]]] = (),
         tracker: policy.SaveTracker | None = None,
+        salt: str = "",
     ):
         """Snapshot the live session (on the inference thread; the file I/O runs on the
         writer thread when the cache has one).
@@ -209,6 +210,7 @@ class DiskCache:
                 special tokens as plain text, ``ds4mlx.kv.plan._alias``); recorded as
                 aliases of the snapshot (no second payload).
             tracker: the saves of ``session``'s live state (default ``self.tracker``).
+            salt: the state's cache salt (``""``: none; ``DiskKVStore.prepare_save``).
         Returns:
             The written ``Entry`` (synchronous cache), the queued
             ``ds4mlx.kv.store.PreparedSave`` (background writer: both have ``key`` and
@@ -239,6 +241,7 @@ class DiskCache:
                 meta=state.meta,
                 tool_memory=tools,
                 aliases=keys,
+                salt=salt,
             )
             if prepared is None:
                 return None
@@ -270,11 +273,14 @@ class DiskCache:
         if self.writer is not None and not self.writer.close(timeout):
             log.warning("kv cache: the writer did not drain in %.0f s; pending saves lost", timeout)
 
-    def lookup(self, rendered_text: str, accept=None, limit: int = 0) -> Loaded | None:
+    def lookup(
+        self, rendered_text: str, accept=None, limit: int = 0, salt: str = ""
+    ) -> Loaded | None:
         """The verified snapshot with the longest text that is a prefix of
         ``rendered_text`` (same model identity and context size) and that ``accept``
         takes, or None: `DiskKVStore.lookup_and_load` (``accept``, ``limit``: the
-        candidate check made before any KV array is read, the most candidates tried).
+        candidate check made before any KV array is read, the most candidates tried;
+        ``salt``: the prompt's cache salt, only snapshots saved under it are found).
 
         Corrupt or foreign files are skipped (and reported by the store), never loaded.
         """
@@ -282,9 +288,9 @@ class DiskCache:
             # A snapshot of a prefix of this prompt may still be queued (an exact replay
             # right after its prompt): let it reach the disk first, so the lookup sees it.
             data = rendered_text.encode("utf-8", "surrogatepass")
-            self.writer.wait_for(lambda p: p.prefix_of(data), timeout=60)
+            self.writer.wait_for(lambda p: p.salt == salt and p.prefix_of(data), timeout=60)
         try:
-            return self.store.lookup_and_load(rendered_text, accept=accept, limit=limit)
+            return self.store.lookup_and_load(rendered_text, accept=accept, limit=limit, salt=salt)
         except Exception:
             log.exception("kv cache: lookup failed")
             return None

@@ -336,6 +336,7 @@ class Planner:
         prompt_tokens: Tokens,
         rendered: Rendered | None,
         conversation=None,
+        salt: str = "",
     ) -> Plan:
         """Decide how to serve a prompt on state ``r`` and bring its session to the
         state to extend (kept, restored from a disk hit, or reset after an ``evict``
@@ -349,13 +350,17 @@ class Planner:
             rendered: the rendered prompt (suffixes are tokenized with its content as
                 plain text), or None for token-id prompts.
             conversation: the ``ds4mlx.dsml.Conversation`` it was rendered from, or None.
+            salt: the prompt's cache salt (``""``: none). A state of another salt is
+                never continued (rules 1-5 are skipped; it is replaced), and the disk
+                rule finds only snapshots saved under this salt.
         Raises:
             UnknownToolId: a tool result that nothing explains (a client mistake); the
                 session and the bindings are unchanged.
         """
         session = r.session
         prompt_tokens = _lazy(prompt_tokens)
-        live_ok = len(session.tokens) > 0 and session.logits is not None
+        same_salt = r.salt == salt
+        live_ok = same_salt and len(session.tokens) > 0 and session.logits is not None
         saved = r.bindings.save()
         # Whatever this prompt does, the bindings describe the state before it: a later
         # prompt can only continue from what *this* turn leaves (after_generation).
@@ -385,22 +390,29 @@ class Planner:
         if plan is not None and self._fits(plan):
             self._note_replayed(r, conversation)
             return self._checkpoints(plan, r, None)
-        plan = _prefix_plan(session, self.engine.tokenizer, rendered, prompt_tokens)
+        plan = (
+            _prefix_plan(session, self.engine.tokenizer, rendered, prompt_tokens)
+            if same_salt
+            else None
+        )
         if plan is not None and self._fits(plan):
             plan.detail = "ids=0"
         else:
-            # Either replaces the live state (and forgets which calls it holds).
-            plan = self._from_disk(r, rendered) or self._cold(r, prompt_tokens())
+            # Either replaces the live state (and forgets which calls it holds); the
+            # evict save of what it replaces is keyed by the state's old salt.
+            plan = self._from_disk(r, rendered, salt) or self._cold(r, prompt_tokens())
+        r.salt = salt
         self._note_replayed(r, conversation)
         return self._checkpoints(plan, r, rendered, conversation)
 
     def live_match(
-        self, r: Resident, prompt_tokens: Tokens, rendered, conversation
+        self, r: Resident, prompt_tokens: Tokens, rendered, conversation, salt: str = ""
     ) -> tuple[int, int] | None:
         """``(tier, kept tokens)`` of the best live rule for state ``r`` (3: tool ids,
-        2: a text key, 1: a prefix), or None. No side effects: it only ranks states
+        2: a text key, 1: a prefix), or None (also for a state of another cache
+        ``salt``). No side effects: it only ranks states
         (`ds4mlx.kv.cache.PromptCache` plans the chosen one for real)."""
-        if not r.live:
+        if not r.live or r.salt != salt:
             return None
         s, b = r.session, r.bindings
         tier, plan = 3, self._live_tools(s, conversation, b.tool)
@@ -471,11 +483,12 @@ class Planner:
             detail=f"match={TOOL_RESULT_IDS} ids={len(binding.ids)}",
         )
 
-    def _from_disk(self, r: Resident, rendered: Rendered | None) -> Plan | None:
-        """Rule 6: restore the longest stored rendered-text prefix (`DiskTier.restore`)."""
+    def _from_disk(self, r: Resident, rendered: Rendered | None, salt: str = "") -> Plan | None:
+        """Rule 6: restore the longest stored rendered-text prefix saved under ``salt``
+        (`DiskTier.restore`)."""
         if self.tier is None or rendered is None:
             return None
-        got = self.tier.restore(r, rendered)
+        got = self.tier.restore(r, rendered, salt)
         if got is None:
             return None
         n, detail, text_len = got
@@ -581,5 +594,6 @@ def reset(r: Resident) -> None:
     """Empty state ``r`` (a new conversation): no bindings, nothing saved."""
     r.bindings.clear()
     r.live_keys = ()
+    r.salt = ""
     replaced(r)
     r.session.reset()

@@ -51,6 +51,9 @@ class Resident:
         key: the client's name of the conversation it holds (``Prompt.state_key``), or
             None.
         side: its last job was a side request (``PromptCache._is_side``).
+        salt: the cache salt of the prompts it holds (``Prompt.salt``; ``""``: none):
+            only a prompt with the same salt continues it, and its snapshots are keyed
+            by it.
     """
 
     index: int
@@ -63,6 +66,7 @@ class Resident:
     last_job: int = 0
     key: str | None = None
     side: bool = False
+    salt: str = ""
 
     @property
     def live(self) -> bool:

@@ -172,6 +172,8 @@ class Entry:
             snapshot's aliases: the length of that alias text (int bytes); 0 otherwise.
         alias_marks: with ``via_alias``, that alias's marks: where its text spells
             special tokens as plain text (character offsets, ascending).
+        salt: the cache salt it was saved under (``""``: none; header field ``salt``,
+            absent when empty): only a lookup with the same salt finds it.
     """
 
     key: str
@@ -190,6 +192,7 @@ class Entry:
     head: str = ""
     via_alias: int = 0
     alias_marks: tuple[int, ...] = ()
+    salt: str = ""
 
 
 @dataclass(frozen=True)
@@ -265,6 +268,7 @@ class PreparedSave:
         aliases: more lookup texts that stand for the same state, each ``(UTF-8 text,
             marks)`` (see `DiskKVStore.prepare_save`), recorded in the sidecar index once
             the file is in place.
+        salt: the cache salt it is keyed under (``""``: none).
     """
 
     key: str
@@ -275,6 +279,7 @@ class PreparedSave:
     tools: dict[str, str]
     data: memoryview | bytes = field(repr=False)
     aliases: tuple[tuple[bytes, tuple[int, ...]], ...] = ()
+    salt: str = ""
 
     def prefix_of(self, prompt: bytes) -> bool:
         """Whether its text or one of its aliases is a prefix of ``prompt`` (UTF-8)."""
@@ -306,15 +311,19 @@ def _alias(alias: str | tuple[str, Sequence[int]]) -> tuple[bytes, tuple[int, ..
     return _utf8(text), tuple(int(o) for o in marks)
 
 
-def _namespace(model_identity: str, ctx_size: int) -> bytes:
-    return f"{model_identity}\0{int(ctx_size)}\0".encode("utf-8", "surrogatepass")
+def _namespace(model_identity: str, ctx_size: int, salt: str = "") -> bytes:
+    # A salted key puts ``salt:<salt> NUL`` before the text; a rendered prompt starts with
+    # the BOS marker, never with that, so no unsalted text hashes like a salted one.
+    ns = f"{model_identity}\0{int(ctx_size)}\0" + (f"salt:{salt}\0" if salt else "")
+    return ns.encode("utf-8", "surrogatepass")
 
 
-def text_key(text: str | bytes, model_identity: str, ctx_size: int) -> str:
-    """The cache key of ``text`` (str, or its UTF-8 bytes) for one model identity and
-    context size: SHA-1 hex of ``identity NUL ctx NUL text`` (file names, aliases)."""
+def text_key(text: str | bytes, model_identity: str, ctx_size: int, salt: str = "") -> str:
+    """The cache key of ``text`` (str, or its UTF-8 bytes) for one model identity,
+    context size and cache salt (``""``: none): SHA-1 hex of ``identity NUL ctx NUL
+    text``, with ``salt:<salt> NUL`` before the text when salted (file names, aliases)."""
     data = text if isinstance(text, bytes) else _utf8(text)
-    return _sha1(_namespace(model_identity, ctx_size) + data)
+    return _sha1(_namespace(model_identity, ctx_size, salt) + data)
 
 
 def _digest(tensors: Mapping[str, mx.array]) -> str:
@@ -392,6 +401,7 @@ def _parse_meta(meta: Mapping[str, str]) -> dict:
             "reason": meta["reason"],
             "tool_count": int(meta.get("tool_count", "0")),
             "digest": meta["digest"],
+            "salt": meta.get("salt", ""),
         }
     except ValueError as e:
         raise KVStoreError(f"malformed header field: {e}") from e
@@ -451,7 +461,7 @@ def read_entry(path: str | os.PathLike, *, verify_key: bool = True) -> Entry:
         raise
     except Exception as e:  # safetensors raises its own error types for bad layouts
         raise KVStoreError(f"unreadable safetensors: {e}") from e
-    if verify_key and text_key(text, hdr["model_identity"], hdr["ctx_size"]) != key:
+    if verify_key and text_key(text, hdr["model_identity"], hdr["ctx_size"], hdr["salt"]) != key:
         raise KVStoreError("identity, context and text do not hash to the file name")
     return Entry(
         key=key,
@@ -468,6 +478,7 @@ def read_entry(path: str | os.PathLike, *, verify_key: bool = True) -> Entry:
         size=size,
         tool_count=hdr["tool_count"],
         head=_head(text),
+        salt=hdr["salt"],
     )
 
 
@@ -615,7 +626,7 @@ def load_file(path: str | os.PathLike) -> Loaded:
         raise KVStoreError("digest mismatch: tensor data is corrupt")
     text_b = _array_bytes(tensors.pop(TEXT_KEY))
     if len(text_b) != hdr["text_bytes"] or (
-        text_key(text_b, hdr["model_identity"], hdr["ctx_size"]) != entry.key
+        text_key(text_b, hdr["model_identity"], hdr["ctx_size"], hdr["salt"]) != entry.key
     ):
         raise KVStoreError("identity, context and text do not hash to the file name")
     tokens = tensors.pop(TOKENS_KEY)
@@ -740,9 +751,12 @@ class DiskKVStore:
 
     # ---------------------------------------------------------------- directory state
 
-    def key_of(self, text: str | bytes) -> str:
-        """`text_key` of ``text`` for this store's identity and context size."""
+    def key_of(self, text: str | bytes, salt: str = "") -> str:
+        """`text_key` of ``text`` for this store's identity and context size, under the
+        cache salt ``salt`` (``""``: none)."""
         h = self._ns_hash.copy()
+        if salt:
+            h.update(f"salt:{salt}\0".encode("utf-8", "surrogatepass"))
         h.update(text if isinstance(text, bytes) else _utf8(text))
         return h.hexdigest()
 
@@ -834,7 +848,9 @@ class DiskKVStore:
 
     # ---------------------------------------------------------------- lookup and load
 
-    def lookup(self, rendered_prompt: str, *, exclude: Iterable[str] = ()) -> Entry | None:
+    def lookup(
+        self, rendered_prompt: str, *, exclude: Iterable[str] = (), salt: str = ""
+    ) -> Entry | None:
         """The snapshot with the longest text that is a byte prefix of ``rendered_prompt``.
 
         Only compatible snapshots (same model identity and context size, and same expert
@@ -843,13 +859,15 @@ class DiskKVStore:
         a prompt's rendering) count as texts of it; a match through one sets
         ``via_alias`` and ``alias_marks`` (the caller checks those). The comparison is
         on UTF-8 bytes via the SHA-1 key (the candidate's text itself is checked again
-        by :meth:`load`). Ties in length prefer more tokens. Returns None on a miss.
+        by :meth:`load`). Ties in length prefer more tokens. Only snapshots saved under
+        the cache salt ``salt`` are candidates (their keys hash it too). Returns None on
+        a miss.
         """
         data = _utf8(rendered_prompt)
         excluded = set(exclude)
         cands: list[tuple[int, int, str, Entry]] = []
         for e in self.entries():
-            if e.key in excluded:
+            if e.key in excluded or e.salt != salt:
                 continue
             cands.append((e.text_bytes, e.tokens, e.key, e))
             rec = self._index.get(e.key)
@@ -864,7 +882,7 @@ class DiskKVStore:
         for n, _, key, e in cands:
             h = hashes.get(n)
             if h is None:
-                h = hashes[n] = self.key_of(data[:n])
+                h = hashes[n] = self.key_of(data[:n], salt)
             if h == key:
                 return e
         return None
@@ -928,6 +946,7 @@ class DiskKVStore:
         *,
         accept: Callable[[Entry, str, Callable[[], list[int]]], str | None] | None = None,
         limit: int = 0,
+        salt: str = "",
     ) -> Loaded | None:
         """:meth:`lookup` then :meth:`load`, falling back to shorter prefixes when a
         candidate is rejected or fails to load. Returns None when nothing usable matches.
@@ -939,13 +958,14 @@ class DiskKVStore:
                 the alias), ``tokens()`` reads its token ids (`read_tokens`). Returns
                 None to take it, or why not (logged; the next candidate is tried).
             limit: the most candidates tried (0: no limit).
+            salt: the cache salt (`lookup`).
 
         The loaded snapshot's ``tried`` counts the candidates tried, itself included.
         """
         failed: list[str] = []
         data = _utf8(rendered_prompt)
         while not limit or len(failed) < limit:
-            e = self.lookup(rendered_prompt, exclude=failed)
+            e = self.lookup(rendered_prompt, exclude=failed, salt=salt)
             if e is None:
                 return None
             read: list[list[int]] = []
@@ -1036,6 +1056,7 @@ class DiskKVStore:
         meta: Mapping[str, str] | None = None,
         tool_memory: Mapping[str, str] | Iterable[tuple[str, str]] | None = None,
         aliases: Sequence[str | tuple[str, Sequence[int]]] = (),
+        salt: str = "",
     ) -> PreparedSave | None:
         """Serialize a snapshot into memory (the whole safetensors file, as bytes).
 
@@ -1060,6 +1081,8 @@ class DiskKVStore:
                 offsets; a bare ``str`` has none). A prompt starting with one restores it
                 and tokenizes only what follows, once the caller has checked the marks.
                 Empty aliases and ``text`` itself are dropped.
+            salt: the cache salt (``""``: none): part of the key and of its aliases'
+                keys, stored in the header, so only a lookup with it finds the snapshot.
 
         Returns:
             The `PreparedSave`, or None when serializing failed (logged).
@@ -1109,6 +1132,8 @@ class DiskKVStore:
             "tool_count": str(len(tools)),
             "session_meta": json.dumps(meta, ensure_ascii=False, sort_keys=True),
         }
+        if salt:  # unsalted headers stay as they were
+            header["salt"] = salt
         try:
             mx.eval(list(tensors.values()))
             header["digest"] = _digest(tensors)
@@ -1118,7 +1143,7 @@ class DiskKVStore:
             log.warning("kv cache: save failed tokens=%d reason=%s: %s", len(tokens), reason, e)
             return None
         return PreparedSave(
-            key=self.key_of(text_b),
+            key=self.key_of(text_b, salt),
             text_bytes=text_b,
             tokens=len(tokens),
             reason=reason,
@@ -1126,6 +1151,7 @@ class DiskKVStore:
             tools=tools,
             data=buf.getbuffer(),
             aliases=tuple(a for a in map(_alias, aliases) if a[0] and a[0] != text_b),
+            salt=salt,
         )
 
     def write(self, p: PreparedSave) -> Entry | None:
@@ -1194,6 +1220,7 @@ class DiskKVStore:
                     size=st_size,
                     tool_count=len(p.tools),
                     head=_head(p.text_bytes),
+                    salt=p.salt,
                 )
                 self._failed.pop(p.key, None)
                 # After the rename: an alias never names a file that is not there. A lost
@@ -1282,7 +1309,7 @@ class DiskKVStore:
         self._refresh_index()
         rec = self._index.get(e.key)
         have = rec["aliases"] if rec is not None and rec["created"] == e.created else []
-        new = [[self.key_of(a), len(a), list(m)] for a, m in aliases]
+        new = [[self.key_of(a, e.salt), len(a), list(m)] for a, m in aliases]
         merged = have + [a for a in new if a not in have]
         if merged != have:
             self._update_index(e.key, e.created, aliases=merged)

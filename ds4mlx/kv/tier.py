@@ -46,7 +46,13 @@ class DiskTier:
         with the tool ids it holds; ``keys``: more lookup texts (disk aliases). Returns
         what `DiskCache.save_live` returns (an entry with ``key``/``tokens``, or None)."""
         return self.disk.save_live(
-            r.session, reason, self.tool_memory, r.live_tool_ids, keys=keys, tracker=r.tracker
+            r.session,
+            reason,
+            self.tool_memory,
+            r.live_tool_ids,
+            keys=keys,
+            tracker=r.tracker,
+            salt=r.salt,
         )
 
     def with_checkpoints(
@@ -98,11 +104,14 @@ class DiskTier:
         if self.disk.continued_due(len(r.session.tokens), r.tracker):
             self.save(r, "continued")
 
-    def restore(self, r: Resident, rendered: Rendered) -> tuple[int, str, int] | None:
+    def restore(
+        self, r: Resident, rendered: Rendered, salt: str = ""
+    ) -> tuple[int, str, int] | None:
         """Rule 6: restore into ``r`` the longest stored rendered-text prefix of
         ``rendered`` whose markers match, trying up to `MAX_CANDIDATES` from the longest
         down; ``(tokens restored, log detail, characters of the prompt it covers)`` or
-        None (no hit: ``r`` is unchanged).
+        None (no hit: ``r`` is unchanged). Only snapshots saved under the prompt's cache
+        ``salt`` are candidates; on a hit ``r`` takes that salt.
 
         Each candidate is checked from its small text and token tensors before any KV
         array is read; a rejected one is logged and the next is tried. Loads first, then
@@ -126,7 +135,7 @@ class DiskTier:
                 same = _same_markers(tok, tokens(), rendered, end)
             return None if same else "matches as text, not as tokens"
 
-        loaded = self.disk.lookup(rendered.text, accept, MAX_CANDIDATES)
+        loaded = self.disk.lookup(rendered.text, accept, MAX_CANDIDATES, salt)
         if loaded is None:
             return None
         end = len(loaded.text)
@@ -139,6 +148,7 @@ class DiskTier:
             log.warning("kv cache: cannot restore %s: %s", loaded.entry.path.name, e)
             return None
         replaced(r)
+        r.salt = salt
         self._loaded(r, loaded)
         n = len(loaded.tokens)
         ms = (time.perf_counter() - t0) * 1e3

@@ -32,6 +32,7 @@ Every check returns an `APIError` (or None when the request may pass); the hooks
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Mapping
 
@@ -123,11 +124,7 @@ def check_auth(headers: Mapping[str, str] | None = None) -> APIError | None:
     keys = state().config.api_keys
     if not keys:
         return None
-    headers = request.headers if headers is None else headers
-    got = headers.get("x-api-key") or ""
-    auth = headers.get("authorization") or ""
-    if auth.lower().startswith("bearer "):
-        got = got or auth[7:].strip()
+    got = _presented_key(request.headers if headers is None else headers)
     ok = False
     for key in keys:
         ok |= hmac.compare_digest(got.encode(), key.encode())
@@ -136,6 +133,28 @@ def check_auth(headers: Mapping[str, str] | None = None) -> APIError | None:
     return APIError(
         401, "invalid or missing API key", type="invalid_request_error", code="invalid_api_key"
     )
+
+
+def _presented_key(headers: Mapping[str, str]) -> str:
+    """The API key a request presents (``x-api-key``, else ``Authorization: Bearer``),
+    or ``""``."""
+    got = headers.get("x-api-key") or ""
+    auth = headers.get("authorization") or ""
+    if auth.lower().startswith("bearer "):
+        got = got or auth[7:].strip()
+    return got
+
+
+def key_salt(headers: Mapping[str, str]) -> str:
+    """The prompt cache's salt of the API key a request presents (its ``headers``, an
+    authorized request's): with several ``--api-key``s each key is its own cache salt,
+    so one key's client never reuses, or times, another's prefix. A SHA-256 hex digest
+    of the key (never the key: the salt is written into snapshot headers); ``""`` with
+    one key or none (every client is the same tenant)."""
+    if len(state().config.api_keys) < 2:
+        return ""
+    got = _presented_key(headers)
+    return hashlib.sha256(b"ds4mlx api key\0" + got.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def check_request(path: str, headers: Mapping[str, str], config) -> APIError | None:

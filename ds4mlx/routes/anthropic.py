@@ -52,9 +52,17 @@ from ds4mlx.dsml import (
     ToolSpec,
 )
 from ds4mlx.jobs import GenRequest, JobDone, JobFailed, JobStarted, LiveLabels
+from ds4mlx.routes.access import key_salt
 from ds4mlx.routes.body import OpenModel, offload, parse, read_body
 from ds4mlx.routes.carrier import carrier
-from ds4mlx.routes.common import json_response, model_thinking, new_id, state, state_key
+from ds4mlx.routes.common import (
+    cache_salt,
+    json_response,
+    model_thinking,
+    new_id,
+    state,
+    state_key,
+)
 from ds4mlx.routes.errors import APIError, Wording, failed_to_api
 from ds4mlx.routes.mapping import (
     WireError,
@@ -654,9 +662,12 @@ def _count(raw: bytes) -> int:
     return len(tokenize(render(_conversation(parse(CountTokensRequest, raw)))))
 
 
-def _job(raw: bytes, path: str, key: str | None) -> tuple[MessagesRequest, GenRequest]:
+def _job(
+    raw: bytes, path: str, key: str | None, salt_of_key: str = ""
+) -> tuple[MessagesRequest, GenRequest]:
     """The typed request and its job (off the event loop: parse, validate, map, render);
-    ``key``: its `state_key` (from the headers)."""
+    ``key``: its `state_key` (from the headers); the body's ``cache_salt`` and
+    ``salt_of_key`` (the API key's `key_salt`) make its cache salt (`cache_salt`)."""
     req = parse(MessagesRequest, raw)
     conv = _conversation(req)
     gen = prepare(
@@ -668,6 +679,7 @@ def _job(raw: bytes, path: str, key: str | None) -> tuple[MessagesRequest, GenRe
         id_prefix="toolu_",
         stops=req.stop_sequences,
         state_key=key,
+        salt=cache_salt((req.model_extra or {}).get("cache_salt"), salt_of_key),
     )
     return req, gen
 
@@ -676,7 +688,7 @@ def _job(raw: bytes, path: str, key: str | None) -> tuple[MessagesRequest, GenRe
 async def messages():
     """Anthropic Messages (streaming and not). Errors: Anthropic error shapes."""
     key = state_key(request.headers)
-    req, gen = await offload(_job, await read_body(), request.path, key)
+    req, gen = await offload(_job, await read_body(), request.path, key, key_salt(request.headers))
     st = state()
     job = st.submit(gen)
     enc = MessageEncoder(

@@ -8,6 +8,7 @@ and the stream driver are `ds4mlx.routes.pipeline`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import secrets
@@ -22,6 +23,7 @@ log = logging.getLogger("ds4mlx.server")
 # the session's (the main conversation and its side requests).
 STATE_HEADERS = ("x-claude-code-agent-id", "x-claude-code-session-id")
 MAX_STATE_KEY_BYTES = 256
+MAX_CACHE_SALT_CHARS = 256
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
@@ -95,3 +97,30 @@ def state_key(headers: Any = None, body_key: Any = None) -> str | None:
         source = "cache" if name == "prompt_cache_key" else name.split("-")[-2]
         return f"{source}:{value}"
     return None
+
+
+def cache_salt(body_salt: Any, key_salt: str = "") -> str:
+    """The prompt cache salt of a request (``ds4mlx.kv.cache.Prompt.salt``): its body's
+    ``cache_salt`` (as vLLM's: prompts of other salts never share cached state, so the
+    cached-token count and latency tell nothing across them) combined with the API key's
+    salt (``ds4mlx.routes.access.key_salt``). A SHA-256 hex digest of both, or ``""``
+    when neither is given (unsalted: every prompt may reuse every other's prefix).
+
+    Raises:
+        APIError: 400 (``param`` ``cache_salt``) when ``body_salt`` is given and is not
+            a non-empty string of at most `MAX_CACHE_SALT_CHARS` characters.
+    """
+    from ds4mlx.routes.errors import APIError
+
+    if body_salt is not None and (
+        not isinstance(body_salt, str) or not body_salt or len(body_salt) > MAX_CACHE_SALT_CHARS
+    ):
+        raise APIError(
+            400,
+            f"cache_salt: must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
+            param="cache_salt",
+        )
+    if body_salt is None and not key_salt:
+        return ""
+    data = f"{key_salt}\0{body_salt or ''}".encode("utf-8", "surrogatepass")
+    return hashlib.sha256(data).hexdigest()

@@ -37,9 +37,11 @@ from ds4mlx.dsml import (
     ToolSpec,
 )
 from ds4mlx.jobs import GenRequest, JobDone, JobFailed, JobStarted, LiveLabels, TokenLogprob
+from ds4mlx.routes.access import key_salt
 from ds4mlx.routes.body import OpenModel, offload, parse, read_body
 from ds4mlx.routes.common import (
     STATE_HEADERS,
+    cache_salt,
     json_response,
     model_thinking,
     new_id,
@@ -471,11 +473,15 @@ class ChatEncoder:
 # --------------------------------------------------------------------------- route
 
 
-def _job(raw: bytes, path: str, headers) -> tuple[ChatRequest, Conversation, GenRequest]:
+def _job(
+    raw: bytes, path: str, headers, key: str = ""
+) -> tuple[ChatRequest, Conversation, GenRequest]:
     """The typed request, its conversation and its job (off the event loop); ``headers``
     (a plain dict of the conversation headers) and the body's ``prompt_cache_key`` name
-    its resident state (`state_key`)."""
+    its resident state (`state_key`); the body's ``cache_salt`` and ``key`` (the API
+    key's `key_salt`) its cache salt (`cache_salt`)."""
     req = parse(ChatRequest, raw)
+    extra = req.model_extra or {}
     conv = conversation(req)
     gen = prepare(
         conv,
@@ -486,7 +492,8 @@ def _job(raw: bytes, path: str, headers) -> tuple[ChatRequest, Conversation, Gen
         id_prefix="call_",
         stops=stops_of(req.stop),
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-        state_key=state_key(headers, (req.model_extra or {}).get("prompt_cache_key")),
+        state_key=state_key(headers, extra.get("prompt_cache_key")),
+        salt=cache_salt(extra.get("cache_salt"), key),
     )
     return req, conv, gen
 
@@ -495,7 +502,9 @@ def _job(raw: bytes, path: str, headers) -> tuple[ChatRequest, Conversation, Gen
 async def chat_completions():
     """OpenAI Chat Completions (streaming and not). Errors: 400 shapes of OpenAI."""
     headers = {h: request.headers.get(h) for h in STATE_HEADERS}
-    req, conv, gen = await offload(_job, await read_body(), request.path, headers)
+    req, conv, gen = await offload(
+        _job, await read_body(), request.path, headers, key_salt(request.headers)
+    )
     st = state()
     job = st.submit(gen)
     meta = {

@@ -60,6 +60,7 @@ def prepare(
     stops: list[str] | None = None,
     top_logprobs: int | None = None,
     state_key: str | None = None,
+    salt: str = "",
 ) -> GenRequest:
     """Render and bound ``conv``; return the job to submit (call off the event loop).
 
@@ -74,6 +75,7 @@ def prepare(
         stops: stop strings.
         top_logprobs: chat ``logprobs``: None (off) or alternatives per token.
         state_key: the client's conversation name (`ds4mlx.routes.common.state_key`).
+        salt: the prompt cache salt (`ds4mlx.routes.common.cache_salt`).
     Raises:
         APIError: 400 for a conversation that cannot be rendered or a rendering the
             context cannot hold (`bound`).
@@ -102,6 +104,7 @@ def prepare(
         conversation=conv,
         labels=wording.labels,
         state_key=state_key,
+        salt=salt,
     )
 
 

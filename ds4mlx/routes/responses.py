@@ -59,11 +59,12 @@ from ds4mlx.dsml import (
     ToolSpec,
 )
 from ds4mlx.jobs import GenRequest, JobDone, JobFailed, JobStarted, LiveLabels
-from ds4mlx.routes.access import check_auth
+from ds4mlx.routes.access import check_auth, key_salt
 from ds4mlx.routes.body import OpenModel, offload, parse_json, read_body, validate
 from ds4mlx.routes.carrier import carrier
 from ds4mlx.routes.common import (
     STATE_HEADERS,
+    cache_salt,
     json_response,
     model_thinking,
     new_id,
@@ -508,7 +509,12 @@ def _resolve_previous(data: dict[str, Any], req: ResponsesRequest, store) -> dic
 
 
 def _prepare(
-    data: Any, *, path: str, store: dict[str, list[Any]] | None = None, headers=None
+    data: Any,
+    *,
+    path: str,
+    store: dict[str, list[Any]] | None = None,
+    headers=None,
+    key: str = "",
 ) -> _Prepared:
     """Validate a Responses body and build its `GenRequest` (off the event loop; raises
     `APIError`).
@@ -516,7 +522,8 @@ def _prepare(
     ``store`` is a WebSocket connection's own responses (id → full item list); with it,
     ``previous_response_id`` naming one of them is resolved by prepending its items.
     ``headers``: the conversation headers (`state_key`), with the body's
-    ``prompt_cache_key`` naming the request's resident state.
+    ``prompt_cache_key`` naming the request's resident state. ``key``: the API key's
+    `key_salt`, with the body's ``cache_salt`` the request's cache salt (`cache_salt`).
     """
     req = validate(ResponsesRequest, data)
     if req.conversation is not None:
@@ -550,6 +557,7 @@ def _prepare(
         sampling=sampling,
         id_prefix="call_",
         state_key=state_key(headers, (req.model_extra or {}).get("prompt_cache_key")),
+        salt=cache_salt((req.model_extra or {}).get("cache_salt"), key),
     )
     return _Prepared(req, _raw_items(data["input"]), gen)
 
@@ -843,7 +851,9 @@ def _encoder(prep: _Prepared) -> ResponseEncoder:
 async def create_response():
     """Create a response (SSE when ``stream`` is true, else the response object)."""
     headers = {h: request.headers.get(h) for h in STATE_HEADERS}
-    prep = await offload(_http_request, await read_body(), request.path, headers)
+    prep = await offload(
+        _http_request, await read_body(), request.path, headers, key_salt(request.headers)
+    )
     job = state().submit(prep.gen)
     enc = _encoder(prep)
     if prep.req.stream:
@@ -851,8 +861,8 @@ async def create_response():
     return json_response(await respond(job, enc, NAMES))
 
 
-def _http_request(raw: bytes, path: str, headers) -> _Prepared:
-    return _prepare(parse_json(raw), path=path, headers=headers)
+def _http_request(raw: bytes, path: str, headers, key: str = "") -> _Prepared:
+    return _prepare(parse_json(raw), path=path, headers=headers, key=key)
 
 
 @bp.get("/v1/responses/<path:response_id>")
@@ -888,10 +898,11 @@ async def responses_ws():
     await websocket.accept()
     st = state()
     store: dict[str, list[Any]] = {}
+    key = key_salt(websocket.headers)
     while True:
         raw = await websocket.receive()
         try:
-            prep = await offload(_ws_request, raw, store)
+            prep = await offload(_ws_request, raw, store, key)
             if prep is None:
                 continue  # an acknowledgement
             job = st.submit(prep.gen)
@@ -908,7 +919,7 @@ async def responses_ws():
             store[enc.response["id"]] = prep.items + [dict(i) for i in enc.output]
 
 
-def _ws_request(raw: str | bytes, store: dict[str, list[Any]]) -> _Prepared | None:
+def _ws_request(raw: str | bytes, store: dict[str, list[Any]], key: str = "") -> _Prepared | None:
     """One client frame: a ``response.create``'s prepared job, or None for an
     acknowledgement (off the event loop).
 
@@ -926,7 +937,7 @@ def _ws_request(raw: str | bytes, store: dict[str, list[Any]]) -> _Prepared | No
         return None
     if typ != "response.create":
         raise APIError(400, f"unsupported event type {typ!r}", param="type")
-    return _prepare(data, path="ws /v1/responses", store=store)
+    return _prepare(data, path="ws /v1/responses", store=store, key=key)
 
 
 def _ws_error(e: APIError) -> str:

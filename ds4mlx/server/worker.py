@@ -228,6 +228,7 @@ class Worker:
             req.conversation,
             thinking=req.turn.thinking,
             state_key=req.state_key,
+            salt=req.salt,
         )
         try:
             lease = self.cache.begin(prompt)
