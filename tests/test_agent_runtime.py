@@ -556,7 +556,7 @@ def test_notice_job_end_is_a_late_result_in_the_next_suffix(engine, ws: Path) ->
 
 def test_notice_not_sent_after_bash_status_saw_the_end(engine, ws: Path) -> None:
     script = [
-        turn("Start.", "", invoke("bash", command="echo hi", background=True)),
+        turn("Start.", "", invoke("bash", command="sleep 3; echo hi", background=True)),
         turn("Poll.", "", invoke("bash_status", handle="job_1", wait=30)),
         turn("Seen.", "Done."),
     ]

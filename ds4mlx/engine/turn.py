@@ -255,13 +255,19 @@ def top_logprobs(logits: mx.array, top_n: int) -> tuple[mx.array, list[tuple[int
     return lps, [(int(i), float(v)) for i, v in pairs]
 
 
-class Turn:
-    """State of one running turn (see `run_turn`); what `TurnHooks` receive.
+def _forced_opener(spec: TurnSpec) -> str | None:
+    """The DSML a forced tool choice feeds once the reply starts (``tool_choice``
+    required or a named tool): the block opener up to the invoke's name, or None."""
+    if not (spec.parse and spec.tool_required and spec.tools):
+        return None
+    text = f'{TOOL_CALLS_SEP}{TOOL_CALLS_OPEN}\n{INVOKE_OPEN} name="'
+    return text + f'{spec.tool_name}">\n' if spec.tool_name else text
 
-    Read-only for hooks except through `force_feed`: ``s`` (the `Session`), ``tok``,
-    ``spec``, ``result`` (the `TurnResult` so far), ``in_thinking`` (inside the
-    reasoning block), `raw_text`.
-    """
+
+class Turn:
+    """One running turn (see `run_turn`), as `TurnHooks` receive it: read-only except
+    through `force_feed` (``s``: the `Session`, ``tok``, ``spec``, ``result``: the
+    `TurnResult` so far, ``in_thinking``: inside the reasoning block, `raw_text`)."""
 
     def __init__(
         self, session: Session, tokenizer, spec: TurnSpec, emit, cancel, tool_memory, hooks=None
@@ -289,23 +295,18 @@ class Turn:
         self.reasoning: list[str] = []
         self.pending_ids: list[int] = []
         self.pending_lp: list[TokenLogprob] = []
-        # Chat logprobs: (offset of the token's text in the reply after </think>, entry);
-        # the visible text is a prefix of that reply, so a token whose text starts past
-        # the end of what was shown (DSML markup, a separator held back as part of the
-        # tool-call opener, text after a stop string) never gets an entry.
+        # Chat logprobs: (offset of the token's text in the reply after </think>, entry); a
+        # token whose text starts past what was shown (DSML markup, a held-back separator,
+        # text after a stop string) never gets an entry: the visible text is a prefix.
         self.lp_queue: collections.deque[tuple[int, TokenLogprob]] = collections.deque()
         self.reply_chars = 0
         self.shown = 0
         self.open_errors: list[str] = []
         self.in_call = False
         self.forced: collections.deque[int] = collections.deque()
-        self.force_text: str | None = None
-        if spec.parse and spec.tool_required and spec.tools:
-            self.force_text = f'{TOOL_CALLS_SEP}{TOOL_CALLS_OPEN}\n{INVOKE_OPEN} name="'
-            if spec.tool_name:
-                self.force_text += f'{spec.tool_name}">\n'
-            if not self.in_thinking:
-                self._open_forced()
+        self.force_text = _forced_opener(spec)
+        if not self.in_thinking:
+            self._open_forced()
 
     # ---- events
 
