@@ -139,6 +139,18 @@ class Server:
         """The per-request log lines (one per finished job)."""
         return [ln for ln in self.log().splitlines() if " prompt=" in ln and " generated=" in ln]
 
+    def request_line(self, n: int, timeout: float = 30.0) -> str:
+        """The ``n``-th per-request log line, waiting for it: the worker writes it after
+        the job's last event, so a client can have its answer before the line exists."""
+        deadline = time.monotonic() + timeout
+        while True:
+            lines = self.request_lines()
+            if len(lines) > n:
+                return lines[n]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no request line {n} in the log:\n{self.log()[-2000:]}")
+            time.sleep(0.05)
+
     def stop(self, timeout: float = 30.0) -> int:
         """SIGINT (graceful shutdown) and wait; returns the exit code."""
         if self.proc is None:

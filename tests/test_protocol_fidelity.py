@@ -197,7 +197,7 @@ def test_tool_choice_none_in_reasoning_and_no_live_binding(server, client, path)
         }
     server.script("Fine." + EOS)
     call(client, path, follow, False)
-    line = server.request_lines()[n]
+    line = server.request_line(n)
     assert " live-" not in line, line
 
 
