@@ -41,7 +41,7 @@ from ds4mlx.kv.plan import (
     PromptRejected,
     Tokens,
     UnknownToolId,
-    _lazy,
+    lazy_tokens,
     reset,
 )
 from ds4mlx.kv.resident import Resident, ResidentStates
@@ -245,7 +245,7 @@ class PromptCache:
                 state may have been replaced already, as for any plan).
         """
         rendered = prompt.text
-        tokens = _lazy(prompt.tokens)
+        tokens = lazy_tokens(prompt.tokens)
         r, why = self._choose(prompt, rendered, tokens)
         before = (len(r.session.tokens), r.bindings.save())
         plan = self.planner.plan(r, tokens, rendered, prompt.conversation, prompt.salt)
@@ -334,7 +334,7 @@ class PromptCache:
         job, no disk lookup): for ``count_tokens`` and ``/health``."""
         best: tuple | None = None
         rendered = prompt.text
-        tokens = _lazy(prompt.tokens)
+        tokens = lazy_tokens(prompt.tokens)
         for r in list(self.states.states):
             score = self.planner.live_match(r, tokens, rendered, prompt.conversation, prompt.salt)
             if score is not None and (best is None or score[1] > best[0]):

@@ -151,7 +151,7 @@ class ContextFull(PromptRejected):
 Tokens = list[int] | Callable[[], list[int]]
 
 
-def _lazy(tokens: Tokens) -> Callable[[], list[int]]:
+def lazy_tokens(tokens: Tokens) -> Callable[[], list[int]]:
     """``tokens`` as a call that computes them at most once (a list is returned as is)."""
     if not callable(tokens):
         return lambda: tokens
@@ -358,7 +358,7 @@ class Planner:
                 session and the bindings are unchanged.
         """
         session = r.session
-        prompt_tokens = _lazy(prompt_tokens)
+        prompt_tokens = lazy_tokens(prompt_tokens)
         same_salt = r.salt == salt
         live_ok = same_salt and len(session.tokens) > 0 and session.logits is not None
         saved = r.bindings.save()
@@ -422,7 +422,10 @@ class Planner:
             plan = _key_plan(tok, s, rendered, b.transcript, "live-transcript", "")
             plan = plan or _key_plan(tok, s, rendered, b.thinking, "live-thinking", "")
         if plan is None:
-            tier, plan = 1, _prefix_plan(s, self.engine.tokenizer, rendered, _lazy(prompt_tokens))
+            tier, plan = (
+                1,
+                _prefix_plan(s, self.engine.tokenizer, rendered, lazy_tokens(prompt_tokens)),
+            )
         if plan is None or plan.prompt_tokens >= self.engine.ctx_size:
             return None
         return tier, plan.keep
