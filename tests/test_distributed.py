@@ -1,0 +1,161 @@
+"""Pipeline parallelism over MLX distributed: two ring ranks on 127.0.0.1 against one
+process (`ds4mlx.engine.pipeline`).
+
+The ranks run ``tests/dist_script.py`` under ``mlx.launch``. The launcher exits 0 even
+when a rank fails, so each run is judged by the file rank 0 writes and the launcher's
+own per-rank warnings; the launcher runs in its own process group, killed at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from ds4mlx.engine.pipeline import PipelineError, split_layers
+
+SCRIPT = Path(__file__).with_name("dist_script.py")
+N_PROMPT, CHUNK = 300, 64
+
+
+def _free_port_pair() -> int:
+    """A port P with P and P + 1 free (the ring listens on one port per rank)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s2:
+                s2.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")
+
+
+def _launch(model_dir: Path, out: Path, split: str | None, timeout: float = 600) -> str:
+    launcher = shutil.which("mlx.launch")
+    if launcher is None:
+        pytest.skip("mlx.launch is not on PATH")
+    cmd = [
+        launcher,
+        "--backend",
+        "ring",
+        "--hosts",
+        "127.0.0.1,127.0.0.1",
+        "--starting-port",
+        str(_free_port_pair()),
+        "--",
+        sys.executable,
+        str(SCRIPT),
+        str(model_dir),
+        str(out),
+        str(N_PROMPT),
+        str(CHUNK),
+        *([split] if split else []),
+    ]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SCRIPT.parents[1]), *sys.path]))
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert "exited with code" not in log, log[-3000:]
+    assert out.exists(), log[-3000:]
+    return log
+
+
+def _reference(model_dir: Path) -> dict[str, np.ndarray]:
+    """The same feeds in one process: full prefill logits per chunk, 8 greedy decode
+    steps, and a greedy 32-token turn."""
+    from ds4mlx.engine import Engine, SamplingParams, TurnSpec, run_turn
+    from ds4mlx.model.loading import load_model, read_config
+    from ds4mlx.tokenizer import Tokenizer
+
+    model, args = load_model(str(model_dir), dtype=mx.float32, check_memory=False)
+    prompt = np.random.default_rng(0).integers(0, args.vocab_size, N_PROMPT).tolist()
+    cache = model.make_cache()
+    chunks = []
+    for s in range(0, N_PROMPT, CHUNK):
+        logits = model(mx.array(prompt[s : s + CHUNK], dtype=mx.int32), cache)
+        mx.eval(logits)
+        chunks.append(np.array(logits[0]))
+    steps, tok = [], int(np.argmax(chunks[-1][-1]))
+    for _ in range(8):
+        logits = model(mx.array([tok], dtype=mx.int32), cache, last_only=True)
+        mx.eval(logits)
+        steps.append(np.array(logits[0, -1]))
+        tok = int(np.argmax(steps[-1]))
+    engine = Engine(
+        model, args, Tokenizer.load(model_dir), path=model_dir, config=read_config(model_dir)
+    )
+    session = engine.new_session()
+    spec = TurnSpec(SamplingParams(temperature=0.0), max_tokens=32, parse=False, ignore_eos=True)
+    run_turn(session, engine.tokenizer, spec, prefill=prompt)
+    return {
+        "prefill": np.concatenate(chunks),
+        "decode": np.stack(steps),
+        "turn": np.array(session.tokens[N_PROMPT:], dtype=np.int64),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_f32_dir):
+    return _reference(tiny_f32_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split", [None, "1"], ids=["even-2+2", "split-1+3"])
+def test_pipeline_two_ranks_match_one_process_bitwise(tiny_f32_dir, reference, tmp_path, split):
+    """A prompt crossing the sliding window (16 in the tiny config), the ratio-4 and the
+    ratio-128 compression boundaries, fed in the same chunks: logits at every prefill
+    position and over 8 decode steps are bitwise equal, and the greedy turn through the
+    one turn loop (pipelined decode) is the same. The 1+3 split puts a hash-routed layer
+    on rank 1, which needs the token ids."""
+    out = tmp_path / "out.npz"
+    _launch(tiny_f32_dir, out, split)
+    got = np.load(out)
+    assert got["prefill"].shape == reference["prefill"].shape
+    assert np.array_equal(got["prefill"], reference["prefill"])
+    assert np.array_equal(got["decode"], reference["decode"])
+    assert got["turn"].tolist() == reference["turn"].tolist()
+    assert len(got["turn"]) >= 31  # the last sampled token is not fed
+
+
+def test_split_layers_even_and_explicit():
+    assert split_layers(43, 2) == [range(0, 22), range(22, 43)]
+    assert split_layers(4, 3) == [range(0, 2), range(2, 3), range(3, 4)]
+    assert split_layers(43, 2, [10]) == [range(0, 10), range(10, 43)]
+
+
+@pytest.mark.parametrize(
+    "n, world, starts, words",
+    [
+        (4, 5, None, "only 4 layers"),
+        (4, 2, [0], "non-empty"),
+        (4, 2, [4], "non-empty"),
+        (4, 3, [2, 2], "non-empty"),
+        (4, 2, [1, 2], "names 2 start"),
+    ],
+)
+def test_split_layers_refuses_bad_splits(n, world, starts, words):
+    with pytest.raises(PipelineError, match=words):
+        split_layers(n, world, starts)
