@@ -41,12 +41,17 @@ def _free_port_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
-def _launch(model_dir: Path, out: Path, split: str | None, timeout: float = 600) -> str:
+def _launcher() -> str:
     launcher = shutil.which("mlx.launch")
     if launcher is None:
         pytest.skip("mlx.launch is not on PATH")
-    cmd = [
-        launcher,
+    return launcher
+
+
+def _ring(argv: list[str]) -> list[str]:
+    """``argv`` (a python command) under ``mlx.launch`` as two ring ranks on loopback."""
+    return [
+        _launcher(),
         "--backend",
         "ring",
         "--hosts",
@@ -54,14 +59,22 @@ def _launch(model_dir: Path, out: Path, split: str | None, timeout: float = 600)
         "--starting-port",
         str(_free_port_pair()),
         "--",
-        sys.executable,
-        str(SCRIPT),
-        str(model_dir),
-        str(out),
-        str(N_PROMPT),
-        str(CHUNK),
-        *([split] if split else []),
+        *argv,
     ]
+
+
+def _launch(model_dir: Path, out: Path, split: str | None, timeout: float = 600) -> str:
+    cmd = _ring(
+        [
+            sys.executable,
+            str(SCRIPT),
+            str(model_dir),
+            str(out),
+            str(N_PROMPT),
+            str(CHUNK),
+            *([split] if split else []),
+        ]
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SCRIPT.parents[1]), *sys.path]))
     proc = subprocess.Popen(
         cmd,
@@ -159,3 +172,104 @@ def test_split_layers_even_and_explicit():
 def test_split_layers_refuses_bad_splits(n, world, starts, words):
     with pytest.raises(PipelineError, match=words):
         split_layers(n, world, starts)
+
+
+def _ranks_of(launcher_pid: int) -> list[int]:
+    """Pids of the ``ds4mlx.cli`` processes started under the launcher's session."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getsid(int(entry.name)) != launcher_pid:
+                continue
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, ProcessLookupError):
+            continue
+        if b"ds4mlx.cli" in cmdline and b"mlx.launch" not in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_pipeline_serve_continues_a_tool_loop_live_and_ranks_die_with_the_launcher(
+    tiny_f32_dir, tmp_path
+):
+    """``serve --distributed pipeline`` on two ranks: the Anthropic loop with two parallel
+    calls continues live (only the tool-results suffix is prefilled), and SIGTERM to the
+    launcher (which does not stop its ranks itself) leaves no rank running."""
+    import time
+
+    import httpx
+    from server_util import Server
+
+    server = Server(tiny_f32_dir, ctx=4096, extra=["--distributed", "pipeline"], kv_dir=False)
+    server.cmd = _ring(server.cmd)
+    # Its own session, so the ranks can be found (and killed) as one group.
+    server.start_new_session = True
+    proc = None
+    try:
+        server.start(timeout=300)
+        proc = server.proc
+        assert "disk KV cache is off" in server.log()
+        server.script(
+            "Both at once.</think>\n\n<｜DSML｜tool_calls>\n"
+            '<｜DSML｜invoke name="read">\n'
+            '<｜DSML｜parameter name="path" string="true">a.txt</｜DSML｜parameter>\n'
+            "</｜DSML｜invoke>\n"
+            '<｜DSML｜invoke name="grep">\n'
+            '<｜DSML｜parameter name="pattern" string="true">foo</｜DSML｜parameter>\n'
+            "</｜DSML｜invoke>\n</｜DSML｜tool_calls><｜end▁of▁sentence｜>"
+        )
+        tools = [
+            {"name": n, "input_schema": {"type": "object", "properties": {p: {"type": "string"}}}}
+            for n, p in (("read", "path"), ("grep", "pattern"))
+        ]
+        body = {
+            "model": "m",
+            "max_tokens": 200,
+            "tools": tools,
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "messages": [{"role": "user", "content": "read a.txt and grep foo"}],
+        }
+        r1 = httpx.post(server.url + "/v1/messages", json=body, timeout=120).json()
+        uses = [b for b in r1["content"] if b["type"] == "tool_use"]
+        assert [u["name"] for u in uses] == ["read", "grep"], r1
+        results = [
+            {"type": "tool_result", "tool_use_id": u["id"], "content": f"R{i}"}
+            for i, u in enumerate(uses)
+        ]
+        body["messages"] += [
+            {"role": "assistant", "content": r1["content"]},
+            {"role": "user", "content": results},
+        ]
+        body["max_tokens"] = 8
+        r2 = httpx.post(server.url + "/v1/messages", json=body, timeout=120).json()
+        line = server.request_line(1)
+        assert "live-anthropic" in line, line
+        u1, u2 = r1["usage"], r2["usage"]
+        cached = u2["cache_read_input_tokens"]
+        assert cached == u1["input_tokens"] + u1["output_tokens"] - 1
+        ranks = _ranks_of(proc.pid)
+        assert len(ranks) == 2, ranks
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(p) for p in ranks):
+            time.sleep(0.2)
+        assert not [p for p in ranks if _alive(p)], server.log()[-3000:]
+    finally:
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        server.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except OSError:
+        return False
+    return state != "Z"

@@ -140,6 +140,10 @@ def _send_chain(arrays: list[mx.array], dst: int, group, after: list[mx.array]) 
 
 
 class PipelineModel:
+    # Snapshots would hold rank 0's layers only: refused until the followers save their
+    # parts (`Session.snapshot` / `restore` check this).
+    snapshots = False
+
     """Rank 0's model in a pipeline split: the `Model` call signature
     (``model(tokens, cache, last_only=…)``, ``make_cache()``, ``args``, ``layers``) over its
     own layers plus the other ranks'. See the module docstring for one call's traffic.
@@ -248,3 +252,79 @@ def follow(model, group, ranges: list[range]) -> None:
         else:
             sent = _send_chain([header, tokens, x], p.next, group, [])
             mx.eval(sent, [a for c in cache for a in c.arrays()])
+
+
+def set_parent_death_signal() -> None:
+    """Linux: this process gets SIGTERM when its parent exits. ``mlx.launch`` neither
+    stops its ranks when it is itself terminated nor reports their failures, so a rank
+    must not outlive it. Elsewhere (macOS) a no-op."""
+    import ctypes
+    import ctypes.util
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+
+
+def parse_split(text: str | None) -> list[int] | None:
+    """``--pipeline-split`` ``"22"`` or ``"11,22,33"`` -> first layers of ranks 1.. (None
+    when not given). Raises PipelineError on anything but comma-separated integers."""
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise PipelineError(
+            f"--pipeline-split {text!r}: give the first layer of each rank after 0, e.g. 22"
+        ) from None
+
+
+def follower_rank() -> int:
+    """This process's rank under ``mlx.launch`` (0 when not launched by it)."""
+    return mx.distributed.init().rank()
+
+
+def load_distributed(path, *, ctx_size=None, sessions: int = 1, split: list[int] | None = None):
+    """Load ``path`` as one rank of a pipeline split under ``mlx.launch``.
+
+    Rank 0 gets an `Engine` whose model is a `PipelineModel` (its identity includes the
+    split, so nothing saved under another split is reused); every other rank runs
+    `follow` until rank 0 shuts the pipeline down and then gets None.
+
+    Raises:
+        PipelineError: not launched with more than one rank, or a bad split.
+        ds4mlx.model.loading.LoadError: unreadable checkpoint.
+    """
+    from ds4mlx.engine.core import Engine
+    from ds4mlx.model.loading import load_model, read_config
+    from ds4mlx.tokenizer import Tokenizer
+
+    group = mx.distributed.init()
+    if group.size() < 2:
+        raise PipelineError(
+            "--distributed pipeline needs at least 2 ranks: start it with "
+            "mlx.launch --backend ring --hosts HOST1,HOST2 -- python -m ds4mlx.cli …"
+        )
+    set_parent_death_signal()
+    dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
+    # The whole-model fit check would refuse exactly the models a split is for; each
+    # rank reads only its own layers' weights (the others stay lazy and are dropped).
+    model, args = load_model(str(path), dtype=dtype, check_memory=False)
+    ranges = split_layers(args.n_layers, group.size(), split)
+    if group.rank() > 0:
+        follow(model, group, ranges)
+        return None
+    layout = "pipeline:" + ",".join(f"{r.start}-{r.stop}" for r in ranges)
+    return Engine(
+        PipelineModel(model, group, ranges),
+        args,
+        Tokenizer.load(path),
+        path=path,
+        config=read_config(str(path)),
+        ctx_size=ctx_size,
+        layout=layout,
+    )

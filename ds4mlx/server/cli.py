@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+from dataclasses import replace
 
 from ds4mlx.model.demo import DEMO_MAX_TOKENS, demo_model_dir, ensure_demo_model
 from ds4mlx.server.app import serve, start_worker
@@ -73,6 +75,9 @@ def run_serve(args, register) -> int:
     if not model:
         print(NO_MODEL_MESSAGE, file=sys.stderr, end="")
         return 2
+    split, done = _pipeline_role(args, model)
+    if done is not None:
+        return done
     busy = port_problem(args.host, args.port)
     if busy is not None:
         print(
@@ -81,11 +86,9 @@ def run_serve(args, register) -> int:
             file=sys.stderr,
         )
         return 1
-    from ds4mlx.server.connections import keep_open_file_limit, raise_open_file_limit
+    from ds4mlx.server.connections import raise_open_file_limit
 
     raise_open_file_limit()  # every client connection holds a descriptor
-    with keep_open_file_limit():  # the engine imports mlx-lm, which sets the limit
-        from ds4mlx.engine import Engine
     from ds4mlx.kv.policy import KVCacheSettings
 
     try:
@@ -94,6 +97,7 @@ def run_serve(args, register) -> int:
         print(f"ds4mlx serve: {e}", file=sys.stderr)
         return 2
     kv, sessions_why = _default_sessions(kv, args, model)
+    kv = _distributed_kv(args, kv)
     if args.tokens is not None and args.tokens < 1:
         print("ds4mlx serve: --tokens must be >= 1", file=sys.stderr)
         return 2
@@ -137,10 +141,9 @@ def run_serve(args, register) -> int:
         tool_memory_max_ids=args.tool_memory_max_ids,
         exact_dsml_replay=not args.disable_exact_dsml_tool_replay,
     )
+
     try:
-        engine, worker = start_worker(
-            lambda: Engine.load(model, ctx_size=args.ctx, sessions=kv.sessions), config
-        )
+        engine, worker = start_worker(_loader(args, model, kv.sessions, split), config)
     except Exception as e:  # LoadError, TokenizerError, OSError, ValueError…
         print(f"ds4mlx serve: cannot load model {model}: {e}", file=sys.stderr)
         return 2
@@ -149,6 +152,58 @@ def run_serve(args, register) -> int:
     except OSError as e:
         print(f"ds4mlx serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
+
+
+def _pipeline_role(args, model: str) -> tuple[list[int] | None, int | None]:
+    """``(split, done)`` for ``--distributed pipeline``: the parsed ``--pipeline-split``,
+    and an exit code when this process is finished before serving: a rank > 0, which ran
+    its layers for rank 0 until shutdown (0), or a bad flag (2)."""
+    import sys
+
+    if not args.distributed and args.pipeline_split is None:
+        return None, None
+    from ds4mlx.engine.pipeline import PipelineError, follower_rank, load_distributed, parse_split
+
+    try:
+        if not args.distributed:
+            raise PipelineError("--pipeline-split needs --distributed pipeline")
+        split = parse_split(args.pipeline_split)
+        if follower_rank():
+            # Ranks > 0 run their layers for rank 0 and never listen.
+            load_distributed(model, ctx_size=args.ctx, split=split)
+            return split, 0
+    except (PipelineError, ValueError, OSError, RuntimeError) as e:
+        print(f"ds4mlx serve: {e}", file=sys.stderr)
+        return None, 2
+    return split, None
+
+
+def _distributed_kv(args, kv):
+    """The disk KV cache is off under ``--distributed``: a snapshot of a split model
+    would hold rank 0's layers only (docs/DISTRIBUTED.md)."""
+    import sys
+
+    if not args.distributed or kv.disk_dir is None:
+        return kv
+    print("ds4mlx serve: --distributed: the disk KV cache is off", file=sys.stderr)
+    return replace(kv, disk_dir=None)
+
+
+def _loader(args, model: str, sessions: int, split: list[int] | None):
+    """The engine loader the worker thread runs: one process, or rank 0 of a split."""
+    from ds4mlx.engine import Engine
+
+    def load():
+        if not args.distributed:
+            return Engine.load(model, ctx_size=args.ctx, sessions=sessions)
+        from ds4mlx.engine.pipeline import load_distributed
+
+        engine = load_distributed(model, ctx_size=args.ctx, sessions=sessions, split=split)
+        # The followers exit when rank 0 says so, at exit: the worker has stopped by then.
+        atexit.register(engine.model.shutdown)
+        return engine
+
+    return load
 
 
 def _default_sessions(kv, args, model: str):
