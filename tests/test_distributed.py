@@ -267,6 +267,84 @@ def test_pipeline_serve_continues_a_tool_loop_live_and_ranks_die_with_the_launch
         server.kill()
 
 
+def _rank_of(pid: int) -> int | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for item in env:
+        if item.startswith(b"MLX_RANK="):
+            return int(item.split(b"=", 1)[1])
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_pipeline_rank_killed_mid_request_fails_the_request_and_stops_the_server(tiny_f32_dir):
+    """SIGKILL of rank 1 while a stream decodes: the client's stream ends with an error,
+    rank 0 logs ``rank 1 lost: …`` and stops, and no rank is left within 10 s."""
+    import threading
+    import time
+
+    import httpx
+    from server_util import Server
+
+    server = Server(tiny_f32_dir, ctx=4096, extra=["--distributed", "pipeline"], kv_dir=False)
+    server.cmd = _ring(server.cmd)
+    server.start_new_session = True
+    proc = None
+    try:
+        server.start(timeout=300)
+        proc = server.proc
+        ranks = _ranks_of(proc.pid)
+        assert sorted(_rank_of(p) for p in ranks) == [0, 1], ranks
+        body = {
+            "model": "m",
+            "max_tokens": 2000,
+            "stream": True,
+            "messages": [{"role": "user", "content": "go on"}],
+        }
+        events: list[str] = []
+        started = threading.Event()
+
+        def read() -> None:
+            try:
+                with httpx.stream(
+                    "POST", server.url + "/v1/chat/completions", json=body, timeout=120
+                ) as r:
+                    for line in r.iter_lines():
+                        events.append(line)
+                        if line.startswith("data:"):
+                            started.set()
+            except httpx.HTTPError as e:
+                events.append(f"transport error: {e}")
+            started.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert started.wait(120)
+        os.kill(next(p for p in ranks if _rank_of(p) == 1), signal.SIGKILL)
+        reader.join(60)
+        assert not reader.is_alive()
+        data = [e for e in events if e.strip()]
+        assert "lost" in data[-2] or "transport error" in data[-1], data[-3:]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (
+            any(_alive(p) for p in ranks) or proc.poll() is None
+        ):
+            time.sleep(0.2)
+        assert "rank 1 lost: " in server.log(), server.log()[-3000:]
+        assert not [p for p in ranks if _alive(p)], server.log()[-3000:]
+        assert proc.poll() is not None
+    finally:
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        server.kill()
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().split()[2]

@@ -163,6 +163,8 @@ class PipelineModel:
         # any thread, so the list is guarded.
         self._freed: list[int] = []
         self._lock = threading.Lock()
+        # Set once a peer is known to be gone: nothing more is sent to it.
+        self.lost: str | None = None
         keep_layers(model, ranges[0])
 
     def __getattr__(self, name):
@@ -205,12 +207,29 @@ class PipelineModel:
         back = mx.depends(back, [sent])
         return m.head_logits(back, last_only=False)
 
-    def shutdown(self) -> None:
-        """Tell the followers to exit (each passes it on before it returns)."""
+    def lost_peer(self, exc: BaseException) -> str | None:
+        """The line to print when ``exc`` (raised by a forward call) means a rank is gone,
+        else None. MLX's ring raises ``RuntimeError("[ring] … connection … lost")`` from
+        ``recv``/``send`` as soon as the peer's socket closes."""
+        text = str(exc)
+        if not isinstance(exc, RuntimeError) or "[ring]" not in text:
+            return None
         p = self._peers
-        if p.world > 1:
-            header = mx.array([OP_SHUTDOWN, 0, 0, -1, 0], dtype=mx.int32)
+        who = "rank 1" if p.world == 2 else f"rank {p.next} or rank {p.prev}"
+        self.lost = f"{who} lost: {text}"
+        return self.lost
+
+    def shutdown(self) -> None:
+        """Tell the followers to exit (each passes it on before it returns). Never waits
+        on a lost rank (they exit with the launcher instead)."""
+        p = self._peers
+        if p.world == 1 or self.lost is not None:
+            return
+        header = mx.array([OP_SHUTDOWN, 0, 0, -1, 0], dtype=mx.int32)
+        try:
             mx.eval(mx.distributed.send(header, p.next, group=p.group))
+        except RuntimeError as e:
+            self.lost_peer(e)
 
 
 def follow(model, group, ranges: list[range]) -> None:
