@@ -3,7 +3,7 @@
 Stdlib only. The public API:
 
 - `Conversation`, `Message`, `ToolCall`, `ToolSpec`: the neutral conversation model.
-- `render` (text + content spans: `Rendered`), `render_prompt`, `render_segments`, `render_tool_results_suffix`, `render_late_result`,
+- `render` (text + content spans: `Rendered`), `render_prompt`, `render_segments`, `render_tool_results_suffix`, `render_late_result`, `render_pending_status`,
   `render_assistant_turn`, `render_tool_calls`, `render_invoke`, `canonical_invoke`,
   `render_tools_section`, `think_max_active`: rendering (byte-identical to
   DeepSeek's ``encoding_dsv4.py``).
@@ -34,6 +34,7 @@ from .render import (
     render_assistant_turn,
     render_invoke,
     render_late_result,
+    render_pending_status,
     render_prompt,
     render_segments,
     render_tool_calls,
@@ -77,6 +78,7 @@ __all__ = [
     "render_segments",
     "render_tool_calls",
     "render_late_result",
+    "render_pending_status",
     "render_tool_results_suffix",
     "render_tools_section",
     "reply_thinking",
