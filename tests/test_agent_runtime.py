@@ -516,9 +516,7 @@ def test_notice_yes_stopped_at_the_output_limit(ws: Path) -> None:
 
 def _late_results(agent: Agent) -> list[str]:
     """The job notices of the transcript (the renderer heads them with their call)."""
-    return [
-        m.content for m in agent.messages if m.role == "tool" and m.content.startswith("job_")
-    ]
+    return [m.content for m in agent.messages if m.role == "tool" and m.content.startswith("job_")]
 
 
 def test_notice_job_end_is_a_late_result_in_the_next_suffix(engine, ws: Path) -> None:
@@ -543,7 +541,7 @@ def test_notice_job_end_is_a_late_result_in_the_next_suffix(engine, ws: Path) ->
         # the renderer heads it with the call it answers (dsml.render_late_result).
         suffix = [s for s in agent.steps if s.kind == "tool_results"][-1].text
         head = f'<tool_result>[result of {call_id} bash(command="sleep 2; echo done", '
-        assert head + 'background=true)]\njob_1 exited 0 after 2.' in suffix
+        assert head + "background=true)]\njob_1 exited 0 after 2." in suffix
         assert suffix.startswith(EOS + "<｜User｜><tool_result>")
         assert suffix.count("<｜User｜>") == 1 and suffix.endswith("<｜Assistant｜><think>")
         assert suffix.index("<tool_result>[result of") > suffix.index("<tool_result>")
