@@ -64,6 +64,7 @@ from .tool_memory import ToolMemory
 
 __all__ = [
     "Segment",
+    "background_names",
     "canonical_invoke",
     "render_assistant_turn",
     "render_invoke",
@@ -338,7 +339,9 @@ def _sort_tool_results(turns: list[_Turn]) -> None:
                 turn.blocks = [next(ranked) if b[0] != "text" else b for b in turn.blocks]
 
 
-def _background_names(conv: Conversation) -> frozenset[str]:
+def background_names(conv: Conversation) -> frozenset[str]:
+    """Names of the tools ``conv`` declares background (`ToolSpec.background`, the
+    wire's ``async: true``): the conversation's tools and those of its messages."""
     tools = [*conv.tools, *(t for m in conv.messages for t in m.tools)]
     return frozenset(t.name for t in tools if t.background)
 
@@ -435,7 +438,7 @@ def _drop_old_thinking(turns: list[_Turn]) -> list[_Turn]:
 
 def _prepare(conv: Conversation) -> tuple[list[_Turn], bool]:
     """Merged, sorted, thinning-applied turns and whether old reasoning was dropped."""
-    turns = _async_results(_merge(conv), _background_names(conv))
+    turns = _async_results(_merge(conv), background_names(conv))
     for turn in turns[:-1]:
         turn.open = False  # only the last message can be continued
     if turns and turns[-1].role == "assistant" and not turns[-1].open and conv.open_reply:
@@ -720,7 +723,7 @@ def render_tool_results_suffix(
     last_assistant = conv.messages[segments[k].sources[0]]
     if not last_assistant.tool_calls:
         raise ValueError("the last assistant turn made no tool calls")
-    background = _background_names(conv)
+    background = background_names(conv)
     pending = any(c.name in background for c in last_assistant.tool_calls)
     if not pending and not any(conv.messages[i].role == "tool" for i in sources):
         raise ValueError("no tool results after the last assistant turn")

@@ -46,7 +46,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ds4mlx.dsml import Conversation, Message, Rendered, ToolCall, render_tool_results_suffix
+from ds4mlx.dsml import (
+    Conversation,
+    Message,
+    Rendered,
+    ToolCall,
+    background_names,
+    render_tool_results_suffix,
+)
 from ds4mlx.dsml.tokens import EOS
 
 __all__ = [
@@ -91,7 +98,7 @@ class ToolBinding:
     def sync_ids(self, conv: Conversation) -> set[str]:
         """The ids a request must answer to continue live: every call but those to the
         request's background tools, which their pending status results answer."""
-        background = {t.name for t in conv.tools if t.background}
+        background = background_names(conv)
         async_ids = {i for i, n in zip(self.ids, self.names, strict=False) if n in background}
         return set(self.ids) - async_ids
 
