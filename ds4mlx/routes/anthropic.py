@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, StrictBool, Tag
 from quart import Blueprint, request
 
 from ds4mlx.dsml import (
@@ -230,6 +230,9 @@ class AnthropicTool(OpenModel):
     description: str | None = None
     input_schema: dict[str, Any] | None = None
     type: str | None = None
+    # Ours, no Anthropic field (docs/ARCHITECTURE.md §4, asynchronous tools): the tool
+    # runs in the background.
+    async_: StrictBool | None = Field(None, alias="async")
 
 
 class ThinkingConfig(OpenModel):
@@ -373,6 +376,7 @@ def _tools(req: CountTokensRequest) -> list[ToolSpec]:
             name=t.name,
             description=t.description or "",
             parameters=t.input_schema or empty_schema(),
+            background=bool(t.async_),
         )
         for t in req.tools or []
         if t.input_schema is not None
