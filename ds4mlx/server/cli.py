@@ -88,6 +88,10 @@ def run_serve(args, register) -> int:
         from ds4mlx.engine import Engine
     from ds4mlx.kv.policy import KVCacheSettings
 
+    refused = _sessions_refusal(args.sessions, model, args.ctx)
+    if refused is not None:
+        print(f"ds4mlx serve: {refused}", file=sys.stderr)
+        return 2
     try:
         kv = KVCacheSettings.from_args(args)
     except ValueError as e:
@@ -151,9 +155,37 @@ def run_serve(args, register) -> int:
         return 1
 
 
+def _sessions_refusal(n: int | None, model: str, ctx: int | None) -> str | None:
+    """Why an explicit ``--sessions n`` cannot be served, with the fit check's numbers
+    (`ds4mlx.model.fit.sessions_that_fit`), or None (absent, or it fits). ``n`` < 1, or
+    more resident states than the memory budget holds after the weights at ``ctx``."""
+    if n is None:
+        return None
+    from dataclasses import replace
+
+    from ds4mlx.model.fit import sessions_that_fit
+
+    try:
+        most, report = sessions_that_fit(model, ctx, cap=max(n, 1 << 20))
+    except Exception:  # not even one fits, a bad config: the load says why, with numbers
+        return None if n >= 1 else f"--sessions {n}: at least one resident state is needed"
+    if n < 1:
+        return (
+            f"--sessions {n}: at least one resident state is needed; memory holds {most}: "
+            f"{report.describe()}"
+        )
+    if n > most:
+        return (
+            f"--sessions {n} does not fit: {replace(report, sessions=n).describe()}. "
+            f"Memory holds {most} at this context (--sessions {most}, or a smaller --ctx; "
+            "override the budget with --memory-limit)"
+        )
+    return None
+
+
 def _default_sessions(kv, args, model: str):
-    """``(settings, why)``: ``kv`` with ``--sessions`` resolved. Given, it is kept (the
-    fit check at load refuses more than memory holds, with the numbers); absent, it is
+    """``(settings, why)``: ``kv`` with ``--sessions`` resolved. Given, it is kept
+    (`_sessions_refusal` refused it already when memory cannot hold it); absent, it is
     min(4, what the memory budget holds after the weights), at least 1
     (`ds4mlx.model.fit.sessions_that_fit`)."""
     from dataclasses import replace
