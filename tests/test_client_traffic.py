@@ -36,7 +36,8 @@ def test_client_traffic_short_session(tmp_path):
     assert _benchmark().main(["--turns", "2", "--configs", "b", "--json", str(out)]) == 0
     figures = json.loads(out.read_text())["configs"]["b"]
     rows = [
-        dict(zip(("client", "kind", "prompt", "cached"), r, strict=True)) for r in figures["rows"]
+        dict(zip(("client", "kind", "prompt", "cached", "conv"), r, strict=True))
+        for r in figures["rows"]
     ]
     claude = [r for r in rows if r["client"] == "claude"]
     codex = [r for r in rows if r["client"] == "codex"]

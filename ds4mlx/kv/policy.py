@@ -58,7 +58,7 @@ DEFAULT_CONTINUED_INTERVAL_TOKENS = 10000
 DEFAULT_BOUNDARY_TRIM_TOKENS = 32
 DEFAULT_BOUNDARY_ALIGN_TOKENS = 2048
 # A disk lookup stops trying shorter candidates after this much time went to checks (ms).
-DEFAULT_LOOKUP_MS = 500
+DEFAULT_LOOKUP_MS = 1000
 
 
 @dataclass(frozen=True)

@@ -230,7 +230,8 @@ class Loaded:
         tool_memory: tool id -> exact sampled DSML.
         tried: lookup candidates tried before it was taken, itself included (1 unless
             `DiskKVStore.lookup_and_load` fell back from longer ones).
-        check_ms: milliseconds the lookup spent checking candidates (float).
+        check_ms: milliseconds the lookup spent finding and checking candidates before
+            this one's KV arrays were read (float).
     """
 
     entry: Entry
@@ -1001,6 +1002,7 @@ class DiskKVStore:
             text = data[: e.via_alias or e.text_bytes].decode("utf-8", "surrogatepass")
             try:
                 why = accept(e, text, tokens) if accept is not None else None
+                check_ms = (time.monotonic() - t0) * 1e3
                 if why is None:
                     loaded = self.load(e)
                     if read and loaded.tokens != read[0]:  # replaced since its tokens were read
@@ -1020,7 +1022,7 @@ class DiskKVStore:
                     loaded.entry, via_alias=e.via_alias, alias_marks=e.alias_marks
                 )
             loaded.tried = len(failed) + 1
-            loaded.check_ms = (time.monotonic() - t0) * 1e3
+            loaded.check_ms = check_ms
             return loaded
 
     def tool_maps(self, *, newest_first: bool = False) -> Iterator[tuple[Entry, dict[str, str]]]:
