@@ -117,7 +117,8 @@ def _dsml_call(name: str, arguments: dict) -> str:
 @dataclass
 class Row:
     """One replayed request: its kind, its conversation (``main``, ``sub3`` for the
-    sub-agent started at turn 3, ``title``) and usage (tokens)."""
+    sub-agent started at turn 3, ``title3`` for the title request after turn 3: each a
+    one-request conversation, as a client sends one per session) and usage (tokens)."""
 
     client: str
     kind: str
@@ -421,7 +422,7 @@ class ClaudeTraffic(Traffic):
             self.path,
             _strip(body),
             f"Fix the {_word(turn)} tests" + EOS,
-            "title",
+            f"title{turn}",
             self.headers("title"),
         )
 
@@ -501,7 +502,7 @@ class CodexTraffic(Traffic):
             "store": False,
         }
         script = f"Fix the {_word(turn)} tests" + EOS
-        self.run.post(self.client, "title", self.path, body, script, "title")
+        self.run.post(self.client, "title", self.path, body, script, f"title{turn}")
 
     def retry(self, history):
         """Codex's retry after a dropped stream is the identical request."""

@@ -23,7 +23,12 @@ def test_client_traffic_short_session(tmp_path):
     require_cli("claude")
     require_cli("codex")
     out = tmp_path / "figures.json"
-    assert benchmark_module("client_traffic").main(["--turns", "2", "--configs", "b", "--json", str(out)]) == 0
+    assert (
+        benchmark_module("client_traffic").main(
+            ["--turns", "2", "--configs", "b", "--json", str(out)]
+        )
+        == 0
+    )
     figures = json.loads(out.read_text())["configs"]["b"]
     rows = [
         dict(zip(("client", "kind", "prompt", "cached", "conv"), r, strict=True))
