@@ -273,6 +273,18 @@ def require_cli(name: str) -> str:
     pytest.skip(msg)
 
 
+def benchmark_module(name: str):
+    """Import ``benchmarks/NAME.py`` (the benchmarks are scripts, not a package): the
+    tests reuse their capture of the real CLIs and their traffic replay."""
+    import importlib
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+
 def ws_upgrade(
     port: int, headers: dict[str, str], path: str = "/v1/responses"
 ) -> tuple[int, bytes]:

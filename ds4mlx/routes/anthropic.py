@@ -57,6 +57,7 @@ from ds4mlx.routes.body import OpenModel, offload, parse, read_body
 from ds4mlx.routes.carrier import carrier
 from ds4mlx.routes.common import (
     cache_salt,
+    helper_agent,
     json_response,
     model_thinking,
     new_id,
@@ -667,11 +668,12 @@ def _count(raw: bytes) -> int:
 
 
 def _job(
-    raw: bytes, path: str, key: str | None, salt_of_key: str = ""
+    raw: bytes, path: str, key: str | None, salt_of_key: str = "", side: bool = False
 ) -> tuple[MessagesRequest, GenRequest]:
     """The typed request and its job (off the event loop: parse, validate, map, render);
     ``key``: its `state_key` (from the headers); the body's ``cache_salt`` and
-    ``salt_of_key`` (the API key's `key_salt`) make its cache salt (`cache_salt`)."""
+    ``salt_of_key`` (the API key's `key_salt`) make its cache salt (`cache_salt`);
+    ``side``: a helper agent's request (`helper_agent`)."""
     req = parse(MessagesRequest, raw)
     conv = _conversation(req)
     gen = prepare(
@@ -684,6 +686,7 @@ def _job(
         stops=req.stop_sequences,
         state_key=key,
         salt=cache_salt((req.model_extra or {}).get("cache_salt"), salt_of_key),
+        side=side,
     )
     return req, gen
 
@@ -691,8 +694,11 @@ def _job(
 @bp.post("/v1/messages")
 async def messages():
     """Anthropic Messages (streaming and not). Errors: Anthropic error shapes."""
-    key = state_key(request.headers)
-    req, gen = await offload(_job, await read_body(), request.path, key, key_salt(request.headers))
+    h = request.headers
+    key = state_key(h)
+    req, gen = await offload(
+        _job, await read_body(), request.path, key, key_salt(h), helper_agent(h)
+    )
     st = state()
     job = st.submit(gen)
     enc = MessageEncoder(

@@ -89,15 +89,11 @@ def run_serve(args, register) -> int:
     from ds4mlx.server.connections import raise_open_file_limit
 
     raise_open_file_limit()  # every client connection holds a descriptor
-    from ds4mlx.kv.policy import KVCacheSettings
-
     try:
-        kv = KVCacheSettings.from_args(args)
+        kv, sessions_why = _kv_settings(args, model)
     except ValueError as e:
         print(f"ds4mlx serve: {e}", file=sys.stderr)
         return 2
-    kv, sessions_why = _default_sessions(kv, args, model)
-    kv = _distributed_kv(args, kv)
     if args.tokens is not None and args.tokens < 1:
         print("ds4mlx serve: --tokens must be >= 1", file=sys.stderr)
         return 2
@@ -178,6 +174,22 @@ def _pipeline_role(args, model: str) -> tuple[list[int] | None, int | None]:
     return split, None
 
 
+def _kv_settings(args, model: str):
+    """``(KVCacheSettings, sessions_why)`` from the flags: ``--sessions`` resolved
+    (`_default_sessions`), the disk tier off under ``--distributed``.
+
+    Raises:
+        ValueError: a bad value, or more sessions than memory holds (the message).
+    """
+    from ds4mlx.kv.policy import KVCacheSettings
+
+    refused = _sessions_refusal(args.sessions, model, args.ctx)
+    if refused is not None:
+        raise ValueError(refused)
+    kv, sessions_why = _default_sessions(KVCacheSettings.from_args(args), args, model)
+    return _distributed_kv(args, kv), sessions_why
+
+
 def _distributed_kv(args, kv):
     """The disk KV cache is off under ``--distributed``: a snapshot of a split model
     would hold rank 0's layers only (docs/DISTRIBUTED.md)."""
@@ -206,9 +218,37 @@ def _loader(args, model: str, sessions: int, split: list[int] | None):
     return load
 
 
+def _sessions_refusal(n: int | None, model: str, ctx: int | None) -> str | None:
+    """Why an explicit ``--sessions n`` cannot be served, with the fit check's numbers
+    (`ds4mlx.model.fit.sessions_that_fit`), or None (absent, or it fits). ``n`` < 1, or
+    more resident states than the memory budget holds after the weights at ``ctx``."""
+    if n is None:
+        return None
+    from dataclasses import replace
+
+    from ds4mlx.model.fit import sessions_that_fit
+
+    try:
+        most, report = sessions_that_fit(model, ctx, cap=max(n, 1 << 20))
+    except Exception:  # not even one fits, a bad config: the load says why, with numbers
+        return None if n >= 1 else f"--sessions {n}: at least one resident state is needed"
+    if n < 1:
+        return (
+            f"--sessions {n}: at least one resident state is needed; memory holds {most}: "
+            f"{report.describe()}"
+        )
+    if n > most:
+        return (
+            f"--sessions {n} does not fit: {replace(report, sessions=n).describe()}. "
+            f"Memory holds {most} at this context (--sessions {most}, or a smaller --ctx; "
+            "override the budget with --memory-limit)"
+        )
+    return None
+
+
 def _default_sessions(kv, args, model: str):
-    """``(settings, why)``: ``kv`` with ``--sessions`` resolved. Given, it is kept (the
-    fit check at load refuses more than memory holds, with the numbers); absent, it is
+    """``(settings, why)``: ``kv`` with ``--sessions`` resolved. Given, it is kept
+    (`_sessions_refusal` refused it already when memory cannot hold it); absent, it is
     min(4, what the memory budget holds after the weights), at least 1
     (`ds4mlx.model.fit.sessions_that_fit`)."""
     from dataclasses import replace

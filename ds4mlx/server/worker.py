@@ -245,6 +245,7 @@ class Worker:
             thinking=req.turn.thinking,
             state_key=req.state_key,
             salt=req.salt,
+            side=req.side,
         )
         try:
             lease = self.cache.begin(prompt)
