@@ -88,7 +88,10 @@ class Conversation:
     that tool). It does not change the rendered prompt; the generation loop opens the
     tool-call block itself once the visible reply starts. ``tool_none``: the client's
     ``tool_choice: none``: no tools are rendered and a call the model writes anyway is
-    dropped (never reported as a call nor shown as text).
+    dropped (never reported as a call nor shown as text). ``single_call``: the client
+    allows no parallel calls (``parallel_tool_calls: false``, Anthropic's
+    ``disable_parallel_tool_use``): the turn ends after the first closed invoke (the
+    generation loop closes the block itself); it does not change the rendered prompt.
 
     ``late_system``: system instructions that arrive inside the conversation before the
     first assistant turn (Claude Code's environment block, OpenAI ``developer``
@@ -111,5 +114,6 @@ class Conversation:
     tool_required: bool = False
     tool_name: str | None = None
     tool_none: bool = False
+    single_call: bool = False
     late_system: str = ""
     open_reply: bool = False

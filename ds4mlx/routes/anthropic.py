@@ -457,6 +457,7 @@ def to_conversation(
         tool_required=required,
         tool_name=name,
         tool_none=(req.tool_choice or {}).get("type") == "none",
+        single_call=(req.tool_choice or {}).get("disable_parallel_tool_use") is True,
         open_reply=True,
     )
 

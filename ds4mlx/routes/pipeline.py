@@ -94,6 +94,7 @@ def prepare(
         tool_required=conv.tool_required,
         tool_name=conv.tool_name,
         calls=not conv.tool_none,
+        parallel_calls=not conv.single_call,
         top_logprobs=top_logprobs,
         cap_is_eos=cap_is_eos,
     )

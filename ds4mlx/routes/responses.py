@@ -466,6 +466,7 @@ def to_conversation(
         tool_required=required,
         tool_name=name,
         tool_none=req.tool_choice == "none",
+        single_call=req.parallel_tool_calls is False,
         open_reply=True,
     )
 
