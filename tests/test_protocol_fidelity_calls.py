@@ -242,3 +242,77 @@ def test_block_closer_completes_what_the_invoke_token_began(generated, closer):
     assert (
         block_closer('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="x">\n' + generated) == closer
     )
+
+
+# --------------------------------------------------------------------------- item 7
+
+
+def _count_request(server, body: dict[str, Any]) -> int:
+    fields = ("model", "system", "messages", "tools", "thinking", "cache_salt")
+    probe = {k: v for k, v in body.items() if k in fields}
+    return post(server, "/v1/messages/count_tokens", probe)["input_tokens"]
+
+
+def test_count_tokens_predicts_a_live_thinking_turns_usage(server):
+    """After a thinking turn the live state holds its hidden reasoning, which the next
+    request's rendering leaves out: count_tokens counts what that request is charged
+    (the live state kept + the new suffix), under the request's own cache salt; under
+    another salt nothing is reused and the count is the rendering's."""
+    _unrelated(server)
+    msgs = [{"role": "user", "content": "Q0"}]
+    base = {
+        "model": "deepseek-v4-flash",
+        "max_tokens": 100,
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "cache_salt": "tenant-a",
+    }
+    script(server, "Hidden reasoning the client never sends back, " * 3 + "</think>A0." + EOS)
+    r1 = post(server, MSGS, {**base, "messages": msgs})
+    text = "".join(b["text"] for b in r1["content"] if b["type"] == "text")
+    body2 = {
+        **base,
+        "messages": [
+            *msgs,
+            {"role": "assistant", "content": [{"type": "text", "text": text}]},
+            {"role": "user", "content": "Q1"},
+        ],
+    }
+    predicted = _count_request(server, body2)
+    rendering = _count_request(server, {**body2, "cache_salt": "tenant-b"})
+    script(server, "ok</think>A1." + EOS)
+    r2 = post(server, MSGS, body2)
+    assert server.trace.last()["decision"] == "live-thinking"
+    p2, c2, _ = _prompt_usage(MSGS, r2)
+    assert predicted == p2 and c2 > 0
+    # The rendering drops the reasoning the live state holds.
+    assert rendering < predicted
+
+
+def test_count_tokens_answers_while_a_generation_streams(server):
+    """count_tokens queues no job: it answers while a long generation streams, which goes
+    on after the answer."""
+    _unrelated(server)
+    script(server, "word " * 500)
+    body = {
+        "model": "deepseek-chat",
+        "messages": [{"role": "user", "content": "Talk."}],
+        "max_tokens": 500,
+        "stream": True,
+    }
+    probe = {"model": "deepseek-chat", "messages": [{"role": "user", "content": "Count me."}]}
+    after = 0
+    with (
+        httpx.Client(base_url=server.url, timeout=300) as client,
+        client.stream("POST", CHAT, json=body) as r,
+    ):
+        lines = r.iter_lines()
+        for _, d in sse_events(lines):
+            if d and d != "[DONE]" and json.loads(d)["choices"][0]["delta"].get("content"):
+                break
+        got = client.post("/v1/messages/count_tokens", json=probe)
+        assert got.status_code == 200 and got.json()["input_tokens"] > 0
+        assert client.get("/health").json()["busy"]
+        for _, d in sse_events(lines):
+            if d and d != "[DONE]":
+                after += bool(json.loads(d)["choices"][0]["delta"].get("content"))
+    assert after > 0  # the generation was still streaming when the count came back
