@@ -316,3 +316,137 @@ def test_count_tokens_answers_while_a_generation_streams(server):
             if d and d != "[DONE]":
                 after += bool(json.loads(d)["choices"][0]["delta"].get("content"))
     assert after > 0  # the generation was still streaming when the count came back
+
+
+# --------------------------------------------------------------------------- item 5
+
+# Codex 0.171's client-run tool search (its request, captured with an MCP server
+# configured: the MCP tools are not in ``tools`` at all, only this tool).
+TOOL_SEARCH = {
+    "type": "tool_search",
+    "execution": "client",
+    "description": "# Tool discovery\n\nSearches over deferred tool metadata with BM25.",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "limit": {"type": "number", "description": "Maximum number of tools to return."},
+            "query": {"type": "string", "description": "Search query for deferred tools."},
+        },
+        "required": ["query"],
+        "additionalProperties": False,
+    },
+}
+CRM = {
+    "type": "namespace",
+    "name": "mcp__crm__",
+    "description": "CRM records",
+    "tools": [
+        {
+            "type": "function",
+            "name": "lookup",
+            "description": "Look up a CRM record.",
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string"}},
+                "required": ["query"],
+            },
+        }
+    ],
+}
+CRM_LINE = (
+    '{"name": "lookup", "description": "Look up a CRM record.\\n(mcp__crm__: CRM records)", '
+    '"parameters": {"type": "object", "properties": {"query": {"type": "string"}}, '
+    '"required": ["query"]}}'
+)
+
+
+def _search_items(server, body: dict[str, Any], stream: bool) -> list[dict[str, Any]]:
+    """The output items of a Responses request (from the stream's done items)."""
+    if not stream:
+        return post(server, RESP, body)["output"]
+    with (
+        httpx.Client(base_url=server.url, timeout=120) as client,
+        client.stream("POST", RESP, json={**body, "stream": True}) as r,
+    ):
+        datas = [json.loads(d) for _, d in sse_events(r.iter_lines()) if d not in (None, "[DONE]")]
+    assert not any(d["type"].startswith("response.function_call") for d in datas)
+    (final,) = [d for d in datas if d["type"] == "response.completed"]
+    done = [d["item"] for d in datas if d["type"] == "response.output_item.done"]
+    assert done == final["response"]["output"]
+    return done
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_codex_tool_search_is_answered_rendered_and_continued_live(server, stream):
+    """A search the model starts is a ``tool_search_call`` (object arguments, client
+    execution), not a function_call; the client's ``tool_search_call`` +
+    ``tool_search_output`` items render as that call and its result (the loaded tools'
+    schemas), the loaded tools are callable (a namespaced call keeps its namespace), and
+    the exchange continues live by call_id with only the result prefilled."""
+    _unrelated(server)
+    user = [{"type": "message", "role": "user", "content": "Find the Acme record."}]
+    body = {
+        "model": "deepseek-chat",
+        "reasoning": {"effort": "none"},
+        "tools": [TOOL["/v1/responses"], TOOL_SEARCH],
+        "input": user,
+    }
+    script(
+        server, tool_calls(invoke("tool_search", ("query", "crm record", None), ("limit", 3, None)))
+    )
+    out = _search_items(server, body, stream)
+    (call,) = out
+    assert call["type"] == "tool_search_call", call
+    assert call["arguments"] == {"query": "crm record", "limit": 3}
+    assert (call["execution"], call["status"]) == ("client", "completed")
+    assert call["call_id"].startswith("call_")
+    text = server.trace.prompts()[-1]["text"]
+    assert '"name": "tool_search"' in text and "Search query for deferred tools." in text
+    p1 = server.trace.jobs()[-1]["prompt"]
+
+    # Codex runs the search and sends the exchange back (its item shapes).
+    output = {
+        "type": "tool_search_output",
+        "id": "tso_1",
+        "call_id": call["call_id"],
+        "status": "completed",
+        "execution": "client",
+        "tools": [CRM],
+    }
+    body2 = {**body, "input": [*user, call, output], "max_output_tokens": 200}
+    script(server, tool_calls(invoke("lookup", ("query", "Acme", None))))
+    r2 = post(server, RESP, body2)
+    plan = server.trace.last()
+    assert plan["decision"] == "live-responses", plan
+    p2, c2, _ = _prompt_usage(RESP, r2)
+    suffix = f"{EOS}{USER}<tool_result>{CRM_LINE}</tool_result>{ASSISTANT}</think>"
+    assert p2 - c2 == count_tokens(server, suffix) and c2 > p1
+    (fc,) = r2["output"]
+    assert (fc["type"], fc["name"], fc["namespace"]) == ("function_call", "lookup", "mcp__crm__")
+    assert json.loads(fc["arguments"]) == {"query": "Acme"}
+    # The loaded tool renders in the result only: the tools section stays a prefix.
+    text = server.trace.prompts()[-1]["text"]
+    assert text.count('"name": "lookup"') == 1
+
+    # Cold, the same request renders to the same tokens (the search call from its
+    # exact sampled DSML).
+    _unrelated(server)
+    script(server, "x" + EOS)
+    r3 = post(server, RESP, body2)
+    assert server.trace.last()["decision"] == "cold"
+    assert _prompt_usage(RESP, r3)[:2] == (p2, 0)
+
+
+def test_tool_search_output_that_is_not_tools_is_a_400(server):
+    body = {
+        "model": "deepseek-chat",
+        "tools": [TOOL_SEARCH],
+        "input": [
+            {"type": "message", "role": "user", "content": "x"},
+            {"type": "tool_search_call", "call_id": "c1", "arguments": {"query": "q"}},
+            {"type": "tool_search_output", "call_id": "c1", "tools": [{"name": "no type"}]},
+        ],
+    }
+    r = httpx.post(server.url + RESP, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "input.2.tools"

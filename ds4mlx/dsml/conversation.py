@@ -93,6 +93,11 @@ class Conversation:
     ``disable_parallel_tool_use``): the turn ends after the first closed invoke (the
     generation loop closes the block itself); it does not change the rendered prompt.
 
+    ``loaded_tools``: tools a tool search the client ran loaded during the conversation
+    (Responses ``tool_search_output``): their schemas render inside that search's tool
+    result, not in the tools section (which stays a stable prefix); the model may call
+    them like ``tools`` (the decoder orders their arguments too).
+
     ``late_system``: system instructions that arrive inside the conversation before the
     first assistant turn (Claude Code's environment block, OpenAI ``developer``
     messages). They render in the leading system block *after* the tools section, joined
@@ -109,6 +114,7 @@ class Conversation:
 
     messages: list[Message] = field(default_factory=list)
     tools: list[ToolSpec] = field(default_factory=list)
+    loaded_tools: list[ToolSpec] = field(default_factory=list)
     thinking: bool = True
     reasoning_effort: str | None = None
     tool_required: bool = False

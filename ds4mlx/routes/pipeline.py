@@ -88,7 +88,7 @@ def prepare(
         max_tokens=limit,
         # A continued assistant message (prefix) with content: the reply is visible text.
         thinking=reply_thinking(conv),
-        tools=tuple(conv.tools),
+        tools=(*conv.tools, *conv.loaded_tools),
         id_prefix=id_prefix,
         stops=tuple(stops or ()),
         tool_required=conv.tool_required,
