@@ -81,11 +81,10 @@ def run_serve(args, register) -> int:
             file=sys.stderr,
         )
         return 1
-    from ds4mlx.server.connections import keep_open_file_limit, raise_open_file_limit
+    from ds4mlx.engine import Engine
+    from ds4mlx.server.connections import raise_open_file_limit
 
     raise_open_file_limit()  # every client connection holds a descriptor
-    with keep_open_file_limit():  # the engine imports mlx-lm, which sets the limit
-        from ds4mlx.engine import Engine
     from ds4mlx.kv.policy import KVCacheSettings
 
     try:
