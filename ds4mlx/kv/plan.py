@@ -409,11 +409,12 @@ class Planner:
 
     def live_match(
         self, r: Resident, prompt_tokens: Tokens, rendered, conversation, salt: str = ""
-    ) -> tuple[int, int] | None:
-        """``(tier, kept tokens)`` of the best live rule for state ``r`` (3: tool ids,
-        2: a text key, 1: a prefix), or None (also for a state of another cache
-        ``salt``). No side effects: it only ranks states
-        (`ds4mlx.kv.cache.PromptCache` plans the chosen one for real)."""
+    ) -> tuple[int, int, int] | None:
+        """``(tier, kept tokens, prompt tokens)`` of the best live rule for state ``r``
+        (tier 3: tool ids, 2: a text key, 1: a prefix; prompt tokens: kept + the suffix
+        it would prefill), or None (also for a state of another cache ``salt``). No side
+        effects: it ranks states (`ds4mlx.kv.cache.PromptCache` plans the chosen one for
+        real) and predicts usage (`ds4mlx.kv.cache.PromptCache.peek`)."""
         if not r.live or r.salt != salt:
             return None
         s, b = r.session, r.bindings
@@ -430,7 +431,7 @@ class Planner:
             )
         if plan is None or plan.prompt_tokens >= self.engine.ctx_size:
             return None
-        return tier, plan.keep
+        return tier, plan.keep, plan.prompt_tokens
 
     def append(self, r: Resident, tail: Rendered) -> Plan | None:
         """A plan that continues state ``r`` after its caller's turn with ``tail`` (the

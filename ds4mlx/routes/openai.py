@@ -149,6 +149,7 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[ChatTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None
     thinking: dict[str, Any] | bool | None = None
     think: bool | None = None
@@ -296,6 +297,7 @@ def to_conversation(req: ChatRequest, *, default_thinking: bool = True) -> Conve
         tool_required=required,
         tool_name=name,
         tool_none=req.tool_choice == "none",
+        single_call=req.parallel_tool_calls is False,
         open_reply=True,
     )
 

@@ -90,12 +90,13 @@ def prepare(
         max_tokens=limit,
         # A continued assistant message (prefix) with content: the reply is visible text.
         thinking=reply_thinking(conv),
-        tools=tuple(conv.tools),
+        tools=(*conv.tools, *conv.loaded_tools),
         id_prefix=id_prefix,
         stops=tuple(stops or ()),
         tool_required=conv.tool_required,
         tool_name=conv.tool_name,
         calls=not conv.tool_none,
+        parallel_calls=not conv.single_call,
         top_logprobs=top_logprobs,
         cap_is_eos=cap_is_eos,
     )

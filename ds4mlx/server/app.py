@@ -42,6 +42,10 @@ class ServerState:
     def submit(self, request: GenRequest) -> Job:
         return self.worker.submit(request)
 
+    def charged(self, request: GenRequest) -> int:
+        """The prompt tokens ``request`` would be charged now (``Worker.charged``; no job)."""
+        return self.worker.charged(request)
+
 
 def start_worker(load: Callable[[], Any], config: ServerConfig) -> tuple[Any, Worker]:
     """Start the inference thread, load the engine on it (``load()``), return both.

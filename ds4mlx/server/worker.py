@@ -155,6 +155,16 @@ class Worker:
         with self._lock:
             return self._pending
 
+    def charged(self, request: GenRequest) -> int:
+        """The prompt tokens ``request`` would be charged (its usage) if it ran now: the
+        prompt cache's read-only prediction (``PromptCache.peek``: the live state it
+        would continue and the suffix it would prefill, else the whole prompt).
+
+        Queues no job and waits for none: any thread, while a job runs (which may
+        change the answer once it ends). Tokenizes the suffix, or the prompt.
+        """
+        return self.cache.peek(_cache_prompt(request, self.tokenizer)).prompt_tokens
+
     @property
     def busy(self) -> bool:
         return self.current is not None
@@ -233,22 +243,13 @@ class Worker:
 
     def _run_job(self, job: Job) -> None:
         from ds4mlx.engine import FINISH_CONTEXT, FINISH_LENGTH, ContextOverflowError, run_turn
-        from ds4mlx.kv.cache import ContextFull, Prompt, UnknownToolId
+        from ds4mlx.kv.cache import ContextFull, UnknownToolId
 
         req = job.request
         tok = self.tokenizer
         t_start = time.monotonic()
-        prompt = Prompt(
-            _prompt_tokens(req, tok),
-            req.prompt,
-            req.conversation,
-            thinking=req.turn.thinking,
-            state_key=req.state_key,
-            salt=req.salt,
-            side=req.side,
-        )
         try:
-            lease = self.cache.begin(prompt)
+            lease = self.cache.begin(_cache_prompt(req, tok))
         except UnknownToolId as e:
             job.emit(JobFailed(Failure.UNKNOWN_TOOL_ID, tool_id=e.tool_id))
             return
@@ -360,6 +361,21 @@ def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float, detail: s
 def _text(req: GenRequest) -> str | None:
     """The prompt text of a request (a ``Rendered``'s text, a raw string, or None)."""
     return req.prompt.text if isinstance(req.prompt, Rendered) else req.prompt
+
+
+def _cache_prompt(req: GenRequest, tok):
+    """The prompt cache's ``Prompt`` of a request (a job's, or a prediction's)."""
+    from ds4mlx.kv.cache import Prompt
+
+    return Prompt(
+        _prompt_tokens(req, tok),
+        req.prompt,
+        req.conversation,
+        thinking=req.turn.thinking,
+        state_key=req.state_key,
+        salt=req.salt,
+        side=req.side,
+    )
 
 
 def _prompt_tokens(req: GenRequest, tok) -> list[int] | Callable[[], list[int]]:
