@@ -14,7 +14,7 @@ its tool-result continuation are exact.
 from __future__ import annotations
 
 from ds4mlx.dsml.tokens import INVOKE_CLOSE, TOOL_CALLS_CLOSE
-from ds4mlx.engine.turn import Turn, TurnHooks
+from ds4mlx.engine.hooks import Turn, TurnHooks
 
 _WS = " \t\r\n"
 

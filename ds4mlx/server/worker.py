@@ -216,7 +216,7 @@ class Worker:
                 job.emit(JobFailed(Failure.INTERNAL, detail=f"{type(e).__name__}: {e}"))
                 if isinstance(e, KeyboardInterrupt | SystemExit):
                     raise
-                self._check_fatal(e)
+                _stop_if_fatal(self, e)
             finally:
                 self.current = None
                 self._finish(job)
@@ -224,17 +224,6 @@ class Worker:
             self.cache.shutdown()
         except Exception:
             log.exception("shutdown save failed")
-
-    def _check_fatal(self, e: BaseException) -> None:
-        """A failure no later job can avoid (a pipeline rank is gone: every forward call
-        needs it) stops the server with exit code 1 instead of failing every request."""
-        lost = getattr(self.engine.model, "lost_peer", None)
-        line = lost(e) if lost is not None else None
-        if line is None:
-            return
-        log.error("%s; stopping the server", line)
-        self.exit_code = 1
-        os.kill(os.getpid(), signal.SIGTERM)
 
     def _finish(self, job: Job) -> None:
         with self._lock:
@@ -338,6 +327,18 @@ class Worker:
             **{k: v for k, v in dataclasses.asdict(outcome).items() if k != "reasoning"},
         )
         _log_job(job, plan, result, outcome, t_start, detail)
+
+
+def _stop_if_fatal(worker: Worker, e: BaseException) -> None:
+    """A failure no later job can avoid (a pipeline rank is gone: every forward call needs
+    it) stops the server with exit code 1 instead of failing every request after it."""
+    lost = getattr(worker.engine.model, "lost_peer", None)
+    line = lost(e) if lost is not None else None
+    if line is None:
+        return
+    log.error("%s; stopping the server", line)
+    worker.exit_code = 1
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float, detail: str) -> None:
