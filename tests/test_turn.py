@@ -372,3 +372,157 @@ def test_one_call_when_parallel_calls_are_off(engine, session, in_reasoning):
     one = reasoning + head + "\n</｜DSML｜tool_calls>"
     assert res.raw == one
     assert engine.tokenizer.decode(session.tokens[len(prompt) :]) == one
+
+
+# --------------------------------------------------------------------------- steering
+
+TWO_CALLS = (
+    '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n'
+    '<｜DSML｜parameter name="command" string="true">ls</｜DSML｜parameter>\n'
+    '</｜DSML｜invoke>\n<｜DSML｜invoke name="bash">\n'
+    '<｜DSML｜parameter name="command" string="true">pwd</｜DSML｜parameter>\n'
+    "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+)
+
+
+def _steered_turn(engine, session, prompt_text: str, script_text: str, when, **kw):
+    """Run a scripted turn under `Steering` whose poll holds once ``when(seen)`` does
+    (``seen``: the events so far; ``kw``: TurnSpec fields, ``cancel``)."""
+    from ds4mlx.engine import Steering
+
+    tok = engine.tokenizer
+    prompt = _ids(engine, prompt_text)
+    script = _ids(engine, script_text) + [tok.eos_id]
+    seen: list = []
+    cancel = kw.pop("cancel", None)
+    hooks = Steering(lambda: when(seen), close_cancelled=True)
+    spec = TurnSpec(GREEDY, kw.pop("max_tokens", 300), tools=(TOOL,), **kw)
+    memory = ToolMemory()
+    res = run_turn(
+        session,
+        tok,
+        spec,
+        prefill=prompt,
+        script=script,
+        emit=seen.append,
+        tool_memory=memory,
+        hooks=hooks,
+        cancel=cancel and (lambda: cancel(seen)),
+    )
+    return res, prompt, hooks, memory
+
+
+def _ends_at_rendered_turn(engine, session, prompt, res, memory, thinking: bool) -> None:
+    """The live state is the prompt plus this turn as the renderer writes it (no EOS):
+    the next rendered turn's suffix starts right here."""
+    from ds4mlx.dsml import Message, render_assistant_turn
+
+    msg = Message(
+        "assistant",
+        content=res.text,
+        reasoning=res.reasoning if thinking else None,
+        tool_calls=list(res.tool_calls),
+    )
+    turn = render_assistant_turn(msg, thinking=thinking, tool_memory=memory, eos=False)
+    assert engine.tokenizer.decode(session.tokens[len(prompt) :]) == turn
+    _assert_state_is_prompt_plus_fed(engine, session, prompt, session.tokens[len(prompt) :])
+
+
+def _text_of(seen, kind) -> str:
+    return "".join(e.text for e in seen if isinstance(e, kind))
+
+
+def test_steer_during_reasoning_closes_it_at_the_next_token(engine, session):
+    from ds4mlx.dsml import ThinkingDelta
+
+    res, prompt, hooks, memory = _steered_turn(
+        engine,
+        session,
+        PROMPT + "<think>",
+        "let me look at the files first</think>Sure.",
+        lambda seen: "let me" in _text_of(seen, ThinkingDelta),
+        thinking=True,
+    )
+    assert res.finish == "steered" and res.reasoning.startswith("let me")
+    assert "files" not in res.reasoning and res.text == "" and res.tool_calls == []
+    # Closed as a cancelled turn is: ``</think>`` fed (one forced token), not sampled.
+    assert res.forced == 1 and res.raw.endswith("</think>") and not hooks.cut_in_block
+    _ends_at_rendered_turn(engine, session, prompt, res, memory, thinking=True)
+
+
+def test_steer_during_text_stops_at_the_next_token(engine, session):
+    from ds4mlx.dsml import TextDelta
+
+    res, prompt, hooks, memory = _steered_turn(
+        engine,
+        session,
+        PROMPT + "<think>",
+        "hmm</think>Sure, I will write it in Python now.",
+        lambda seen: "Sure" in _text_of(seen, TextDelta),
+        thinking=True,
+    )
+    assert res.finish == "steered" and res.reasoning == "hmm" and res.forced == 0
+    assert res.text.startswith("Sure") and "Python" not in res.text
+    _ends_at_rendered_turn(engine, session, prompt, res, memory, thinking=True)
+
+
+def test_steer_inside_a_block_waits_for_its_close(engine, session):
+    """Steered at the first ``｜DSML｜`` token (the opener still held back): the turn runs
+    on to ``</｜DSML｜tool_calls>`` (both calls complete, runnable) and stops before the
+    EOS would be sampled."""
+    from ds4mlx.dsml import ToolCallStart
+
+    tok = engine.tokenizer
+    first_marker = [False]
+
+    def when(seen) -> bool:
+        return first_marker[0]
+
+    script_text = "Sure." + TWO_CALLS
+    prompt = _ids(engine, PROMPT + "</think>")
+    script = _ids(engine, script_text)
+    from ds4mlx.engine import Steering
+
+    seen: list = []
+    memory = ToolMemory()
+
+    def after_token(s) -> None:
+        first_marker[0] = first_marker[0] or s.tokens[-1] == tok.dsml_id
+
+    res = run_turn(
+        session,
+        tok,
+        TurnSpec(GREEDY, 300, tools=(TOOL,)),
+        prefill=prompt,
+        script=script + [tok.eos_id],
+        emit=seen.append,
+        tool_memory=memory,
+        after_token=after_token,
+        hooks=Steering(lambda: when(seen)),
+    )
+    assert res.finish == "steered" and res.text == "Sure."
+    assert [c.arguments for c in res.tool_calls] == [{"command": "ls"}, {"command": "pwd"}]
+    assert res.call_errors == {} and sum(isinstance(e, ToolCallStart) for e in seen) == 2
+    # Every scripted token but the EOS: the state ends where EOS would have ended it.
+    assert res.completion_tokens == len(script) and res.raw.endswith("</｜DSML｜tool_calls>")
+    _ends_at_rendered_turn(engine, session, prompt, res, memory, thinking=False)
+
+
+def test_steer_then_max_tokens_or_cancel_cuts_the_block_stays_text(engine, session):
+    """A block that ``max_tokens`` or a cancel cuts while a steer waits for its close is
+    never a call (it stays text in the live state; `Steering.cut_in_block`)."""
+    from ds4mlx.dsml import ToolCallStart
+
+    def started(seen) -> bool:
+        return any(isinstance(e, ToolCallStart) for e in seen)
+
+    n_open = len(_ids(engine, "Sure." + TWO_CALLS.split("</｜DSML｜invoke>")[0]))
+    res, _, hooks, _ = _steered_turn(
+        engine, session, PROMPT + "</think>", "Sure." + TWO_CALLS, started, max_tokens=n_open
+    )
+    assert res.finish == "length" and res.tool_calls == [] and hooks.cut_in_block
+    session.reset()
+    res, _, hooks, _ = _steered_turn(
+        engine, session, PROMPT + "</think>", "Sure." + TWO_CALLS, started, cancel=started
+    )
+    assert res.finish == "cancelled" and res.tool_calls == [] and hooks.cut_in_block

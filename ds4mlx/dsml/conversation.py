@@ -21,12 +21,15 @@ class ToolSpec:
     """A function tool offered to the model.
 
     ``parameters`` is a JSON Schema object (dict). Its ``properties`` order is the
-    order arguments are reported back in.
+    order arguments are reported back in. ``background``: the client declared the tool
+    ``async: true`` (docs/ARCHITECTURE.md §4, asynchronous tools): a call to it that has
+    no result yet gets a pending status result, and its result may arrive turns later.
     """
 
     name: str
     description: str = ""
     parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+    background: bool = False
 
 
 @dataclass

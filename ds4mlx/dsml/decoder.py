@@ -452,6 +452,19 @@ class StreamDecoder:
             return DSML in self._buf or self._json.structure
         return True
 
+    @property
+    def in_tool_block(self) -> bool:
+        """True while a tool-call block is open or being opened: from the ``｜DSML｜``
+        token of its opener (held back in text or reasoning) to ``</｜DSML｜tool_calls>``.
+
+        A turn stopped here would leave a half-written block (never a call); a steered
+        turn waits for the block's close instead (``ds4mlx.engine.steer``).
+        """
+        st = self._state
+        if st in (_TEXT, _THINK):
+            return DSML in self._buf
+        return st in (_BLOCK, _INV_HEAD, _PAR_HEAD, _INV_BODY, _PAR_STR, _PAR_JSON, _SKIP, _PROBE)
+
     # ----------------------------------------------------------------- plumbing
 
     def _take(self) -> list[Event]:

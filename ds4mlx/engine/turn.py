@@ -63,6 +63,7 @@ FINISH_STOP_SEQUENCE = "stop_sequence"  # a stop string completed in the visible
 FINISH_LENGTH = "length"  # max_tokens sampled
 FINISH_CONTEXT = "context"  # the context has no room for the last sampled token
 FINISH_CANCELLED = "cancelled"  # cancel() returned True (prefill or decode)
+FINISH_STEERED = "steered"  # a steer poll held at a boundary (ds4mlx.engine.steer)
 
 
 @dataclass(frozen=True)

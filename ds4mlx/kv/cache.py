@@ -79,6 +79,9 @@ class Prompt:
         salt: the cache salt (``""``: none): opaque to the cache (the server derives it
             from a request's ``cache_salt`` and API key). A live state or snapshot made
             under one salt is never reused by a prompt of another.
+        side: the client marked it a side request (a helper agent's fork of a
+            conversation): it runs on a side state or room (`PromptCache.begin`), never
+            on a conversation's state, even one it would continue.
     """
 
     tokens: Tokens
@@ -88,6 +91,7 @@ class Prompt:
     transcript: bool = False
     state_key: str | None = None
     salt: str = ""
+    side: bool = False
 
     @property
     def text(self) -> Rendered | None:
@@ -279,7 +283,8 @@ class PromptCache:
         """The state for a job and why (``live``, ``side``, ``key``, ``room``; for the
         log line) (docs/ARCHITECTURE.md §3, resident states): the best live
         match (a tool-id continuation over a text key over a prefix, then the most tokens
-        kept); else, for a side request (`_is_side`), room that spares conversations
+        kept; a ``prompt.side`` request matches side states only); else, for a side
+        request (``prompt.side`` or `_is_side`), room that spares conversations
         (`ResidentStates.room_for`); else the state of the prompt's ``state_key``; else
         room (a free state, or the least valuable one)."""
         states = self.states
@@ -289,13 +294,15 @@ class PromptCache:
         else:
             best: tuple | None = None
             for s in states.states:
+                if prompt.side and not s.side:
+                    continue  # a helper's fork would take the conversation's state
                 score = self.planner.live_match(
                     s, tokens, rendered, prompt.conversation, prompt.salt
                 )
                 # Ranked by (tier, kept tokens); the predicted prompt is no criterion.
                 if score is not None and (best is None or score[:2] > best[0][:2]):
                     best = (score, s)
-            side = best is None and self._is_side(prompt, rendered, tokens)
+            side = prompt.side or self._is_side(prompt, rendered, tokens)
             keyed = [
                 s
                 for s in states.states
@@ -315,7 +322,9 @@ class PromptCache:
                 if s.key == prompt.state_key and s is not r:
                     s.key = None
             r.key = prompt.state_key
-        r.side = side
+        # A live continuation keeps a conversation's state one; a side request that
+        # continues the scratch state keeps it the state side requests take.
+        r.side = side and (why != "live" or r.side)
         states.touch(r)
         return r, why
 

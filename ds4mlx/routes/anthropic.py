@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, StrictBool, Tag
 from quart import Blueprint, request
 
 from ds4mlx.dsml import (
@@ -57,6 +57,7 @@ from ds4mlx.routes.body import OpenModel, offload, parse, read_body
 from ds4mlx.routes.carrier import carrier
 from ds4mlx.routes.common import (
     cache_salt,
+    helper_agent,
     json_response,
     model_thinking,
     new_id,
@@ -228,6 +229,9 @@ class AnthropicTool(OpenModel):
     description: str | None = None
     input_schema: dict[str, Any] | None = None
     type: str | None = None
+    # Ours, no Anthropic field (docs/ARCHITECTURE.md §4, asynchronous tools): the tool
+    # runs in the background.
+    async_: StrictBool | None = Field(None, alias="async")
 
 
 class ThinkingConfig(OpenModel):
@@ -371,6 +375,7 @@ def _tools(req: CountTokensRequest) -> list[ToolSpec]:
             name=t.name,
             description=t.description or "",
             parameters=t.input_schema or empty_schema(),
+            background=bool(t.async_),
         )
         for t in req.tools or []
         if t.input_schema is not None
@@ -669,17 +674,20 @@ def _count(raw: bytes, key: str | None, salt_of_key: str = "") -> int:
 
 
 def _job(
-    raw: bytes, path: str, key: str | None, salt_of_key: str = ""
+    raw: bytes, path: str, key: str | None, salt_of_key: str = "", side: bool = False
 ) -> tuple[MessagesRequest, GenRequest]:
     """The typed request and its job (off the event loop: parse, validate, map, render)."""
     req = parse(MessagesRequest, raw)
-    return req, _gen(req, path, key, salt_of_key)
+    return req, _gen(req, path, key, salt_of_key, side)
 
 
-def _gen(req: CountTokensRequest, path: str, key: str | None, salt_of_key: str) -> GenRequest:
+def _gen(
+    req: CountTokensRequest, path: str, key: str | None, salt_of_key: str, side: bool = False
+) -> GenRequest:
     """The job of a validated request (a count request has no output limit nor stops);
     ``key``: its `state_key` (from the headers); the body's ``cache_salt`` and
-    ``salt_of_key`` (the API key's `key_salt`) make its cache salt (`cache_salt`)."""
+    ``salt_of_key`` (the API key's `key_salt`) make its cache salt (`cache_salt`);
+    ``side``: a helper agent's request (`helper_agent`)."""
     conv = _conversation(req)
     return prepare(
         conv,
@@ -691,14 +699,18 @@ def _gen(req: CountTokensRequest, path: str, key: str | None, salt_of_key: str) 
         stops=getattr(req, "stop_sequences", None),
         state_key=key,
         salt=cache_salt((req.model_extra or {}).get("cache_salt"), salt_of_key),
+        side=side,
     )
 
 
 @bp.post("/v1/messages")
 async def messages():
     """Anthropic Messages (streaming and not). Errors: Anthropic error shapes."""
-    key = state_key(request.headers)
-    req, gen = await offload(_job, await read_body(), request.path, key, key_salt(request.headers))
+    h = request.headers
+    key = state_key(h)
+    req, gen = await offload(
+        _job, await read_body(), request.path, key, key_salt(h), helper_agent(h)
+    )
     st = state()
     job = st.submit(gen)
     enc = MessageEncoder(

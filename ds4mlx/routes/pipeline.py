@@ -61,6 +61,7 @@ def prepare(
     top_logprobs: int | None = None,
     state_key: str | None = None,
     salt: str = "",
+    side: bool = False,
 ) -> GenRequest:
     """Render and bound ``conv``; return the job to submit (call off the event loop).
 
@@ -76,6 +77,7 @@ def prepare(
         top_logprobs: chat ``logprobs``: None (off) or alternatives per token.
         state_key: the client's conversation name (`ds4mlx.routes.common.state_key`).
         salt: the prompt cache salt (`ds4mlx.routes.common.cache_salt`).
+        side: the client marked it a side request (`ds4mlx.routes.common.helper_agent`).
     Raises:
         APIError: 400 for a conversation that cannot be rendered or a rendering the
             context cannot hold (`bound`).
@@ -106,6 +108,7 @@ def prepare(
         labels=wording.labels,
         state_key=state_key,
         salt=salt,
+        side=side,
     )
 
 

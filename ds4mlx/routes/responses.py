@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, ValidationError
+from pydantic import Discriminator, Field, StrictBool, Tag, ValidationError
 from quart import Blueprint, request, websocket
 
 from ds4mlx.dsml import (
@@ -232,6 +232,8 @@ class ResponsesTool(OpenModel):
     parameters: dict[str, Any] | None = None
     format: dict[str, Any] | None = None  # custom tools
     tools: list[dict[str, Any]] | None = None  # namespace groups
+    # The openai SDK's beta ``FunctionTool.async``: the function runs in the background.
+    async_: StrictBool | None = Field(None, alias="async")
     execution: str | None = None  # tool_search: "client" or "server"
     defer_loading: bool | None = None  # loaded by a tool search, not offered up front
 
@@ -380,6 +382,7 @@ def tool_specs(tools: list[ResponsesTool] | None, *, loaded: bool = False) -> li
                     name=t.name or "",
                     description=t.description or "",
                     parameters=t.parameters or empty_schema(),
+                    background=bool(t.async_),
                 )
             )
         elif t.type == "custom":

@@ -278,7 +278,7 @@ def serve(
         await hyper_serve(app, hc, shutdown_trigger=shutdown_trigger)
 
     asyncio.run(main())
-    return 0
+    return worker.exit_code
 
 
 def _host_for_bind(host: str) -> str:

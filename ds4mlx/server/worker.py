@@ -6,7 +6,9 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -80,6 +82,8 @@ class Worker:
         self._thread: threading.Thread | None = None
         self.jobs_done = 0
         self.jobs_submitted = 0
+        # Non-zero once a failure stopped the server (`_check_fatal`): serve's exit code.
+        self.exit_code = 0
 
     # ---- event-loop side
 
@@ -212,6 +216,7 @@ class Worker:
                 job.emit(JobFailed(Failure.INTERNAL, detail=f"{type(e).__name__}: {e}"))
                 if isinstance(e, KeyboardInterrupt | SystemExit):
                     raise
+                self._check_fatal(e)
             finally:
                 self.current = None
                 self._finish(job)
@@ -219,6 +224,17 @@ class Worker:
             self.cache.shutdown()
         except Exception:
             log.exception("shutdown save failed")
+
+    def _check_fatal(self, e: BaseException) -> None:
+        """A failure no later job can avoid (a pipeline rank is gone: every forward call
+        needs it) stops the server with exit code 1 instead of failing every request."""
+        lost = getattr(self.engine.model, "lost_peer", None)
+        line = lost(e) if lost is not None else None
+        if line is None:
+            return
+        log.error("%s; stopping the server", line)
+        self.exit_code = 1
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def _finish(self, job: Job) -> None:
         with self._lock:
@@ -358,6 +374,7 @@ def _cache_prompt(req: GenRequest, tok):
         thinking=req.turn.thinking,
         state_key=req.state_key,
         salt=req.salt,
+        side=req.side,
     )
 
 
