@@ -353,6 +353,27 @@ def test_force_feed_at_a_full_context_feeds_what_fits(tiny_f32_dir):
     assert len(small.session.tokens) == 24
 
 
+@pytest.mark.parametrize("in_reasoning", [False, True])
+def test_one_call_when_parallel_calls_are_off(engine, session, in_reasoning):
+    """``parallel_calls`` False: the model writes two invokes (after ``</think>``, or in a
+    block opened inside its reasoning); the turn ends after the first one, the block
+    closed and EOS forced: one call, and the state holds exactly that one-call turn."""
+    inv = '<｜DSML｜invoke name="bash">\n<｜DSML｜parameter name="command" string="true">{}</｜DSML｜parameter>\n</｜DSML｜invoke>'
+    head = "\n\n<｜DSML｜tool_calls>\n" + inv.format("ls")
+    two = head + "\n" + inv.format("pwd") + "\n</｜DSML｜tool_calls>"
+    reasoning = "Let me look." + ("" if in_reasoning else "</think>")
+    prompt = _ids(engine, PROMPT + "<think>")
+    spec = TurnSpec(GREEDY, 200, thinking=True, tools=(TOOL,), parallel_calls=False)
+    res = run_turn(
+        session, engine.tokenizer, spec, prefill=prompt, script=_ids(engine, reasoning + two)
+    )
+    assert [c.arguments for c in res.tool_calls] == [{"command": "ls"}]
+    assert res.finish == "stop" and res.call_errors == {}
+    one = reasoning + head + "\n</｜DSML｜tool_calls>"
+    assert res.raw == one
+    assert engine.tokenizer.decode(session.tokens[len(prompt) :]) == one
+
+
 # --------------------------------------------------------------------------- steering
 
 TWO_CALLS = (
