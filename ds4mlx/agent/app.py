@@ -21,6 +21,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ds4mlx.argtypes import positive_int
+
 # Heavy imports (rich, MLX through the loop) happen inside the functions: building the
 # CLI parser must stay fast (``ds4mlx --help``).
 if TYPE_CHECKING:
@@ -58,7 +60,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("-p", "--prompt", default=None, help="send one message, print, exit")
     p.add_argument("--yes", action="store_true", help="allow write/edit/bash without asking")
-    p.add_argument("--ctx", type=int, default=None, help="context size in tokens")
+    p.add_argument("--ctx", type=positive_int, default=None, help="context size in tokens")
     p.add_argument("--workspace", default=None, help="directory the tools work in (cwd)")
     p.add_argument(
         "--kv-disk-dir",

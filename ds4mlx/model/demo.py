@@ -11,6 +11,11 @@ from typing import Any
 # the end of a turn.
 DEMO_MAX_TOKENS = 256
 
+# Context of ``serve --demo`` unless --ctx is given: the smallest window Claude Code works
+# in (its own prompt is ~19k tokens and it compacts at the window less 33k; see
+# examples/README.md). The demo's KV at this size is a few MB.
+DEMO_CTX = 65536
+
 
 def demo_model_dir() -> Path:
     """The cached tiny demo checkpoint directory (``$XDG_CACHE_HOME/ds4mlx/demo``)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
-from ds4mlx.model.demo import DEMO_MAX_TOKENS, demo_model_dir, ensure_demo_model
+from ds4mlx.model.demo import DEMO_CTX, DEMO_MAX_TOKENS, demo_model_dir, ensure_demo_model
 from ds4mlx.server.app import serve, start_worker
 from ds4mlx.server.config import ServerConfig
 
@@ -70,6 +70,8 @@ def run_serve(args, register) -> int:
         if not (path / "config.json").is_file():
             Console(stderr=True).print(f"making the tiny demo model in {path} (once)…")
         model = str(ensure_demo_model(path))
+        if args.ctx is None:
+            args.ctx = DEMO_CTX
     if not model:
         print(NO_MODEL_MESSAGE, file=sys.stderr, end="")
         return 2
