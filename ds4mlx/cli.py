@@ -1,4 +1,5 @@
-"""The ds4mlx command line: serve, agent, generate, bench, convert, tokenize, make-tiny, kv.
+"""The ds4mlx command line: serve, agent, generate, bench, convert, tokenize, make-tiny, kv,
+doctor.
 
 Each subcommand's arguments are declared here; its work lives in the room that owns
 it (docs/ARCHITECTURE.md §1). Modules are imported lazily so ``ds4mlx --help`` stays fast.
@@ -330,6 +331,12 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     from ds4mlx.agent.app import run
 
     _apply_memory_limit(args)
+    return run(args)
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from ds4mlx.doctor import run
+
     return run(args)
 
 
@@ -871,6 +878,24 @@ def build_parser() -> argparse.ArgumentParser:
     _agent_parser(p)
     _memory_limit_flag(p)
     p.set_defaults(func=_cmd_agent)
+
+    p = sub.add_parser(
+        "doctor",
+        formatter_class=argtypes.DefaultsFormatter,
+        help="check this machine: Python, MLX, device, memory, disk, which builds fit",
+        description="Python, MLX and the device, memory and the GPU wired limit, free disk, "
+        "which DeepSeek V4 Flash builds fit, and checks on this device (the Sinkhorn kernel, "
+        "a tiny-model forward against the CPU, a 2-second decode). Exit 1 when broken.",
+    )
+    p.add_argument("--json", action="store_true", help="the report as JSON (for bug reports)")
+    p.add_argument(
+        "--model-dir",
+        default=None,
+        metavar="DIR",
+        help="where models will live, for the free-disk figure (default: $DS4MLX_MODEL, "
+        "$HF_HOME, ~/.cache/huggingface)",
+    )
+    p.set_defaults(func=_cmd_doctor)
 
     p = sub.add_parser(
         "kv", formatter_class=argtypes.DefaultsFormatter, help="inspect the disk KV cache"
