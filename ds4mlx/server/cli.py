@@ -5,7 +5,13 @@ from __future__ import annotations
 import logging
 import os
 
-from ds4mlx.model.demo import DEMO_CTX, DEMO_MAX_TOKENS, demo_model_dir, ensure_demo_model
+from ds4mlx.model.demo import (
+    DEMO_CTX,
+    DEMO_MAX_TOKENS,
+    demo_model_dir,
+    demo_policy,
+    ensure_demo_model,
+)
 from ds4mlx.server.app import serve, start_worker
 from ds4mlx.server.config import ServerConfig
 
@@ -122,7 +128,7 @@ def run_serve(args, register) -> int:
         model_name=args.served_model_name,
         default_max_tokens=cap if args.demo else args.tokens,
         max_tokens_cap=cap,
-        demo_policy=bool(args.demo and args.tokens is None),
+        demo_policy=demo_policy(args.demo, args.tokens),
         api_keys=api_keys_from(args.api_key, os.environ.get("DS4MLX_API_KEY")),
         cors=args.cors,
         allowed_origins=tuple(origins),
