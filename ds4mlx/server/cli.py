@@ -18,10 +18,13 @@ from ds4mlx.server.config import ServerConfig
 NO_MODEL_MESSAGE = """\
 ds4mlx serve: no model given.
 
-  Serve a DeepSeek V4 Flash checkpoint directory (config.json + *.safetensors):
-      ds4mlx serve -m /path/to/DeepSeek-V4-Flash-4bit      (or set DS4MLX_MODEL)
-  MLX conversions such as mlx-community/DeepSeek-V4-Flash-4bit load directly, e.g.
-      huggingface-cli download mlx-community/DeepSeek-V4-Flash-4bit --local-dir ~/models/ds4-flash
+  Serve a converted DeepSeek V4 Flash checkpoint directory (config.json + *.safetensors):
+      ds4mlx serve -m ~/models/ds4-flash-q2      (or set DS4MLX_MODEL)
+  Get one (README "Run the real model on a Mac"; `ds4mlx doctor` says which build fits
+  this machine: the one below needs a 128 GB Mac):
+      hf download deepseek-ai/DeepSeek-V4-Flash --local-dir ~/models/DeepSeek-V4-Flash
+      ds4mlx convert ~/models/DeepSeek-V4-Flash ~/models/ds4-flash-q2 \\
+          --expert-bits 2 --group-size 128 --bits mxfp8
 
   Or try the server right now on the tiny demo model (random weights, real tokenizer
   and protocols; its text is noise):
