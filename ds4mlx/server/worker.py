@@ -141,6 +141,7 @@ class Worker:
         """Queue ``request`` (FIFO) and return its `Job`. Call on the event loop."""
         job = Job(request, asyncio.get_running_loop())
         if self._stopping.is_set():
+            log.info("%s job %d refused: the server is shutting down", request.path, job.id)
             job.emit(JobFailed(Failure.SHUTTING_DOWN))
             return job
         with self._lock:
@@ -178,6 +179,7 @@ class Worker:
         self._stopping.set()
         cur = self.current
         if cur is not None:
+            log.info("shutdown: %s job %d interrupted", cur.request.path, cur.id)
             cur.cancel.set()
         # Fail everything still queued so their clients get an answer.
         while True:
@@ -186,6 +188,7 @@ class Worker:
             except queue.Empty:
                 break
             if job is not None:
+                log.info("shutdown: %s job %d refused before it started", job.request.path, job.id)
                 job.emit(JobFailed(Failure.SHUTTING_DOWN))
         self._queue.put(None)
         if self._thread is not None and self._thread.is_alive():
@@ -200,6 +203,8 @@ class Worker:
             if job is None:
                 break
             if job.cancelled() or self._stopping.is_set():
+                why = "the server is shutting down" if self._stopping.is_set() else "client gone"
+                log.info("%s job %d cancelled before it started: %s", job.request.path, job.id, why)
                 job.emit(JobDone("cancelled", None, 0, 0, 0))
                 self._finish(job)
                 continue
@@ -345,7 +350,8 @@ def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float, detail: s
     """The one log line per job: path, decision, token counts, rates, finish, queue wait."""
     n = outcome.completion_tokens
     log.info(
-        "%s %s%s prompt=%d cached=%d generated=%d prefill=%s decode=%.1f tok/s finish=%s wait=%.2fs",
+        "%s %s%s prompt=%d cached=%d generated=%d prefill=%s decode=%.1f tok/s finish=%s "
+        "wait=%.2fs job=%d",
         job.request.path,
         outcome.decision,
         f" {detail}" if detail else "",
@@ -356,6 +362,7 @@ def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float, detail: s
         (n - 1) / result.decode_s if result.decode_s > 0 and n > 1 else 0.0,
         outcome.finish,
         t_start - job.submitted,
+        job.id,
     )
 
 
