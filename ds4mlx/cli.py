@@ -899,6 +899,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="tool-call ids whose exact sampled DSML is remembered for replay (100000)",
     )
     p.add_argument(
+        "--enable-streaming-tool-dispatch",
+        action="store_true",
+        help="streamed chat completions send 'event: tool_call_dispatch' the moment each "
+        "tool call's DSML closes (as a request's \"tool_call_dispatch\": true does); breaks "
+        "stock OpenAI SDK stream readers, which parse it as a chunk without choices",
+    )
+    p.add_argument(
         "--disable-exact-dsml-tool-replay",
         action="store_true",
         help="render replayed tool calls from the client's JSON, not the exact sampled DSML",

@@ -134,6 +134,7 @@ def run_serve(args, register) -> int:
         sessions_why=sessions_why,
         tool_memory_max_ids=args.tool_memory_max_ids,
         exact_dsml_replay=not args.disable_exact_dsml_tool_replay,
+        tool_call_dispatch=args.enable_streaming_tool_dispatch,
     )
 
     try:

@@ -236,7 +236,13 @@ class Worker:
         self.jobs_done += 1
 
     def _run_job(self, job: Job) -> None:
-        from ds4mlx.engine import FINISH_CONTEXT, FINISH_LENGTH, ContextOverflowError, run_turn
+        from ds4mlx.engine import (
+            FINISH_CONTEXT,
+            FINISH_LENGTH,
+            ContextOverflowError,
+            Steering,
+            run_turn,
+        )
         from ds4mlx.kv.cache import ContextFull, UnknownToolId
 
         req = job.request
@@ -269,6 +275,9 @@ class Worker:
         )
         job.emit(JobStarted(plan.prompt_tokens, plan.cached, decision))
         spec = _fitted(req.turn, s.ctx_size - plan.prompt_tokens, script)
+        # Steer and cancel arrive through the job's flags; a cancelled turn is closed at
+        # a turn boundary too, so the next request can continue it.
+        hooks = Steering(job.steer.is_set, close_cancelled=True)
         try:
             result = run_turn(
                 s,
@@ -281,6 +290,7 @@ class Worker:
                 tool_memory=self.tool_memory,
                 after_token=lease.after_token,
                 script=_script_ids(script, tok),
+                hooks=hooks,
             )
         except ContextOverflowError as e:
             job.emit(_prompt_error(e.have + e.adding, e.ctx_size))
@@ -289,7 +299,8 @@ class Worker:
             self.tracer.write(job.id, "output", text=result.raw, finish=result.finish)
         if result.finish == FINISH_LENGTH and spec.max_tokens < req.turn.max_tokens:
             result.finish = FINISH_CONTEXT  # the room left, not the client's limit, ended it
-        self._done(job, lease, result, t_start, decision, detail)
+        at_boundary = hooks.at_boundary and result.prefilled == len(plan.suffix_tokens)
+        self._done(job, lease, result, t_start, decision, detail, at_boundary)
 
     def _emitter(self, job: Job) -> Callable[[Any], None]:
         """``emit`` for the turn loop: its events are job events (the trace sees the
@@ -302,8 +313,11 @@ class Worker:
 
         return emit
 
-    def _done(self, job: Job, lease, result, t_start: float, decision: str, detail: str) -> None:
-        """Report the turn (bindings, event, trace, log line)."""
+    def _done(
+        self, job: Job, lease, result, t_start, decision: str, detail: str, at_boundary=False
+    ) -> None:
+        """Report the turn (bindings, event, trace, log line); ``at_boundary``: a steered
+        or cancelled turn that ends at a turn boundary binds as an end of turn."""
         plan = lease.plan
         finish = result.finish
         calls = list(result.tool_calls)
@@ -322,7 +336,7 @@ class Worker:
             text=result.text,
         )
         try:
-            lease.finish(result)
+            lease.finish(result, at_boundary=at_boundary)
         except Exception:
             log.exception("after-generation bookkeeping failed")
         job.emit(outcome)
