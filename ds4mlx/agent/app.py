@@ -556,6 +556,8 @@ def repl(agent: Agent, ui: RichUI, sig: SignalState | None = None) -> int:
     With ``sig`` (see :func:`_signals`): returns ``128 + N`` once signal N (SIGTERM,
     SIGHUP) asked the agent to exit.
     """
+    from ds4mlx.agent.idle import idle_notices
+
     sig = sig or SignalState()
     while True:
         if sig.terminating:
@@ -565,7 +567,9 @@ def repl(agent: Agent, ui: RichUI, sig: SignalState | None = None) -> int:
         try:
             sig.prompting, sig.pending = True, False
             try:
-                line = ui.read_line(guard=sig.read())
+                # A background job that ends meanwhile is shown at once (sent later).
+                with idle_notices(agent.turns, ui.interject):
+                    line = ui.read_line(guard=sig.read())
             finally:
                 sig.prompting = False
         except EOFError:

@@ -9,6 +9,7 @@ reasoning block is closed by the loop's forced feed); run its tool calls.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -112,6 +113,9 @@ class Steps:
         # Writes the transcript (`SessionControl.persist`): before a round, after each result.
         self.persist: Callable[[], None] = lambda: None
         self.job_calls: dict[str, ToolCall] = {}  # background job handle -> its call
+        # Late results of ended jobs not yet in the transcript (taken while idle, too).
+        self.pending_notices: list[Message] = []
+        self._notice_lock = threading.Lock()
 
     def prepare(self, *, compact: bool) -> Prepared:
         """Put the transcript into the live state through the prompt cache (a lease:
@@ -259,18 +263,33 @@ class Steps:
         prepared.lease.finish(gen.turn, transcript_key=key)
         return gen, msg
 
+    def collect_notices(self) -> list[str]:
+        """Take the ends of background jobs the model has not heard of (each once: the
+        toolbox marks them seen) into the pending notices; their UI lines, returned
+        (shown by the caller: at once while idle, or by `add_notices`)."""
+        with self._notice_lock:
+            shown = []
+            for handle, outcome, detail in self.toolbox.job_notices():
+                call = self.job_calls.get(handle)
+                if call is None:
+                    continue
+                text = render_late_result(call.id, call.name, call.arguments, outcome, detail)
+                self.pending_notices.append(Message("tool", text, tool_call_id=call.id))
+                shown.append(f"{handle}: {outcome}")
+            return shown
+
     def add_notices(self) -> None:
         """Background jobs that ended since the model heard of them: each a late result
         of its call (``dsml.render_late_result``) after the pending results or user
-        text, so it goes out in the next suffix; shown in the UI too."""
-        for handle, outcome, detail in self.toolbox.job_notices():
-            call = self.job_calls.get(handle)
-            calls = (c.id for m in self.live.messages for c in m.tool_calls)
-            if call is None or call.id not in calls:  # its call is in another session
-                continue
-            text = render_late_result(call.id, call.name, call.arguments, outcome, detail)
-            self.live.messages.append(Message("tool", text, tool_call_id=call.id))
-            self.live.ui.notice(f"{handle}: {outcome}")
+        text, so it goes out in the next suffix; shown in the UI too (unless the idle
+        prompt showed it already). A notice whose call is in another session (after
+        ``/switch``) is dropped."""
+        for line in self.collect_notices():
+            self.live.ui.notice(line)
+        with self._notice_lock:
+            pending, self.pending_notices = self.pending_notices, []
+        calls = {c.id for m in self.live.messages for c in m.tool_calls}
+        self.live.messages.extend(m for m in pending if m.tool_call_id in calls)
 
     def close_turn(self, gen: Generated, thinking: bool) -> Message:
         """The transcript message for a generated turn; the live state ends on it.
