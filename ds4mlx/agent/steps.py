@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ds4mlx.agent import once
+from ds4mlx.agent.dispatch import Dispatcher
 from ds4mlx.agent.events import Generated, Step
 from ds4mlx.agent.hooks import AFTER, BEFORE, fire_response
 from ds4mlx.agent.live import Live, LiveState
@@ -38,6 +39,9 @@ _AGENT_STOP = {FINISH_STOP: "eos", FINISH_CANCELLED: "interrupted"}
 
 # Error kind of tool results for calls the user interrupted (ToolOutcome.error).
 INTERRUPTED = "interrupted"
+INTERRUPTED_BEFORE_TEXT = "error: not run: the user interrupted the agent before this call"
+# A call not started when the user's queued instructions were applied (steering).
+STEERED_TEXT = "not run: the user interrupted with new instructions"
 
 
 @dataclass
@@ -113,6 +117,10 @@ class Steps:
         # Writes the transcript (`SessionControl.persist`): before a round, after each result.
         self.persist: Callable[[], None] = lambda: None
         self.job_calls: dict[str, ToolCall] = {}  # background job handle -> its call
+        # True while a steer is queued (`ds4mlx.agent.steer`): calls not started skip.
+        self.steer_pending: Callable[[], bool] = lambda: False
+        # Read-only calls started at their block's close (`ds4mlx.agent.dispatch`).
+        self.dispatcher = Dispatcher(toolbox)
         # Late results of ended jobs not yet in the transcript (taken while idle, too).
         self.pending_notices: list[Message] = []
         self._notice_lock = threading.Lock()
@@ -186,6 +194,8 @@ class Steps:
             if kind == "summary" and not isinstance(ev, ThinkingDelta | TextDelta):
                 return  # tools are off while summarizing: calls are not shown or run
             lv.ui.event(ev)
+            if tools:
+                self.dispatcher.event(ev)  # a read-only call starts at its close
 
         spec = TurnSpec(
             self.sampling,
@@ -255,6 +265,8 @@ class Steps:
         )
         if gen is None:
             return "interrupted"
+        if gen.stop != "eos":
+            self.dispatcher.drop()  # a cut turn runs no calls: early results discarded
         msg = self.close_turn(gen, thinking)
         lv.messages.append(msg)
         fire_response(self, AFTER, gen, msg)
@@ -324,6 +336,24 @@ class Steps:
             reasoning, content = None, raw
         return Message("assistant", content=content, reasoning=reasoning)
 
+    def _not_run(
+        self, call: ToolCall, call_errors: dict[str, str], interrupted: bool
+    ) -> ToolOutcome | None:
+        """The result of a call that must not run now, or None to run it: after Ctrl+C
+        (or with a steer queued) calls not started are answered so; a call started
+        early (`Dispatcher`) keeps its real result; a malformed call is refused."""
+        if (interrupted or self.steer_pending()) and not self.dispatcher.started(call.id):
+            text = STEERED_TEXT if not interrupted else INTERRUPTED_BEFORE_TEXT
+            return ToolOutcome(False, text, INTERRUPTED)
+        if call.id in call_errors:
+            return ToolOutcome(
+                False,
+                f"error: malformed tool call ({call_errors[call.id]}); it was not run. "
+                "Call the tool again with well-formed DSML.",
+                "invalid_arguments",
+            )
+        return None
+
     def run_tools(self, calls: list[ToolCall], call_errors: dict[str, str]) -> bool:
         """Run ``calls`` in order, appending one tool message each; False if interrupted.
 
@@ -340,24 +370,13 @@ class Steps:
             outcome: ToolOutcome | None = None
             interrupted = interrupted or lv.cancel  # Ctrl+C between two calls
             try:
-                if interrupted:
-                    outcome = ToolOutcome(
-                        False,
-                        "error: not run: the user interrupted the agent before this call",
-                        INTERRUPTED,
-                    )
-                elif call.id in call_errors:
-                    outcome = ToolOutcome(
-                        False,
-                        f"error: malformed tool call ({call_errors[call.id]}); it was not run. "
-                        "Call the tool again with well-formed DSML.",
-                        "invalid_arguments",
-                    )
-                else:
+                outcome = self._not_run(call, call_errors, interrupted)
+                if outcome is None:
                     lv.phase = "tools"
                     lv.ui.tool_start(call, self.toolbox.describe(call.name, call.arguments))
                     if once.repeats_unknown(call, lv.messages):
                         outcome = self.toolbox.already_applied(call.name, call.arguments)
+                    outcome = outcome or self.dispatcher.take(call.id)  # started early
                     outcome = outcome or self.toolbox.run(call.name, call.arguments)
             except KeyboardInterrupt:
                 interrupted = True
@@ -371,4 +390,5 @@ class Steps:
                 if outcome.job:
                     self.job_calls[outcome.job] = call
             lv.ui.tool_result(call, outcome)
+        self.dispatcher.drop()  # outcomes of calls that did not run
         return not interrupted
