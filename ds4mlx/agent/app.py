@@ -39,7 +39,10 @@ commands:
   /nothink       thinking mode off for the next turns
   /ctx           context usage and cache state
   /quit          save and exit (also Ctrl+D; SIGTERM and SIGHUP do the same)
-Ctrl+C stops the model (or a running tool) and returns to the prompt."""
+Ctrl+C stops the model (or a running tool) and returns to the prompt.
+While the model works: type a line and Enter to steer (applied at the next boundary:
+at once in its text, after a tool-call block; calls not started are skipped); Esc stops
+at once and sends what is queued; a question on screen takes the next line typed."""
 
 
 def default_kv_dir() -> Path:
@@ -586,7 +589,27 @@ def repl(agent: Agent, ui: RichUI, sig: SignalState | None = None) -> int:
             if command(agent, ui, text) == "quit":
                 return 0
             continue
-        agent.send(line)
+        send_steerable(agent, ui, line)
+
+
+def send_steerable(agent: Agent, ui: RichUI, line: str) -> None:
+    """Send ``line`` with the steering key reader running (``ds4mlx.agent.steer``): lines
+    typed meanwhile are applied at the turn's next boundary; what is still queued when
+    the message's turns end (Esc, or typed as the last turn finished) is sent next. After
+    Ctrl+C the queue is dropped (said)."""
+    from ds4mlx.agent.steer import SteerQueue, steering
+
+    steer = SteerQueue()
+    text: str | None = line
+    while text:
+        with steering(agent, ui, steer) as keys:
+            result = agent.send(text)
+        text = steer.take()
+        if text and result.status == "interrupted" and not (keys and keys.escaped):
+            ui.notice(f"dropped after Ctrl+C: {text}", "warn")
+            return
+        if text:
+            ui.line(f"› {text}", "bold green")
 
 
 def command(agent: Agent, ui: RichUI, text: str) -> str | None:

@@ -119,6 +119,7 @@ class Steps:
         self.job_calls: dict[str, ToolCall] = {}  # background job handle -> its call
         # True while a steer is queued (`ds4mlx.agent.steer`): calls not started skip.
         self.steer_pending: Callable[[], bool] = lambda: False
+        self.steer_take: Callable[[], str | None] = lambda: None  # the queued text, once
         # Read-only calls started at their block's close (`ds4mlx.agent.dispatch`).
         self.dispatcher = Dispatcher(toolbox)
         # Late results of ended jobs not yet in the transcript (taken while idle, too).
@@ -246,6 +247,10 @@ class Steps:
         answer turn, closed into the transcript and bound in the prompt cache:
         ``(Generated, Message)``, or a ``SendResult`` status when it did not run."""
         lv = self.live
+        steer = self.steer_take()
+        if steer:  # after the round's results (calls not started: "not run"), one user turn
+            lv.messages.append(Message("user", steer))
+            lv.ui.notice(f"sent: {steer}")
         self.add_notices()
         prepared = self.prepare(compact=True)
         if prepared.compact is not None:

@@ -139,6 +139,8 @@ class RichUI(AgentUI):
         self._pending_call_end = False
         self._prompt_lock = threading.Lock()
         self._prompt: str | None = None  # shown while read_line waits
+        # The steering key reader (`ds4mlx.agent.steer.KeyReader`) while a turn runs.
+        self.keys = None
 
     # ---- plain output helpers
 
@@ -177,7 +179,7 @@ class RichUI(AgentUI):
         )
         while True:
             try:
-                ans = self.console.input("allow? [o]nce / [a]lways / [d]eny › ", markup=False)
+                ans = self._answer("allow? [o]nce / [a]lways / [d]eny › ")
             except EOFError:
                 return "deny"
             decision = _ANSWERS.get(ans.strip().lower())
@@ -197,10 +199,19 @@ class RichUI(AgentUI):
             "yellow",
         )
         try:
-            return self.console.input(Text(escape_controls(tail) or "input › "), markup=False)
+            return self._answer(escape_controls(tail) or "input › ")
         except EOFError:
             self.console.print()
             return None
+
+    def _answer(self, prompt: str) -> str:
+        """A line answering a question on screen: from the steering key reader while a
+        turn runs (the next line typed, never one queued before), else ``input()``."""
+        if self.keys is None:
+            return self.console.input(Text(prompt), markup=False)
+        self.console.print(Text(prompt), end="")
+        self.console.file.flush()
+        return self.keys.read_line()
 
     def prefill_progress(self, done: int, total: int) -> None:
         if total < PROGRESS_MIN_TOKENS or not self.console.is_interactive:
