@@ -41,7 +41,10 @@ commands:
   /nothink       thinking mode off for the next turns
   /ctx           context usage and cache state
   /quit          save and exit (also Ctrl+D; SIGTERM and SIGHUP do the same)
-Ctrl+C stops the model (or a running tool) and returns to the prompt."""
+Ctrl+C stops the model (or a running tool) and returns to the prompt.
+While the model works: type a line and Enter to steer (applied at the next boundary:
+at once in its text, after a tool-call block; calls not started are skipped); Esc stops
+at once and sends what is queued; a question on screen takes the next line typed."""
 
 
 def default_kv_dir() -> Path:
@@ -560,6 +563,8 @@ def repl(agent: Agent, ui: RichUI, sig: SignalState | None = None, *, demo: bool
     With ``sig`` (see :func:`_signals`): returns ``128 + N`` once signal N (SIGTERM,
     SIGHUP) asked the agent to exit.
     """
+    from ds4mlx.agent.idle import idle_notices
+
     sig = sig or SignalState()
     while True:
         if sig.terminating:
@@ -569,7 +574,9 @@ def repl(agent: Agent, ui: RichUI, sig: SignalState | None = None, *, demo: bool
         try:
             sig.prompting, sig.pending = True, False
             try:
-                line = ui.read_line(guard=sig.read())
+                # A background job that ends meanwhile is shown at once (sent later).
+                with idle_notices(agent.turns, ui.interject):
+                    line = ui.read_line(guard=sig.read())
             finally:
                 sig.prompting = False
         except EOFError:
@@ -586,7 +593,27 @@ def repl(agent: Agent, ui: RichUI, sig: SignalState | None = None, *, demo: bool
             if command(agent, ui, text, demo=demo) == "quit":
                 return 0
             continue
-        agent.send(line)
+        send_steerable(agent, ui, line)
+
+
+def send_steerable(agent: Agent, ui: RichUI, line: str) -> None:
+    """Send ``line`` with the steering key reader running (``ds4mlx.agent.steer``): lines
+    typed meanwhile are applied at the turn's next boundary; what is still queued when
+    the message's turns end (Esc, or typed as the last turn finished) is sent next. After
+    Ctrl+C the queue is dropped (said)."""
+    from ds4mlx.agent.steer import SteerQueue, steering
+
+    steer = SteerQueue()
+    text: str | None = line
+    while text:
+        with steering(agent, ui, steer) as keys:
+            result = agent.send(text)
+        text = steer.take()
+        if text and result.status == "interrupted" and not (keys and keys.escaped):
+            ui.notice(f"dropped after Ctrl+C: {text}", "warn")
+            return
+        if text:
+            ui.line(f"› {text}", "bold green")
 
 
 def command(agent: Agent, ui: RichUI, text: str, *, demo: bool = False) -> str | None:
