@@ -57,16 +57,51 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_engine(model: str, ctx_size: int | None):
-    """Load an engine, turning load errors into one readable line on stderr."""
+# `_load_engine` on a rank > 0 of a pipeline split: it followed rank 0 until shutdown.
+FOLLOWED = object()
+
+
+def _load_engine(model: str, ctx_size: int | None, args: argparse.Namespace | None = None):
+    """Load an engine, turning load errors into one readable line on stderr (None).
+
+    With ``--distributed pipeline`` (under ``mlx.launch``) rank 0 gets an engine whose
+    layers are split across the ranks, and the followers its shutdown at exit; other
+    ranks run their layers until then and get `FOLLOWED`."""
+    import atexit
+
     from ds4mlx.engine import Engine
+    from ds4mlx.engine.pipeline import PipelineError, load_distributed, parse_split
     from ds4mlx.model.loading import LoadError
 
     try:
-        return Engine.load(model, ctx_size=ctx_size)
+        if args is None or getattr(args, "distributed", None) is None:
+            if getattr(args, "pipeline_split", None) is not None:
+                raise PipelineError("--pipeline-split needs --distributed pipeline")
+            return Engine.load(model, ctx_size=ctx_size)
+        engine = load_distributed(model, ctx_size=ctx_size, split=parse_split(args.pipeline_split))
     except (LoadError, OSError, ValueError, RuntimeError) as e:
         print(f"ds4mlx: cannot load model {model}: {e}", file=sys.stderr)
         return None
+    if engine is None:
+        return FOLLOWED
+    atexit.register(engine.model.shutdown)
+    return engine
+
+
+def add_distributed_flags(p: argparse.ArgumentParser) -> None:
+    """``--distributed`` / ``--pipeline-split`` (docs/DISTRIBUTED.md)."""
+    p.add_argument(
+        "--distributed",
+        choices=["pipeline"],
+        default=None,
+        help="split the layers across the ranks started by mlx.launch (docs/DISTRIBUTED.md)",
+    )
+    p.add_argument(
+        "--pipeline-split",
+        default=None,
+        metavar="L[,L...]",
+        help="first layer of each rank after rank 0 (default: an even split)",
+    )
 
 
 def _chat_prompt(text: str, *, thinking: bool):
@@ -104,7 +139,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     model = _model_or_demo(args, "generate")
     if model is None:
         return 2
-    engine = _load_engine(model, args.ctx)
+    engine = _load_engine(model, args.ctx, args)
+    if engine is FOLLOWED:
+        return 0
     if engine is None:
         return 1
     tok = engine.tokenizer
@@ -283,9 +320,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     model = _model_or_demo(args, "bench")
     if model is None:
         return 2
-    engine = _load_engine(model, ctx)
-    if engine is None:
-        return 1
+    engine = _load_engine(model, ctx, args)
+    if engine is None or engine is FOLLOWED:
+        return 0 if engine is FOLLOWED else 1
     print(
         f"model {engine.path} ({engine.quant_desc}), BLAS {blas_label()}, "
         f"chunk {args.chunk_size}, decode {args.decode_tokens} tokens per frontier",
@@ -695,6 +732,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _memory_limit_flag(p)
     p.add_argument("-v", "--verbose", action="store_true", help="model banner and speed on stderr")
+    add_distributed_flags(p)
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser(
@@ -767,6 +805,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--demo", action="store_true", help="measure the tiny demo model")
     p.add_argument("--csv", default=None, help="write the CSV here instead of stdout")
     p.add_argument("--plot", default=None, help="write a PNG plot (needs matplotlib)")
+    add_distributed_flags(p)
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser(
@@ -870,6 +909,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no per-request log lines")
     p.add_argument("--enable-scripted-decoding", action="store_true", help=argparse.SUPPRESS)
     _memory_limit_flag(p)
+    add_distributed_flags(p)
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("agent", help="terminal coding agent")

@@ -398,6 +398,28 @@ def _resp_cases() -> dict[str, dict[str, Any]]:
             "tool_choice": "none",
             **none,
         },
+        # Codex's client-run tool search: the search call and the tools it loaded.
+        "resp-tool-search": {
+            "input": [
+                {"role": "user", "content": "Weather?"},
+                {
+                    "type": "tool_search_call",
+                    "call_id": "call_s",
+                    "arguments": {"query": "weather"},
+                    "execution": "client",
+                    "status": "completed",
+                },
+                {
+                    "type": "tool_search_output",
+                    "call_id": "call_s",
+                    "tools": [RESP_TOOL],
+                    "execution": "client",
+                    "status": "completed",
+                },
+            ],
+            "tools": [{"type": "tool_search", "execution": "client"}],
+            **none,
+        },
         "resp-trailing-assistant": {
             "input": [{"role": "user", "content": "France?"}, said],
             **none,
@@ -457,6 +479,12 @@ DIFFERENCES: dict[str, tuple[str, str]] = {
     ),
     "ant-prefill": _PREFILL,
     "ant-prefill-thinking": _PREFILL,
+    "resp-tool-search": (
+        "tool-search",
+        "recipe drops a client-run tool_search tool and the tool_search_call / "
+        "tool_search_output items; ds4mlx offers the search as a function tool_search and "
+        "renders the exchange as its call and its tool result (the loaded tools' schemas)",
+    ),
 }
 
 # --------------------------------------------------------------------------- rendering

@@ -77,6 +77,7 @@ def prepare(
     top_logprobs: int | None = None,
     state_key: str | None = None,
     salt: str = "",
+    side: bool = False,
 ) -> GenRequest:
     """Render and bound ``conv``; return the job to submit (call off the event loop).
 
@@ -92,6 +93,7 @@ def prepare(
         top_logprobs: chat ``logprobs``: None (off) or alternatives per token.
         state_key: the client's conversation name (`ds4mlx.routes.common.state_key`).
         salt: the prompt cache salt (`ds4mlx.routes.common.cache_salt`).
+        side: the client marked it a side request (`ds4mlx.routes.common.helper_agent`).
     Raises:
         APIError: 400 for a conversation that cannot be rendered or a rendering the
             context cannot hold (`bound`).
@@ -105,12 +107,13 @@ def prepare(
         max_tokens=limit,
         # A continued assistant message (prefix) with content: the reply is visible text.
         thinking=reply_thinking(conv),
-        tools=tuple(conv.tools),
+        tools=(*conv.tools, *conv.loaded_tools),
         id_prefix=id_prefix,
         stops=tuple(stops or ()),
         tool_required=conv.tool_required,
         tool_name=conv.tool_name,
         calls=not conv.tool_none,
+        parallel_calls=not conv.single_call,
         top_logprobs=top_logprobs,
         cap_is_eos=cap_is_eos,
     )
@@ -122,6 +125,7 @@ def prepare(
         labels=wording.labels,
         state_key=state_key,
         salt=salt,
+        side=side,
     )
 
 

@@ -43,6 +43,10 @@ class ServerState:
     def submit(self, request: GenRequest) -> Job:
         return self.worker.submit(request)
 
+    def charged(self, request: GenRequest) -> int:
+        """The prompt tokens ``request`` would be charged now (``Worker.charged``; no job)."""
+        return self.worker.charged(request)
+
 
 def start_worker(load: Callable[[], Any], config: ServerConfig) -> tuple[Any, Worker]:
     """Start the inference thread, load the engine on it (``load()``), return both.
@@ -277,7 +281,7 @@ def serve(
         await hyper_serve(app, hc, shutdown_trigger=shutdown_trigger)
 
     asyncio.run(main())
-    return 0
+    return worker.exit_code
 
 
 def _host_for_bind(host: str) -> str:

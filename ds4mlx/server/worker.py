@@ -6,7 +6,9 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -80,6 +82,8 @@ class Worker:
         self._thread: threading.Thread | None = None
         self.jobs_done = 0
         self.jobs_submitted = 0
+        # Non-zero once a failure stopped the server (`_check_fatal`): serve's exit code.
+        self.exit_code = 0
 
     # ---- event-loop side
 
@@ -152,6 +156,16 @@ class Worker:
         with self._lock:
             return self._pending
 
+    def charged(self, request: GenRequest) -> int:
+        """The prompt tokens ``request`` would be charged (its usage) if it ran now: the
+        prompt cache's read-only prediction (``PromptCache.peek``: the live state it
+        would continue and the suffix it would prefill, else the whole prompt).
+
+        Queues no job and waits for none: any thread, while a job runs (which may
+        change the answer once it ends). Tokenizes the suffix, or the prompt.
+        """
+        return self.cache.peek(_cache_prompt(request, self.tokenizer)).prompt_tokens
+
     @property
     def busy(self) -> bool:
         return self.current is not None
@@ -207,6 +221,7 @@ class Worker:
                 job.emit(JobFailed(Failure.INTERNAL, detail=f"{type(e).__name__}: {e}"))
                 if isinstance(e, KeyboardInterrupt | SystemExit):
                     raise
+                _stop_if_fatal(self, e)
             finally:
                 self.current = None
                 self._finish(job)
@@ -222,21 +237,13 @@ class Worker:
 
     def _run_job(self, job: Job) -> None:
         from ds4mlx.engine import FINISH_CONTEXT, FINISH_LENGTH, ContextOverflowError, run_turn
-        from ds4mlx.kv.cache import ContextFull, Prompt, UnknownToolId
+        from ds4mlx.kv.cache import ContextFull, UnknownToolId
 
         req = job.request
         tok = self.tokenizer
         t_start = time.monotonic()
-        prompt = Prompt(
-            _prompt_tokens(req, tok),
-            req.prompt,
-            req.conversation,
-            thinking=req.turn.thinking,
-            state_key=req.state_key,
-            salt=req.salt,
-        )
         try:
-            lease = self.cache.begin(prompt)
+            lease = self.cache.begin(_cache_prompt(req, tok))
         except UnknownToolId as e:
             job.emit(JobFailed(Failure.UNKNOWN_TOOL_ID, tool_id=e.tool_id))
             return
@@ -327,6 +334,18 @@ class Worker:
         _log_job(job, plan, result, outcome, t_start, detail)
 
 
+def _stop_if_fatal(worker: Worker, e: BaseException) -> None:
+    """A failure no later job can avoid (a pipeline rank is gone: every forward call needs
+    it) stops the server with exit code 1 instead of failing every request after it."""
+    lost = getattr(worker.engine.model, "lost_peer", None)
+    line = lost(e) if lost is not None else None
+    if line is None:
+        return
+    log.error("%s; stopping the server", line)
+    worker.exit_code = 1
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float, detail: str) -> None:
     """The one log line per job: path, decision, token counts, rates, finish, queue wait."""
     n = outcome.completion_tokens
@@ -350,6 +369,21 @@ def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float, detail: s
 def _text(req: GenRequest) -> str | None:
     """The prompt text of a request (a ``Rendered``'s text, a raw string, or None)."""
     return req.prompt.text if isinstance(req.prompt, Rendered) else req.prompt
+
+
+def _cache_prompt(req: GenRequest, tok):
+    """The prompt cache's ``Prompt`` of a request (a job's, or a prediction's)."""
+    from ds4mlx.kv.cache import Prompt
+
+    return Prompt(
+        _prompt_tokens(req, tok),
+        req.prompt,
+        req.conversation,
+        thinking=req.turn.thinking,
+        state_key=req.state_key,
+        salt=req.salt,
+        side=req.side,
+    )
 
 
 def _prompt_tokens(req: GenRequest, tok) -> list[int] | Callable[[], list[int]]:
