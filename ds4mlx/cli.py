@@ -70,7 +70,8 @@ def _load_engine(model: str, ctx_size: int | None, args: argparse.Namespace | No
     import atexit
 
     from ds4mlx.engine import Engine
-    from ds4mlx.engine.pipeline import PipelineError, load_distributed, parse_split
+    from ds4mlx.engine.distributed import load_distributed
+    from ds4mlx.engine.pipeline import PipelineError, parse_split
     from ds4mlx.model.loading import LoadError
 
     try:
@@ -78,7 +79,12 @@ def _load_engine(model: str, ctx_size: int | None, args: argparse.Namespace | No
             if getattr(args, "pipeline_split", None) is not None:
                 raise PipelineError("--pipeline-split needs --distributed pipeline")
             return Engine.load(model, ctx_size=ctx_size)
-        engine = load_distributed(model, ctx_size=ctx_size, split=parse_split(args.pipeline_split))
+        engine = load_distributed(
+            model,
+            ctx_size=ctx_size,
+            split=parse_split(args.pipeline_split),
+            mode=args.distributed,
+        )
     except (LoadError, OSError, ValueError, RuntimeError) as e:
         print(f"ds4mlx: cannot load model {model}: {e}", file=sys.stderr)
         return None
@@ -92,9 +98,10 @@ def add_distributed_flags(p: argparse.ArgumentParser) -> None:
     """``--distributed`` / ``--pipeline-split`` (docs/DISTRIBUTED.md)."""
     p.add_argument(
         "--distributed",
-        choices=["pipeline"],
+        choices=["pipeline", "tensor"],
         default=None,
-        help="split the layers across the ranks started by mlx.launch (docs/DISTRIBUTED.md)",
+        help="split the model across the ranks started by mlx.launch: pipeline (layer "
+        "ranges) or tensor (every layer's heads and experts) (docs/DISTRIBUTED.md)",
     )
     p.add_argument(
         "--pipeline-split",

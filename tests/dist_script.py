@@ -2,6 +2,8 @@
 
 ``python tests/dist_script.py MODEL_DIR OUT.npz N_PROMPT CHUNK [SPLIT]``
 
+``SPLIT`` ``tensor`` runs a tensor split (`ds4mlx.engine.tensor`) instead.
+
 Rank 0 feeds a seeded prompt of ``N_PROMPT`` ids in chunks of ``CHUNK`` through the
 pipeline (full logits of every chunk), then 8 greedy decode steps, then a greedy
 32-token turn through the one turn loop (pipelined decode) on a fresh session, twice:
@@ -19,7 +21,7 @@ import numpy as np
 
 def main() -> int:
     model_dir, out, n_prompt, chunk = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    starts = [int(s) for s in sys.argv[5].split(",")] if len(sys.argv) > 5 else None
+    split = sys.argv[5] if len(sys.argv) > 5 else None
     from ds4mlx.blas import ensure_openblas
 
     ensure_openblas()
@@ -28,15 +30,25 @@ def main() -> int:
 
     group = mx.distributed.init(strict=True, backend="ring")
     model, args = load_model(model_dir, dtype=mx.float32, check_memory=False)
-    ranges = split_layers(args.n_layers, group.size(), starts)
-    if group.rank() > 0:
-        follow(model, group, ranges)
-        return 0
+    engine = None
+    if split == "tensor":
+        from ds4mlx.engine import tensor
+
+        engine = tensor.start(model, args, group, model_dir)
+        if engine is None:  # a follower, until rank 0 shut it down
+            return 0
+        pm = engine.model
+    else:
+        starts = [int(s) for s in split.split(",")] if split else None
+        ranges = split_layers(args.n_layers, group.size(), starts)
+        if group.rank() > 0:
+            follow(model, group, ranges)
+            return 0
+        pm = PipelineModel(model, group, ranges)
     from ds4mlx.engine import Engine, SamplingParams, TurnSpec, run_turn
     from ds4mlx.model.loading import read_config
     from ds4mlx.tokenizer import Tokenizer
 
-    pm = PipelineModel(model, group, ranges)
     prompt = np.random.default_rng(0).integers(0, args.vocab_size, n_prompt).tolist()
     cache = pm.make_cache()
     chunks = []
@@ -50,9 +62,10 @@ def main() -> int:
         mx.eval(logits)
         steps.append(np.array(logits[0, -1]))
         tok = int(np.argmax(steps[-1]))
-    engine = Engine(
-        pm, args, Tokenizer.load(model_dir), path=model_dir, config=read_config(model_dir)
-    )
+    if engine is None:
+        engine = Engine(
+            pm, args, Tokenizer.load(model_dir), path=model_dir, config=read_config(model_dir)
+        )
     spec = TurnSpec(SamplingParams(temperature=0.0), max_tokens=32, parse=False, ignore_eos=True)
     session = engine.new_session()
     session.prefill(prompt)
@@ -68,6 +81,8 @@ def main() -> int:
         prefill=np.concatenate(chunks),
         decode=np.stack(steps),
         turn=np.array(session.tokens[n_prompt:], dtype=np.int64),
+        layout=np.array(engine.layout),
+        identity=np.array(engine.identity),
     )
     return 0
 

@@ -371,8 +371,18 @@ def follower_rank() -> int:
     return mx.distributed.init().rank()
 
 
-def load_distributed(path, *, ctx_size=None, sessions: int = 1, split: list[int] | None = None):
-    """Load ``path`` as one rank of a pipeline split under ``mlx.launch``.
+def load_distributed(
+    path,
+    *,
+    ctx_size=None,
+    sessions: int = 1,
+    split: list[int] | None = None,
+    mode: str = "pipeline",
+    start=None,
+):
+    """Load ``path`` as one rank of a pipeline split under ``mlx.launch``; with ``start``
+    (``mode`` names it in messages), ``start(model, args, group, path, ctx_size)`` builds
+    this rank from the loaded model instead (a tensor split: `ds4mlx.engine.distributed`).
 
     Rank 0 gets an `Engine` whose model is a `PipelineModel` (its identity includes the
     split, so nothing saved under another split is reused); every other rank runs
@@ -389,14 +399,18 @@ def load_distributed(path, *, ctx_size=None, sessions: int = 1, split: list[int]
     group = mx.distributed.init()
     if group.size() < 2:
         raise PipelineError(
-            "--distributed pipeline needs at least 2 ranks: start it with "
+            f"--distributed {mode} needs at least 2 ranks: start it with "
             "mlx.launch --backend ring --hosts HOST1,HOST2 -- python -m ds4mlx.cli …"
         )
+    if start is not None and split is not None:
+        raise PipelineError(f"--pipeline-split needs --distributed pipeline, not {mode}")
     set_parent_death_signal()
     dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
     # The whole-model fit check would refuse exactly the models a split is for; each
     # rank reads only its own layers' weights (the others stay lazy and are dropped).
     model, args = load_model(str(path), dtype=dtype, check_memory=False)
+    if start is not None:
+        return start(model, args, group, path, ctx_size)
     ranges = split_layers(args.n_layers, group.size(), split)
     if group.rank() > 0:
         follow(model, group, ranges)

@@ -181,7 +181,8 @@ def _pipeline_role(args, model: str) -> tuple[list[int] | None, int | None]:
 
     if not args.distributed and args.pipeline_split is None:
         return None, None
-    from ds4mlx.engine.pipeline import PipelineError, follower_rank, load_distributed, parse_split
+    from ds4mlx.engine.distributed import load_distributed
+    from ds4mlx.engine.pipeline import PipelineError, follower_rank, parse_split
 
     try:
         if not args.distributed:
@@ -189,7 +190,7 @@ def _pipeline_role(args, model: str) -> tuple[list[int] | None, int | None]:
         split = parse_split(args.pipeline_split)
         if follower_rank():
             # Ranks > 0 run their layers for rank 0 and never listen.
-            load_distributed(model, ctx_size=args.ctx, split=split)
+            load_distributed(model, ctx_size=args.ctx, split=split, mode=args.distributed)
             return split, 0
     except (PipelineError, ValueError, OSError, RuntimeError) as e:
         print(f"ds4mlx serve: {e}", file=sys.stderr)
@@ -231,9 +232,11 @@ def _loader(args, model: str, sessions: int, split: list[int] | None):
     def load():
         if not args.distributed:
             return Engine.load(model, ctx_size=args.ctx, sessions=sessions)
-        from ds4mlx.engine.pipeline import load_distributed
+        from ds4mlx.engine.distributed import load_distributed
 
-        engine = load_distributed(model, ctx_size=args.ctx, sessions=sessions, split=split)
+        engine = load_distributed(
+            model, ctx_size=args.ctx, sessions=sessions, split=split, mode=args.distributed
+        )
         # The followers exit when rank 0 says so, at exit: the worker has stopped by then.
         atexit.register(engine.model.shutdown)
         return engine
