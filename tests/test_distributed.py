@@ -202,6 +202,38 @@ def test_tensor_split_refuses_heads_that_do_not_divide(tiny_f32_dir):
         shard_model(model, _Ranks(3))
 
 
+def test_tensor_slices_of_a_quantized_linear_add_up_to_the_whole():
+    """A quantized linear split at whole quantization groups: the input-column slices'
+    outputs add up to the whole output (``wo_b``, ``w2``), the output-row slices stack to it
+    (``wq_b``, ``w1``/``w3``); a split inside a group is refused."""
+    import copy
+
+    import mlx.nn as nn
+
+    from ds4mlx.engine.tensor import _slice
+
+    mx.random.seed(0)
+    whole = nn.QuantizedLinear(128, 16, bias=False, group_size=32, bits=4)
+    x = mx.random.normal((3, 128))
+    want = whole(x)
+    cols, rows = [], []
+    for r in range(2):
+        part = copy.deepcopy(whole)
+        _slice(part, -1, r, 2, "wo_b")
+        cols.append(part(x[:, r * 64 : (r + 1) * 64]))
+        part = copy.deepcopy(whole)
+        _slice(part, 0, r, 2, "wq_b")
+        rows.append(part(x))
+    assert mx.allclose(cols[0] + cols[1], want, rtol=1e-5, atol=1e-5).item()
+    assert mx.array_equal(mx.concatenate(rows, axis=-1), want).item()
+    with pytest.raises(PipelineError, match="w2.weight has 16 along the split axis"):
+        _slice(copy.deepcopy(whole), -1, 0, 3, "w2")
+    one_group = nn.QuantizedLinear(64, 16, bias=False, group_size=64, bits=4)
+    with pytest.raises(PipelineError, match="w2.scales has 1 along the split axis"):
+        _slice(one_group, -1, 0, 2, "w2")
+    assert one_group.weight.shape == (16, 8)  # left whole
+
+
 def test_split_layers_even_and_explicit():
     assert split_layers(43, 2) == [range(0, 22), range(22, 43)]
     assert split_layers(4, 3) == [range(0, 2), range(2, 3), range(3, 4)]

@@ -63,17 +63,17 @@ def _slice(m: nn.Module, axis: int, rank: int, world: int, what: str) -> None:
     Raises:
         PipelineError: an axis that does not split evenly (``what`` names the tensor).
     """
-    for name in _PARTS:
-        if name not in m:
-            continue
-        a = m[name]
-        size = a.shape[axis]
+    names = [name for name in _PARTS if name in m]
+    for name in names:  # all checked first: a refused split leaves ``m`` as it was
+        size = m[name].shape[axis]
         if size % world:
             raise PipelineError(
                 f"--distributed tensor: {what}.{name} has {size} along the split axis, "
                 f"not divisible by {world} ranks"
             )
-        step = size // world
+    for name in names:
+        a = m[name]
+        step = a.shape[axis] // world
         index = [slice(None)] * a.ndim
         index[axis] = slice(rank * step, (rank + 1) * step)
         m[name] = a[tuple(index)]
