@@ -363,7 +363,10 @@ def _rank_of(pid: int) -> int | None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_pipeline_rank_killed_mid_request_fails_the_request_and_stops_the_server(tiny_f32_dir):
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+def test_pipeline_rank_killed_mid_request_fails_the_request_and_stops_the_server(
+    tiny_f32_dir, mode
+):
     """SIGKILL of rank 1 while a stream decodes: the client's stream ends with an error,
     rank 0 logs ``rank 1 lost: …`` and stops, and no rank is left within 10 s."""
     import threading
@@ -372,7 +375,7 @@ def test_pipeline_rank_killed_mid_request_fails_the_request_and_stops_the_server
     import httpx
     from server_util import Server
 
-    server = Server(tiny_f32_dir, ctx=4096, extra=["--distributed", "pipeline"], kv_dir=False)
+    server = Server(tiny_f32_dir, ctx=4096, extra=["--distributed", mode], kv_dir=False)
     server.cmd = _ring(server.cmd)
     server.start_new_session = True
     proc = None
