@@ -364,8 +364,11 @@ def test_one_call_when_parallel_calls_are_off(engine, session, in_reasoning):
     reasoning = "Let me look." + ("" if in_reasoning else "</think>")
     prompt = _ids(engine, PROMPT + "<think>")
     spec = TurnSpec(GREEDY, 200, thinking=True, tools=(TOOL,), parallel_calls=False)
+    from ds4mlx.engine.single_call import hooks_for
+
+    script = _ids(engine, reasoning + two)
     res = run_turn(
-        session, engine.tokenizer, spec, prefill=prompt, script=_ids(engine, reasoning + two)
+        session, engine.tokenizer, spec, prefill=prompt, script=script, hooks=hooks_for(spec)
     )
     assert [c.arguments for c in res.tool_calls] == [{"command": "ls"}]
     assert res.finish == "stop" and res.call_errors == {}

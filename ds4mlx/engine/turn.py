@@ -86,7 +86,8 @@ class TurnSpec:
             `TurnResult.dropped_calls` counts them).
         parallel_calls: False for a client that allows one call per turn: the turn ends
             after the first closed invoke, its block closed by forced feeds
-            (`ds4mlx.engine.single_call`; `run_turn` installs it when given no hooks).
+            (its hooks: ``ds4mlx.engine.single_call.hooks_for(spec)``, which the caller
+            passes to `run_turn`, as the server's worker does).
         logprobs: raw turns: top-N alternatives per token (`RawText.logprobs`), or None.
         top_logprobs: chat turns: top-N alternatives per token of the visible text (a
             `TokenLogprob` event before the text it completes; a token counts when its
@@ -602,8 +603,7 @@ def run_turn(
         script: scripted decoding (tests only): ``sample`` returns these ids first; the
             forward pass still runs for every fed token.
         chunk_size: prefill tokens per forward pass.
-        hooks: the loop's extension points (`TurnHooks`), or None (with
-            ``spec.parallel_calls`` False: `ds4mlx.engine.single_call.SingleCall`).
+        hooks: the loop's extension points (`TurnHooks`), or None.
     Returns:
         The `TurnResult`; ``finish`` is ``cancelled`` when a prefill was cut short (then
         nothing was sampled, and no hook but ``after_prefill`` ran) or when ``cancel``
@@ -614,10 +614,6 @@ def run_turn(
         RuntimeError: the session has no logits after the prefill (empty prompt).
     """
     emit = emit or (lambda _ev: None)
-    if hooks is None and spec.parse and not spec.parallel_calls:
-        from ds4mlx.engine.single_call import SingleCall  # it builds on this module
-
-        hooks = SingleCall()
     turn = Turn(session, tokenizer, spec, emit, cancel, tool_memory, hooks)
     if prefill is not None:
         suffix = list(getattr(prefill, "suffix_tokens", prefill))

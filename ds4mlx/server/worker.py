@@ -155,16 +155,6 @@ class Worker:
         with self._lock:
             return self._pending
 
-    def charged(self, request: GenRequest) -> int:
-        """The prompt tokens ``request`` would be charged (its usage) if it ran now: the
-        prompt cache's read-only prediction (``PromptCache.peek``: the live state it
-        would continue and the suffix it would prefill, else the whole prompt).
-
-        Queues no job and waits for none: any thread, while a job runs (which may
-        change the answer once it ends). Tokenizes the suffix, or the prompt.
-        """
-        return self.cache.peek(_cache_prompt(request, self.tokenizer)).prompt_tokens
-
     @property
     def busy(self) -> bool:
         return self.current is not None
@@ -243,13 +233,14 @@ class Worker:
 
     def _run_job(self, job: Job) -> None:
         from ds4mlx.engine import FINISH_CONTEXT, FINISH_LENGTH, ContextOverflowError, run_turn
+        from ds4mlx.engine.single_call import hooks_for
         from ds4mlx.kv.cache import ContextFull, UnknownToolId
 
         req = job.request
         tok = self.tokenizer
         t_start = time.monotonic()
         try:
-            lease = self.cache.begin(_cache_prompt(req, tok))
+            lease = self.cache.begin(cache_prompt(req, tok))
         except UnknownToolId as e:
             job.emit(JobFailed(Failure.UNKNOWN_TOOL_ID, tool_id=e.tool_id))
             return
@@ -287,6 +278,7 @@ class Worker:
                 tool_memory=self.tool_memory,
                 after_token=lease.after_token,
                 script=_script_ids(script, tok),
+                hooks=hooks_for(spec),
             )
         except ContextOverflowError as e:
             job.emit(_prompt_error(e.have + e.adding, e.ctx_size))
@@ -363,8 +355,9 @@ def _text(req: GenRequest) -> str | None:
     return req.prompt.text if isinstance(req.prompt, Rendered) else req.prompt
 
 
-def _cache_prompt(req: GenRequest, tok):
-    """The prompt cache's ``Prompt`` of a request (a job's, or a prediction's)."""
+def cache_prompt(req: GenRequest, tok):
+    """The prompt cache's ``Prompt`` of a request: a job's, and `ServerState.charged`'s
+    prediction of its usage (the same prompt, so the same plan)."""
     from ds4mlx.kv.cache import Prompt
 
     return Prompt(
