@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -12,12 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ds4mlx.agent.diagnostics import ExitStatus, diagnose
 from ds4mlx.agent.hooks import Hooks
 from ds4mlx.agent.loop import Agent
 from ds4mlx.agent.permissions import Permissions
-from ds4mlx.agent.redact import Redactor, redact
+from ds4mlx.agent.redact import Redactor, _screens, redact, screen_for
 from ds4mlx.agent.terminal import TerminalText
 from ds4mlx.agent.tools import EXIT_STATUS, FAILED, Toolbox
 from ds4mlx.agent.tools.shell import clean_terminal_output
@@ -146,6 +149,38 @@ def test_redact_pem_block_split_across_reads() -> None:
     r = Redactor()
     assert r.feed("a\n-----BEGIN PRIVATE KEY-----\nAAAA\n") == "a\n[redacted: Private Key]\n"
     assert r.feed("BBBB\n-----END PRIVATE KEY-----\nok\n") == "ok\n"
+
+
+# The plugins' regexes (the last entry, the assignment rule, starts with a look-behind
+# that from_regex can only filter for).
+_SCREENED = [(screen, rx) for screen, rx in _screens()[:-1] if screen is not None]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", range(len(_SCREENED)))
+@settings(
+    max_examples=8,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(data=st.data())
+def test_redact_screens_never_miss_a_match(n: int, data) -> None:
+    """A regex's literal screen is a superset: every string the regex matches holds one
+    of its literals (lower-cased for a case-insensitive regex)."""
+    screen, rx = _SCREENED[n]
+    s = data.draw(st.from_regex(rx, fullmatch=True))
+    hay = s.encode("utf-8", "surrogatepass")
+    hay = hay.lower() if rx.flags & re.IGNORECASE else hay
+    assert any(lit in hay for lit in screen), (rx.pattern, s, screen)
+
+
+def test_redact_screens_are_literals_of_the_patterns() -> None:
+    assert screen_for(re.compile(r"(?:r|s)k_live_[0-9a-zA-Z]{24}")) == (b"rk_live_", b"sk_live_")
+    assert screen_for(re.compile(r"x(?:ab|cd)?y[a-z]+QQ", re.I)) == (b"qq",)
+    assert screen_for(re.compile(r"\d{8,10}:[0-9A-Z]{35}")) is None  # ":" alone: scan
+    # A secret on a line the chunk's other lines dwarf is still found.
+    big = "key = value and a class token\n" * 20000 + f"export GITHUB_TOKEN={GH}\n"
+    assert redact(big).endswith("export GITHUB_TOKEN=[redacted: GitHub Token]\n")
 
 
 def test_redact_command_output_but_not_read_and_refuse_marker_writes(tb: Toolbox, ws: Path) -> None:

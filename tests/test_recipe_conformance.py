@@ -442,11 +442,6 @@ _LATE = (
     "block after the tools section, so the top-level system text and tools stay a prefix a "
     "retry shares; recipe keeps it in place",
 )
-_IMAGE = (
-    "image-placeholder",
-    "neither renders images for V4; ds4mlx names the block's type ([image_url], [input_image], "
-    "[image]), recipe writes [Unsupported Image]",
-)
 _PREFILL = (
     "anthropic-prefill",
     "Anthropic's prefill contract: ds4mlx continues a trailing assistant message (open, no "
@@ -484,9 +479,6 @@ DIFFERENCES: dict[str, tuple[str, str]] = {
     ),
     "ant-prefill": _PREFILL,
     "ant-prefill-thinking": _PREFILL,
-    "chat-image": _IMAGE,
-    "ant-image": _IMAGE,
-    "resp-image": _IMAGE,
     "resp-tool-search": (
         "tool-search",
         "recipe drops a client-run tool_search tool and the tool_search_call / "

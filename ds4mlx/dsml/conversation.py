@@ -117,7 +117,6 @@ class Conversation:
 
     messages: list[Message] = field(default_factory=list)
     tools: list[ToolSpec] = field(default_factory=list)
-    loaded_tools: list[ToolSpec] = field(default_factory=list)
     thinking: bool = True
     reasoning_effort: str | None = None
     tool_required: bool = False
@@ -126,3 +125,5 @@ class Conversation:
     single_call: bool = False
     late_system: str = ""
     open_reply: bool = False
+    # Last: fields are also given by position (messages, tools, thinking, …).
+    loaded_tools: list[ToolSpec] = field(default_factory=list)

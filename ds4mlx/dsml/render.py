@@ -341,8 +341,9 @@ def _sort_tool_results(turns: list[_Turn]) -> None:
 
 def background_names(conv: Conversation) -> frozenset[str]:
     """Names of the tools ``conv`` declares background (`ToolSpec.background`, the
-    wire's ``async: true``): the conversation's tools and those of its messages."""
-    tools = [*conv.tools, *(t for m in conv.messages for t in m.tools)]
+    wire's ``async: true``): the conversation's tools, those a tool search loaded and
+    those of its messages."""
+    tools = [*conv.tools, *conv.loaded_tools, *(t for m in conv.messages for t in m.tools)]
     return frozenset(t.name for t in tools if t.background)
 
 

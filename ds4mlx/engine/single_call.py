@@ -14,7 +14,7 @@ its tool-result continuation are exact.
 from __future__ import annotations
 
 from ds4mlx.dsml.tokens import INVOKE_CLOSE, TOOL_CALLS_CLOSE
-from ds4mlx.engine.turn import Turn, TurnHooks, TurnSpec
+from ds4mlx.engine.hooks import Turn, TurnHooks
 
 _WS = " \t\r\n"
 
@@ -32,12 +32,6 @@ def block_closer(generated: str) -> str:
     if rest and TOOL_CALLS_CLOSE.startswith(rest):
         return TOOL_CALLS_CLOSE[len(rest) :]
     return ("" if tail and not rest else "\n") + TOOL_CALLS_CLOSE
-
-
-def hooks_for(spec: TurnSpec) -> SingleCall | None:
-    """The hooks a turn of ``spec`` needs for its call limit: a `SingleCall` for a parsed
-    turn with ``parallel_calls`` False, else None. Pass them to ``run_turn(hooks=…)``."""
-    return SingleCall() if spec.parse and not spec.parallel_calls else None
 
 
 class SingleCall(TurnHooks):

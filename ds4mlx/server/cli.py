@@ -7,17 +7,26 @@ import logging
 import os
 from dataclasses import replace
 
-from ds4mlx.model.demo import DEMO_MAX_TOKENS, demo_model_dir, ensure_demo_model
+from ds4mlx.model.demo import (
+    DEMO_CTX,
+    DEMO_MAX_TOKENS,
+    demo_model_dir,
+    demo_policy,
+    ensure_demo_model,
+)
 from ds4mlx.server.app import serve, start_worker
 from ds4mlx.server.config import ServerConfig
 
 NO_MODEL_MESSAGE = """\
 ds4mlx serve: no model given.
 
-  Serve a DeepSeek V4 Flash checkpoint directory (config.json + *.safetensors):
-      ds4mlx serve -m /path/to/DeepSeek-V4-Flash-4bit      (or set DS4MLX_MODEL)
-  MLX conversions such as mlx-community/DeepSeek-V4-Flash-4bit load directly, e.g.
-      huggingface-cli download mlx-community/DeepSeek-V4-Flash-4bit --local-dir ~/models/ds4-flash
+  Serve a converted DeepSeek V4 Flash checkpoint directory (config.json + *.safetensors):
+      ds4mlx serve -m ~/models/ds4-flash-q2      (or set DS4MLX_MODEL)
+  Get one (README "Run the real model on a Mac"; `ds4mlx doctor` says which build fits
+  this machine: the one below needs a 128 GB Mac):
+      hf download deepseek-ai/DeepSeek-V4-Flash --local-dir ~/models/DeepSeek-V4-Flash
+      ds4mlx convert ~/models/DeepSeek-V4-Flash ~/models/ds4-flash-q2 \\
+          --expert-bits 2 --group-size 128 --bits mxfp8
 
   Or try the server right now on the tiny demo model (random weights, real tokenizer
   and protocols; its text is noise):
@@ -61,19 +70,8 @@ def run_serve(args, register) -> int:
         datefmt="%H:%M:%S",
     )
     logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
-    model = args.model or os.environ.get("DS4MLX_MODEL")
-    if args.demo:
-        if model:
-            print("ds4mlx serve: give either --model or --demo, not both", file=sys.stderr)
-            return 2
-        from rich.console import Console
-
-        path = demo_model_dir()
-        if not (path / "config.json").is_file():
-            Console(stderr=True).print(f"making the tiny demo model in {path} (once)…")
-        model = str(ensure_demo_model(path))
-    if not model:
-        print(NO_MODEL_MESSAGE, file=sys.stderr, end="")
+    model = _model_dir(args)
+    if model is None:
         return 2
     split, done = _pipeline_role(args, model)
     if done is not None:
@@ -120,7 +118,7 @@ def run_serve(args, register) -> int:
         model_name=args.served_model_name,
         default_max_tokens=cap if args.demo else args.tokens,
         max_tokens_cap=cap,
-        demo_policy=bool(args.demo and args.tokens is None),
+        demo_policy=demo_policy(args.demo, args.tokens),
         api_keys=api_keys_from(args.api_key, os.environ.get("DS4MLX_API_KEY")),
         cors=args.cors,
         allowed_origins=tuple(origins),
@@ -136,6 +134,7 @@ def run_serve(args, register) -> int:
         sessions_why=sessions_why,
         tool_memory_max_ids=args.tool_memory_max_ids,
         exact_dsml_replay=not args.disable_exact_dsml_tool_replay,
+        tool_call_dispatch=args.enable_streaming_tool_dispatch,
     )
 
     try:
@@ -148,6 +147,30 @@ def run_serve(args, register) -> int:
     except OSError as e:
         print(f"ds4mlx serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
+
+
+def _model_dir(args) -> str | None:
+    """The checkpoint to serve: ``-m``/``$DS4MLX_MODEL``, or the demo model (made once;
+    its context then defaults to ``DEMO_CTX``). None after printing why there is none."""
+    import sys
+
+    model = args.model or os.environ.get("DS4MLX_MODEL")
+    if args.demo:
+        if model:
+            print("ds4mlx serve: give either --model or --demo, not both", file=sys.stderr)
+            return None
+        from rich.console import Console
+
+        path = demo_model_dir()
+        if not (path / "config.json").is_file():
+            Console(stderr=True).print(f"making the tiny demo model in {path} (once)…")
+        model = str(ensure_demo_model(path))
+        if args.ctx is None:
+            args.ctx = DEMO_CTX
+    if not model:
+        print(NO_MODEL_MESSAGE, file=sys.stderr, end="")
+        return None
+    return model
 
 
 def _pipeline_role(args, model: str) -> tuple[list[int] | None, int | None]:

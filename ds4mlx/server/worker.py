@@ -141,6 +141,7 @@ class Worker:
         """Queue ``request`` (FIFO) and return its `Job`. Call on the event loop."""
         job = Job(request, asyncio.get_running_loop())
         if self._stopping.is_set():
+            log.info("%s job %d refused: the server is shutting down", request.path, job.id)
             job.emit(JobFailed(Failure.SHUTTING_DOWN))
             return job
         with self._lock:
@@ -168,6 +169,7 @@ class Worker:
         self._stopping.set()
         cur = self.current
         if cur is not None:
+            log.info("shutdown: %s job %d interrupted", cur.request.path, cur.id)
             cur.cancel.set()
         # Fail everything still queued so their clients get an answer.
         while True:
@@ -176,6 +178,7 @@ class Worker:
             except queue.Empty:
                 break
             if job is not None:
+                log.info("shutdown: %s job %d refused before it started", job.request.path, job.id)
                 job.emit(JobFailed(Failure.SHUTTING_DOWN))
         self._queue.put(None)
         if self._thread is not None and self._thread.is_alive():
@@ -190,6 +193,8 @@ class Worker:
             if job is None:
                 break
             if job.cancelled() or self._stopping.is_set():
+                why = "the server is shutting down" if self._stopping.is_set() else "client gone"
+                log.info("%s job %d cancelled before it started: %s", job.request.path, job.id, why)
                 job.emit(JobDone("cancelled", None, 0, 0, 0))
                 self._finish(job)
                 continue
@@ -206,7 +211,7 @@ class Worker:
                 job.emit(JobFailed(Failure.INTERNAL, detail=f"{type(e).__name__}: {e}"))
                 if isinstance(e, KeyboardInterrupt | SystemExit):
                     raise
-                self._check_fatal(e)
+                _stop_if_fatal(self, e)
             finally:
                 self.current = None
                 self._finish(job)
@@ -215,25 +220,19 @@ class Worker:
         except Exception:
             log.exception("shutdown save failed")
 
-    def _check_fatal(self, e: BaseException) -> None:
-        """A failure no later job can avoid (a pipeline rank is gone: every forward call
-        needs it) stops the server with exit code 1 instead of failing every request."""
-        lost = getattr(self.engine.model, "lost_peer", None)
-        line = lost(e) if lost is not None else None
-        if line is None:
-            return
-        log.error("%s; stopping the server", line)
-        self.exit_code = 1
-        os.kill(os.getpid(), signal.SIGTERM)
-
     def _finish(self, job: Job) -> None:
         with self._lock:
             self._pending -= 1
         self.jobs_done += 1
 
     def _run_job(self, job: Job) -> None:
-        from ds4mlx.engine import FINISH_CONTEXT, FINISH_LENGTH, ContextOverflowError, run_turn
-        from ds4mlx.engine.single_call import hooks_for
+        from ds4mlx.engine import (
+            FINISH_CONTEXT,
+            FINISH_LENGTH,
+            ContextOverflowError,
+            Steering,
+            run_turn,
+        )
         from ds4mlx.kv.cache import ContextFull, UnknownToolId
 
         req = job.request
@@ -266,6 +265,9 @@ class Worker:
         )
         job.emit(JobStarted(plan.prompt_tokens, plan.cached, decision))
         spec = _fitted(req.turn, s.ctx_size - plan.prompt_tokens, script)
+        # Steer and cancel arrive through the job's flags; a cancelled turn is closed at
+        # a turn boundary too, so the next request can continue it.
+        hooks = Steering(job.steer.is_set, close_cancelled=True)
         try:
             result = run_turn(
                 s,
@@ -278,7 +280,7 @@ class Worker:
                 tool_memory=self.tool_memory,
                 after_token=lease.after_token,
                 script=_script_ids(script, tok),
-                hooks=hooks_for(spec),
+                hooks=hooks,
             )
         except ContextOverflowError as e:
             job.emit(_prompt_error(e.have + e.adding, e.ctx_size))
@@ -287,7 +289,8 @@ class Worker:
             self.tracer.write(job.id, "output", text=result.raw, finish=result.finish)
         if result.finish == FINISH_LENGTH and spec.max_tokens < req.turn.max_tokens:
             result.finish = FINISH_CONTEXT  # the room left, not the client's limit, ended it
-        self._done(job, lease, result, t_start, decision, detail)
+        at_boundary = hooks.at_boundary and result.prefilled == len(plan.suffix_tokens)
+        self._done(job, lease, result, t_start, decision, detail, at_boundary)
 
     def _emitter(self, job: Job) -> Callable[[Any], None]:
         """``emit`` for the turn loop: its events are job events (the trace sees the
@@ -300,8 +303,11 @@ class Worker:
 
         return emit
 
-    def _done(self, job: Job, lease, result, t_start: float, decision: str, detail: str) -> None:
-        """Report the turn (bindings, event, trace, log line)."""
+    def _done(
+        self, job: Job, lease, result, t_start, decision: str, detail: str, at_boundary=False
+    ) -> None:
+        """Report the turn (bindings, event, trace, log line); ``at_boundary``: a steered
+        or cancelled turn that ends at a turn boundary binds as an end of turn."""
         plan = lease.plan
         finish = result.finish
         calls = list(result.tool_calls)
@@ -320,7 +326,7 @@ class Worker:
             text=result.text,
         )
         try:
-            lease.finish(result)
+            lease.finish(result, at_boundary=at_boundary)
         except Exception:
             log.exception("after-generation bookkeeping failed")
         job.emit(outcome)
@@ -332,11 +338,24 @@ class Worker:
         _log_job(job, plan, result, outcome, t_start, detail)
 
 
+def _stop_if_fatal(worker: Worker, e: BaseException) -> None:
+    """A failure no later job can avoid (a pipeline rank is gone: every forward call needs
+    it) stops the server with exit code 1 instead of failing every request after it."""
+    lost = getattr(worker.engine.model, "lost_peer", None)
+    line = lost(e) if lost is not None else None
+    if line is None:
+        return
+    log.error("%s; stopping the server", line)
+    worker.exit_code = 1
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float, detail: str) -> None:
     """The one log line per job: path, decision, token counts, rates, finish, queue wait."""
     n = outcome.completion_tokens
     log.info(
-        "%s %s%s prompt=%d cached=%d generated=%d prefill=%s decode=%.1f tok/s finish=%s wait=%.2fs",
+        "%s %s%s prompt=%d cached=%d generated=%d prefill=%s decode=%.1f tok/s finish=%s "
+        "wait=%.2fs job=%d",
         job.request.path,
         outcome.decision,
         f" {detail}" if detail else "",
@@ -347,6 +366,7 @@ def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float, detail: s
         (n - 1) / result.decode_s if result.decode_s > 0 and n > 1 else 0.0,
         outcome.finish,
         t_start - job.submitted,
+        job.id,
     )
 
 
