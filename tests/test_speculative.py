@@ -88,7 +88,7 @@ def _run(engine, spec, prompt, *, hooks=None, script=None, cancel_after=None, mo
 
 
 def _assert_same_state(plain, spec):
-    (r1, s1, m1, _), (r2, s2, m2, _) = plain, spec
+    (r1, s1, _, _), (r2, s2, _, _) = plain, spec
     assert (r1.finish, r1.completion_tokens, r1.fed, r1.text, r1.raw) == (
         r2.finish,
         r2.completion_tokens,
@@ -318,7 +318,9 @@ def test_first_drafted_token_has_the_target_distribution(engine):
             s.restore(snap)
             ids: list[int] = []
             spec = TurnSpec(SamplingParams(temperature=1.0, seed=i), 2, parse=False)
-            r = run_turn(s, tok, spec, hooks=Masked(draft), emit=lambda ev: ids.extend(ev.tokens))
+            r = run_turn(
+                s, tok, spec, hooks=Masked(draft), emit=lambda ev, ids=ids: ids.extend(ev.tokens)
+            )
             assert ids[0] == first and r.drafted == (1 if draft else 0)
             hits[ids[1] - 1000] += 1
         counts[draft] = hits
