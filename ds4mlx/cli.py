@@ -46,16 +46,60 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_engine(model: str, ctx_size: int | None):
-    """Load an engine, turning load errors into one readable line on stderr."""
+def _load_engine(model: str, ctx_size: int | None, args: argparse.Namespace | None = None):
+    """Load an engine (with ``args``' speculative decoding), turning load errors into one
+    readable line on stderr."""
     from ds4mlx.engine import Engine
     from ds4mlx.model.loading import LoadError
 
     try:
-        return Engine.load(model, ctx_size=ctx_size)
+        engine = Engine.load(model, ctx_size=ctx_size)
+        if args is not None:
+            set_speculation(engine, args)
+        return engine
     except (LoadError, OSError, ValueError, RuntimeError) as e:
         print(f"ds4mlx: cannot load model {model}: {e}", file=sys.stderr)
         return None
+
+
+def _draft_tokens(text: str) -> int:
+    from ds4mlx.sampling import MAX_DRAFT_TOKENS
+
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if not 1 <= k <= MAX_DRAFT_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be an integer in 1..{MAX_DRAFT_TOKENS}")
+    return k
+
+
+def speculative_flags(p: argparse.ArgumentParser) -> None:
+    """``--speculative`` and ``--draft-tokens`` (serve, agent, generate, bench)."""
+    from ds4mlx.sampling import DEFAULT_DRAFT_TOKENS, SPECULATIVE_MODES
+
+    p.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_MODES,
+        default="off",
+        help="speculative decoding: lookup = prompt n-grams, mtp = the checkpoint's MTP "
+        "head, auto = both; exact (the output is the target's) (off)",
+    )
+    p.add_argument(
+        "--draft-tokens",
+        type=_draft_tokens,
+        default=DEFAULT_DRAFT_TOKENS,
+        metavar="K",
+        help=f"tokens drafted per verify, 1..16 ({DEFAULT_DRAFT_TOKENS})",
+    )
+
+
+def set_speculation(engine, args: argparse.Namespace) -> None:
+    """Give ``engine`` the ``--speculative`` setting. Raises ValueError with a message
+    for the user (``mtp`` on a checkpoint without an MTP drafter)."""
+    from ds4mlx.engine.speculative import speculation_for
+
+    engine.speculation = speculation_for(engine, args.speculative, args.draft_tokens)
 
 
 def _chat_prompt(text: str, *, thinking: bool):
@@ -74,7 +118,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from ds4mlx.engine import ContextOverflowError, SamplingParams
 
     _apply_memory_limit(args)
-    engine = _load_engine(args.model, args.ctx)
+    engine = _load_engine(args.model, args.ctx, args)
     if engine is None:
         return 1
     tok = engine.tokenizer
@@ -101,6 +145,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     from ds4mlx.engine import RawText, TurnSpec, run_turn
+    from ds4mlx.engine.speculative import draft_words
 
     def show(ev) -> None:
         if isinstance(ev, RawText) and ev.text:
@@ -126,7 +171,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(
             f"prompt {len(ids)} tokens in {pre:.2f}s ({len(ids) / pre:.1f} tok/s); "
             f"generated {n} tokens, {dec:.2f} tok/s; stop={result.finish}; "
-            f"KV {session.kv_bytes() / 1e6:.2f} MB",
+            f"KV {session.kv_bytes() / 1e6:.2f} MB{draft_words(result)}",
             file=sys.stderr,
         )
     return 0
@@ -236,7 +281,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             print("ds4mlx bench: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
             return 2
     ctx = args.ctx or max(frontiers) + args.decode_tokens + 1
-    engine = _load_engine(args.model, ctx)
+    engine = _load_engine(args.model, ctx, args)
     if engine is None:
         return 1
     print(
@@ -599,6 +644,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=None, help="context size in tokens")
     _memory_limit_flag(p)
     p.add_argument("-v", "--verbose", action="store_true", help="model banner and speed on stderr")
+    speculative_flags(p)
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("tokenize", help="print the token ids of a text")
@@ -649,6 +695,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=None, help="context size (default: what is needed)")
     p.add_argument("--csv", default=None, help="write the CSV here instead of stdout")
     p.add_argument("--plot", default=None, help="write a PNG plot (needs matplotlib)")
+    speculative_flags(p)
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("serve", help="OpenAI/Anthropic-compatible HTTP server")
@@ -746,6 +793,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no per-request log lines")
     p.add_argument("--enable-scripted-decoding", action="store_true", help=argparse.SUPPRESS)
     _memory_limit_flag(p)
+    speculative_flags(p)
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("agent", help="terminal coding agent")
@@ -753,6 +801,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _agent_parser(p)
     _memory_limit_flag(p)
+    speculative_flags(p)
     p.set_defaults(func=_cmd_agent)
 
     p = sub.add_parser("kv", help="inspect the disk KV cache")

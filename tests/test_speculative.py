@@ -328,3 +328,25 @@ def test_first_drafted_token_has_the_target_distribution(engine):
         pvalue = chisquare(hits, p * n).pvalue
         print(f"drafting={draft}: chi-square p-value {pvalue:.3f}")
         assert pvalue > 1e-3, (draft, hits, p * n)
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@pytest.mark.parametrize("cmd", ["generate", "bench", "serve", "agent"])
+@pytest.mark.parametrize("k", ["0", "17", "two"])
+def test_draft_tokens_out_of_range_is_a_usage_error(cmd, k, capsys):
+    from ds4mlx.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([cmd, "--draft-tokens", k])
+    assert e.value.code == 2 and "--draft-tokens" in capsys.readouterr().err
+
+
+def test_speculative_mtp_without_a_drafter_is_refused_at_start(tiny_f32_dir, capsys):
+    from ds4mlx.cli import main
+
+    rc = main(["generate", "-m", str(tiny_f32_dir), "-p", "hi", "--speculative", "mtp"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "--speculative mtp" in err and "no MTP drafter" in err
+    assert "num_nextn_predict_layers 0" in err

@@ -38,13 +38,12 @@ import mlx.core as mx
 
 from ds4mlx.engine.sampling import sampling_logprobs
 from ds4mlx.engine.session import Session, VerifyStep, split_key
+from ds4mlx.sampling import DEFAULT_DRAFT_TOKENS as DEFAULT_DRAFT
+from ds4mlx.sampling import MAX_DRAFT_TOKENS as MAX_DRAFT
+from ds4mlx.sampling import SPECULATIVE_MODES as MODES
 
 if TYPE_CHECKING:
     from ds4mlx.engine.turn import Turn, TurnHooks
-
-MODES = ("off", "auto", "lookup", "mtp", "dspark")
-MAX_DRAFT = 16  # --draft-tokens upper bound
-DEFAULT_DRAFT = 4
 
 
 @dataclass
@@ -92,6 +91,38 @@ class Speculation:
             "accepted": self.accepted,
             "tokens_per_forward": tpf,
         }
+
+
+def speculation_for(engine, mode: str, k: int = DEFAULT_DRAFT) -> Speculation:
+    """The `Speculation` to set on ``engine`` for ``--speculative mode --draft-tokens k``.
+
+    ``auto``: the checkpoint's MTP drafter when it has one, plus prompt lookup.
+    Raises ValueError (a message for the user): ``mtp`` on a checkpoint without an
+    ``mtp.*`` drafter; ``dspark`` (its forward is not established from public code:
+    docs/KERNELS.md "Speculative decoding"); a bad mode or ``k``.
+    """
+    mtp = getattr(engine.model, "mtp", None)
+    if mode == "mtp" and mtp is None:
+        n = getattr(engine.args, "num_nextn_predict_layers", 0)
+        raise ValueError(
+            f"--speculative mtp: {engine.path} has no MTP drafter "
+            f"(num_nextn_predict_layers {n}, no mtp.* tensors loaded); use lookup or off"
+        )
+    if mode == "dspark":
+        raise ValueError(
+            "--speculative dspark: the DSpark drafter is not supported (its forward pass "
+            "is not established from public code); use mtp, lookup or auto"
+        )
+    return Speculation(mode, k, mtp=mtp if mode in ("auto", "mtp") else None)
+
+
+def draft_words(result) -> str:
+    """`` drafted=D accepted=A tokens/forward=T`` for a `TurnResult` that drafted (the
+    per-request log line, ``generate -v``), else ``""``."""
+    if not result.drafted:
+        return ""
+    tpf = result.fed / max(result.forwards, 1)
+    return f" drafted={result.drafted} accepted={result.accepted} tokens/forward={tpf:.2f}"
 
 
 # --------------------------------------------------------------------------- acceptance

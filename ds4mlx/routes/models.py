@@ -144,6 +144,9 @@ async def health():
             "queued": st.worker.queued,
             "submitted": st.worker.jobs_submitted,
             "done": st.worker.jobs_done,
+            # Speculative decoding: mode, draft_tokens, drafted, accepted,
+            # tokens_per_forward (target forward passes of drafting turns).
+            "speculative": st.worker.speculative,
             # The prompt cache's own summary (plain values): live_tokens, sessions,
             # states (--sessions N), kv_writer (the disk writer's counts, or None).
             **st.kv.summary(),

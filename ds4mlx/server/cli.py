@@ -85,7 +85,7 @@ def run_serve(args, register) -> int:
 
     raise_open_file_limit()  # every client connection holds a descriptor
     with keep_open_file_limit():  # the engine imports mlx-lm, which sets the limit
-        from ds4mlx.engine import Engine
+        from ds4mlx.engine import Engine  # noqa: F401  (imported under the kept limit)
     from ds4mlx.kv.policy import KVCacheSettings
 
     try:
@@ -138,9 +138,7 @@ def run_serve(args, register) -> int:
         exact_dsml_replay=not args.disable_exact_dsml_tool_replay,
     )
     try:
-        engine, worker = start_worker(
-            lambda: Engine.load(model, ctx_size=args.ctx, sessions=kv.sessions), config
-        )
+        engine, worker = start_worker(lambda: _load(model, args, kv.sessions), config)
     except Exception as e:  # LoadError, TokenizerError, OSError, ValueError…
         print(f"ds4mlx serve: cannot load model {model}: {e}", file=sys.stderr)
         return 2
@@ -149,6 +147,18 @@ def run_serve(args, register) -> int:
     except OSError as e:
         print(f"ds4mlx serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
+
+
+def _load(model: str, args, sessions: int):
+    """The engine, with ``--speculative`` set (ValueError: a drafter it lacks)."""
+    from ds4mlx.engine import Engine
+    from ds4mlx.engine.speculative import speculation_for
+
+    engine = Engine.load(model, ctx_size=args.ctx, sessions=sessions)
+    engine.speculation = speculation_for(
+        engine, getattr(args, "speculative", "off"), getattr(args, "draft_tokens", 4)
+    )
+    return engine
 
 
 def _default_sessions(kv, args, model: str):

@@ -152,6 +152,12 @@ class Worker:
             return self._pending
 
     @property
+    def speculative(self) -> dict | None:
+        """The engine's speculative decoding: mode and totals (plain values), or None
+        before the engine loaded."""
+        return None if self.engine is None else self.engine.speculation.report()
+
+    @property
     def busy(self) -> bool:
         return self.current is not None
 
@@ -313,6 +319,7 @@ class Worker:
             lease.finish(result)
         except Exception:
             log.exception("after-generation bookkeeping failed")
+        self.engine.speculation.add(result)
         job.emit(outcome)
         self.tracer.write(
             job.id,
@@ -323,10 +330,14 @@ class Worker:
 
 
 def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float, detail: str) -> None:
-    """The one log line per job: path, decision, token counts, rates, finish, queue wait."""
+    """The one log line per job: path, decision, token counts, rates, finish, queue wait,
+    and for a drafting turn its drafted / accepted tokens and tokens per target forward."""
+    from ds4mlx.engine.speculative import draft_words
+
     n = outcome.completion_tokens
     log.info(
-        "%s %s%s prompt=%d cached=%d generated=%d prefill=%s decode=%.1f tok/s finish=%s wait=%.2fs",
+        "%s %s%s prompt=%d cached=%d generated=%d prefill=%s decode=%.1f tok/s finish=%s "
+        "wait=%.2fs%s",
         job.request.path,
         outcome.decision,
         f" {detail}" if detail else "",
@@ -337,6 +348,7 @@ def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float, detail: s
         (n - 1) / result.decode_s if result.decode_s > 0 and n > 1 else 0.0,
         outcome.finish,
         t_start - job.submitted,
+        draft_words(result),
     )
 
 
