@@ -350,3 +350,70 @@ def test_speculative_mtp_without_a_drafter_is_refused_at_start(tiny_f32_dir, cap
     err = capsys.readouterr().err
     assert rc != 0 and "--speculative mtp" in err and "no MTP drafter" in err
     assert "num_nextn_predict_layers 0" in err
+
+
+# --------------------------------------------------------------------------- server
+
+
+def test_server_reports_drafts_and_a_live_continuation_prefills_only_the_suffix(
+    tiny_model_dir, tmp_path_factory
+):
+    """``serve --speculative lookup``: a tool-call turn whose reasoning repeats itself
+    is drafted (the per-request log line and ``/health`` count drafted / accepted and
+    tokens per target forward); the tool-result continuation afterwards is live and
+    prefills exactly the results suffix (the state holds only verified rows)."""
+    from kv_server_util import (
+        ASSISTANT,
+        EOS,
+        USER,
+        anthropic_usage,
+        count_tokens,
+        invoke,
+        post,
+        script,
+        tool_calls,
+        traced_server,
+    )
+
+    read = {
+        "name": "read",
+        "description": "Read a file",
+        "input_schema": {
+            "type": "object",
+            "properties": {"path": {"type": "string"}},
+            "required": ["path"],
+        },
+    }
+    extra = ["--kv-disk-dir", "none", "--speculative", "lookup", "--draft-tokens", "4"]
+    with traced_server(tiny_model_dir, tmp_path_factory, ctx=4096, extra=extra) as server:
+        reasoning = " ".join(["read the file a.txt first, then answer."] * 4)
+        script(server, reasoning + "</think>" + tool_calls(invoke("read", ("path", "a.txt", None))))
+        body = {
+            "model": "deepseek-v4-flash",
+            "max_tokens": 400,
+            "tools": [read],
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "messages": [{"role": "user", "content": "Read a.txt."}],
+        }
+        r1 = post(server, "/v1/messages", body)
+        (use,) = [b for b in r1["content"] if b["type"] == "tool_use"]
+        line = server.request_line(0)
+        assert "drafted=" in line and "tokens/forward=" in line, line
+        health = server.health()["speculative"]
+        assert health["mode"] == "lookup" and health["draft_tokens"] == 4
+        assert health["accepted"] > 0 and health["tokens_per_forward"] > 1.2, health
+        p1, _ = anthropic_usage(r1)
+        follow = body["messages"] + [
+            {"role": "assistant", "content": r1["content"]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "R"}],
+            },
+        ]
+        script(server, "", greedy=True)
+        r2 = post(server, "/v1/messages", {**body, "messages": follow, "max_tokens": 8})
+        assert server.trace.last()["decision"] == "live-anthropic"
+        p2, c2 = anthropic_usage(r2)
+        assert c2 == p1 + r1["usage"]["output_tokens"] - 1
+        suffix = EOS + USER + "<tool_result>R</tool_result>" + ASSISTANT + "<think>"
+        assert p2 - c2 == count_tokens(server, suffix)
