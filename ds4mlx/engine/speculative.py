@@ -32,7 +32,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 
@@ -42,8 +42,9 @@ from ds4mlx.sampling import DEFAULT_DRAFT_TOKENS as DEFAULT_DRAFT
 from ds4mlx.sampling import MAX_DRAFT_TOKENS as MAX_DRAFT
 from ds4mlx.sampling import SPECULATIVE_MODES as MODES
 
-if TYPE_CHECKING:
-    from ds4mlx.engine.turn import Turn, TurnHooks
+# ``Turn`` / ``TurnHooks`` below are ``ds4mlx.engine.turn``'s (that module imports this
+# one, so they are typed ``Any`` here: no import cycle).
+Turn = TurnHooks = Any
 
 
 @dataclass
@@ -251,14 +252,12 @@ class Drafting:
         self.backoff = BackOff()
 
     @classmethod
-    def for_turn(cls, session: Session, hooks: TurnHooks) -> Drafting | None:
-        """The turn's drafting, or None: no `TurnHooks.draft` override and the engine's
-        `Speculation` off."""
-        from ds4mlx.engine.turn import TurnHooks
-
+    def for_turn(cls, session: Session, hooks: TurnHooks, hook_drafts: bool) -> Drafting | None:
+        """The turn's drafting, or None: the hooks do not draft (``hook_drafts``: they
+        override `TurnHooks.draft`) and the engine's `Speculation` is off."""
         spec = getattr(session.engine, "speculation", None)
         on = spec is not None and spec.mode != "off"
-        if not on and type(hooks).draft is TurnHooks.draft:
+        if not on and not hook_drafts:
             return None
         return cls(hooks, spec if on else None)
 

@@ -278,7 +278,8 @@ class Turn:
     ):
         self.s, self.tok, self.spec = session, tokenizer, spec
         self.hooks: TurnHooks = hooks or _NO_HOOKS
-        self.drafting = Drafting.for_turn(session, self.hooks)
+        drafts = type(self.hooks).draft is not TurnHooks.draft
+        self.drafting = Drafting.for_turn(session, self.hooks, drafts)
         self.ended = False
         self.emit = emit
         self.cancel = cancel or (lambda: False)
