@@ -26,7 +26,6 @@ from ds4mlx.dsml import (
     ThinkingDelta,
     ToolCall,
     render_assistant_turn,
-    render_late_result,
 )
 from ds4mlx.dsml.tokens import THINK_END
 from ds4mlx.engine import FINISH_CANCELLED, FINISH_STOP, Turn, TurnHooks, TurnSpec, run_turn
@@ -261,14 +260,15 @@ class Steps:
 
     def add_notices(self) -> None:
         """Background jobs that ended since the model heard of them: each a late result
-        of its call (``dsml.render_late_result``) after the pending results or user
-        text, so it goes out in the next suffix; shown in the UI too."""
+        of its call (the renderer heads it with the call: ``dsml.render_late_result``)
+        after the pending results or user text, so it goes out in the next suffix; shown
+        in the UI too."""
         for handle, outcome, detail in self.toolbox.job_notices():
             call = self.job_calls.get(handle)
             calls = (c.id for m in self.live.messages for c in m.tool_calls)
             if call is None or call.id not in calls:  # its call is in another session
                 continue
-            text = render_late_result(call.id, call.name, call.arguments, outcome, detail)
+            text = f"{outcome}\n{detail.rstrip()}" if detail.strip() else outcome
             self.live.messages.append(Message("tool", text, tool_call_id=call.id))
             self.live.ui.notice(f"{handle}: {outcome}")
 

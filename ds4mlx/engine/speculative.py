@@ -36,15 +36,16 @@ from typing import Any
 
 import mlx.core as mx
 
+from ds4mlx.engine.hooks import ChainedHooks, TurnHooks
 from ds4mlx.engine.sampling import sampling_logprobs
 from ds4mlx.engine.session import Session, VerifyStep, split_key
 from ds4mlx.sampling import DEFAULT_DRAFT_TOKENS as DEFAULT_DRAFT
 from ds4mlx.sampling import MAX_DRAFT_TOKENS as MAX_DRAFT
 from ds4mlx.sampling import SPECULATIVE_MODES as MODES
 
-# ``Turn`` / ``TurnHooks`` below are ``ds4mlx.engine.turn``'s (that module imports this
-# one, so they are typed ``Any`` here: no import cycle).
-Turn = TurnHooks = Any
+# ``Turn`` below is ``ds4mlx.engine.turn``'s (that module imports this one: typed ``Any``
+# here, no import cycle).
+Turn = Any
 
 
 @dataclass
@@ -239,6 +240,17 @@ class BackOff:
             self.next_pause = min(2 * self.next_pause, self.LONGEST)
 
 
+def _drafts(hooks: TurnHooks) -> bool:
+    """Whether ``hooks`` (or one they chain, or the ``inner`` hooks a wrapper such as
+    ``ds4mlx.engine.steer.Steering`` delegates to) overrides `TurnHooks.draft`."""
+    if isinstance(hooks, ChainedHooks):
+        return any(_drafts(h) for h in hooks.hooks)
+    inner = getattr(hooks, "inner", None)
+    if isinstance(inner, TurnHooks):
+        return _drafts(inner)
+    return type(hooks).draft is not TurnHooks.draft
+
+
 class Drafting:
     """The draft→verify step of one turn (see the module doc): built by `for_turn`,
     used by `ds4mlx.engine.turn.Turn.generate`."""
@@ -252,12 +264,12 @@ class Drafting:
         self.backoff = BackOff()
 
     @classmethod
-    def for_turn(cls, session: Session, hooks: TurnHooks, hook_drafts: bool) -> Drafting | None:
-        """The turn's drafting, or None: the hooks do not draft (``hook_drafts``: they
-        override `TurnHooks.draft`) and the engine's `Speculation` is off."""
+    def for_turn(cls, session: Session, hooks: TurnHooks) -> Drafting | None:
+        """The turn's drafting, or None: no hook drafts and the engine's `Speculation`
+        is off."""
         spec = getattr(session.engine, "speculation", None)
         on = spec is not None and spec.mode != "off"
-        if not on and not hook_drafts:
+        if not on and not _drafts(hooks):
             return None
         return cls(hooks, spec if on else None)
 
