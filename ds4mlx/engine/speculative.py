@@ -100,8 +100,8 @@ def speculation_for(engine, mode: str, k: int = DEFAULT_DRAFT) -> Speculation:
 
     ``auto``: the checkpoint's MTP drafter when it has one, plus prompt lookup.
     Raises ValueError (a message for the user): ``mtp`` on a checkpoint without an
-    ``mtp.*`` drafter; ``dspark`` (its forward is not established from public code:
-    docs/KERNELS.md "Speculative decoding"); a bad mode or ``k``.
+    ``mtp.*`` drafter; ``dspark`` (not implemented yet: docs/KERNELS.md "Speculative
+    decoding"); a bad mode or ``k``.
     """
     mtp = getattr(engine.model, "mtp", None)
     if mode == "mtp" and mtp is None:
@@ -112,8 +112,7 @@ def speculation_for(engine, mode: str, k: int = DEFAULT_DRAFT) -> Speculation:
         )
     if mode == "dspark":
         raise ValueError(
-            "--speculative dspark: the DSpark drafter is not supported (its forward pass "
-            "is not established from public code); use mtp, lookup or auto"
+            "--speculative dspark: the DSpark drafter is not implemented yet; use lookup or auto"
         )
     return Speculation(mode, k, mtp=mtp if mode in ("auto", "mtp") else None)
 
