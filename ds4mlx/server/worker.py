@@ -324,6 +324,7 @@ class Worker:
             lease.finish(result, at_boundary=at_boundary)
         except Exception:
             log.exception("after-generation bookkeeping failed")
+        self.engine.speculation.add(result)
         job.emit(outcome)
         self.tracer.write(
             job.id,
@@ -364,11 +365,14 @@ def _stop_if_fatal(worker: Worker, e: BaseException) -> None:
 
 
 def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float, detail: str) -> None:
-    """The one log line per job: path, decision, token counts, rates, finish, queue wait."""
+    """The one log line per job: path, decision, token counts, rates, finish, queue wait,
+    and for a drafting turn its drafted / accepted tokens and tokens per target forward."""
+    from ds4mlx.engine.speculative import draft_words
+
     n = outcome.completion_tokens
     log.info(
         "%s %s%s prompt=%d cached=%d generated=%d prefill=%s decode=%.1f tok/s finish=%s "
-        "wait=%.2fs job=%d",
+        "wait=%.2fs job=%d%s",
         job.request.path,
         outcome.decision,
         f" {detail}" if detail else "",
@@ -380,6 +384,7 @@ def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float, detail: s
         outcome.finish,
         t_start - job.submitted,
         job.id,
+        draft_words(result),
     )
 
 
