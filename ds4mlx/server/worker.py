@@ -309,26 +309,12 @@ class Worker:
         """Report the turn (bindings, event, trace, log line); ``at_boundary``: a steered
         or cancelled turn that ends at a turn boundary binds as an end of turn."""
         plan = lease.plan
-        finish = result.finish
-        calls = list(result.tool_calls)
-        outcome = JobDone(
-            finish=finish,
-            stop_sequence=result.stop_sequence,
-            prompt_tokens=plan.prompt_tokens,
-            cached_tokens=plan.cached,
-            completion_tokens=result.completion_tokens,
-            reasoning_tokens=result.reasoning_tokens,
-            tool_calls=[ToolCallDone(c.id, c.name, c.arguments, c.dsml) for c in calls],
-            reasoning=result.reasoning,
-            prefill_s=result.prefill_s,
-            decode_s=result.decode_s,
-            decision=decision,
-            text=result.text,
-        )
+        outcome = _outcome(result, plan, decision)
         try:
             lease.finish(result, at_boundary=at_boundary)
         except Exception:
             log.exception("after-generation bookkeeping failed")
+        self.engine.speculation.add(result)
         job.emit(outcome)
         self.tracer.write(
             job.id,
@@ -336,6 +322,24 @@ class Worker:
             **{k: v for k, v in dataclasses.asdict(outcome).items() if k != "reasoning"},
         )
         _log_job(job, plan, result, outcome, t_start, detail)
+
+
+def _outcome(result, plan, decision: str) -> JobDone:
+    """The job's final event from its `TurnResult` and plan."""
+    return JobDone(
+        finish=result.finish,
+        stop_sequence=result.stop_sequence,
+        prompt_tokens=plan.prompt_tokens,
+        cached_tokens=plan.cached,
+        completion_tokens=result.completion_tokens,
+        reasoning_tokens=result.reasoning_tokens,
+        tool_calls=[ToolCallDone(c.id, c.name, c.arguments, c.dsml) for c in result.tool_calls],
+        reasoning=result.reasoning,
+        prefill_s=result.prefill_s,
+        decode_s=result.decode_s,
+        decision=decision,
+        text=result.text,
+    )
 
 
 def _stop_if_fatal(worker: Worker, e: BaseException) -> None:
@@ -351,11 +355,14 @@ def _stop_if_fatal(worker: Worker, e: BaseException) -> None:
 
 
 def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float, detail: str) -> None:
-    """The one log line per job: path, decision, token counts, rates, finish, queue wait."""
+    """The one log line per job: path, decision, token counts, rates, finish, queue wait,
+    and for a drafting turn its drafted / accepted tokens and tokens per target forward."""
+    from ds4mlx.engine.speculative import draft_words
+
     n = outcome.completion_tokens
     log.info(
         "%s %s%s prompt=%d cached=%d generated=%d prefill=%s decode=%.1f tok/s finish=%s "
-        "wait=%.2fs job=%d",
+        "wait=%.2fs job=%d%s",
         job.request.path,
         outcome.decision,
         f" {detail}" if detail else "",
@@ -367,6 +374,7 @@ def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float, detail: s
         outcome.finish,
         t_start - job.submitted,
         job.id,
+        draft_words(result),
     )
 
 
