@@ -353,6 +353,27 @@ def test_force_feed_at_a_full_context_feeds_what_fits(tiny_f32_dir):
     assert len(small.session.tokens) == 24
 
 
+@pytest.mark.parametrize("in_reasoning", [False, True])
+def test_one_call_when_parallel_calls_are_off(engine, session, in_reasoning):
+    """``parallel_calls`` False: the model writes two invokes (after ``</think>``, or in a
+    block opened inside its reasoning); the turn ends after the first one, the block
+    closed and EOS forced: one call, and the state holds exactly that one-call turn."""
+    inv = '<｜DSML｜invoke name="bash">\n<｜DSML｜parameter name="command" string="true">{}</｜DSML｜parameter>\n</｜DSML｜invoke>'
+    head = "\n\n<｜DSML｜tool_calls>\n" + inv.format("ls")
+    two = head + "\n" + inv.format("pwd") + "\n</｜DSML｜tool_calls>"
+    reasoning = "Let me look." + ("" if in_reasoning else "</think>")
+    prompt = _ids(engine, PROMPT + "<think>")
+    spec = TurnSpec(GREEDY, 200, thinking=True, tools=(TOOL,), parallel_calls=False)
+    res = run_turn(
+        session, engine.tokenizer, spec, prefill=prompt, script=_ids(engine, reasoning + two)
+    )
+    assert [c.arguments for c in res.tool_calls] == [{"command": "ls"}]
+    assert res.finish == "stop" and res.call_errors == {}
+    one = reasoning + head + "\n</｜DSML｜tool_calls>"
+    assert res.raw == one
+    assert engine.tokenizer.decode(session.tokens[len(prompt) :]) == one
+
+
 # --------------------------------------------------------------------------- steering
 
 TWO_CALLS = (
@@ -505,3 +526,38 @@ def test_steer_then_max_tokens_or_cancel_cuts_the_block_stays_text(engine, sessi
         engine, session, PROMPT + "</think>", "Sure." + TWO_CALLS, started, cancel=started
     )
     assert res.finish == "cancelled" and res.tool_calls == [] and hooks.cut_in_block
+
+
+def test_hooks_compose_single_call_steering_and_a_mask(engine, session):
+    """Several features in one turn (`chain_hooks`): with ``parallel_calls`` False the
+    single-call limit runs before the caller's hooks, and every hook of the chain is
+    called: a steer that never fires, a mask that bans a token, a recorder of the end.
+    The turn ends after the first call, closed as a one-call block."""
+    from ds4mlx.engine import Steering, TurnHooks
+
+    tok = engine.tokenizer
+    banned = tok.encode("zzz")[0]
+    calls: list[str] = []
+
+    class Record(TurnHooks):
+        def mask(self, turn, logits):
+            calls.append("mask")
+            return mx.where(mx.arange(logits.shape[0]) == banned, -mx.inf, logits)
+
+        def at_end(self, turn):
+            calls.append("end")
+
+    prompt = _ids(engine, PROMPT + "</think>")
+    res = run_turn(
+        session,
+        tok,
+        TurnSpec(GREEDY, 300, tools=(TOOL,), parallel_calls=False),
+        prefill=prompt,
+        script=_ids(engine, "Sure." + TWO_CALLS) + [tok.eos_id],
+        tool_memory=ToolMemory(),
+        hooks=[Steering(lambda: False), Record()],
+    )
+    assert [c.arguments for c in res.tool_calls] == [{"command": "ls"}]
+    assert res.finish == "tool_calls" or res.raw.rstrip().endswith("</｜DSML｜tool_calls>")
+    assert "</｜DSML｜invoke>" in res.raw and res.raw.count("<｜DSML｜invoke") == 1
+    assert calls[-1] == "end" and "mask" in calls

@@ -9,12 +9,14 @@ reasoning block is closed by the loop's forced feed); run its tool calls.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from ds4mlx.agent import once
+from ds4mlx.agent.dispatch import Dispatcher
 from ds4mlx.agent.events import Generated, Step
 from ds4mlx.agent.hooks import AFTER, BEFORE, fire_response
 from ds4mlx.agent.live import Live, LiveState
@@ -26,7 +28,6 @@ from ds4mlx.dsml import (
     ThinkingDelta,
     ToolCall,
     render_assistant_turn,
-    render_late_result,
 )
 from ds4mlx.dsml.tokens import THINK_END
 from ds4mlx.engine import FINISH_CANCELLED, FINISH_STOP, Turn, TurnHooks, TurnSpec, run_turn
@@ -37,6 +38,9 @@ _AGENT_STOP = {FINISH_STOP: "eos", FINISH_CANCELLED: "interrupted"}
 
 # Error kind of tool results for calls the user interrupted (ToolOutcome.error).
 INTERRUPTED = "interrupted"
+INTERRUPTED_BEFORE_TEXT = "error: not run: the user interrupted the agent before this call"
+# A call not started when the user's queued instructions were applied (steering).
+STEERED_TEXT = "not run: the user interrupted with new instructions"
 
 
 @dataclass
@@ -112,6 +116,14 @@ class Steps:
         # Writes the transcript (`SessionControl.persist`): before a round, after each result.
         self.persist: Callable[[], None] = lambda: None
         self.job_calls: dict[str, ToolCall] = {}  # background job handle -> its call
+        # True while a steer is queued (`ds4mlx.agent.steer`): calls not started skip.
+        self.steer_pending: Callable[[], bool] = lambda: False
+        self.steer_take: Callable[[], str | None] = lambda: None  # the queued text, once
+        # Read-only calls started at their block's close (`ds4mlx.agent.dispatch`).
+        self.dispatcher = Dispatcher(toolbox)
+        # Late results of ended jobs not yet in the transcript (taken while idle, too).
+        self.pending_notices: list[Message] = []
+        self._notice_lock = threading.Lock()
 
     def prepare(self, *, compact: bool) -> Prepared:
         """Put the transcript into the live state through the prompt cache (a lease:
@@ -182,6 +194,8 @@ class Steps:
             if kind == "summary" and not isinstance(ev, ThinkingDelta | TextDelta):
                 return  # tools are off while summarizing: calls are not shown or run
             lv.ui.event(ev)
+            if tools:
+                self.dispatcher.event(ev)  # a read-only call starts at its close
 
         spec = TurnSpec(
             self.sampling,
@@ -232,6 +246,10 @@ class Steps:
         answer turn, closed into the transcript and bound in the prompt cache:
         ``(Generated, Message)``, or a ``SendResult`` status when it did not run."""
         lv = self.live
+        steer = self.steer_take()
+        if steer:  # after the round's results (calls not started: "not run"), one user turn
+            lv.messages.append(Message("user", steer))
+            lv.ui.notice(f"sent: {steer}")
         self.add_notices()
         prepared = self.prepare(compact=True)
         if prepared.compact is not None:
@@ -251,6 +269,8 @@ class Steps:
         )
         if gen is None:
             return "interrupted"
+        if gen.stop != "eos":
+            self.dispatcher.drop()  # a cut turn runs no calls: early results discarded
         msg = self.close_turn(gen, thinking)
         lv.messages.append(msg)
         fire_response(self, AFTER, gen, msg)
@@ -259,18 +279,33 @@ class Steps:
         prepared.lease.finish(gen.turn, transcript_key=key)
         return gen, msg
 
+    def collect_notices(self) -> list[str]:
+        """Take the ends of background jobs the model has not heard of (each once: the
+        toolbox marks them seen) into the pending notices; their UI lines, returned
+        (shown by the caller: at once while idle, or by `add_notices`)."""
+        with self._notice_lock:
+            shown = []
+            for handle, outcome, detail in self.toolbox.job_notices():
+                call = self.job_calls.get(handle)
+                if call is None:
+                    continue
+                text = f"{outcome}\n{detail.rstrip()}" if detail.strip() else outcome
+                self.pending_notices.append(Message("tool", text, tool_call_id=call.id))
+                shown.append(f"{handle}: {outcome}")
+            return shown
+
     def add_notices(self) -> None:
         """Background jobs that ended since the model heard of them: each a late result
-        of its call (``dsml.render_late_result``) after the pending results or user
-        text, so it goes out in the next suffix; shown in the UI too."""
-        for handle, outcome, detail in self.toolbox.job_notices():
-            call = self.job_calls.get(handle)
-            calls = (c.id for m in self.live.messages for c in m.tool_calls)
-            if call is None or call.id not in calls:  # its call is in another session
-                continue
-            text = render_late_result(call.id, call.name, call.arguments, outcome, detail)
-            self.live.messages.append(Message("tool", text, tool_call_id=call.id))
-            self.live.ui.notice(f"{handle}: {outcome}")
+        of its call (the renderer heads it with the call: ``dsml.render_late_result``)
+        after the pending results or user text, so it goes out in the next suffix; shown
+        in the UI too (unless the idle prompt showed it already). A notice whose call is
+        in another session (after ``/switch``) is dropped."""
+        for line in self.collect_notices():
+            self.live.ui.notice(line)
+        with self._notice_lock:
+            pending, self.pending_notices = self.pending_notices, []
+        calls = {c.id for m in self.live.messages for c in m.tool_calls}
+        self.live.messages.extend(m for m in pending if m.tool_call_id in calls)
 
     def close_turn(self, gen: Generated, thinking: bool) -> Message:
         """The transcript message for a generated turn; the live state ends on it.
@@ -305,6 +340,24 @@ class Steps:
             reasoning, content = None, raw
         return Message("assistant", content=content, reasoning=reasoning)
 
+    def _not_run(
+        self, call: ToolCall, call_errors: dict[str, str], interrupted: bool
+    ) -> ToolOutcome | None:
+        """The result of a call that must not run now, or None to run it: after Ctrl+C
+        (or with a steer queued) calls not started are answered so; a call started
+        early (`Dispatcher`) keeps its real result; a malformed call is refused."""
+        if (interrupted or self.steer_pending()) and not self.dispatcher.started(call.id):
+            text = STEERED_TEXT if not interrupted else INTERRUPTED_BEFORE_TEXT
+            return ToolOutcome(False, text, INTERRUPTED)
+        if call.id in call_errors:
+            return ToolOutcome(
+                False,
+                f"error: malformed tool call ({call_errors[call.id]}); it was not run. "
+                "Call the tool again with well-formed DSML.",
+                "invalid_arguments",
+            )
+        return None
+
     def run_tools(self, calls: list[ToolCall], call_errors: dict[str, str]) -> bool:
         """Run ``calls`` in order, appending one tool message each; False if interrupted.
 
@@ -321,24 +374,13 @@ class Steps:
             outcome: ToolOutcome | None = None
             interrupted = interrupted or lv.cancel  # Ctrl+C between two calls
             try:
-                if interrupted:
-                    outcome = ToolOutcome(
-                        False,
-                        "error: not run: the user interrupted the agent before this call",
-                        INTERRUPTED,
-                    )
-                elif call.id in call_errors:
-                    outcome = ToolOutcome(
-                        False,
-                        f"error: malformed tool call ({call_errors[call.id]}); it was not run. "
-                        "Call the tool again with well-formed DSML.",
-                        "invalid_arguments",
-                    )
-                else:
+                outcome = self._not_run(call, call_errors, interrupted)
+                if outcome is None:
                     lv.phase = "tools"
                     lv.ui.tool_start(call, self.toolbox.describe(call.name, call.arguments))
                     if once.repeats_unknown(call, lv.messages):
                         outcome = self.toolbox.already_applied(call.name, call.arguments)
+                    outcome = outcome or self.dispatcher.take(call.id)  # started early
                     outcome = outcome or self.toolbox.run(call.name, call.arguments)
             except KeyboardInterrupt:
                 interrupted = True
@@ -352,4 +394,5 @@ class Steps:
                 if outcome.job:
                     self.job_calls[outcome.job] = call
             lv.ui.tool_result(call, outcome)
+        self.dispatcher.drop()  # outcomes of calls that did not run
         return not interrupted

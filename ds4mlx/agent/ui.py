@@ -20,10 +20,13 @@ in red.
 from __future__ import annotations
 
 import contextlib
+import sys
+import threading
 import time
 from collections.abc import Iterable
 
 from rich.console import Console, ConsoleOptions, RenderableType
+from rich.control import Control, ControlType
 from rich.markup import escape
 from rich.panel import Panel
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -76,6 +79,16 @@ def _text(text: str, style: str | None = None) -> Text:
     return out
 
 
+def _typed() -> str:
+    """What the user typed so far at ``input()``'s prompt (readline's buffer; "" when
+    readline is not in use)."""
+    rl = sys.modules.get("readline")
+    try:
+        return rl.get_line_buffer() if rl is not None else ""
+    except Exception:  # an editline build without it
+        return ""
+
+
 class SafeConsole(Console):
     """A rich ``Console`` whose printed text never carries a raw control character.
 
@@ -124,6 +137,10 @@ class RichUI(AgentUI):
         self._mode: str | None = None
         self._line_start = True
         self._pending_call_end = False
+        self._prompt_lock = threading.Lock()
+        self._prompt: str | None = None  # shown while read_line waits
+        # The steering key reader (`ds4mlx.agent.steer.KeyReader`) while a turn runs.
+        self.keys = None
 
     # ---- plain output helpers
 
@@ -162,7 +179,7 @@ class RichUI(AgentUI):
         )
         while True:
             try:
-                ans = self.console.input("allow? [o]nce / [a]lways / [d]eny › ", markup=False)
+                ans = self._answer("allow? [o]nce / [a]lways / [d]eny › ")
             except EOFError:
                 return "deny"
             decision = _ANSWERS.get(ans.strip().lower())
@@ -182,10 +199,19 @@ class RichUI(AgentUI):
             "yellow",
         )
         try:
-            return self.console.input(Text(escape_controls(tail) or "input › "), markup=False)
+            return self._answer(escape_controls(tail) or "input › ")
         except EOFError:
             self.console.print()
             return None
+
+    def _answer(self, prompt: str) -> str:
+        """A line answering a question on screen: from the steering key reader while a
+        turn runs (the next line typed, never one queued before), else ``input()``."""
+        if self.keys is None:
+            return self.console.input(Text(prompt), markup=False)
+        self.console.print(Text(prompt), end="")
+        self.console.file.flush()
+        return self.keys.read_line()
 
     def prefill_progress(self, done: int, total: int) -> None:
         if total < PROGRESS_MIN_TOKENS or not self.console.is_interactive:
@@ -307,11 +333,31 @@ class RichUI(AgentUI):
         never lands inside rich's rendering).
         """
         self.prefill_done()
-        self._newline()
-        self.console.print(f"[bold green]{escape(prompt)}[/]", end="")
-        self.console.file.flush()
-        with guard if guard is not None else contextlib.nullcontext():
-            return input()
+        with self._prompt_lock:
+            self._newline()
+            self.console.print(f"[bold green]{escape(prompt)}[/]", end="")
+            self.console.file.flush()
+            self._prompt = prompt
+        try:
+            with guard if guard is not None else contextlib.nullcontext():
+                return input()
+        finally:
+            with self._prompt_lock:
+                self._prompt = None
+
+    def interject(self, text: str, level: str = "info") -> None:
+        """Show a notice while :meth:`read_line` waits (from another thread): the line
+        is written over the prompt, then the prompt and what was typed so far again."""
+        with self._prompt_lock:
+            if self._prompt is None:
+                self.notice(text, level)
+                return
+            self.console.control(Control.move_to_column(0), Control((ControlType.ERASE_IN_LINE, 2)))
+            self._line_start = True
+            self.notice(text, level)
+            self.console.print(f"[bold green]{escape(self._prompt)}[/]", end="")
+            self.console.print(_text(_typed()), end="", soft_wrap=True)
+            self.console.file.flush()
 
     def show_sessions(self, records: list[SessionRecord], current: int | None) -> None:
         if not records:

@@ -338,7 +338,9 @@ class StreamDecoder:
     ``in_structure`` says whether the next bytes are DSML/JSON structure (sample
     greedily) or payload (use the request's sampling). ``result`` is the
     `DecodeResult` so far; ``tool_block_closed`` turns True at
-    ``</｜DSML｜tool_calls>`` (the model should emit EOS next).
+    ``</｜DSML｜tool_calls>`` (the model should emit EOS next). ``invokes_closed`` counts
+    the invokes whose ``</｜DSML｜invoke>`` arrived (one in a block opened inside the
+    reasoning included, before that block closes).
     """
 
     def __init__(
@@ -373,6 +375,7 @@ class StreamDecoder:
         self._errors: list[str] = []
         self._ended = False
         self.tool_block_closed = False
+        self._closed_invokes = 0
         self._events: list[Event] = []
         self._probe: _ReasoningBlock | None = None  # a tool-call block opened in reasoning
 
@@ -418,6 +421,12 @@ class StreamDecoder:
         if not self.calls:
             res.tool_calls = []
         return res
+
+    @property
+    def invokes_closed(self) -> int:
+        """Invokes closed by their ``</｜DSML｜invoke>`` so far (see the class doc)."""
+        probe = self._probe.parser.invokes_closed if self._probe is not None else 0
+        return self._closed_invokes + probe
 
     @property
     def in_structure(self) -> bool:
@@ -693,6 +702,7 @@ class StreamDecoder:
             return True
         if buf.startswith(INVOKE_CLOSE):
             self._consume(len(INVOKE_CLOSE))
+            self._closed_invokes += 1
             self._close_invoke(None)
             self._state = _BLOCK
             return True

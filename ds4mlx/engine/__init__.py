@@ -25,6 +25,7 @@ from ds4mlx.engine.core import (
     default_ctx_size,
     describe_quant,
 )
+from ds4mlx.engine.hooks import TurnHooks, chain_hooks
 from ds4mlx.engine.sampling import SamplingParams
 from ds4mlx.engine.session import (
     DEFAULT_CHUNK,
@@ -45,7 +46,6 @@ from ds4mlx.engine.turn import (
     RawText,
     TokenLogprob,
     Turn,
-    TurnHooks,
     TurnResult,
     TurnSpec,
     run_turn,
@@ -75,6 +75,7 @@ __all__ = [
     "TurnHooks",
     "TurnResult",
     "TurnSpec",
+    "chain_hooks",
     "close_reasoning",
     "default_ctx_size",
     "describe_quant",
