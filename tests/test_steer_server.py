@@ -133,8 +133,9 @@ def test_steer_mid_text_ends_steered_and_a_successor_continues_live(server, clie
     inc = evs[types.index("response.incomplete")]
     assert inc.response.id == first_id[0] and inc.response.incomplete_details.reason == "steered"
     text = inc.response.output[-1].content[0].text
-    # Stopped at a token soon after the first delta: a strict prefix of the scripted text.
-    assert text and LONG.startswith(text) and len(text) < len(LONG), server.request_line(n0)
+    # Steered after the first text delta: how many more tokens it takes to land depends
+    # on timing, so the text is a non-empty prefix of the script, well short of its end.
+    assert text and LONG.startswith(text) and "word799" not in text, (text, server.request_line(n0))
     # The successor: created after the incomplete, continuing the steered response.
     created = [e for e in evs if e.type == "response.created"]
     assert len(created) == 2 and types.index("response.incomplete") < types.index(

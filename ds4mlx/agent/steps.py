@@ -72,6 +72,39 @@ class _Hooks(TurnHooks):
             turn.force_feed([turn.tok.think_end_id])
 
 
+def closed_turn(lv, gen: Generated, thinking: bool) -> Message:
+    """The transcript message for a generated turn; the live state ``lv`` ends on it.
+
+    A turn that stopped inside its reasoning had ``</think>`` fed by the turn loop
+    (`_Hooks.at_end`), so the live text reads ``reasoning</think>content`` as the
+    renderer writes it; without room for it the state is ``dirty``.
+    """
+    raw = gen.raw
+    lv.state = LiveState.TURN_END
+    if thinking and THINK_END not in raw:
+        lv.state = LiveState.DIRTY
+    if gen.stop == "eos":
+        res = gen.result
+        msg = Message(
+            "assistant",
+            content=res.content,
+            reasoning=res.reasoning if thinking else None,
+            tool_calls=list(res.tool_calls),
+        )
+        if render_assistant_turn(msg, thinking=thinking, eos=False) != raw:
+            lv.exact = False
+        return msg
+    # Interrupted or cut: keep the raw text as it is in the live state; a partial
+    # tool call stays text and is never run.
+    if thinking and THINK_END in raw:
+        reasoning, content = raw.split(THINK_END, 1)
+    elif thinking:
+        reasoning, content = raw, ""
+    else:
+        reasoning, content = None, raw
+    return Message("assistant", content=content, reasoning=reasoning)
+
+
 class Steps:
     """One assistant turn's steps on ``live`` (see the module doc).
 
@@ -308,37 +341,8 @@ class Steps:
         self.live.messages.extend(m for m in pending if m.tool_call_id in calls)
 
     def close_turn(self, gen: Generated, thinking: bool) -> Message:
-        """The transcript message for a generated turn; the live state ends on it.
-
-        A turn that stopped inside its reasoning had ``</think>`` fed by the turn loop
-        (`_Hooks.at_end`), so the live text reads ``reasoning</think>content`` as the
-        renderer writes it; without room for it the state is ``dirty``.
-        """
-        lv = self.live
-        raw = gen.raw
-        lv.state = LiveState.TURN_END
-        if thinking and THINK_END not in raw:
-            lv.state = LiveState.DIRTY
-        if gen.stop == "eos":
-            res = gen.result
-            msg = Message(
-                "assistant",
-                content=res.content,
-                reasoning=res.reasoning if thinking else None,
-                tool_calls=list(res.tool_calls),
-            )
-            if render_assistant_turn(msg, thinking=thinking, eos=False) != raw:
-                lv.exact = False
-            return msg
-        # Interrupted or cut: keep the raw text as it is in the live state; a partial
-        # tool call stays text and is never run.
-        if thinking and THINK_END in raw:
-            reasoning, content = raw.split(THINK_END, 1)
-        elif thinking:
-            reasoning, content = raw, ""
-        else:
-            reasoning, content = None, raw
-        return Message("assistant", content=content, reasoning=reasoning)
+        """The transcript message for a generated turn (`closed_turn`)."""
+        return closed_turn(self.live, gen, thinking)
 
     def _not_run(
         self, call: ToolCall, call_errors: dict[str, str], interrupted: bool

@@ -116,14 +116,20 @@ def _caches_from(caches: list, arrays: dict[str, mx.array]) -> list:
     return caches
 
 
-def _check_snapshots(engine) -> None:
-    """Raise SnapshotError when ``engine``'s model is split across ranks
-    (`ds4mlx.engine.pipeline`): the other ranks' layers are not in this process."""
-    if not getattr(engine.model, "snapshots", True):
-        raise SnapshotError(
-            "snapshots of a model split across ranks are not supported yet "
-            "(serve --distributed runs with the disk KV cache off)"
-        )
+def _pipeline_part(engine, cache, state: SessionState, restore: bool = False) -> None:
+    """A model split across ranks (`ds4mlx.engine.pipeline`): the other ranks keep (or
+    restore) their layers' part of ``state`` in their memory. Raises SnapshotError for a
+    state whose part is not there (one read from disk)."""
+    model = engine.model
+    if getattr(model, "snapshots", True) is True:
+        return
+    if not restore:
+        model.snapshot_part(cache, state)
+        return
+    try:
+        model.restore_part(cache, state)
+    except ValueError as e:
+        raise SnapshotError(str(e)) from e
 
 
 @dataclass
@@ -384,9 +390,7 @@ class Session:
 
     def snapshot(self) -> SessionState:
         """A detached copy of the full state (tokens, logits, every cache tensor): later
-        feeding does not affect it (arrays are copied and evaluated). Raises SnapshotError
-        for a model split across ranks."""
-        _check_snapshots(self.engine)
+        feeding does not affect it (arrays are copied and evaluated)."""
         arrays: dict[str, mx.array] = {}
         if self.logits is not None:
             arrays[_LOGITS_KEY] = mx.array(self.logits)
@@ -402,7 +406,9 @@ class Session:
             "n_tokens": str(len(self.tokens)),
             "n_layers": str(len(self._cache)),
         }
-        return SessionState(tokens=list(self.tokens), arrays=arrays, meta=meta)
+        state = SessionState(tokens=list(self.tokens), arrays=arrays, meta=meta)
+        _pipeline_part(self.engine, self._cache, state)
+        return state
 
     def restore(self, state: SessionState) -> None:
         """Replace this session's state with a copy of ``state``.
@@ -410,11 +416,10 @@ class Session:
         Any script and the sampling generator are kept as they are.
 
         Raises:
-            SnapshotError: ``state`` comes from another model identity or cache layout,
-                or disagrees with its caches, or the model is split; nothing changes.
+            SnapshotError: a foreign, inconsistent or partless (split model) ``state``;
+                the session is unchanged.
             ContextOverflowError: it holds more tokens than this context size.
         """
-        _check_snapshots(self.engine)
         ident = state.meta.get("identity")
         if ident is not None and ident != self.engine.identity:
             raise SnapshotError(
@@ -434,6 +439,7 @@ class Session:
         vocab = self.engine.args.vocab_size
         if logits is not None and tuple(logits.shape) != (vocab,):
             raise SnapshotError(f"snapshot logits have shape {logits.shape}, expected ({vocab},)")
+        _pipeline_part(self.engine, caches, state, restore=True)
         self._cache = caches
         self.tokens = list(state.tokens)
         self.logits = None if logits is None else mx.array(logits)

@@ -319,22 +319,7 @@ class Worker:
         """Report the turn (bindings, event, trace, log line); ``at_boundary``: a steered
         or cancelled turn that ends at a turn boundary binds as an end of turn."""
         plan = lease.plan
-        finish = result.finish
-        calls = list(result.tool_calls)
-        outcome = JobDone(
-            finish=finish,
-            stop_sequence=result.stop_sequence,
-            prompt_tokens=plan.prompt_tokens,
-            cached_tokens=plan.cached,
-            completion_tokens=result.completion_tokens,
-            reasoning_tokens=result.reasoning_tokens,
-            tool_calls=[ToolCallDone(c.id, c.name, c.arguments, c.dsml) for c in calls],
-            reasoning=result.reasoning,
-            prefill_s=result.prefill_s,
-            decode_s=result.decode_s,
-            decision=decision,
-            text=result.text,
-        )
+        outcome = _outcome(result, plan, decision)
         try:
             lease.finish(result, at_boundary=at_boundary)
         except Exception:
@@ -346,6 +331,24 @@ class Worker:
             **{k: v for k, v in dataclasses.asdict(outcome).items() if k != "reasoning"},
         )
         _log_job(job, plan, result, outcome, t_start, detail)
+
+
+def _outcome(result, plan, decision: str) -> JobDone:
+    """The job's final event from its `TurnResult` and plan."""
+    return JobDone(
+        finish=result.finish,
+        stop_sequence=result.stop_sequence,
+        prompt_tokens=plan.prompt_tokens,
+        cached_tokens=plan.cached,
+        completion_tokens=result.completion_tokens,
+        reasoning_tokens=result.reasoning_tokens,
+        tool_calls=[ToolCallDone(c.id, c.name, c.arguments, c.dsml) for c in result.tool_calls],
+        reasoning=result.reasoning,
+        prefill_s=result.prefill_s,
+        decode_s=result.decode_s,
+        decision=decision,
+        text=result.text,
+    )
 
 
 def _stop_if_fatal(worker: Worker, e: BaseException) -> None:
