@@ -99,24 +99,15 @@ def _launch(model_dir: Path, out: Path, split: str | None, timeout: float = 600)
 def _reference(model_dir: Path) -> dict[str, np.ndarray]:
     """The same feeds in one process: full prefill logits per chunk, 8 greedy decode
     steps, and a greedy 32-token turn."""
+    from dist_script import feeds
+
     from ds4mlx.engine import Engine, SamplingParams, TurnSpec, run_turn
     from ds4mlx.model.loading import load_model, read_config
     from ds4mlx.tokenizer import Tokenizer
 
     model, args = load_model(str(model_dir), dtype=mx.float32, check_memory=False)
     prompt = np.random.default_rng(0).integers(0, args.vocab_size, N_PROMPT).tolist()
-    cache = model.make_cache()
-    chunks = []
-    for s in range(0, N_PROMPT, CHUNK):
-        logits = model(mx.array(prompt[s : s + CHUNK], dtype=mx.int32), cache)
-        mx.eval(logits)
-        chunks.append(np.array(logits[0]))
-    steps, tok = [], int(np.argmax(chunks[-1][-1]))
-    for _ in range(8):
-        logits = model(mx.array([tok], dtype=mx.int32), cache, last_only=True)
-        mx.eval(logits)
-        steps.append(np.array(logits[0, -1]))
-        tok = int(np.argmax(steps[-1]))
+    prefill, decode = feeds(model, prompt, CHUNK)
     engine = Engine(
         model, args, Tokenizer.load(model_dir), path=model_dir, config=read_config(model_dir)
     )
@@ -124,8 +115,8 @@ def _reference(model_dir: Path) -> dict[str, np.ndarray]:
     spec = TurnSpec(SamplingParams(temperature=0.0), max_tokens=32, parse=False, ignore_eos=True)
     run_turn(session, engine.tokenizer, spec, prefill=prompt)
     return {
-        "prefill": np.concatenate(chunks),
-        "decode": np.stack(steps),
+        "prefill": prefill,
+        "decode": decode,
         "turn": np.array(session.tokens[N_PROMPT:], dtype=np.int64),
     }
 
