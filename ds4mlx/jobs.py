@@ -192,6 +192,8 @@ class GenRequest:
             conversation on its own resident state.
         salt: the prompt cache salt (``ds4mlx.routes.common.cache_salt``; ``""``:
             none): live states and snapshots are reused only under the same salt.
+        side: the client marked it as a side request (a helper agent of Claude Code,
+            ``ds4mlx.routes.common.helper_agent``): it never takes a conversation's state.
     """
 
     path: str
@@ -202,6 +204,7 @@ class GenRequest:
     labels: LiveLabels | None = None
     state_key: str | None = None
     salt: str = ""
+    side: bool = False
 
 
 @dataclass

@@ -550,9 +550,8 @@ def test_notice_yes_stopped_at_the_output_limit(ws: Path) -> None:
 
 
 def _late_results(agent: Agent) -> list[str]:
-    return [
-        m.content for m in agent.messages if m.role == "tool" and m.content.startswith("[result of")
-    ]
+    """The job notices of the transcript (the renderer heads them with their call)."""
+    return [m.content for m in agent.messages if m.role == "tool" and m.content.startswith("job_")]
 
 
 def test_notice_job_end_is_a_late_result_in_the_next_suffix(engine, ws: Path) -> None:
@@ -571,14 +570,13 @@ def test_notice_job_end_is_a_late_result_in_the_next_suffix(engine, ws: Path) ->
         start = next(m for m in agent.messages if m.role == "assistant" and m.tool_calls)
         call_id = start.tool_calls[0].id
         [late] = _late_results(agent)
-        assert late.startswith(
-            f'[result of {call_id} bash(command="sleep 2; echo done", background=true): '
-            "job_1 exited 0 after 2."
-        )
-        assert late.endswith("]\ndone")
+        assert late.startswith("job_1 exited 0 after 2.") and late.endswith("\ndone")
         # It went out in the suffix after the round's results, inside <tool_result>: that
-        # prefill is EOS + one user turn (results, then the notice) + the assistant opener.
+        # prefill is EOS + one user turn (results, then the notice) + the assistant opener;
+        # the renderer heads it with the call it answers (dsml.render_late_result).
         suffix = [s for s in agent.steps if s.kind == "tool_results"][-1].text
+        head = f'<tool_result>[result of {call_id} bash(command="sleep 2; echo done", '
+        assert head + "background=true)]\njob_1 exited 0 after 2." in suffix
         assert suffix.startswith(EOS + "<｜User｜><tool_result>")
         assert suffix.count("<｜User｜>") == 1 and suffix.endswith("<｜Assistant｜><think>")
         assert suffix.index("<tool_result>[result of") > suffix.index("<tool_result>")

@@ -21,6 +21,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ds4mlx.argtypes import positive_int
+
 # Heavy imports (rich, MLX through the loop) happen inside the functions: building the
 # CLI parser must stay fast (``ds4mlx --help``).
 if TYPE_CHECKING:
@@ -61,7 +63,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("-p", "--prompt", default=None, help="send one message, print, exit")
     p.add_argument("--yes", action="store_true", help="allow write/edit/bash without asking")
-    p.add_argument("--ctx", type=int, default=None, help="context size in tokens")
+    p.add_argument("--ctx", type=positive_int, default=None, help="context size in tokens")
     p.add_argument("--workspace", default=None, help="directory the tools work in (cwd)")
     p.add_argument(
         "--kv-disk-dir",
@@ -304,7 +306,9 @@ def run(args: argparse.Namespace) -> int:
         can_ask=sys.stdin.isatty() or interactive,
         show_thinking=not args.hide_thinking,
     )
-    from ds4mlx.model.demo import DEMO_MAX_TOKENS
+    from ds4mlx.model.demo import DEMO_MAX_TOKENS, demo_policy
+
+    policy = demo_policy(args.demo, args.max_tokens)
 
     mcp = _start_mcp(
         mcp_config, args, workspace, env_policy, lambda m: err.print(f"warning: {m}"), kv_dir
@@ -319,12 +323,12 @@ def run(args: argparse.Namespace) -> int:
             yes=args.yes,
             # --demo (its own cap): no thinking, or the noise model's reasoning would take
             # the whole cap and the answer would be empty (as serve --demo does).
-            thinking=not args.nothink and not (args.demo and args.max_tokens is None),
+            thinking=not args.nothink and not policy,
             sampling=sampling,
             # The demo model's text is noise that may never end a turn: keep turns short.
             max_tokens=args.max_tokens or (DEMO_MAX_TOKENS if args.demo else None),
             # ... and the cap ends a turn as an EOS would (its last token fed).
-            cap_is_eos=args.demo and args.max_tokens is None,
+            cap_is_eos=policy,
             max_steps=args.max_steps,
             tool_output_tokens=args.tool_output_tokens,
             bash_timeout=args.bash_timeout,
@@ -362,7 +366,7 @@ def run(args: argparse.Namespace) -> int:
         pass
     with _signals(interactive=True, exiting=True) as sig:
         try:
-            return repl(agent, ui, sig)
+            return repl(agent, ui, sig, demo=policy)
         finally:
             agent.close()
 
@@ -553,7 +557,7 @@ def _detach_terminal() -> None:
     os.close(fd)
 
 
-def repl(agent: Agent, ui: RichUI, sig: SignalState | None = None) -> int:
+def repl(agent: Agent, ui: RichUI, sig: SignalState | None = None, *, demo: bool = False) -> int:
     """Read messages and commands until ``/quit`` or end of input; returns 0.
 
     With ``sig`` (see :func:`_signals`): returns ``128 + N`` once signal N (SIGTERM,
@@ -586,7 +590,7 @@ def repl(agent: Agent, ui: RichUI, sig: SignalState | None = None) -> int:
         if not text:
             continue
         if text.startswith("/"):
-            if command(agent, ui, text) == "quit":
+            if command(agent, ui, text, demo=demo) == "quit":
                 return 0
             continue
         send_steerable(agent, ui, line)
@@ -612,8 +616,9 @@ def send_steerable(agent: Agent, ui: RichUI, line: str) -> None:
             ui.line(f"› {text}", "bold green")
 
 
-def command(agent: Agent, ui: RichUI, text: str) -> str | None:
-    """Run one ``/command``; returns ``"quit"`` for ``/quit``."""
+def command(agent: Agent, ui: RichUI, text: str, *, demo: bool = False) -> str | None:
+    """Run one ``/command``; returns ``"quit"`` for ``/quit``. ``demo``: the demo policy
+    applies (``ds4mlx.model.demo.demo_policy``), so ``/think`` keeps thinking off."""
     from ds4mlx.agent.loop import AgentError
 
     name, _, arg = text.partition(" ")
@@ -644,6 +649,10 @@ def command(agent: Agent, ui: RichUI, text: str) -> str | None:
                 ui.line(f"saved session {rec.id} ({snap})", "green")
         elif name == "/history":
             ui.show_history(agent.messages)
+        elif name == "/think" and demo:
+            from ds4mlx.model.demo import DEMO_NO_THINKING
+
+            ui.notice(f"thinking stays off: {DEMO_NO_THINKING}", "warn")
         elif name == "/think":
             agent.set_thinking(True)
             ui.line("thinking on", "dim")

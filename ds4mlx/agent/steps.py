@@ -9,6 +9,7 @@ reasoning block is closed by the loop's forced feed); run its tool calls.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -28,14 +29,14 @@ from ds4mlx.dsml import (
     ThinkingDelta,
     ToolCall,
     render_assistant_turn,
-    render_late_result,
 )
 from ds4mlx.dsml.tokens import THINK_END
 from ds4mlx.engine import FINISH_CANCELLED, FINISH_STOP, Turn, TurnHooks, TurnSpec, run_turn
+from ds4mlx.engine.steer import FINISH_STEERED, Steering
 from ds4mlx.kv.cache import Lease, Prompt
 
 # The turn loop's finish reasons as the agent's steps name them.
-_AGENT_STOP = {FINISH_STOP: "eos", FINISH_CANCELLED: "interrupted"}
+_AGENT_STOP = {FINISH_STOP: "eos", FINISH_CANCELLED: "interrupted", FINISH_STEERED: "steered"}
 
 # Error kind of tool results for calls the user interrupted (ToolOutcome.error).
 INTERRUPTED = "interrupted"
@@ -217,7 +218,7 @@ class Steps:
             tool_memory=lv.tool_memory if tools else None,
             after_token=lease.after_token,
             chunk_size=self.chunk_size,
-            hooks=_Hooks(lv.ui, kind, len(ids), close_thinking=thinking),
+            hooks=self._hooks(kind, len(ids), thinking),
         )
         n = res.prefilled
         lv.steps.append(Step(prefill_kind, before, n, len(ids), res.prefill_s, lv.tok.decode(ids)))
@@ -241,6 +242,12 @@ class Steps:
         lv.ui.turn_end(step)
         raw = lv.tok.decode(s.tokens[start:])
         return Generated(stop, res.decoded, raw, start, fed, res.decode_s, res.call_errors, res)
+
+    def _hooks(self, kind: str, planned: int, thinking: bool) -> TurnHooks:
+        """The turn's hooks: the agent's own; an answer also polls the steer queue (the
+        engine's one boundary rule, `ds4mlx.engine.steer.Steering`)."""
+        hooks = _Hooks(self.live.ui, kind, planned, close_thinking=thinking)
+        return Steering(self.steer_pending, hooks) if kind == "answer" else hooks
 
     def answer(self, compactor, max_tokens: int):
         """Prepare (compacting first when due, with ``compactor``) and generate one
@@ -270,7 +277,7 @@ class Steps:
         )
         if gen is None:
             return "interrupted"
-        if gen.stop != "eos":
+        if gen.stop != "eos" and not (gen.stop == "steered" and gen.result.tool_calls):
             self.dispatcher.drop()  # a cut turn runs no calls: early results discarded
         msg = self.close_turn(gen, thinking)
         lv.messages.append(msg)
@@ -278,6 +285,12 @@ class Steps:
         self.responses += 1
         key = lv.render() if lv.state == LiveState.TURN_END else None
         prepared.lease.finish(gen.turn, transcript_key=key)
+        if gen.stop == "steered":
+            if not msg.tool_calls:  # stopped in its text: the queued text is the next turn
+                return self.answer(compactor, max_tokens)
+            # A tool boundary: the round runs (calls not started answer "not run"), then
+            # the queued text follows in the same user turn.
+            gen = dataclasses.replace(gen, stop="eos")
         return gen, msg
 
     def collect_notices(self) -> list[str]:
@@ -290,15 +303,15 @@ class Steps:
                 call = self.job_calls.get(handle)
                 if call is None:
                     continue
-                text = render_late_result(call.id, call.name, call.arguments, outcome, detail)
+                text = f"{outcome}\n{detail.rstrip()}" if detail.strip() else outcome
                 self.pending_notices.append(Message("tool", text, tool_call_id=call.id))
                 shown.append(f"{handle}: {outcome}")
             return shown
 
     def add_notices(self) -> None:
         """Background jobs that ended since the model heard of them: each a late result
-        of its call (``dsml.render_late_result``) after the pending results or user
-        text, so it goes out in the next suffix; shown in the UI too (unless the idle
+        of its call (the renderer heads it with the call: ``dsml.render_late_result``)
+        after the pending results or user text, so it goes out in the next suffix; shown in the UI too (unless the idle
         prompt showed it already). A notice whose call is in another session (after
         ``/switch``) is dropped."""
         for line in self.collect_notices():
@@ -320,7 +333,8 @@ class Steps:
         lv.state = LiveState.TURN_END
         if thinking and THINK_END not in raw:
             lv.state = LiveState.DIRTY
-        if gen.stop == "eos":
+        if gen.stop == "eos" or (gen.stop == "steered" and gen.result.tool_calls):
+            # steered at a tool boundary: the turn is whole up to its block's close
             res = gen.result
             msg = Message(
                 "assistant",

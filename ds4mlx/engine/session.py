@@ -116,6 +116,16 @@ def _caches_from(caches: list, arrays: dict[str, mx.array]) -> list:
     return caches
 
 
+def _check_snapshots(engine) -> None:
+    """Raise SnapshotError when ``engine``'s model is split across ranks
+    (`ds4mlx.engine.pipeline`): the other ranks' layers are not in this process."""
+    if not getattr(engine.model, "snapshots", True):
+        raise SnapshotError(
+            "snapshots of a model split across ranks are not supported yet "
+            "(serve --distributed runs with the disk KV cache off)"
+        )
+
+
 @dataclass
 class PendingStep:
     """A decode step built by `Session.begin_decode` and not yet committed: its lazy
@@ -373,10 +383,10 @@ class Session:
     # ---- snapshots
 
     def snapshot(self) -> SessionState:
-        """A detached copy of the full state (tokens, logits, every cache tensor).
-
-        Later feeding does not affect the copy (arrays are copied and evaluated).
-        """
+        """A detached copy of the full state (tokens, logits, every cache tensor): later
+        feeding does not affect it (arrays are copied and evaluated). Raises SnapshotError
+        for a model split across ranks."""
+        _check_snapshots(self.engine)
         arrays: dict[str, mx.array] = {}
         if self.logits is not None:
             arrays[_LOGITS_KEY] = mx.array(self.logits)
@@ -401,9 +411,10 @@ class Session:
 
         Raises:
             SnapshotError: ``state`` comes from another model identity or cache layout,
-                or its token count disagrees with its caches; the session is unchanged.
+                or disagrees with its caches, or the model is split; nothing changes.
             ContextOverflowError: it holds more tokens than this context size.
         """
+        _check_snapshots(self.engine)
         ident = state.meta.get("identity")
         if ident is not None and ident != self.engine.identity:
             raise SnapshotError(

@@ -54,8 +54,10 @@ from ds4mlx.dsml import (
     ToolSpec,
 )
 from ds4mlx.dsml.tokens import INVOKE_OPEN, TOOL_CALLS_OPEN, TOOL_CALLS_SEP
+from ds4mlx.engine.hooks import TurnHooks, chain_hooks
 from ds4mlx.engine.sampling import SamplingParams
 from ds4mlx.engine.session import DEFAULT_CHUNK, Session
+from ds4mlx.engine.single_call import SingleCall
 
 # Finish reasons of a turn (`TurnResult.finish`).
 FINISH_STOP = "stop"  # EOS sampled (or a cap_is_eos cap reached)
@@ -63,6 +65,7 @@ FINISH_STOP_SEQUENCE = "stop_sequence"  # a stop string completed in the visible
 FINISH_LENGTH = "length"  # max_tokens sampled
 FINISH_CONTEXT = "context"  # the context has no room for the last sampled token
 FINISH_CANCELLED = "cancelled"  # cancel() returned True (prefill or decode)
+FINISH_STEERED = "steered"  # a steer poll held at a boundary (ds4mlx.engine.steer)
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,9 @@ class TurnSpec:
         calls: False for the client's ``tool_choice: none``: a tool-call block the model
             writes anyway is dropped (``StreamDecoder(calls=False)``: no call, no text;
             `TurnResult.dropped_calls` counts them).
+        parallel_calls: False for a client that allows one call per turn: the turn ends
+            after the first closed invoke, its block closed by forced feeds
+            (`ds4mlx.engine.single_call`; `run_turn` chains it before the given hooks).
         logprobs: raw turns: top-N alternatives per token (`RawText.logprobs`), or None.
         top_logprobs: chat turns: top-N alternatives per token of the visible text (a
             `TokenLogprob` event before the text it completes; a token counts when its
@@ -108,6 +114,7 @@ class TurnSpec:
     tool_required: bool = False
     tool_name: str | None = None
     calls: bool = True
+    parallel_calls: bool = True
     logprobs: int | None = None
     top_logprobs: int | None = None
     greedy_after_script: bool = False
@@ -202,40 +209,6 @@ class TurnResult:
     forced: int = 0
     drafted: int = 0
     accepted: int = 0
-
-
-class TurnHooks:
-    """Extension points of the turn loop: subclass and override what you need (every
-    default does nothing). Hooks run on the inference thread with the running `Turn`.
-
-    - `after_prefill`: the planned prefill is over (done, cut or failed): a UI closes
-      its progress display.
-    - `before_step`: polled before every sampling step, after ``cancel``: a finish
-      reason ends the turn there (steering and cancel polls).
-    - `mask`: the logits to sample this step from, ``(vocab,)`` float (e.g. ``-inf``
-      on forbidden ids), or None for the session's own; forced tokens skip it.
-    - `draft`: proposed next tokens (a draft model, a lookup); the loop verifies each
-      against the token it samples and counts ``TurnResult.drafted``/``accepted`` (a
-      mismatch drops the rest of the draft). Today every step still samples one token
-      with one forward pass: a batched verify plugs in here without touching callers.
-    - `at_end`: the turn ended (any finish but an exception); it may call
-      `Turn.force_feed` (e.g. ``</think>`` to close a cut reasoning block).
-    """
-
-    def after_prefill(self, turn: Turn) -> None:
-        return None
-
-    def before_step(self, turn: Turn) -> str | None:
-        return None
-
-    def mask(self, turn: Turn, logits: mx.array) -> mx.array | None:
-        return None
-
-    def draft(self, turn: Turn) -> Sequence[int]:
-        return ()
-
-    def at_end(self, turn: Turn) -> None:
-        return None
 
 
 _NO_HOOKS = TurnHooks()
@@ -578,7 +551,7 @@ def run_turn(
     after_token: Callable[[Session], Any] | None = None,
     script: Sequence[int] | None = None,
     chunk_size: int = DEFAULT_CHUNK,
-    hooks: TurnHooks | None = None,
+    hooks: TurnHooks | Sequence[TurnHooks] | None = None,
 ) -> TurnResult:
     """Prefill ``prefill`` onto ``session``, then generate one turn per ``spec``.
 
@@ -597,7 +570,9 @@ def run_turn(
         script: scripted decoding (tests only): ``sample`` returns these ids first; the
             forward pass still runs for every fed token.
         chunk_size: prefill tokens per forward pass.
-        hooks: the loop's extension points (`TurnHooks`), or None.
+        hooks: the loop's extension points (`TurnHooks`, or several: `chain_hooks`), or
+            None; with ``spec.parallel_calls`` False `ds4mlx.engine.single_call.SingleCall`
+            runs first.
     Returns:
         The `TurnResult`; ``finish`` is ``cancelled`` when a prefill was cut short (then
         nothing was sampled, and no hook but ``after_prefill`` ran) or when ``cancel``
@@ -608,6 +583,8 @@ def run_turn(
         RuntimeError: the session has no logits after the prefill (empty prompt).
     """
     emit = emit or (lambda _ev: None)
+    if spec.parse and not spec.parallel_calls:
+        hooks = chain_hooks(SingleCall(), hooks)
     turn = Turn(session, tokenizer, spec, emit, cancel, tool_memory, hooks)
     if prefill is not None:
         suffix = list(getattr(prefill, "suffix_tokens", prefill))

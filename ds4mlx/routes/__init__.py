@@ -110,11 +110,12 @@ def _install_access(app, rejected) -> None:
     ``rejected(err, method=None, path=None)`` logs a refusal."""
     from quart import request, websocket
 
-    from ds4mlx.routes import access
+    from ds4mlx.routes import access, mapping
     from ds4mlx.routes.common import state
 
     @app.before_request
     async def _access():
+        mapping.note_unsupported()
         # Host and Origin first, on every route (a rebound page reads /health too).
         config = state().config
         err = access.check_request(request.path, request.headers, config)
@@ -129,6 +130,7 @@ def _install_access(app, rejected) -> None:
 
     @app.before_websocket
     async def _ws_access():
+        mapping.note_unsupported()
         # The upgrade is refused with an HTTP answer before it is accepted.
         err = access.check_request(websocket.path, websocket.headers, state().config)
         if err is not None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, StrictBool
 from quart import Blueprint, request
 
 from ds4mlx.dsml import (
@@ -115,6 +115,8 @@ class FunctionDef(OpenModel):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    # Ours (docs/ARCHITECTURE.md §4, asynchronous tools): the tool runs in the background.
+    async_: StrictBool | None = Field(None, alias="async")
 
 
 class ChatTool(OpenModel):
@@ -147,6 +149,7 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[ChatTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None
     thinking: dict[str, Any] | bool | None = None
     think: bool | None = None
@@ -242,6 +245,7 @@ def _tools(req: ChatRequest) -> list[ToolSpec]:
             name=t.function.name,
             description=t.function.description or "",
             parameters=t.function.parameters or empty_schema(),
+            background=bool(t.function.async_),
         )
         for t in req.tools or []
         if t.type == "function"
@@ -293,6 +297,7 @@ def to_conversation(req: ChatRequest, *, default_thinking: bool = True) -> Conve
         tool_required=required,
         tool_name=name,
         tool_none=req.tool_choice == "none",
+        single_call=req.parallel_tool_calls is False,
         open_reply=True,
     )
 
