@@ -575,7 +575,7 @@ def repl(agent: Agent, ui: RichUI, sig: SignalState | None = None, *, demo: bool
             sig.prompting, sig.pending = True, False
             try:
                 # A background job that ends meanwhile is shown at once (sent later).
-                with idle_notices(agent.turns, ui.interject):
+                with idle_notices(agent.turns.notices, ui.interject):
                     line = ui.read_line(guard=sig.read())
             finally:
                 sig.prompting = False
@@ -620,6 +620,7 @@ def command(agent: Agent, ui: RichUI, text: str, *, demo: bool = False) -> str |
     """Run one ``/command``; returns ``"quit"`` for ``/quit``. ``demo``: the demo policy
     applies (``ds4mlx.model.demo.demo_policy``), so ``/think`` keeps thinking off."""
     from ds4mlx.agent.loop import AgentError
+    from ds4mlx.agent.ui import show_history, show_sessions
 
     name, _, arg = text.partition(" ")
     arg = arg.strip()
@@ -632,7 +633,7 @@ def command(agent: Agent, ui: RichUI, text: str, *, demo: bool = False) -> str |
             agent.new_session()
             ui.line("new session", "dim")
         elif name == "/list":
-            ui.show_sessions(agent.sessions(), agent.record.id if agent.record else None)
+            show_sessions(ui, agent.sessions(), agent.record.id if agent.record else None)
         elif name == "/switch":
             if not arg.isdigit():
                 ui.notice("usage: /switch N (see /list)", "warn")
@@ -648,7 +649,7 @@ def command(agent: Agent, ui: RichUI, text: str, *, demo: bool = False) -> str |
                 snap = f"{rec.kv_tokens} tokens" if rec.kv_key else "no KV snapshot"
                 ui.line(f"saved session {rec.id} ({snap})", "green")
         elif name == "/history":
-            ui.show_history(agent.messages)
+            show_history(ui, agent.messages)
         elif name == "/think" and demo:
             from ds4mlx.model.demo import DEMO_NO_THINKING
 

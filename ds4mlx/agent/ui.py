@@ -359,37 +359,41 @@ class RichUI(AgentUI):
             self.console.print(_text(_typed()), end="", soft_wrap=True)
             self.console.file.flush()
 
-    def show_sessions(self, records: list[SessionRecord], current: int | None) -> None:
-        if not records:
-            self.line("no sessions yet", "dim")
-            return
-        table = Table(box=None, show_header=True, header_style="bold", pad_edge=False)
-        for col in ("", "#", "title", "messages", "snapshot", "updated"):
-            table.add_column(col)
-        for r in records:
-            snap = f"{r.kv_tokens} tokens" if r.kv_key else "-"
-            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.updated))
-            table.add_row(
-                "*" if r.id == current else "",
-                str(r.id),
-                _text(r.title or "(empty)"),
-                str(sum(1 for m in r.messages if m.role != "system")),
-                snap,
-                when,
-            )
-        self.console.print(table)
 
-    def show_history(self, messages) -> None:
-        shown = False
-        for label, text in describe_messages(messages):
-            shown = True
-            body = text if len(text) <= 600 else text[:600] + f"… ({len(text)} chars)"
-            style = {
-                "thinking": "dim italic",
-                "tool call": "cyan",
-                "tool result": "dim",
-                "user": "bold green",
-            }.get(label, "")
-            self.line(f"[{label}] {body}", style)
-        if not shown:
-            self.line("(no messages yet)", "dim")
+def show_sessions(ui: RichUI, records: list[SessionRecord], current: int | None) -> None:
+    """``/list``: the sessions as a table, ``current`` starred."""
+    if not records:
+        ui.line("no sessions yet", "dim")
+        return
+    table = Table(box=None, show_header=True, header_style="bold", pad_edge=False)
+    for col in ("", "#", "title", "messages", "snapshot", "updated"):
+        table.add_column(col)
+    for r in records:
+        snap = f"{r.kv_tokens} tokens" if r.kv_key else "-"
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.updated))
+        table.add_row(
+            "*" if r.id == current else "",
+            str(r.id),
+            _text(r.title or "(empty)"),
+            str(sum(1 for m in r.messages if m.role != "system")),
+            snap,
+            when,
+        )
+    ui.console.print(table)
+
+
+def show_history(ui: RichUI, messages) -> None:
+    """``/history``: the transcript, one styled line per part (long parts cut)."""
+    shown = False
+    for label, text in describe_messages(messages):
+        shown = True
+        body = text if len(text) <= 600 else text[:600] + f"… ({len(text)} chars)"
+        style = {
+            "thinking": "dim italic",
+            "tool call": "cyan",
+            "tool result": "dim",
+            "user": "bold green",
+        }.get(label, "")
+        ui.line(f"[{label}] {body}", style)
+    if not shown:
+        ui.line("(no messages yet)", "dim")
