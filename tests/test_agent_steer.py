@@ -159,3 +159,30 @@ def test_steer_line_queued_before_a_permission_prompt_does_not_answer_it(tiny, t
         _quit(child, tmp_path)
     finally:
         child.close()
+
+
+def test_steer_escape_stops_at_once_and_sends_the_queue(tiny, tmp_path):
+    """Esc while the model thinks: the turn stops at once (as Ctrl+C) and the line being
+    typed is sent as the next message."""
+    script = [
+        turn("ponder " * 3000, "never shown"),
+        turn("Go.", "Going with Go."),
+    ]
+    child = _spawn(tiny, tmp_path, script)
+    try:
+        child.sendline("think long")
+        child.expect("ponder")
+        child.expect("ponder")
+        child.send("use Go\x1b")
+        child.expect("interrupted")
+        child.expect("Going with Go.")
+        child.expect("› ")
+        assert "never shown" not in child.before
+        child.sendline("/history")
+        child.expect(re.escape("[assistant] Going with Go."))
+        history = child.before
+        child.expect("› ")
+        assert "[user] use Go" in history
+        _quit(child, tmp_path)
+    finally:
+        child.close()
