@@ -90,7 +90,9 @@ class JobDone:
     Attributes:
         finish: ``"stop"`` (EOS), ``"stop_sequence"``, ``"length"`` (the client's
             ``max_tokens``), ``"context"`` (the context filled: the room the prompt left,
-            lower than the client's limit, ran out), ``"cancelled"``.
+            lower than the client's limit, ran out), ``"cancelled"``, ``"steered"``
+            (`Job.steer` was set: the turn ended at its next boundary, its live state
+            ready for the steering input to be appended).
         stop_sequence: the matched stop string, or None.
         prompt_tokens, cached_tokens, completion_tokens, reasoning_tokens: usage (int).
         tool_calls: the calls sampled, in order.
@@ -228,7 +230,7 @@ Event = Any
 
 
 class Job:
-    """One queued generation: a `GenRequest` plus its event channel and cancel flag.
+    """One queued generation: a `GenRequest` plus its event channel, cancel and steer flags.
 
     Created on the event loop (``Worker.submit``); the worker calls `emit` from its
     thread, the route consumes `events` on the loop.
@@ -240,6 +242,9 @@ class Job:
         self.loop = loop
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.cancel = threading.Event()
+        # Set by the route when steering input is queued: the turn ends ``steered`` at
+        # its next boundary (``ds4mlx.engine.Steering``).
+        self.steer = threading.Event()
         self.submitted = time.monotonic()
         self.done = False
         self._held: list[Event] = []

@@ -4,7 +4,8 @@
 
 Rank 0 feeds a seeded prompt of ``N_PROMPT`` ids in chunks of ``CHUNK`` through the
 pipeline (full logits of every chunk), then 8 greedy decode steps, then a greedy
-32-token turn through the one turn loop (pipelined decode) on a fresh session; it saves
+32-token turn through the one turn loop (pipelined decode) on a fresh session, twice:
+the second time from a snapshot taken after the prompt; it saves
 everything to ``OUT.npz`` and shuts the followers down. Other ranks follow.
 """
 
@@ -54,7 +55,13 @@ def main() -> int:
     )
     spec = TurnSpec(SamplingParams(temperature=0.0), max_tokens=32, parse=False, ignore_eos=True)
     session = engine.new_session()
-    run_turn(session, engine.tokenizer, spec, prefill=prompt)
+    session.prefill(prompt)
+    snap = session.snapshot()  # the followers keep their parts in memory
+    run_turn(session, engine.tokenizer, spec)
+    first = session.tokens[n_prompt:]
+    session.restore(snap)
+    run_turn(session, engine.tokenizer, spec)
+    assert session.tokens[n_prompt:] == first, "a restored snapshot continued differently"
     pm.shutdown()
     np.savez(
         out,

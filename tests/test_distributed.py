@@ -351,3 +351,23 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_speculation_is_refused_on_a_split_model(tiny_f32_dir):
+    """A verify writes rejected rows into every rank's caches, which the followers cannot
+    rewind: drafting is refused under a split (at start, with one line)."""
+    from ds4mlx.engine import Engine
+    from ds4mlx.engine.speculative import speculation_for
+    from ds4mlx.model.loading import load_model, read_config
+    from ds4mlx.tokenizer import Tokenizer
+
+    model, args = load_model(str(tiny_f32_dir), dtype=mx.float32, check_memory=False)
+    config = read_config(str(tiny_f32_dir))
+    tok = Tokenizer.load(tiny_f32_dir)
+    split = Engine(model, args, tok, path=tiny_f32_dir, config=config, layout="pipeline:0-2,2-4")
+    plain = Engine(model, args, tok, path=tiny_f32_dir, config=config)
+    assert split.identity != plain.identity  # nothing saved under one is used by the other
+    with pytest.raises(ValueError, match="not supported with --distributed"):
+        speculation_for(split, "lookup")
+    assert speculation_for(split, "off") is not None
+    assert speculation_for(plain, "lookup") is not None

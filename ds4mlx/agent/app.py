@@ -271,6 +271,7 @@ def run(args: argparse.Namespace) -> int:
     from ds4mlx.agent.sessions import SessionBook
     from ds4mlx.blas import blas_label
     from ds4mlx.engine import Engine, SamplingParams
+    from ds4mlx.engine.speculative import speculation_for
     from ds4mlx.kv.store import DiskKVStore
     from ds4mlx.model.loading import LoadError
 
@@ -281,6 +282,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         engine = Engine.load(model, ctx_size=args.ctx)
+        engine.speculation = speculation_for(
+            engine, getattr(args, "speculative", "off"), getattr(args, "draft_tokens", 4)
+        )
     except (LoadError, OSError, ValueError, RuntimeError) as e:
         err.print(f"ds4mlx agent: cannot load model {model}: {e}")
         return 2
@@ -620,7 +624,6 @@ def command(agent: Agent, ui: RichUI, text: str, *, demo: bool = False) -> str |
     """Run one ``/command``; returns ``"quit"`` for ``/quit``. ``demo``: the demo policy
     applies (``ds4mlx.model.demo.demo_policy``), so ``/think`` keeps thinking off."""
     from ds4mlx.agent.loop import AgentError
-    from ds4mlx.agent.ui import show_history, show_sessions
 
     name, _, arg = text.partition(" ")
     arg = arg.strip()
@@ -633,7 +636,7 @@ def command(agent: Agent, ui: RichUI, text: str, *, demo: bool = False) -> str |
             agent.new_session()
             ui.line("new session", "dim")
         elif name == "/list":
-            show_sessions(ui, agent.sessions(), agent.record.id if agent.record else None)
+            ui.show_sessions(agent.sessions(), agent.record.id if agent.record else None)
         elif name == "/switch":
             if not arg.isdigit():
                 ui.notice("usage: /switch N (see /list)", "warn")
@@ -649,7 +652,7 @@ def command(agent: Agent, ui: RichUI, text: str, *, demo: bool = False) -> str |
                 snap = f"{rec.kv_tokens} tokens" if rec.kv_key else "no KV snapshot"
                 ui.line(f"saved session {rec.id} ({snap})", "green")
         elif name == "/history":
-            show_history(ui, agent.messages)
+            ui.show_history(agent.messages)
         elif name == "/think" and demo:
             from ds4mlx.model.demo import DEMO_NO_THINKING
 

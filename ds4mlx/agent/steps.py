@@ -81,6 +81,40 @@ def _turn_hooks(ui, steer_pending, kind: str, planned: int, thinking: bool) -> T
     return Steering(steer_pending, hooks) if kind == "answer" else hooks
 
 
+def closed_turn(lv, gen: Generated, thinking: bool) -> Message:
+    """The transcript message for a generated turn; the live state ``lv`` ends on it.
+
+    A turn that stopped inside its reasoning had ``</think>`` fed by the turn loop
+    (`_Hooks.at_end`), so the live text reads ``reasoning</think>content`` as the
+    renderer writes it; without room for it the state is ``dirty``.
+    """
+    raw = gen.raw
+    lv.state = LiveState.TURN_END
+    if thinking and THINK_END not in raw:
+        lv.state = LiveState.DIRTY
+    if gen.stop == "eos" or (gen.stop == "steered" and gen.result.tool_calls):
+        # steered at a tool boundary: the turn is whole up to its block's close
+        res = gen.result
+        msg = Message(
+            "assistant",
+            content=res.content,
+            reasoning=res.reasoning if thinking else None,
+            tool_calls=list(res.tool_calls),
+        )
+        if render_assistant_turn(msg, thinking=thinking, eos=False) != raw:
+            lv.exact = False
+        return msg
+    # Interrupted or cut: keep the raw text as it is in the live state; a partial
+    # tool call stays text and is never run.
+    if thinking and THINK_END in raw:
+        reasoning, content = raw.split(THINK_END, 1)
+    elif thinking:
+        reasoning, content = raw, ""
+    else:
+        reasoning, content = None, raw
+    return Message("assistant", content=content, reasoning=reasoning)
+
+
 class Steps:
     """One assistant turn's steps on ``live`` (see the module doc).
 
@@ -294,38 +328,8 @@ class Steps:
         return gen, msg
 
     def close_turn(self, gen: Generated, thinking: bool) -> Message:
-        """The transcript message for a generated turn; the live state ends on it.
-
-        A turn that stopped inside its reasoning had ``</think>`` fed by the turn loop
-        (`_Hooks.at_end`), so the live text reads ``reasoning</think>content`` as the
-        renderer writes it; without room for it the state is ``dirty``.
-        """
-        lv = self.live
-        raw = gen.raw
-        lv.state = LiveState.TURN_END
-        if thinking and THINK_END not in raw:
-            lv.state = LiveState.DIRTY
-        if gen.stop == "eos" or (gen.stop == "steered" and gen.result.tool_calls):
-            # steered at a tool boundary: the turn is whole up to its block's close
-            res = gen.result
-            msg = Message(
-                "assistant",
-                content=res.content,
-                reasoning=res.reasoning if thinking else None,
-                tool_calls=list(res.tool_calls),
-            )
-            if render_assistant_turn(msg, thinking=thinking, eos=False) != raw:
-                lv.exact = False
-            return msg
-        # Interrupted or cut: keep the raw text as it is in the live state; a partial
-        # tool call stays text and is never run.
-        if thinking and THINK_END in raw:
-            reasoning, content = raw.split(THINK_END, 1)
-        elif thinking:
-            reasoning, content = raw, ""
-        else:
-            reasoning, content = None, raw
-        return Message("assistant", content=content, reasoning=reasoning)
+        """The transcript message for a generated turn (`closed_turn`)."""
+        return closed_turn(self.live, gen, thinking)
 
     def run_tools(self, calls: list[ToolCall], call_errors: dict[str, str]) -> bool:
         """Run ``calls`` in order, appending one tool message each; False if interrupted.

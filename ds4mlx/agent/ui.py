@@ -301,27 +301,11 @@ class RichUI(AgentUI):
                 f"[yellow]compacting context ({info.reason}: {info.before} tokens)", style="yellow"
             )
             return
-        how = "model" if info.by_model else "mechanical"
-        self.line(
-            f"compacted: {info.dropped} messages replaced by a {how} summary "
-            f"({len(info.summary)} chars), {info.kept} kept verbatim; "
-            f"{info.before} → {info.after} tokens",
-            "yellow",
-        )
+        self.line(compaction_line(info), "yellow")
 
     def status(self, status: Status) -> None:
         self._newline()
-        pct = 100.0 * status.used / status.ctx if status.ctx else 0.0
-        parts = [f"ctx {status.used}/{status.ctx} ({pct:.0f}%)"]
-        if status.prefilled:
-            parts.append(f"prefill {status.prefilled} tok ({status.prefill_tok_s:.0f} tok/s)")
-        if status.generated:
-            parts.append(f"gen {status.generated} tok ({status.tok_s:.1f} tok/s)")
-        parts.append(f"KV {status.kv_bytes / 2**20:.1f} MiB")
-        if status.session is not None:
-            parts.append(f"session {status.session}")
-        parts.append("thinking" if status.thinking else "no thinking")
-        self.line(" · ".join(parts), "dim")
+        self.line(status_line(status), "dim")
 
     # ---- REPL helpers
 
@@ -359,12 +343,47 @@ class RichUI(AgentUI):
             self.console.print(_text(_typed()), end="", soft_wrap=True)
             self.console.file.flush()
 
+    def show_sessions(self, records: list[SessionRecord], current: int | None) -> None:
+        if not records:
+            self.line("no sessions yet", "dim")
+            return
+        self.console.print(sessions_table(records, current))
 
-def show_sessions(ui: RichUI, records: list[SessionRecord], current: int | None) -> None:
-    """``/list``: the sessions as a table, ``current`` starred."""
-    if not records:
-        ui.line("no sessions yet", "dim")
-        return
+    def show_history(self, messages) -> None:
+        rows = history_rows(messages)
+        for text, style in rows:
+            self.line(text, style)
+        if not rows:
+            self.line("(no messages yet)", "dim")
+
+
+def status_line(status: Status) -> str:
+    """The status line after a turn: context used, prefill and decode speed, KV bytes."""
+    pct = 100.0 * status.used / status.ctx if status.ctx else 0.0
+    parts = [f"ctx {status.used}/{status.ctx} ({pct:.0f}%)"]
+    if status.prefilled:
+        parts.append(f"prefill {status.prefilled} tok ({status.prefill_tok_s:.0f} tok/s)")
+    if status.generated:
+        parts.append(f"gen {status.generated} tok ({status.tok_s:.1f} tok/s)")
+    parts.append(f"KV {status.kv_bytes / 2**20:.1f} MiB")
+    if status.session is not None:
+        parts.append(f"session {status.session}")
+    parts.append("thinking" if status.thinking else "no thinking")
+    return " · ".join(parts)
+
+
+def compaction_line(info: CompactionInfo) -> str:
+    """What a finished compaction did, in one line."""
+    how = "model" if info.by_model else "mechanical"
+    return (
+        f"compacted: {info.dropped} messages replaced by a {how} summary "
+        f"({len(info.summary)} chars), {info.kept} kept verbatim; "
+        f"{info.before} → {info.after} tokens"
+    )
+
+
+def sessions_table(records: list[SessionRecord], current: int | None) -> Table:
+    """``/list``: one row per saved session, the current one starred."""
     table = Table(box=None, show_header=True, header_style="bold", pad_edge=False)
     for col in ("", "#", "title", "messages", "snapshot", "updated"):
         table.add_column(col)
@@ -379,21 +398,21 @@ def show_sessions(ui: RichUI, records: list[SessionRecord], current: int | None)
             snap,
             when,
         )
-    ui.console.print(table)
+    return table
 
 
-def show_history(ui: RichUI, messages) -> None:
-    """``/history``: the transcript, one styled line per part (long parts cut)."""
-    shown = False
+_HISTORY_STYLES = {
+    "thinking": "dim italic",
+    "tool call": "cyan",
+    "tool result": "dim",
+    "user": "bold green",
+}
+
+
+def history_rows(messages) -> list[tuple[str, str]]:
+    """``/history``: ``(line, style)`` per message part, long texts cut at 600 chars."""
+    rows = []
     for label, text in describe_messages(messages):
-        shown = True
         body = text if len(text) <= 600 else text[:600] + f"… ({len(text)} chars)"
-        style = {
-            "thinking": "dim italic",
-            "tool call": "cyan",
-            "tool result": "dim",
-            "user": "bold green",
-        }.get(label, "")
-        ui.line(f"[{label}] {body}", style)
-    if not shown:
-        ui.line("(no messages yet)", "dim")
+        rows.append((f"[{label}] {body}", _HISTORY_STYLES.get(label, "")))
+    return rows

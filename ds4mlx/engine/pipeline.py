@@ -40,8 +40,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-HEADER_LEN = 5
-OP_FORWARD, OP_SHUTDOWN = 1, 2
+HEADER_LEN = 6
+OP_FORWARD, OP_SHUTDOWN, OP_SNAPSHOT, OP_RESTORE = 1, 2, 3, 4
+# Header fields: op, token count, state id, freed state id (or -1), last-only flag or
+# snapshot id, freed snapshot id (or -1).
 
 
 class PipelineError(ValueError):
@@ -140,9 +142,9 @@ def _send_chain(arrays: list[mx.array], dst: int, group, after: list[mx.array]) 
 
 
 class PipelineModel:
-    # Snapshots would hold rank 0's layers only: refused until the followers save their
-    # parts (`Session.snapshot` / `restore` check this).
-    snapshots = False
+    # In-memory snapshots only: each follower keeps its part; disk files would hold rank
+    # 0's layers alone (the server runs with the disk tier off).
+    snapshots = "memory"
 
     """Rank 0's model in a pipeline split: the `Model` call signature
     (``model(tokens, cache, last_only=…)``, ``make_cache()``, ``args``, ``layers``) over its
@@ -162,6 +164,8 @@ class PipelineModel:
         # State ids whose rank-0 cache list was garbage-collected; a finalizer may run on
         # any thread, so the list is guarded.
         self._freed: list[int] = []
+        self._freed_snaps: list[int] = []
+        self._snap_ids = itertools.count(1)
         self._lock = threading.Lock()
         # Set once a peer is known to be gone: nothing more is sent to it.
         self.lost: str | None = None
@@ -198,14 +202,44 @@ class PipelineModel:
             x = m.layers[i](x, tokens, c, ctx)
         if p.world == 1:
             return m.head_logits(x, last_only=last_only)
-        with self._lock:
-            freed = self._freed.pop() if self._freed else -1
-        header = mx.array([OP_FORWARD, n, cache.state_id, freed, int(last_only)], dtype=mx.int32)
+        header = self._header(OP_FORWARD, n, cache.state_id, int(last_only))
         sent = _send_chain([header, tokens, x], p.next, p.group, [])
         rows = 1 if last_only else n
         back = mx.distributed.recv((rows, *x.shape[1:]), x.dtype, p.prev, group=p.group)
         back = mx.depends(back, [sent])
         return m.head_logits(back, last_only=False)
+
+    def _header(self, op: int, n: int, state_id: int, arg: int) -> mx.array:
+        """The int32 header of one call, carrying one freed state id and one freed
+        snapshot id (or -1) so the followers drop what rank 0 no longer holds."""
+        with self._lock:
+            freed = self._freed.pop() if self._freed else -1
+            freed_snap = self._freed_snaps.pop() if self._freed_snaps else -1
+        return mx.array([op, n, state_id, freed, arg, freed_snap], dtype=mx.int32)
+
+    def snapshot_part(self, cache: PipelineCache, state) -> None:
+        """Have every follower keep a copy of its layers' caches of ``cache``'s state, named
+        by a new snapshot id recorded in ``state.meta["pipeline_part"]``; freed when
+        ``state`` (a ``SessionState``) is garbage-collected. Call on the inference thread."""
+        snap_id = next(self._snap_ids)
+        header = self._header(OP_SNAPSHOT, 0, cache.state_id, snap_id)
+        mx.eval(mx.distributed.send(header, self._peers.next, group=self._peers.group))
+        state.meta["pipeline_part"] = str(snap_id)
+        weakref.finalize(state, self._free_snap, snap_id)
+
+    def restore_part(self, cache: PipelineCache, state) -> None:
+        """Have every follower set its caches of ``cache``'s state from the part kept for
+        ``state`` (`snapshot_part`). Raises ValueError when ``state`` has no part here
+        (a snapshot from disk or another process)."""
+        part = state.meta.get("pipeline_part")
+        if part is None or not part.isdigit():
+            raise ValueError("this snapshot has no part on the other pipeline ranks")
+        header = self._header(OP_RESTORE, 0, cache.state_id, int(part))
+        mx.eval(mx.distributed.send(header, self._peers.next, group=self._peers.group))
+
+    def _free_snap(self, snap_id: int) -> None:
+        with self._lock:
+            self._freed_snaps.append(snap_id)
 
     def lost_peer(self, exc: BaseException) -> str | None:
         """The line to print when ``exc`` (raised by a forward call) means a rank is gone,
@@ -225,7 +259,7 @@ class PipelineModel:
         p = self._peers
         if p.world == 1 or self.lost is not None:
             return
-        header = mx.array([OP_SHUTDOWN, 0, 0, -1, 0], dtype=mx.int32)
+        header = mx.array([OP_SHUTDOWN, 0, 0, -1, 0, -1], dtype=mx.int32)
         try:
             mx.eval(mx.distributed.send(header, p.next, group=p.group))
         except RuntimeError as e:
@@ -233,44 +267,74 @@ class PipelineModel:
 
 
 def follow(model, group, ranges: list[range]) -> None:
-    """The loop of a rank > 0: run this rank's layers for every forward call rank 0 makes,
-    until rank 0 sends the shutdown header. Returns normally on shutdown; a lost peer
-    raises MLX's ``RuntimeError`` from ``recv``."""
-    p = _Peers(group, ranges)
-    mine = ranges[p.rank]
-    keep_layers(model, mine)
-    last = p.rank == p.world - 1
-    states: dict[int, list] = {}
-    shape = (model.args.hc_mult, model.args.dim)
-    while True:
-        header = mx.distributed.recv((HEADER_LEN,), mx.int32, p.prev, group=group)
-        op, n, state_id, freed, last_only = (int(v) for v in header.tolist())
-        if op == OP_SHUTDOWN:
-            if not last:
-                mx.eval(mx.distributed.send(header, p.next, group=group))
-            return
-        states.pop(freed, None)
+    """The loop of a rank > 0: run this rank's layers for every forward call rank 0 makes
+    and keep or restore its parts of snapshots, until rank 0 sends the shutdown header.
+    Returns normally on shutdown; a lost peer raises MLX's ``RuntimeError`` from ``recv``."""
+    _Follower(model, group, ranges).run()
+
+
+class _Follower:
+    """A rank > 0: its layers' caches per rank-0 session state, and its parts of rank 0's
+    in-memory snapshots."""
+
+    def __init__(self, model, group, ranges: list[range]):
+        self.model, self.group = model, group
+        self.p = _Peers(group, ranges)
+        self.mine = ranges[self.p.rank]
+        self.last = self.p.rank == self.p.world - 1
+        keep_layers(model, self.mine)
+        self.states: dict[int, list] = {}
+        self.snaps: dict[int, list[dict]] = {}
+
+    def _fresh(self) -> list:
+        full = self.model.make_cache()
+        return [full[i] for i in self.mine]
+
+    def run(self) -> None:
+        p = self.p
+        while True:
+            header = mx.distributed.recv((HEADER_LEN,), mx.int32, p.prev, group=self.group)
+            op, n, state_id, freed, arg, freed_snap = (int(v) for v in header.tolist())
+            if op != OP_FORWARD and not self.last:
+                # Control calls go round the ring; the last rank does not send them back.
+                mx.eval(mx.distributed.send(header, p.next, group=self.group))
+            if op == OP_SHUTDOWN:
+                return
+            self.states.pop(freed, None)
+            self.snaps.pop(freed_snap, None)
+            if op == OP_SNAPSHOT:
+                copy = [{k: mx.array(v) for k, v in c.state.items()} for c in self.states[state_id]]
+                mx.eval(copy)
+                self.snaps[arg] = copy
+            elif op == OP_RESTORE:
+                cache = self._fresh()
+                for c, st in zip(cache, self.snaps[arg], strict=True):
+                    c.state = {k: mx.array(v) for k, v in st.items()}
+                mx.eval([a for c in cache for a in c.arrays()])
+                self.states[state_id] = cache
+            else:
+                self._forward(header, n, state_id, bool(arg))
+
+    def _forward(self, header: mx.array, n: int, state_id: int, last_only: bool) -> None:
+        p, group = self.p, self.group
         tokens = mx.distributed.recv((n,), mx.int32, p.prev, group=group)
         # Receives run in graph order, not call order: the ids must arrive before the
         # streams are asked for, or the streams' bytes would be read as ids.
         mx.eval(tokens)
-        x = mx.distributed.recv((n, *shape), model.compute_dtype, p.prev, group=group)
-        if state_id not in states:
-            full = model.make_cache()
-            states[state_id] = [full[i] for i in mine]
-        cache = states[state_id]
-        ctx = model.step_for(cache[0].offset, n)
-        for i, c in zip(mine, cache, strict=True):
-            x = model.layers[i](x, tokens, c, ctx)
-        if last:
+        shape = (n, self.model.args.hc_mult, self.model.args.dim)
+        x = mx.distributed.recv(shape, self.model.compute_dtype, p.prev, group=group)
+        if state_id not in self.states:
+            self.states[state_id] = self._fresh()
+        cache = self.states[state_id]
+        ctx = self.model.step_for(cache[0].offset, n)
+        for i, c in zip(self.mine, cache, strict=True):
+            x = self.model.layers[i](x, tokens, c, ctx)
+        arrays = [a for c in cache for a in c.arrays()]
+        if self.last:
             out = x[-1:] if last_only else x
-            mx.eval(
-                mx.distributed.send(out, p.next, group=group),
-                [a for c in cache for a in c.arrays()],
-            )
+            mx.eval(mx.distributed.send(out, p.next, group=group), arrays)
         else:
-            sent = _send_chain([header, tokens, x], p.next, group, [])
-            mx.eval(sent, [a for c in cache for a in c.arrays()])
+            mx.eval(_send_chain([header, tokens, x], p.next, group, []), arrays)
 
 
 def set_parent_death_signal() -> None:

@@ -32,11 +32,16 @@ from ds4mlx.engine.turn import FINISH_CANCELLED, FINISH_STEERED, Turn, TurnHooks
 __all__ = ["FINISH_STEERED", "Steering", "close_reasoning"]
 
 
+def _reasoning_open(turn: Turn) -> bool:
+    """The turn is inside its reasoning, and no ``</think>`` was forced after it."""
+    return turn.in_thinking and turn.tok.think_end_id not in turn.s.tokens[-1:]
+
+
 def close_reasoning(turn: Turn) -> bool:
     """Feed ``</think>`` when ``turn`` ended inside its reasoning (call from
     `TurnHooks.at_end`); True if it was fed. Idempotent: a turn whose reasoning was
-    closed (sampled or already forced) is left alone."""
-    if not turn.in_thinking or turn.tok.think_end_id in turn.s.tokens[-1:]:
+    closed (sampled or already forced) is left alone; without room nothing is fed."""
+    if not _reasoning_open(turn):
         return False
     return turn.force_feed([turn.tok.think_end_id]) == 1
 
@@ -60,6 +65,10 @@ class Steering(TurnHooks):
             live state holds a half-written block that no rendering of the visible
             reply reproduces. (A block cut inside the reasoning became reasoning text
             when ``</think>`` closed it.)
+        at_boundary: set at the end: the live state ends where a rendered turn ends (no
+            visible block cut, the reasoning closed): a steered turn always; a cancelled
+            one when ``close_cancelled`` closed it there. A prompt cache may then bind
+            the turn as it binds an end of turn.
     """
 
     def __init__(
@@ -73,6 +82,7 @@ class Steering(TurnHooks):
         self.inner = inner or TurnHooks()
         self.close_cancelled = close_cancelled
         self.cut_in_block = False
+        self.at_boundary = False
 
     def after_prefill(self, turn: Turn) -> None:
         self.inner.after_prefill(turn)
@@ -99,3 +109,4 @@ class Steering(TurnHooks):
             close_reasoning(turn)
         dec = turn.decoder
         self.cut_in_block = dec is not None and dec.in_tool_block
+        self.at_boundary = not self.cut_in_block and not _reasoning_open(turn)

@@ -150,7 +150,9 @@ class Lease:
         if self._saves:
             self._cache.tier.after_token(self.state)
 
-    def finish(self, result, *, transcript_key: Rendered | str | None = None) -> None:
+    def finish(
+        self, result, *, transcript_key: Rendered | str | None = None, at_boundary: bool = False
+    ) -> None:
         """Record what a later prompt may continue this state from.
 
         Args:
@@ -159,14 +161,20 @@ class Lease:
             transcript_key: a caller that keeps its transcript (the agent): its
                 rendering through this turn, ending with the turn's EOS. Then only that
                 binding is made (the caller renders its own next prompt).
+            at_boundary: the turn ended at a turn boundary although it was not an EOS
+                (``ds4mlx.engine.Steering.at_boundary``: steered, or cancelled and
+                closed): it binds as an end of turn does.
         """
         p = self.prompt
         chat = p is not None and not p.transcript and result.decoded is not None
+        finish = (
+            "stop" if at_boundary and result.finish in ("steered", "cancelled") else result.finish
+        )
         self._cache.planner.after_generation(
             self.state,
             # Dropped calls (``tool_choice: none``) are in the live state but in no
             # rendering of this turn: it binds nothing, as a cut turn does.
-            finish="dropped-calls" if getattr(result, "dropped_calls", 0) else result.finish,
+            finish="dropped-calls" if getattr(result, "dropped_calls", 0) else finish,
             tool_calls=result.tool_calls,
             # The rendering with its content spans: the turn's visible keys carry where
             # the prompt spells special tokens as plain text.

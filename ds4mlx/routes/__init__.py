@@ -2,7 +2,9 @@
 
 - `ds4mlx.routes.anthropic`: ``/v1/messages``, ``/v1/messages/count_tokens``
 - `ds4mlx.routes.openai`: ``/v1/chat/completions``
-- `ds4mlx.routes.responses`: ``/v1/responses`` (HTTP + WebSocket)
+- `ds4mlx.routes.responses`: ``/v1/responses`` (HTTP)
+- `ds4mlx.routes.responses_ws`: the Responses WebSocket (``GET /v1/responses`` upgrade),
+  with steering and cancel frames
 - `ds4mlx.routes.completions`: ``/v1/completions`` (raw text)
 - `ds4mlx.routes.models`: ``/v1/models``, ``/v1/tokenize``, ``/v1/detokenize``,
   ``/health``, ``/debug/script``
@@ -62,11 +64,12 @@ def register(app) -> None:
         models,
         openai,
         responses,
+        responses_ws,
     )
     from ds4mlx.routes.errors import APIError, http_exception_to_api
 
     carrier.install(app, app.extensions["ds4mlx"].config.reasoning_key)
-    for mod in (openai, completions, anthropic, responses, models):
+    for mod in (openai, completions, anthropic, responses, responses_ws, models):
         app.register_blueprint(mod.bp)
 
     @app.after_serving

@@ -1,4 +1,4 @@
-"""OpenAI Responses API: ``POST /v1/responses`` (SSE or JSON) and its WebSocket transport.
+"""OpenAI Responses API: ``POST /v1/responses`` (SSE or JSON), and what its WebSocket shares.
 
 Reference: https://platform.openai.com/docs/api-reference/responses/create and the
 streaming events https://platform.openai.com/docs/api-reference/responses-streaming:
@@ -21,10 +21,10 @@ of the sampled reasoning (``ds4mlx.routes.common.ReasoningCarrier``), so a state
 client replaying it renders the exact prefix the model sampled.
 
 ``previous_response_id`` and ``conversation`` need a response store: over HTTP they
-are rejected with a clear 400. On the WebSocket transport (``GET /v1/responses``
-upgrade, one JSON event per text frame, as Codex's ``responses_websockets`` client
-speaks it) the connection keeps its own responses, so a ``response.create`` that
-continues the previous response of the same connection by id is served.
+are rejected with a clear 400. On the WebSocket transport (`ds4mlx.routes.responses_ws`:
+``GET /v1/responses`` upgrade, steering and cancel frames) the connection keeps its own
+responses, so a ``response.create`` that continues the previous response of the same
+connection by id is served.
 
 This module owns the whole protocol: the request schema, its mapping onto the neutral
 ``Conversation`` (`to_conversation`), its names for the planner (`NAMES`), and one
@@ -39,13 +39,12 @@ accepted and not offered.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, StrictBool, Tag, ValidationError
-from quart import Blueprint, request, websocket
+from quart import Blueprint, request
 
 from ds4mlx.dsml import (
     Conversation,
@@ -60,7 +59,7 @@ from ds4mlx.dsml import (
 )
 from ds4mlx.dsml.render import to_json, tool_schema_dict
 from ds4mlx.jobs import GenRequest, JobDone, JobFailed, JobStarted, LiveLabels
-from ds4mlx.routes.access import check_auth, key_salt
+from ds4mlx.routes.access import key_salt
 from ds4mlx.routes.body import OpenModel, offload, parse_json, read_body, validate
 from ds4mlx.routes.carrier import carrier
 from ds4mlx.routes.common import (
@@ -73,7 +72,7 @@ from ds4mlx.routes.common import (
     state,
     state_key,
 )
-from ds4mlx.routes.errors import APIError, Wording, failed_to_api, openai_error
+from ds4mlx.routes.errors import APIError, Wording, failed_to_api
 from ds4mlx.routes.mapping import (
     WireError,
     effort_to_reasoning,
@@ -89,12 +88,9 @@ from ds4mlx.routes.mapping import (
 )
 from ds4mlx.routes.pipeline import (
     demo_policy,
-    events,
-    guard,
     prepare,
     respond,
     sampling_params,
-    start,
     stream,
 )
 from ds4mlx.routes.sse import sse
@@ -603,11 +599,13 @@ def _loaded_kinds(req: ResponsesRequest) -> dict[str, ToolKind]:
 @dataclass
 class _Prepared:
     """A validated request, its input items as sent (dicts, a previous response's
-    prepended) and the job to submit."""
+    prepended), the job to submit, and the body as the client sent it (``data``: the
+    settings a steered response's successor inherits)."""
 
     req: ResponsesRequest
     items: list[Any]
     gen: GenRequest
+    data: dict[str, Any]
 
 
 def _raw_items(inp: Any) -> list[Any]:
@@ -653,6 +651,7 @@ def _prepare(
     `key_salt`, with the body's ``cache_salt`` the request's cache salt (`cache_salt`).
     """
     req = validate(ResponsesRequest, data)
+    sent = dict(data)
     if req.conversation is not None:
         raise APIError(
             400,
@@ -686,7 +685,7 @@ def _prepare(
         state_key=state_key(headers, (req.model_extra or {}).get("prompt_cache_key")),
         salt=cache_salt((req.model_extra or {}).get("cache_salt"), key),
     )
-    return _Prepared(req, _raw_items(data["input"]), gen)
+    return _Prepared(req, _raw_items(data["input"]), gen, sent)
 
 
 # --------------------------------------------------------------------------- encoder
@@ -962,13 +961,16 @@ class ResponseEncoder:
             if not (it["type"] == "function_call" and it["status"] == "incomplete")
         ]
         self.response["usage"] = _usage(d)
-        if d.finish == "cancelled":
-            self.response["status"] = "failed"
-            self.response["error"] = {"code": "server_error", "message": "generation cancelled"}
-            return [*out, self._ev("response.failed", response=self.result())]
-        if d.finish in ("length", "context"):  # Responses has no context-full reason
+        if d.finish == "cancelled":  # a client's cancel (or a shutdown), not a failure
+            self.response["status"] = "cancelled"
+            return [*out, self._ev("response.incomplete", response=self.result())]
+        calls = any(it["type"] in ("function_call", "custom_tool_call") for it in self.output)
+        reason = {"length": "max_output_tokens", "context": "max_output_tokens"}.get(d.finish)
+        if d.finish == "steered" and not calls:
+            reason = "steered"  # a steered turn with calls waits for their results
+        if reason is not None:  # Responses has no context-full reason
             self.response["status"] = "incomplete"
-            self.response["incomplete_details"] = {"reason": "max_output_tokens"}
+            self.response["incomplete_details"] = {"reason": reason}
             return [*out, self._ev("response.incomplete", response=self.result())]
         self.response["status"] = "completed"
         return [*out, self._ev("response.completed", response=self.result())]
@@ -1019,73 +1021,3 @@ async def get_response(response_id: str):
         type="invalid_request_error",
         code="not_found",
     )
-
-
-# --------------------------------------------------------------------------- WebSocket
-
-
-@bp.websocket("/v1/responses")
-async def responses_ws():
-    """Codex's Responses WebSocket transport: ``response.create`` frames in, events out.
-
-    Each ``{"type": "response.create", ...body}`` text frame runs one response and
-    streams its events as JSON text frames, ending with ``response.completed`` (or
-    ``incomplete``/``failed``): the HTTP stream's loop (``pipeline.events``), the same
-    cancel guard and the same request steps (parsed and prepared off the event loop,
-    `pipeline.start` before the first event). Request errors come back as
-    ``{"type": "error", "status": 4xx, "error": {...}}`` (`_ws_error`: OpenAI's error
-    object) and the connection stays open. ``response.processed`` acknowledgements are
-    ignored.
-    """
-    err = check_auth(websocket.headers)
-    if err is not None:
-        await websocket.close(1008, "invalid or missing API key")
-        return
-    await websocket.accept()
-    st = state()
-    store: dict[str, list[Any]] = {}
-    key = key_salt(websocket.headers)
-    while True:
-        raw = await websocket.receive()
-        try:
-            prep = await offload(_ws_request, raw, store, key)
-            if prep is None:
-                continue  # an acknowledgement
-            job = st.submit(prep.gen)
-            await start(job, NAMES)
-        except APIError as e:
-            await websocket.send(_ws_error(e))
-            continue
-        enc = _encoder(prep)
-        async for d in guard(job, events(job, enc, st.config.keepalive_s)):
-            if d is not None:
-                await websocket.send(json.dumps(d, ensure_ascii=False))
-        if enc.response["status"] in ("completed", "incomplete"):
-            store.clear()  # only the latest response can be continued
-            store[enc.response["id"]] = prep.items + [dict(i) for i in enc.output]
-
-
-def _ws_request(raw: str | bytes, store: dict[str, list[Any]], key: str = "") -> _Prepared | None:
-    """One client frame: a ``response.create``'s prepared job, or None for an
-    acknowledgement (off the event loop).
-
-    Raises:
-        APIError: 400 for a malformed frame, another event type or a bad request.
-    """
-    try:
-        data = parse_json(raw)
-    except APIError as e:
-        raise APIError(400, f"malformed JSON frame: {e.message}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "malformed JSON frame: not an object")
-    typ = data.pop("type", None)
-    if typ == "response.processed":
-        return None
-    if typ != "response.create":
-        raise APIError(400, f"unsupported event type {typ!r}", param="type")
-    return _prepare(data, path="ws /v1/responses", store=store, key=key)
-
-
-def _ws_error(e: APIError) -> str:
-    """A request error as a WebSocket frame: OpenAI's error object with the status."""
-    return json.dumps({"type": "error", "status": e.status, **openai_error(e)}, ensure_ascii=False)

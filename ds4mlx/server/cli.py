@@ -134,6 +134,7 @@ def run_serve(args, register) -> int:
         sessions_why=sessions_why,
         tool_memory_max_ids=args.tool_memory_max_ids,
         exact_dsml_replay=not args.disable_exact_dsml_tool_replay,
+        tool_call_dispatch=args.enable_streaming_tool_dispatch,
     )
 
     try:
@@ -226,15 +227,21 @@ def _distributed_kv(args, kv):
 def _loader(args, model: str, sessions: int, split: list[int] | None):
     """The engine loader the worker thread runs: one process, or rank 0 of a split."""
     from ds4mlx.engine import Engine
+    from ds4mlx.engine.speculative import speculation_for
 
     def load():
         if not args.distributed:
-            return Engine.load(model, ctx_size=args.ctx, sessions=sessions)
-        from ds4mlx.engine.pipeline import load_distributed
+            engine = Engine.load(model, ctx_size=args.ctx, sessions=sessions)
+        else:
+            from ds4mlx.engine.pipeline import load_distributed
 
-        engine = load_distributed(model, ctx_size=args.ctx, sessions=sessions, split=split)
-        # The followers exit when rank 0 says so, at exit: the worker has stopped by then.
-        atexit.register(engine.model.shutdown)
+            engine = load_distributed(model, ctx_size=args.ctx, sessions=sessions, split=split)
+            # The followers exit when rank 0 says so, at exit: the worker has stopped then.
+            atexit.register(engine.model.shutdown)
+        # --speculative (ValueError for a drafter the checkpoint lacks: refused at start).
+        engine.speculation = speculation_for(
+            engine, getattr(args, "speculative", "off"), getattr(args, "draft_tokens", 4)
+        )
         return engine
 
     return load

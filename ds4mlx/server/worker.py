@@ -236,7 +236,13 @@ class Worker:
         self.jobs_done += 1
 
     def _run_job(self, job: Job) -> None:
-        from ds4mlx.engine import FINISH_CONTEXT, FINISH_LENGTH, ContextOverflowError, run_turn
+        from ds4mlx.engine import (
+            FINISH_CONTEXT,
+            FINISH_LENGTH,
+            ContextOverflowError,
+            Steering,
+            run_turn,
+        )
         from ds4mlx.kv.cache import ContextFull, UnknownToolId
 
         req = job.request
@@ -269,6 +275,9 @@ class Worker:
         )
         job.emit(JobStarted(plan.prompt_tokens, plan.cached, decision))
         spec = _fitted(req.turn, s.ctx_size - plan.prompt_tokens, script)
+        # Steer and cancel arrive through the job's flags; a cancelled turn is closed at
+        # a turn boundary too, so the next request can continue it.
+        hooks = Steering(job.steer.is_set, close_cancelled=True)
         try:
             result = run_turn(
                 s,
@@ -281,6 +290,7 @@ class Worker:
                 tool_memory=self.tool_memory,
                 after_token=lease.after_token,
                 script=_script_ids(script, tok),
+                hooks=hooks,
             )
         except ContextOverflowError as e:
             job.emit(_prompt_error(e.have + e.adding, e.ctx_size))
@@ -289,7 +299,8 @@ class Worker:
             self.tracer.write(job.id, "output", text=result.raw, finish=result.finish)
         if result.finish == FINISH_LENGTH and spec.max_tokens < req.turn.max_tokens:
             result.finish = FINISH_CONTEXT  # the room left, not the client's limit, ended it
-        self._done(job, lease, result, t_start, decision, detail)
+        at_boundary = hooks.at_boundary and result.prefilled == len(plan.suffix_tokens)
+        self._done(job, lease, result, t_start, decision, detail, at_boundary)
 
     def _emitter(self, job: Job) -> Callable[[Any], None]:
         """``emit`` for the turn loop: its events are job events (the trace sees the
@@ -302,29 +313,18 @@ class Worker:
 
         return emit
 
-    def _done(self, job: Job, lease, result, t_start: float, decision: str, detail: str) -> None:
-        """Report the turn (bindings, event, trace, log line)."""
+    def _done(
+        self, job: Job, lease, result, t_start, decision: str, detail: str, at_boundary=False
+    ) -> None:
+        """Report the turn (bindings, event, trace, log line); ``at_boundary``: a steered
+        or cancelled turn that ends at a turn boundary binds as an end of turn."""
         plan = lease.plan
-        finish = result.finish
-        calls = list(result.tool_calls)
-        outcome = JobDone(
-            finish=finish,
-            stop_sequence=result.stop_sequence,
-            prompt_tokens=plan.prompt_tokens,
-            cached_tokens=plan.cached,
-            completion_tokens=result.completion_tokens,
-            reasoning_tokens=result.reasoning_tokens,
-            tool_calls=[ToolCallDone(c.id, c.name, c.arguments, c.dsml) for c in calls],
-            reasoning=result.reasoning,
-            prefill_s=result.prefill_s,
-            decode_s=result.decode_s,
-            decision=decision,
-            text=result.text,
-        )
+        outcome = _outcome(result, plan, decision)
         try:
-            lease.finish(result)
+            lease.finish(result, at_boundary=at_boundary)
         except Exception:
             log.exception("after-generation bookkeeping failed")
+        self.engine.speculation.add(result)
         job.emit(outcome)
         self.tracer.write(
             job.id,
@@ -332,6 +332,24 @@ class Worker:
             **{k: v for k, v in dataclasses.asdict(outcome).items() if k != "reasoning"},
         )
         _log_job(job, plan, result, outcome, t_start, detail)
+
+
+def _outcome(result, plan, decision: str) -> JobDone:
+    """The job's final event from its `TurnResult` and plan."""
+    return JobDone(
+        finish=result.finish,
+        stop_sequence=result.stop_sequence,
+        prompt_tokens=plan.prompt_tokens,
+        cached_tokens=plan.cached,
+        completion_tokens=result.completion_tokens,
+        reasoning_tokens=result.reasoning_tokens,
+        tool_calls=[ToolCallDone(c.id, c.name, c.arguments, c.dsml) for c in result.tool_calls],
+        reasoning=result.reasoning,
+        prefill_s=result.prefill_s,
+        decode_s=result.decode_s,
+        decision=decision,
+        text=result.text,
+    )
 
 
 def _stop_if_fatal(worker: Worker, e: BaseException) -> None:
@@ -347,11 +365,14 @@ def _stop_if_fatal(worker: Worker, e: BaseException) -> None:
 
 
 def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float, detail: str) -> None:
-    """The one log line per job: path, decision, token counts, rates, finish, queue wait."""
+    """The one log line per job: path, decision, token counts, rates, finish, queue wait,
+    and for a drafting turn its drafted / accepted tokens and tokens per target forward."""
+    from ds4mlx.engine.speculative import draft_words
+
     n = outcome.completion_tokens
     log.info(
         "%s %s%s prompt=%d cached=%d generated=%d prefill=%s decode=%.1f tok/s finish=%s "
-        "wait=%.2fs job=%d",
+        "wait=%.2fs job=%d%s",
         job.request.path,
         outcome.decision,
         f" {detail}" if detail else "",
@@ -363,6 +384,7 @@ def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float, detail: s
         outcome.finish,
         t_start - job.submitted,
         job.id,
+        draft_words(result),
     )
 
 
