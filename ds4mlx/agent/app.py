@@ -579,7 +579,7 @@ def repl(agent: Agent, ui: RichUI, sig: SignalState | None = None, *, demo: bool
             sig.prompting, sig.pending = True, False
             try:
                 # A background job that ends meanwhile is shown at once (sent later).
-                with idle_notices(agent.turns, ui.interject):
+                with idle_notices(agent.turns.notices, ui.interject):
                     line = ui.read_line(guard=sig.read())
             finally:
                 sig.prompting = False
