@@ -96,6 +96,8 @@ class TurnSpec:
         pipeline: build each decode step's graph while the previous one evaluates
             (`Session.begin_decode`); False feeds token by token, synchronously. Both
             leave exactly the same state.
+        grammar: an ``ds4mlx.engine.grammar.Grammar`` the reply (after ``</think>``) must
+            follow: its mask wraps the turn's hooks (`Grammar.hooks`), or None.
     """
 
     sampling: SamplingParams
@@ -114,6 +116,7 @@ class TurnSpec:
     cap_is_eos: bool = False
     ignore_eos: bool = False
     pipeline: bool = True
+    grammar: Any = None
 
 
 class PrefillPlan(Protocol):
@@ -274,6 +277,8 @@ class Turn:
     ):
         self.s, self.tok, self.spec = session, tokenizer, spec
         self.hooks: TurnHooks = hooks or _NO_HOOKS
+        if spec.grammar is not None:
+            self.hooks = spec.grammar.hooks(self.hooks)
         self.drafts: collections.deque[int] = collections.deque()
         self.ended = False
         self.emit = emit
