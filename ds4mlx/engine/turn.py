@@ -277,8 +277,6 @@ class Turn:
     ):
         self.s, self.tok, self.spec = session, tokenizer, spec
         self.hooks: TurnHooks = hooks or _NO_HOOKS
-        if spec.grammar is not None:
-            self.hooks = spec.grammar.hooks(self.hooks)
         self.drafts: collections.deque[int] = collections.deque()
         self.ended = False
         self.emit = emit
@@ -613,6 +611,8 @@ def run_turn(
         RuntimeError: the session has no logits after the prefill (empty prompt).
     """
     emit = emit or (lambda _ev: None)
+    if spec.grammar is not None:  # its mask around the caller's hooks
+        hooks = spec.grammar.hooks(hooks or _NO_HOOKS)
     turn = Turn(session, tokenizer, spec, emit, cancel, tool_memory, hooks)
     if prefill is not None:
         suffix = list(getattr(prefill, "suffix_tokens", prefill))
