@@ -200,6 +200,21 @@ def validate(source: str, tokenizer=None, *, schema: Any = None, what: str = "gr
     return Grammar(source, what)
 
 
+def custom_grammar(syntax: str | None, definition: str | None, tokenizer=None) -> Grammar:
+    """Check a custom tool's input grammar on its own (``syntax`` ``"lark"`` or
+    ``"regex"``).
+
+    Raises:
+        GrammarError: an unknown syntax, or a definition that does not compile.
+    """
+    if syntax not in ("lark", "regex"):
+        raise GrammarError(f"unknown grammar syntax {syntax!r} (supported: lark, regex)")
+    if not isinstance(definition, str) or not definition.strip():
+        raise GrammarError("the grammar definition is empty")
+    lark = definition if syntax == "lark" else f"start: /{_regex_body(definition)}/"
+    return validate(json.dumps({"grammars": [{"lark_grammar": lark}]}), tokenizer, what=syntax)
+
+
 def _json_lark(schema: dict[str, Any]) -> str:
     """A Lark ``%json`` rule for ``schema``: compact JSON (no free whitespace between
     tokens: a model could otherwise spend its whole budget on blanks)."""
@@ -519,6 +534,7 @@ __all__ = [
     "GrammarHooks",
     "MaskStats",
     "ToolRule",
+    "custom_grammar",
     "json_grammar",
     "ll_tokenizer",
     "turn_grammar",

@@ -33,7 +33,18 @@ from quart import Response
 
 from ds4mlx.dsml import Conversation, Rendered, reply_thinking
 from ds4mlx.dsml import render as render_conv
-from ds4mlx.jobs import GenRequest, Job, JobDone, JobFailed, JobStarted, PrefillProgress, TurnSpec
+from ds4mlx.jobs import (
+    ConstraintError,
+    GenRequest,
+    Job,
+    JobDone,
+    JobFailed,
+    JobStarted,
+    OutputConstraint,
+    PrefillProgress,
+    TurnSpec,
+    compile_constraint,
+)
 from ds4mlx.routes.common import state
 from ds4mlx.routes.errors import APIError, Wording, context_error, failed_to_api
 from ds4mlx.routes.sse import SSE_COMMENT, sse_response
@@ -61,6 +72,7 @@ def prepare(
     top_logprobs: int | None = None,
     state_key: str | None = None,
     salt: str = "",
+    constraint: OutputConstraint | None = None,
 ) -> GenRequest:
     """Render and bound ``conv``; return the job to submit (call off the event loop).
 
@@ -76,12 +88,14 @@ def prepare(
         top_logprobs: chat ``logprobs``: None (off) or alternatives per token.
         state_key: the client's conversation name (`ds4mlx.routes.common.state_key`).
         salt: the prompt cache salt (`ds4mlx.routes.common.cache_salt`).
+        constraint: structured output / strict or custom tools to enforce (`grammar`).
     Raises:
-        APIError: 400 for a conversation that cannot be rendered or a rendering the
-            context cannot hold (`bound`).
+        APIError: 400 for a conversation that cannot be rendered, a rendering the
+            context cannot hold (`bound`), a constraint that cannot be enforced.
     """
     rendered = render(conv)
     bound(rendered.text, wording.param)
+    gram = constrain(conv, constraint)
     limit, cap_is_eos = turn_limit(max_tokens)
     turn = TurnSpec(
         sampling=sampling,
@@ -96,6 +110,7 @@ def prepare(
         calls=not conv.tool_none,
         top_logprobs=top_logprobs,
         cap_is_eos=cap_is_eos,
+        grammar=gram,
     )
     return GenRequest(
         path=path,
@@ -109,6 +124,28 @@ def prepare(
 
 
 # --------------------------------------------------------------------------- steps
+
+
+def constrain(conv: Conversation, constraint: OutputConstraint | None):
+    """The engine grammar enforcing ``constraint`` on ``conv``'s reply, or None.
+
+    Raises:
+        APIError: 400 naming what cannot be enforced and its field path (nothing is
+            queued; the check runs here, off the event loop, within llguidance's limits).
+    """
+    try:
+        return compile_constraint(
+            constraint,
+            tools=list(conv.tools),
+            calls=not conv.tool_none,
+            required=conv.tool_required,
+            tool_name=conv.tool_name,
+            tokenizer=state().tokenizer,
+            param="tools",
+        )
+    except ConstraintError as e:
+        text = f"{e.param}: {e.message}" if e.param else e.message
+        raise APIError(400, text, param=e.param or None, code="unsupported_constraint") from e
 
 
 def bound(text: str, param: str) -> None:
