@@ -332,6 +332,8 @@ def test_bad_constraints_are_400(server, client, path, extra, param, word):
 def test_live_continuation_after_strict_call(server, client):
     """A strict call, then its tool result: the second request extends the live state
     (only the suffix is prefilled)."""
+    server.wait_idle()
+    n0 = len(server.request_lines())
     server.script(tool_call_dsml("Bash", command="ls"))
     tools = _strict_tools(CHAT, BASH)
     msgs = [{"role": "user", "content": "list files"}]
@@ -349,6 +351,7 @@ def test_live_continuation_after_strict_call(server, client):
     m = r.json()["choices"][0]["message"]
     call = m["tool_calls"][0]
     assert json.loads(call["function"]["arguments"]) == {"command": "ls"}
+    server.request_line(n0)
     server.script("done" + EOS)
     msgs += [m, {"role": "tool", "tool_call_id": call["id"], "content": "a.txt"}]
     r2 = client.post(
@@ -365,4 +368,4 @@ def test_live_continuation_after_strict_call(server, client):
     usage = r2.json()["usage"]
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     assert cached > 0 and usage["prompt_tokens"] - cached < 40
-    assert "live" in server.request_lines()[-1]
+    assert "live" in server.request_line(n0 + 1)

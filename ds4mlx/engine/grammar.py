@@ -449,11 +449,13 @@ def _bits_to_bool(bitmask: np.ndarray, vocab: int) -> np.ndarray:
 @dataclass
 class MaskStats:
     """Per-turn mask figures: ``steps`` masks applied, ``fill_s`` seconds filling
-    bitmasks (matcher), ``apply_s`` seconds unpacking and building the masked logits."""
+    bitmasks (matcher), ``apply_s`` seconds unpacking and building the masked logits,
+    ``waits``: seconds the loop waited in each masked step (catch-up, fill, apply)."""
 
     steps: int = 0
     fill_s: float = 0.0
     apply_s: float = 0.0
+    waits: list[float] = field(default_factory=list)
 
 
 class GrammarHooks(TurnHooks):
@@ -515,6 +517,7 @@ class GrammarHooks(TurnHooks):
         vocab = base.shape[-1]
         if self.matcher is None:
             self._start(turn, vocab)
+        t_in = time.perf_counter()
         if not self._catch_up(turn):
             return inner
         t0 = time.perf_counter()
@@ -524,7 +527,9 @@ class GrammarHooks(TurnHooks):
         out = mx.where(allowed, base, mx.array(-mx.inf, dtype=base.dtype))
         self.stats.steps += 1
         self.stats.fill_s += t1 - t0
-        self.stats.apply_s += time.perf_counter() - t1
+        t2 = time.perf_counter()
+        self.stats.apply_s += t2 - t1
+        self.stats.waits.append(t2 - t_in)
         return out
 
 
