@@ -7,6 +7,7 @@ unconstrained decoding, and compile errors naming the problem and its path.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import jsonschema
@@ -63,10 +64,21 @@ def _accepts_prefix(llt, grammar, engine, text: str) -> bool:
 
 
 def test_ll_tokenizer_without_transformers(engine):
-    """The llguidance tokenizer is built from tokenizer.json alone: no transformers."""
+    """The llguidance tokenizer is built from tokenizer.json alone: building it (and
+    compiling a constraint the way a route does) imports no transformers or torch."""
     tok = ll_tokenizer(engine.tokenizer, 129280)
     assert tok.vocab_size == 129280 and tok.eos_token == engine.tokenizer.eos_id
-    assert "transformers" not in sys.modules or "llguidance.hf" not in sys.modules
+    code = (
+        "import sys\n"
+        "from ds4mlx.jobs import OutputConstraint, compile_constraint\n"
+        "from ds4mlx.tokenizer import Tokenizer\n"
+        "g = compile_constraint(OutputConstraint(schema={'type': 'object'}), tools=[],"
+        " calls=True, required=False, tool_name=None, tokenizer=Tokenizer.load())\n"
+        "assert g is not None\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'torch')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_json_schema_validity_and_unconstrained_invalid(engine, llt):

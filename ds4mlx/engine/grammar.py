@@ -158,6 +158,7 @@ def _value_path(node: Any, value: str, path: tuple[str, ...] = ()) -> str | None
 
 
 _UNIMPLEMENTED = re.compile(r'Unimplemented keys: \["([^"]+)"')
+_UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
 _REGEX_ERR = re.compile(r"regex parse error:\s*\n\s*(.+?)\s*\n", re.S)
 
 
@@ -169,6 +170,11 @@ def _explain(message: str, schema: Any) -> GrammarError:
     if m:
         path = _key_path(schema, m.group(1)) or ""
         return GrammarError(f"unsupported JSON schema keyword {m.group(1)!r}", path)
+    m = _UNKNOWN_FORMAT.search(message)
+    if m:
+        return GrammarError(
+            f"unsupported string format {m.group(1)!r}", _value_path(schema, m.group(1)) or ""
+        )
     m = _REGEX_ERR.search(message)
     if m:
         path = _value_path(schema, m.group(1)) or ""
