@@ -95,9 +95,9 @@ def bounded(schema: Any, *, chars: int = 6, items: int = 2) -> Any:
         t = node.get("type")
         types = t if isinstance(t, list) else [t]
         if "string" in types and "enum" not in node and "const" not in node:
-            node["maxLength"] = min(
-                node.get("maxLength", chars), max(chars, node.get("minLength", 0))
-            )
+            # A pattern may need more than ``chars`` (e.g. ``^wf_[a-z0-9-]{6,}$``).
+            cap = 4 * chars if "pattern" in node else chars
+            node["maxLength"] = min(node.get("maxLength", cap), max(cap, node.get("minLength", 0)))
         if "number" in types:
             node["type"] = (
                 ["integer" if x == "number" else x for x in types]

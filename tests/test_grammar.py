@@ -239,3 +239,26 @@ def test_custom_tool_grammar_errors(llt):
             {"apply_patch": ToolRule(custom=True, syntax="lark", definition="start: (")},
             tokenizer=llt,
         )
+
+
+def test_agent_tools_are_strict(engine, llt, tmp_path):
+    """``ds4mlx agent`` constrains calls to its own tools: a call with the schema's
+    parameters is accepted, an unknown parameter or a non-integer limit is not."""
+    from ds4mlx.agent.permissions import Permissions
+    from ds4mlx.agent.steps import strict_grammar
+    from ds4mlx.agent.tools import Toolbox
+
+    specs = Toolbox(tmp_path, Permissions(yes=True)).specs
+    g = strict_grammar(specs, engine.tokenizer)
+    head = '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="read">\n'
+    path = '<｜DSML｜parameter name="path" string="true">a.txt</｜DSML｜parameter>\n'
+    tok = engine.tokenizer
+
+    def accepts(text: str) -> bool:
+        m = llguidance.LLMatcher(llt, g.source, log_level=0)
+        ids = tok.encode(text)
+        return m.validate_tokens(ids) == len(ids)
+
+    assert accepts("ok" + head + path + "</｜DSML｜invoke>\n</｜DSML｜tool_calls>")
+    assert not accepts(head + '<｜DSML｜parameter name="nope" string="true">')
+    assert not accepts(head + path + '<｜DSML｜parameter name="limit" string="false">"x"')

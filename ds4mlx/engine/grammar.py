@@ -296,26 +296,47 @@ _FREE_TEXT = rf"/(?s:.+)/ & ~/(?s:.*{_DSML_WORD}.*)/"
 _OPEN = rf"/(?s:.*){_OPEN_RX}/ & ~/(?s:.*{_DSML_WORD}.*{_DSML_WORD}.*)/"
 
 
-def _plain_string(sub: Any) -> bool:
-    """A property written raw (``string="true"``): a string with no other constraint."""
-    return (
-        isinstance(sub, dict)
-        and sub.get("type") == "string"
-        and set(sub)
-        <= {
-            "type",
-            "description",
-            "title",
-            "default",
-            "examples",
-        }
-    )
+_NOTES = {"description", "title", "default", "examples", "$comment"}
+
+
+def _raw_value(b: _Builder, sub: Any) -> str | None:
+    """The Lark body of a string property written raw (``string="true"``, as the model
+    is prompted to write strings) up to and including the parameter closer, or None when
+    its constraints need the JSON form. Raw forms: any text; ``minLength``/``maxLength``;
+    an ``enum``/``const`` of strings; a ``pattern`` anchored with ``^…$``."""
+    if not isinstance(sub, dict):
+        return None
+    keys = set(sub) - _NOTES
+    values = sub.get("enum", [sub["const"]] if "const" in sub else None)
+    if values is not None and keys <= {"type", "enum", "const"}:
+        if values and all(isinstance(v, str) and PARAM_CLOSE not in v for v in values):
+            alts = " | ".join(_lit(v) for v in values)
+            return f"({alts}) {_lit(PARAM_CLOSE)}"
+        return None
+    if sub.get("type") != "string":
+        return None
+    if keys == {"type"}:
+        return "RAWC"
+    if keys <= {"type", "minLength", "maxLength"}:
+        lo, hi = int(sub.get("minLength", 0)), sub.get("maxLength")
+        body = f"(?s:.{{{lo},{'' if hi is None else int(hi)}}})"
+    elif keys == {"type", "pattern"}:
+        rx = sub["pattern"]
+        if not (rx.startswith("^") and rx.endswith("$") and not rx.endswith("\\$")):
+            return None
+        body = f"(?:{_regex_body(rx[1:-1])})"
+    else:
+        return None
+    b.n += 1
+    b.rules.append(f"RAW{b.n}: /{body}{_CLOSE_RX}/ & ~/(?s:.*{_CLOSE_RX}.+)/")
+    return f"RAW{b.n}"
 
 
 def _param(b: _Builder, name: str, sub: Any, defs: dict[str, Any]) -> str:
     head = f'{PARAM_OPEN} name="{name}" string='
-    if _plain_string(sub):
-        return b.rule(f"{_lit(head + chr(34) + 'true' + chr(34) + '>')} RAWC")
+    raw = _raw_value(b, sub)
+    if raw is not None:
+        return b.rule(f"{_lit(head + chr(34) + 'true' + chr(34) + '>')} {raw}")
     schema = dict(sub) if isinstance(sub, dict) else {}
     schema.update({k: v for k, v in defs.items() if k not in schema})
     return b.rule(
