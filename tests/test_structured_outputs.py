@@ -369,3 +369,25 @@ def test_live_continuation_after_strict_call(server, client):
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     assert cached > 0 and usage["prompt_tokens"] - cached < 40
     assert "live" in server.request_line(n0 + 1)
+
+
+def test_demo_cap_cut_json_is_incomplete(tiny_model_dir, tmp_path):
+    """``serve --demo``: its output cap stands in for EOS, except for a constrained reply:
+    JSON cut by the cap ends as ``length``, never as a valid-looking ``stop``."""
+    import shutil
+
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny_model_dir, cache / "ds4mlx" / "demo")
+    schema = {"type": "array", "items": {"type": "integer"}}
+    with Server(None, extra=["--demo"], env={"XDG_CACHE_HOME": str(cache)}) as s:
+        s.script("[1,2,3")  # then sampled under the mask until the cap
+        body = {"model": "m", "messages": [{"role": "user", "content": "go"}]}
+        r = httpx.post(s.url + CHAT, json={**body, **_format(CHAT, schema)}, timeout=300)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        text = choice["message"]["content"]
+        try:
+            jsonschema.validate(json.loads(text), schema)
+            assert choice["finish_reason"] == "stop"
+        except ValueError:
+            assert choice["finish_reason"] == "length", text

@@ -109,7 +109,8 @@ def prepare(
         tool_name=conv.tool_name,
         calls=not conv.tool_none,
         top_logprobs=top_logprobs,
-        cap_is_eos=cap_is_eos,
+        # A constrained reply cut by the demo cap is incomplete, never a natural end.
+        cap_is_eos=cap_is_eos and gram is None,
         grammar=gram,
     )
     return GenRequest(
