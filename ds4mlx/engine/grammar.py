@@ -9,7 +9,8 @@ Reasoning is never constrained. The turn loop installs `Grammar.hooks` around it
   consumed by the matcher, so the mask always describes the state the session holds;
 - before each sampling step the next-token bitmask is filled (llguidance's numpy API,
   into a preallocated ``int32`` buffer) and applied: ``mx.where`` over the unpacked
-  bits (llguidance's Metal kernel where Metal is available);
+  bits, on every device (llguidance's MLX helper is a Metal-only kernel; on Metal it
+  could replace the unpacking, unmeasured here);
 - the mask for step t+1 is computed as soon as the loop asks for it, which in the
   pipelined loop is after the forward of token t was launched (``mx.async_eval``): on
   a GPU the matcher runs on the CPU while the forward runs on the device;
