@@ -322,10 +322,12 @@ def plot(result: BenchResult, path: str) -> None:
 class LayerCost:
     """Wall time of one layer (or of embedding + head: ``layer`` -1) at Flash shape.
 
-    ``prefill_ms`` covers the whole prompt; ``decode_ms`` is the median per token. Layer
+    ``context`` is the frontier the row was measured at; ``prefill_ms`` covers the prompt
+    interval that ends there; ``decode_ms`` is the median per token. Layer
     times include building that layer's graph; layer 0 includes the embedding lookup.
     """
 
+    context: int
     layer: int
     kind: str
     hash_routed: bool
@@ -372,6 +374,30 @@ def _timed_forward(model, tokens: mx.array, cache, *, last_only: bool) -> list[f
     return [b - a for a, b in zip(starts, marks, strict=False)] + [end - marks[-1]]
 
 
+def _flash_rows(model, first: int, point: int, pre, n: int, dec_med) -> list[LayerCost]:
+    """``LayerCost`` rows of one frontier: per-layer times ``pre`` (prefill of ``n``
+    tokens, seconds) and ``dec_med`` (median decode step), then embedding + head (-1)."""
+    args = model.args
+    rows = []
+    for i, layer in enumerate(model.layers):
+        active, total = weight_bytes(layer, args)
+        rows.append(
+            LayerCost(point, first + i, args.layer_kind(i), args.hash_layers[i], total, active,
+                      1e3 * pre[i], 1e3 * pre[i] / n, 1e3 * float(dec_med[i]))
+        )  # fmt: skip
+    # The embedding is read one row per token; head and final norm entirely.
+    emb = sum(p.nbytes for _, p in tree_flatten(model.embed.parameters()))
+    head_total = emb + sum(
+        p.nbytes for m in (model.head, model.norm) for _, p in tree_flatten(m.parameters())
+    )
+    head_active = head_total - emb + emb // args.vocab_size
+    rows.append(
+        LayerCost(point, -1, "embed+head", False, head_total, head_active, 1e3 * pre[-1],
+                  1e3 * pre[-1] / n, 1e3 * float(dec_med[-1]))
+    )  # fmt: skip
+    return rows
+
+
 def run_flash_shape(
     layers: int = 2,
     *,
@@ -381,55 +407,54 @@ def run_flash_shape(
     prompt_tokens: int = 32,
     decode_tokens: int = 3,
     seed: int = 0,
+    frontiers: Sequence[int] | None = None,
     log: Callable[[str], object] | None = None,
+    progress: Callable[[int, int], object] | None = None,
 ) -> FlashShapeResult:
     """Per-layer prefill and decode cost at real Flash dimensions (random weights).
 
     Builds ``synth.flash_model`` (Flash's layers ``first …``; experts quantized at ``expert_bits``, generated directly
     as packed words + scales; the rest at ``other_bits``; embedding and head included),
-    prefills ``prompt_tokens`` random tokens and decodes ``decode_tokens`` more, timing
-    every layer separately.
+    then for each context frontier (``frontiers``, increasing; default one, ``prompt_tokens``)
+    prefills the random tokens up to it and decodes ``decode_tokens`` more, timing every
+    layer separately: one row per layer and frontier (``context``), prefill times covering
+    that frontier's interval only. ``progress(done, total)`` follows the weight build.
+
+    Raises:
+        ValueError: frontiers not increasing or not positive.
     """
     from ds4mlx.model.synth import flash_model
 
     say = log or (lambda _s: None)
+    points = [int(f) for f in (frontiers or [prompt_tokens])]
+    if points[0] < 1 or any(b <= a for a, b in zip(points, points[1:], strict=False)):
+        raise ValueError(f"frontiers must be positive and increasing, got {points}")
     t0 = time.perf_counter()
     model = flash_model(
-        layers, first=first, expert_bits=expert_bits, other_bits=other_bits, seed=seed
-    )
+        layers, first=first, expert_bits=expert_bits, other_bits=other_bits, seed=seed,
+        progress=progress,
+    )  # fmt: skip
     build_s = time.perf_counter() - t0
-    args = model.args
     say(f"built a {layers}-layer Flash-shape model in {build_s:.1f} s")
     rng = np.random.default_rng(seed)
-    prompt = mx.array(rng.integers(1000, 100000, prompt_tokens), dtype=mx.int32)[None]
+    tokens = mx.array(rng.integers(1000, 100000, points[-1]), dtype=mx.int32)[None]
     cache = model.make_cache()
-    pre = _timed_forward(model, prompt, cache, last_only=True)
-    say(f"prefill {prompt_tokens} tokens: {sum(pre):.2f} s")
-    dec = []
-    for t in rng.integers(1000, 100000, decode_tokens).tolist():
-        dec.append(_timed_forward(model, mx.array([[t]], dtype=mx.int32), cache, last_only=False))
-        say(f"decode step: {sum(dec[-1]):.2f} s")
-    dec_med = np.median(np.array(dec), axis=0)
-    rows = []
-    for i, layer in enumerate(model.layers):
-        active, total = weight_bytes(layer, args)
-        rows.append(
-            LayerCost(first + i, args.layer_kind(i), args.hash_layers[i], total, active,
-                      1e3 * pre[i], 1e3 * pre[i] / prompt_tokens, 1e3 * float(dec_med[i]))
-        )  # fmt: skip
-    # The embedding is read one row per token; head and final norm entirely.
-    emb = sum(p.nbytes for _, p in tree_flatten(model.embed.parameters()))
-    head_total = emb + sum(
-        p.nbytes for m in (model.head, model.norm) for _, p in tree_flatten(m.parameters())
-    )
-    head_active = head_total - emb + emb // args.vocab_size
-    rows.append(
-        LayerCost(-1, "embed+head", False, head_total, head_active, 1e3 * pre[-1],
-                  1e3 * pre[-1] / prompt_tokens, 1e3 * float(dec_med[-1]))
-    )  # fmt: skip
+    rows, done = [], 0
+    for point in points:
+        pre = _timed_forward(model, tokens[:, done:point], cache, last_only=True)
+        n, done = point - done, point
+        say(f"prefill to {point} tokens ({n} new): {sum(pre):.2f} s")
+        dec = []
+        for t in rng.integers(1000, 100000, decode_tokens).tolist():
+            step = _timed_forward(model, mx.array([[t]], dtype=mx.int32), cache, last_only=False)
+            dec.append(step)
+            say(f"decode step at {point}: {sum(step):.2f} s")
+        # The decoded tokens stay in the cache, so a later frontier's context is larger by
+        # decode_tokens per earlier frontier: a few tokens, kept for simplicity.
+        rows += _flash_rows(model, first, point, pre, n, np.median(np.array(dec), axis=0))
     return FlashShapeResult(
         rows=rows,
-        prompt_tokens=prompt_tokens,
+        prompt_tokens=points[-1],
         decode_tokens=decode_tokens,
         expert_bits=expert_bits,
         other_bits=other_bits,

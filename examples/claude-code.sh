@@ -6,10 +6,37 @@
 #
 # DS4MLX_URL (default http://127.0.0.1:8000) and DS4MLX_API_KEY (if the server was
 # started with --api-key) are honoured; every other argument goes to `claude`.
+# CLAUDE=/path/to/claude picks the Claude Code executable; without it the script uses
+# `claude` on PATH, else the copy `npm install --prefix tests/clients` (README) put in
+# this checkout.
 set -euo pipefail
 
 export ANTHROPIC_BASE_URL="${DS4MLX_URL:-http://127.0.0.1:8000}"
 export ANTHROPIC_AUTH_TOKEN="${DS4MLX_API_KEY:-local}"
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+if [[ -z "${CLAUDE:-}" ]]; then
+    if command -v claude >/dev/null; then
+        CLAUDE=claude
+    elif [[ -x "$here/../tests/clients/node_modules/.bin/claude" ]]; then
+        CLAUDE="$here/../tests/clients/node_modules/.bin/claude"
+    else
+        echo "claude-code.sh: Claude Code not found: install it (npm install -g" \
+            "@anthropic-ai/claude-code) or point CLAUDE=/path/to/claude at one" >&2
+        exit 1
+    fi
+fi
+
+# Stop at once when nothing answers (Claude Code would wait out API_TIMEOUT_MS, below).
+if ! python3 - "$ANTHROPIC_BASE_URL" <<'PY' 2>/dev/null
+import sys, urllib.request
+urllib.request.urlopen(sys.argv[1] + "/health", timeout=5).read()
+PY
+then
+    echo "claude-code.sh: no server at $ANTHROPIC_BASE_URL (start one: ds4mlx serve --demo," \
+        "or set DS4MLX_URL)" >&2
+    exit 1
+fi
 # One local model for every role Claude Code has (main, background, subagents).
 export ANTHROPIC_MODEL="deepseek-v4-flash"
 export ANTHROPIC_DEFAULT_OPUS_MODEL="deepseek-v4-flash"
@@ -61,4 +88,4 @@ if [[ "$window" =~ ^[0-9]+$ && -z "${CLAUDE_CODE_AUTO_COMPACT_WINDOW:-}" ]]; the
     fi
 fi
 
-exec "${CLAUDE:-claude}" --model deepseek-v4-flash "$@"
+exec "$CLAUDE" --model deepseek-v4-flash "$@"

@@ -21,7 +21,10 @@ import subprocess
 import sys
 import time
 
-import httpx
+try:
+    import httpx
+except ImportError:  # the SDK examples' dependency, not ds4mlx's
+    sys.exit("server_overhead.py needs httpx: pip install httpx (or pip install -e '.[test]')")
 
 PROMPT = "Write a long story about a lighthouse keeper."
 

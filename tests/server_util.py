@@ -106,6 +106,8 @@ class Server:
         self.log_path = Path(log_path) if log_path else None
         self.proc: subprocess.Popen | None = None
         self._log = None
+        # True: the server (and whatever it starts) gets its own session / process group.
+        self.start_new_session = False
 
     def start(self, timeout: float = 90.0) -> Server:
         if self.log_path is None:
@@ -114,7 +116,12 @@ class Server:
             self.log_path = Path(tempfile.mkstemp(prefix="ds4mlx-serve-", suffix=".log")[1])
         self._log = open(self.log_path, "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO
+            self.cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            cwd=REPO,
+            start_new_session=self.start_new_session,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -264,6 +271,18 @@ def require_cli(name: str) -> str:
     if os.environ.get("CI"):
         pytest.fail(msg)
     pytest.skip(msg)
+
+
+def benchmark_module(name: str):
+    """Import ``benchmarks/NAME.py`` (the benchmarks are scripts, not a package): the
+    tests reuse their capture of the real CLIs and their traffic replay."""
+    import importlib
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
 
 
 def ws_upgrade(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -12,12 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ds4mlx.agent.diagnostics import ExitStatus, diagnose
 from ds4mlx.agent.hooks import Hooks
 from ds4mlx.agent.loop import Agent
 from ds4mlx.agent.permissions import Permissions
-from ds4mlx.agent.redact import Redactor, redact
+from ds4mlx.agent.redact import Redactor, _screens, redact, screen_for
 from ds4mlx.agent.terminal import TerminalText
 from ds4mlx.agent.tools import EXIT_STATUS, FAILED, Toolbox
 from ds4mlx.agent.tools.shell import clean_terminal_output
@@ -146,6 +149,38 @@ def test_redact_pem_block_split_across_reads() -> None:
     r = Redactor()
     assert r.feed("a\n-----BEGIN PRIVATE KEY-----\nAAAA\n") == "a\n[redacted: Private Key]\n"
     assert r.feed("BBBB\n-----END PRIVATE KEY-----\nok\n") == "ok\n"
+
+
+# The plugins' regexes (the last entry, the assignment rule, starts with a look-behind
+# that from_regex can only filter for).
+_SCREENED = [(screen, rx) for screen, rx in _screens()[:-1] if screen is not None]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", range(len(_SCREENED)))
+@settings(
+    max_examples=8,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(data=st.data())
+def test_redact_screens_never_miss_a_match(n: int, data) -> None:
+    """A regex's literal screen is a superset: every string the regex matches holds one
+    of its literals (lower-cased for a case-insensitive regex)."""
+    screen, rx = _SCREENED[n]
+    s = data.draw(st.from_regex(rx, fullmatch=True))
+    hay = s.encode("utf-8", "surrogatepass")
+    hay = hay.lower() if rx.flags & re.IGNORECASE else hay
+    assert any(lit in hay for lit in screen), (rx.pattern, s, screen)
+
+
+def test_redact_screens_are_literals_of_the_patterns() -> None:
+    assert screen_for(re.compile(r"(?:r|s)k_live_[0-9a-zA-Z]{24}")) == (b"rk_live_", b"sk_live_")
+    assert screen_for(re.compile(r"x(?:ab|cd)?y[a-z]+QQ", re.I)) == (b"qq",)
+    assert screen_for(re.compile(r"\d{8,10}:[0-9A-Z]{35}")) is None  # ":" alone: scan
+    # A secret on a line the chunk's other lines dwarf is still found.
+    big = "key = value and a class token\n" * 20000 + f"export GITHUB_TOKEN={GH}\n"
+    assert redact(big).endswith("export GITHUB_TOKEN=[redacted: GitHub Token]\n")
 
 
 def test_redact_command_output_but_not_read_and_refuse_marker_writes(tb: Toolbox, ws: Path) -> None:
@@ -515,9 +550,8 @@ def test_notice_yes_stopped_at_the_output_limit(ws: Path) -> None:
 
 
 def _late_results(agent: Agent) -> list[str]:
-    return [
-        m.content for m in agent.messages if m.role == "tool" and m.content.startswith("[result of")
-    ]
+    """The job notices of the transcript (the renderer heads them with their call)."""
+    return [m.content for m in agent.messages if m.role == "tool" and m.content.startswith("job_")]
 
 
 def test_notice_job_end_is_a_late_result_in_the_next_suffix(engine, ws: Path) -> None:
@@ -536,14 +570,13 @@ def test_notice_job_end_is_a_late_result_in_the_next_suffix(engine, ws: Path) ->
         start = next(m for m in agent.messages if m.role == "assistant" and m.tool_calls)
         call_id = start.tool_calls[0].id
         [late] = _late_results(agent)
-        assert late.startswith(
-            f'[result of {call_id} bash(command="sleep 2; echo done", background=true): '
-            "job_1 exited 0 after 2."
-        )
-        assert late.endswith("]\ndone")
+        assert late.startswith("job_1 exited 0 after 2.") and late.endswith("\ndone")
         # It went out in the suffix after the round's results, inside <tool_result>: that
-        # prefill is EOS + one user turn (results, then the notice) + the assistant opener.
+        # prefill is EOS + one user turn (results, then the notice) + the assistant opener;
+        # the renderer heads it with the call it answers (dsml.render_late_result).
         suffix = [s for s in agent.steps if s.kind == "tool_results"][-1].text
+        head = f'<tool_result>[result of {call_id} bash(command="sleep 2; echo done", '
+        assert head + "background=true)]\njob_1 exited 0 after 2." in suffix
         assert suffix.startswith(EOS + "<｜User｜><tool_result>")
         assert suffix.count("<｜User｜>") == 1 and suffix.endswith("<｜Assistant｜><think>")
         assert suffix.index("<tool_result>[result of") > suffix.index("<tool_result>")

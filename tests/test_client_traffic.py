@@ -12,31 +12,27 @@ CI when a CLI is missing.
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
-from server_util import REPO, require_cli
+from server_util import benchmark_module, require_cli
 
 pytestmark = pytest.mark.slow
-
-
-def _benchmark():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import client_traffic
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
-    return client_traffic
 
 
 def test_client_traffic_short_session(tmp_path):
     require_cli("claude")
     require_cli("codex")
     out = tmp_path / "figures.json"
-    assert _benchmark().main(["--turns", "2", "--configs", "b", "--json", str(out)]) == 0
+    assert (
+        benchmark_module("client_traffic").main(
+            ["--turns", "2", "--configs", "b", "--json", str(out)]
+        )
+        == 0
+    )
     figures = json.loads(out.read_text())["configs"]["b"]
     rows = [
-        dict(zip(("client", "kind", "prompt", "cached"), r, strict=True)) for r in figures["rows"]
+        dict(zip(("client", "kind", "prompt", "cached", "conv"), r, strict=True))
+        for r in figures["rows"]
     ]
     claude = [r for r in rows if r["client"] == "claude"]
     codex = [r for r in rows if r["client"] == "codex"]

@@ -116,11 +116,11 @@ def _open_fds(pid: int) -> int:
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
 def test_the_limit_is_raised_and_closed_connections_free_their_descriptors(tiny_model_dir):  # noqa: F811
-    # Below this process's hard limit (which mlx-lm's import here may have set to 4096).
+    # Below this process's hard limit.
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     hard = 8192 if hard == resource.RLIM_INFINITY else min(hard, 8192)
     with limited(tiny_model_dir, f"512:{hard}") as s:
-        # Raised to the hard limit, and not changed by mlx-lm's import (to 2048/4096).
+        # Raised to the hard limit.
         assert f"open-file limit {hard};" in s.log(), s.log()[-2000:]
         pid = s.proc.pid
         before = _open_fds(pid)

@@ -502,7 +502,7 @@ def test_disk_falls_back_to_a_shorter_snapshot_that_verifies(engine, tmp_path, c
         p = _plan(engine, cache, _marked_job(engine, turn2))
     assert (p.decision, p.cached) == ("disk", end1), (p.decision, p.detail)
     assert "not as tokens" in caplog.text  # the longer candidate was refused, with why
-    assert "tried=2" in p.detail, p.detail
+    assert "tried=2" in p.detail and "checked=" in p.detail, p.detail
 
 
 def _keyed(engine, conv, key):

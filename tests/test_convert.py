@@ -365,3 +365,20 @@ def test_every_loadable_layout_converts_without_changing_logits(layouts, tmp_pat
     assert np.array_equal(_logits(model, toks), _logits(ref_model, toks))
     names = mx.load(os.path.join(out, "model.safetensors"))
     assert "layers.1.ffn.experts.w1.weight" in names and "layers.1.attn.wo_a.weight" in names
+
+
+def test_report_says_when_nothing_was_quantized(release, tiny_f32_dir, capsys):
+    """Issue 26 item 6: the tiny model's expert dims (32) do not divide by the default
+    group size 64, so ``--report-bits 4`` quantizes nothing and its row would read as
+    lossless: the report says so. The release fixture's are partly divisible: said too."""
+    rc = main(["convert", str(tiny_f32_dir), "--report", "--report-bits", "4,2:32",
+               "--report-tokens", "16", "--dtype", "float32"])  # fmt: skip
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    flat = " ".join(cap.err.split())
+    assert "note: 4: nothing was quantized, the routed experts stayed f32" in flat, cap.err
+    assert "note: 2:32" not in flat  # group 32 divides: quantized, no note
+    rc = main(["convert", release["src"], "--report", "--report-bits", "4",
+               "--report-tokens", "16", "--dtype", "float32"])  # fmt: skip
+    flat = " ".join(capsys.readouterr().err.split())
+    assert "note: 4: only part of the routed experts was quantized (f32+q4g64" in flat

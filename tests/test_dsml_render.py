@@ -224,10 +224,12 @@ def test_notice_late_result_names_its_call_and_sorts_after_the_round() -> None:
     from ds4mlx.dsml import Conversation, Message, ToolCall, render_late_result, render_prompt
 
     text = render_late_result("call_1", "bash", {"command": "sleep 2", "background": True}, "ok")
-    assert text == '[result of call_1 bash(command="sleep 2", background=true): ok]'
-    assert render_late_result("c", "t", {"x": "y" * 300}, "done", "a\nb\n").endswith(
-        "…): done]\na\nb"
-    )
+    assert text == '[result of call_1 bash(command="sleep 2", background=true)]\nok'
+    # Strings cut at 60 characters, the arguments at 200 in all; compact JSON values.
+    long = render_late_result("c", "t", {"x": "y" * 300, "n": {"a": [1, 2]}})
+    assert long == '[result of c t(x="' + "y" * 59 + '…", n={"a":[1,2]})]'
+    many = render_late_result("c", "t", {f"k{i}": "v" * 50 for i in range(9)})
+    assert len(many) == len("[result of c t()]") + 200 and many.endswith("…)]")
     conv = Conversation(
         messages=[
             Message("user", "go"),
@@ -242,11 +244,14 @@ def test_notice_late_result_names_its_call_and_sorts_after_the_round() -> None:
                 ],
             ),
             Message("tool", "two", tool_call_id="call_2"),
-            Message("tool", text, tool_call_id="call_1"),  # the job of call_1 ended
+            Message("tool", "job ended", tool_call_id="call_1"),  # the job of call_1 ended
             Message("tool", "three", tool_call_id="call_3"),
         ],
         thinking=False,
     )
     out = render_prompt(conv)
     assert out.index("<tool_result>two") < out.index("<tool_result>three")
-    assert out.index("<tool_result>three") < out.index("<tool_result>[result of call_1")
+    assert out.index("<tool_result>three") < out.index(
+        '<tool_result>[result of call_1 bash(command="a")]\njob ended</tool_result>'
+    )
+    assert "<tool_result>started</tool_result>" in out  # its own round: not late

@@ -133,3 +133,24 @@ def test_default_sessions_are_what_memory_holds_at_most_four(tiny_q):
         assert (n, rep.sessions) == (want, want) and rep.fits
     with pytest.raises(FitError, match="ctx 4096"):
         fit.sessions_that_fit(tiny_q, 4096, base + kv // 2, dtype_bytes=4, gpu=False)
+
+
+def test_serve_refuses_sessions_memory_cannot_hold_with_the_numbers(tiny_q, capsys):
+    """Issue 19: ``serve --sessions 0`` and more states than the memory budget holds are
+    refused before loading, with the fit check's numbers and how many would fit."""
+    from server_util import free_port
+
+    args = ModelArgs.from_dict(read_config(tiny_q))
+    one = fit.check_fit(tiny_q, 4096, memory_limit=1 << 40)
+    kv = fit.kv_bytes(args, 4096, 2 if mx.default_device() == mx.gpu else 4)
+    room = one.weights + one.working + 3 * kv + kv // 2  # three states fit, not four
+    limit = ["--memory-limit", str(room), "--ctx", "4096", "--port", str(free_port())]
+    assert main(["serve", "-m", tiny_q, "--sessions", "4", *limit]) == 2
+    err = capsys.readouterr().err
+    assert "--sessions 4 does not fit" in err and "× 4 sessions" in err, err
+    assert "Memory holds 3" in err and "--sessions 3" in err, err
+    assert main(["serve", "-m", tiny_q, "--sessions", "0", *limit]) == 2
+    err = capsys.readouterr().err
+    assert "--sessions 0: at least one resident state is needed; memory holds 3" in err, err
+    assert "× 3 sessions" in err and "(memory limit override)" in err, err
+    os.environ.pop(fit.MEMORY_ENV, None)

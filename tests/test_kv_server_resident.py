@@ -196,3 +196,37 @@ def test_claude_code_headers_keep_each_agent_on_its_own_state(server):
     assert f"state={sub_state} via=live" in plan["detail"], plan
     states = {s["key"]: s["tokens"] for s in server.health()["states"]}
     assert {"session:sess-1", "agent:agent-7"} <= set(states), states
+
+
+def test_a_helper_agent_never_takes_the_conversation_it_forks(server):
+    """Issue 19: Claude Code's helper agents (``x-claude-code-agent-id`` with a label, as
+    its prompt suggestion or compaction fork) resend the conversation plus their own
+    request. That would continue the conversation's state live and leave it holding the
+    fork; it is a side request instead: it runs on another state, and the conversation's
+    next turn still continues its own state live."""
+    import httpx
+
+    def send(headers, messages):
+        script(server, "Sure." + EOS)
+        body = {"model": "deepseek-chat", "max_tokens": 20, "system": main_sys, "tools": [TOOL]}
+        r = httpx.post(
+            server.url + "/v1/messages",
+            json={**body, "messages": messages},
+            headers=headers,
+            timeout=300,
+        )
+        assert r.status_code == 200, r.text[:2000]
+        return r.json(), server.trace.last()
+
+    main_sys = long_system(150, seed=121)
+    main_h = {"x-claude-code-session-id": "sess-helper"}
+    helper_h = {**main_h, "x-claude-code-agent-id": "aprompt_suggestion-0123456789abcdef"}
+    msgs = [{"role": "user", "content": "the main task"}]
+    r1, plan = send(main_h, msgs)
+    main_state = plan["detail"].split("state=")[1].split()[0]
+    msgs.append({"role": "assistant", "content": r1["content"]})
+    _, plan = send(helper_h, [*msgs, {"role": "user", "content": "suggest the next prompt"}])
+    assert "via=side" in plan["detail"] and f"state={main_state} " not in plan["detail"], plan
+    _, plan = send(main_h, [*msgs, {"role": "user", "content": "go on"}])
+    assert plan["decision"] in ("exact-token-prefix", "text-prefix"), plan
+    assert f"state={main_state} via=live" in plan["detail"], plan

@@ -584,3 +584,31 @@ def test_real_session_state_round_trip(tmp_path, tiny_checkpoint):
     restored = eng.new_session()
     restored.restore(SessionState(tokens=got.tokens, arrays=got.arrays, meta=got.meta))
     assert greedy(restored, 6) == ref
+
+
+def test_fallback_is_bounded_by_candidates_or_milliseconds(tmp_path, caplog):
+    """Issue 19: a lookup falls back from rejected candidates to shorter ones, at most
+    ``limit`` candidates or ``budget_ms`` of checks (the first is always checked); giving
+    up logs the bounds, a hit reports how many were tried and the time spent."""
+    store = make_store(tmp_path)
+    for i, text in enumerate(("ab", "abc", "abcd", "abcde")):
+        save(store, text, seed=i)
+    seen: list[str] = []
+
+    def only_shortest(entry, text, tokens):
+        seen.append(text)
+        return None if text == "ab" else "rejected by the test"
+
+    got = store.lookup_and_load("abcdef", accept=only_shortest)  # no bound: reaches "ab"
+    assert (got.text, got.tried, seen) == ("ab", 4, ["abcde", "abcd", "abc", "ab"])
+    assert got.check_ms >= 0
+    seen.clear()
+    with caplog.at_level(logging.INFO, logger="ds4mlx.kv"):
+        assert store.lookup_and_load("abcdef", accept=only_shortest, limit=2) is None
+    assert seen == ["abcde", "abcd"] and "bound: 2 candidates" in caplog.text
+    seen.clear()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ds4mlx.kv"):
+        got = store.lookup_and_load("abcdef", accept=only_shortest, limit=8, budget_ms=0)
+    assert got is None and seen == ["abcde"]  # the time bound spent after one check
+    assert "bound: 8 candidates or 0 ms" in caplog.text, caplog.text

@@ -398,6 +398,28 @@ def _resp_cases() -> dict[str, dict[str, Any]]:
             "tool_choice": "none",
             **none,
         },
+        # Codex's client-run tool search: the search call and the tools it loaded.
+        "resp-tool-search": {
+            "input": [
+                {"role": "user", "content": "Weather?"},
+                {
+                    "type": "tool_search_call",
+                    "call_id": "call_s",
+                    "arguments": {"query": "weather"},
+                    "execution": "client",
+                    "status": "completed",
+                },
+                {
+                    "type": "tool_search_output",
+                    "call_id": "call_s",
+                    "tools": [RESP_TOOL],
+                    "execution": "client",
+                    "status": "completed",
+                },
+            ],
+            "tools": [{"type": "tool_search", "execution": "client"}],
+            **none,
+        },
         "resp-trailing-assistant": {
             "input": [{"role": "user", "content": "France?"}, said],
             **none,
@@ -419,11 +441,6 @@ _LATE = (
     "ds4mlx hoists system/developer text met inside the conversation into the leading system "
     "block after the tools section, so the top-level system text and tools stay a prefix a "
     "retry shares; recipe keeps it in place",
-)
-_IMAGE = (
-    "image-placeholder",
-    "neither renders images for V4; ds4mlx names the block's type ([image_url], [input_image], "
-    "[image]), recipe writes [Unsupported Image]",
 )
 _PREFILL = (
     "anthropic-prefill",
@@ -462,9 +479,12 @@ DIFFERENCES: dict[str, tuple[str, str]] = {
     ),
     "ant-prefill": _PREFILL,
     "ant-prefill-thinking": _PREFILL,
-    "chat-image": _IMAGE,
-    "ant-image": _IMAGE,
-    "resp-image": _IMAGE,
+    "resp-tool-search": (
+        "tool-search",
+        "recipe drops a client-run tool_search tool and the tool_search_call / "
+        "tool_search_output items; ds4mlx offers the search as a function tool_search and "
+        "renders the exchange as its call and its tool result (the loaded tools' schemas)",
+    ),
 }
 
 # --------------------------------------------------------------------------- rendering

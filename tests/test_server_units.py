@@ -426,3 +426,19 @@ def test_state_key_from_claude_code_headers_and_prompt_cache_key(caplog):
     assert state_key({"x-claude-code-agent-id": "a\tb", "x-claude-code-session-id": "s"}) == (
         "session:s"
     )
+
+
+def test_helper_agents_are_told_by_their_labelled_agent_id():
+    """Issue 19: Claude Code names a forked helper agent "a" + label + "-" + 16 hex digits
+    (``aprompt_suggestion-…``, ``acompact-…``); an ``Agent``-tool sub-agent is "a" + 16 hex
+    digits and is a conversation of its own; no header is no helper."""
+    from ds4mlx.routes.common import helper_agent
+
+    def h(v):
+        return {"x-claude-code-agent-id": v, "x-claude-code-session-id": "s"}
+
+    for helper in ("aprompt_suggestion-0123456789abcdef", "acompact-00ff00ff00ff00ff"):
+        assert helper_agent(h(helper)), helper
+    for other in ("a7e7bae38e0463195", "worker@team", "acompact-xyz", "a\nb-0123456789abcdef"):
+        assert not helper_agent(h(other)), other
+    assert not helper_agent({"x-claude-code-session-id": "s"}) and not helper_agent(None)

@@ -351,3 +351,213 @@ def test_force_feed_at_a_full_context_feeds_what_fits(tiny_f32_dir):
     res = run_turn(small.session, tok, spec, prefill=_ids(small, PROMPT + "<think>"), hooks=Close())
     assert res.finish == "context" and fed == [0] and res.forced == 0
     assert len(small.session.tokens) == 24
+
+
+@pytest.mark.parametrize("in_reasoning", [False, True])
+def test_one_call_when_parallel_calls_are_off(engine, session, in_reasoning):
+    """``parallel_calls`` False: the model writes two invokes (after ``</think>``, or in a
+    block opened inside its reasoning); the turn ends after the first one, the block
+    closed and EOS forced: one call, and the state holds exactly that one-call turn."""
+    inv = '<｜DSML｜invoke name="bash">\n<｜DSML｜parameter name="command" string="true">{}</｜DSML｜parameter>\n</｜DSML｜invoke>'
+    head = "\n\n<｜DSML｜tool_calls>\n" + inv.format("ls")
+    two = head + "\n" + inv.format("pwd") + "\n</｜DSML｜tool_calls>"
+    reasoning = "Let me look." + ("" if in_reasoning else "</think>")
+    prompt = _ids(engine, PROMPT + "<think>")
+    spec = TurnSpec(GREEDY, 200, thinking=True, tools=(TOOL,), parallel_calls=False)
+    res = run_turn(
+        session, engine.tokenizer, spec, prefill=prompt, script=_ids(engine, reasoning + two)
+    )
+    assert [c.arguments for c in res.tool_calls] == [{"command": "ls"}]
+    assert res.finish == "stop" and res.call_errors == {}
+    one = reasoning + head + "\n</｜DSML｜tool_calls>"
+    assert res.raw == one
+    assert engine.tokenizer.decode(session.tokens[len(prompt) :]) == one
+
+
+# --------------------------------------------------------------------------- steering
+
+TWO_CALLS = (
+    '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n'
+    '<｜DSML｜parameter name="command" string="true">ls</｜DSML｜parameter>\n'
+    '</｜DSML｜invoke>\n<｜DSML｜invoke name="bash">\n'
+    '<｜DSML｜parameter name="command" string="true">pwd</｜DSML｜parameter>\n'
+    "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+)
+
+
+def _steered_turn(engine, session, prompt_text: str, script_text: str, when, **kw):
+    """Run a scripted turn under `Steering` whose poll holds once ``when(seen)`` does
+    (``seen``: the events so far; ``kw``: TurnSpec fields, ``cancel``)."""
+    from ds4mlx.engine import Steering
+
+    tok = engine.tokenizer
+    prompt = _ids(engine, prompt_text)
+    script = _ids(engine, script_text) + [tok.eos_id]
+    seen: list = []
+    cancel = kw.pop("cancel", None)
+    hooks = Steering(lambda: when(seen), close_cancelled=True)
+    spec = TurnSpec(GREEDY, kw.pop("max_tokens", 300), tools=(TOOL,), **kw)
+    memory = ToolMemory()
+    res = run_turn(
+        session,
+        tok,
+        spec,
+        prefill=prompt,
+        script=script,
+        emit=seen.append,
+        tool_memory=memory,
+        hooks=hooks,
+        cancel=cancel and (lambda: cancel(seen)),
+    )
+    return res, prompt, hooks, memory
+
+
+def _ends_at_rendered_turn(engine, session, prompt, res, memory, thinking: bool) -> None:
+    """The live state is the prompt plus this turn as the renderer writes it (no EOS):
+    the next rendered turn's suffix starts right here."""
+    from ds4mlx.dsml import Message, render_assistant_turn
+
+    msg = Message(
+        "assistant",
+        content=res.text,
+        reasoning=res.reasoning if thinking else None,
+        tool_calls=list(res.tool_calls),
+    )
+    turn = render_assistant_turn(msg, thinking=thinking, tool_memory=memory, eos=False)
+    assert engine.tokenizer.decode(session.tokens[len(prompt) :]) == turn
+    _assert_state_is_prompt_plus_fed(engine, session, prompt, session.tokens[len(prompt) :])
+
+
+def _text_of(seen, kind) -> str:
+    return "".join(e.text for e in seen if isinstance(e, kind))
+
+
+def test_steer_during_reasoning_closes_it_at_the_next_token(engine, session):
+    from ds4mlx.dsml import ThinkingDelta
+
+    res, prompt, hooks, memory = _steered_turn(
+        engine,
+        session,
+        PROMPT + "<think>",
+        "let me look at the files first</think>Sure.",
+        lambda seen: "let me" in _text_of(seen, ThinkingDelta),
+        thinking=True,
+    )
+    assert res.finish == "steered" and res.reasoning.startswith("let me")
+    assert "files" not in res.reasoning and res.text == "" and res.tool_calls == []
+    # Closed as a cancelled turn is: ``</think>`` fed (one forced token), not sampled.
+    assert res.forced == 1 and res.raw.endswith("</think>") and not hooks.cut_in_block
+    _ends_at_rendered_turn(engine, session, prompt, res, memory, thinking=True)
+
+
+def test_steer_during_text_stops_at_the_next_token(engine, session):
+    from ds4mlx.dsml import TextDelta
+
+    res, prompt, hooks, memory = _steered_turn(
+        engine,
+        session,
+        PROMPT + "<think>",
+        "hmm</think>Sure, I will write it in Python now.",
+        lambda seen: "Sure" in _text_of(seen, TextDelta),
+        thinking=True,
+    )
+    assert res.finish == "steered" and res.reasoning == "hmm" and res.forced == 0
+    assert res.text.startswith("Sure") and "Python" not in res.text
+    _ends_at_rendered_turn(engine, session, prompt, res, memory, thinking=True)
+
+
+def test_steer_inside_a_block_waits_for_its_close(engine, session):
+    """Steered at the first ``｜DSML｜`` token (the opener still held back): the turn runs
+    on to ``</｜DSML｜tool_calls>`` (both calls complete, runnable) and stops before the
+    EOS would be sampled."""
+    from ds4mlx.dsml import ToolCallStart
+
+    tok = engine.tokenizer
+    first_marker = [False]
+
+    def when(seen) -> bool:
+        return first_marker[0]
+
+    script_text = "Sure." + TWO_CALLS
+    prompt = _ids(engine, PROMPT + "</think>")
+    script = _ids(engine, script_text)
+    from ds4mlx.engine import Steering
+
+    seen: list = []
+    memory = ToolMemory()
+
+    def after_token(s) -> None:
+        first_marker[0] = first_marker[0] or s.tokens[-1] == tok.dsml_id
+
+    res = run_turn(
+        session,
+        tok,
+        TurnSpec(GREEDY, 300, tools=(TOOL,)),
+        prefill=prompt,
+        script=script + [tok.eos_id],
+        emit=seen.append,
+        tool_memory=memory,
+        after_token=after_token,
+        hooks=Steering(lambda: when(seen)),
+    )
+    assert res.finish == "steered" and res.text == "Sure."
+    assert [c.arguments for c in res.tool_calls] == [{"command": "ls"}, {"command": "pwd"}]
+    assert res.call_errors == {} and sum(isinstance(e, ToolCallStart) for e in seen) == 2
+    # Every scripted token but the EOS: the state ends where EOS would have ended it.
+    assert res.completion_tokens == len(script) and res.raw.endswith("</｜DSML｜tool_calls>")
+    _ends_at_rendered_turn(engine, session, prompt, res, memory, thinking=False)
+
+
+def test_steer_then_max_tokens_or_cancel_cuts_the_block_stays_text(engine, session):
+    """A block that ``max_tokens`` or a cancel cuts while a steer waits for its close is
+    never a call (it stays text in the live state; `Steering.cut_in_block`)."""
+    from ds4mlx.dsml import ToolCallStart
+
+    def started(seen) -> bool:
+        return any(isinstance(e, ToolCallStart) for e in seen)
+
+    n_open = len(_ids(engine, "Sure." + TWO_CALLS.split("</｜DSML｜invoke>")[0]))
+    res, _, hooks, _ = _steered_turn(
+        engine, session, PROMPT + "</think>", "Sure." + TWO_CALLS, started, max_tokens=n_open
+    )
+    assert res.finish == "length" and res.tool_calls == [] and hooks.cut_in_block
+    session.reset()
+    res, _, hooks, _ = _steered_turn(
+        engine, session, PROMPT + "</think>", "Sure." + TWO_CALLS, started, cancel=started
+    )
+    assert res.finish == "cancelled" and res.tool_calls == [] and hooks.cut_in_block
+
+
+def test_hooks_compose_single_call_steering_and_a_mask(engine, session):
+    """Several features in one turn (`chain_hooks`): with ``parallel_calls`` False the
+    single-call limit runs before the caller's hooks, and every hook of the chain is
+    called: a steer that never fires, a mask that bans a token, a recorder of the end.
+    The turn ends after the first call, closed as a one-call block."""
+    from ds4mlx.engine import Steering, TurnHooks
+
+    tok = engine.tokenizer
+    banned = tok.encode("zzz")[0]
+    calls: list[str] = []
+
+    class Record(TurnHooks):
+        def mask(self, turn, logits):
+            calls.append("mask")
+            return mx.where(mx.arange(logits.shape[0]) == banned, -mx.inf, logits)
+
+        def at_end(self, turn):
+            calls.append("end")
+
+    prompt = _ids(engine, PROMPT + "</think>")
+    res = run_turn(
+        session,
+        tok,
+        TurnSpec(GREEDY, 300, tools=(TOOL,), parallel_calls=False),
+        prefill=prompt,
+        script=_ids(engine, "Sure." + TWO_CALLS) + [tok.eos_id],
+        tool_memory=ToolMemory(),
+        hooks=[Steering(lambda: False), Record()],
+    )
+    assert [c.arguments for c in res.tool_calls] == [{"command": "ls"}]
+    assert res.finish == "tool_calls" or res.raw.rstrip().endswith("</｜DSML｜tool_calls>")
+    assert "</｜DSML｜invoke>" in res.raw and res.raw.count("<｜DSML｜invoke") == 1
+    assert calls[-1] == "end" and "mask" in calls

@@ -141,11 +141,11 @@ def test_anthropic_tool_results_precede_text_and_lists_render_placeholders():
     a = conv.messages[1]
     assert a.reasoning == "plan" and a.content == "ok"
     assert [c.id for c in a.tool_calls] == ["toolu_a", "toolu_b"]
-    assert conv.messages[3].content == "a\n\n[image]\n\nb"
+    assert conv.messages[3].content == "a\n\n[Unsupported Image]\n\nb"
     text = render_prompt(conv)
     # Results in call order (a before b), the user's text after them.
     assert (
-        "<tool_result>a\n\n[image]\n\nb</tool_result>\n\n<tool_result>/w</tool_result>\n\nafter"
+        "<tool_result>a\n\n[Unsupported Image]\n\nb</tool_result>\n\n<tool_result>/w</tool_result>\n\nafter"
         in text
     )
 
@@ -239,7 +239,7 @@ def test_openai_chat_roles_tools_and_reasoning():
     # follows (issue 19: the KV holds the request's rendering).
     assert conv.messages[0].content == "S1" and conv.late_system == ""
     assert conv.messages[4].content == "<system-reminder>\nD\n</system-reminder>"
-    assert conv.messages[1].content == "q\n\n[image_url]"
+    assert conv.messages[1].content == "q\n\n[Unsupported Image]"
     a = conv.messages[2]
     assert a.reasoning == "think"
     assert a.tool_calls == [

@@ -21,6 +21,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ds4mlx.argtypes import positive_int
+
 # Heavy imports (rich, MLX through the loop) happen inside the functions: building the
 # CLI parser must stay fast (``ds4mlx --help``).
 if TYPE_CHECKING:
@@ -39,7 +41,10 @@ commands:
   /nothink       thinking mode off for the next turns
   /ctx           context usage and cache state
   /quit          save and exit (also Ctrl+D; SIGTERM and SIGHUP do the same)
-Ctrl+C stops the model (or a running tool) and returns to the prompt."""
+Ctrl+C stops the model (or a running tool) and returns to the prompt.
+While the model works: type a line and Enter to steer (applied at the next boundary:
+at once in its text, after a tool-call block; calls not started are skipped); Esc stops
+at once and sends what is queued; a question on screen takes the next line typed."""
 
 
 def default_kv_dir() -> Path:
@@ -58,7 +63,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("-p", "--prompt", default=None, help="send one message, print, exit")
     p.add_argument("--yes", action="store_true", help="allow write/edit/bash without asking")
-    p.add_argument("--ctx", type=int, default=None, help="context size in tokens")
+    p.add_argument("--ctx", type=positive_int, default=None, help="context size in tokens")
     p.add_argument("--workspace", default=None, help="directory the tools work in (cwd)")
     p.add_argument(
         "--kv-disk-dir",
@@ -266,6 +271,7 @@ def run(args: argparse.Namespace) -> int:
     from ds4mlx.agent.sessions import SessionBook
     from ds4mlx.blas import blas_label
     from ds4mlx.engine import Engine, SamplingParams
+    from ds4mlx.engine.speculative import speculation_for
     from ds4mlx.kv.store import DiskKVStore
     from ds4mlx.model.loading import LoadError
 
@@ -276,6 +282,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         engine = Engine.load(model, ctx_size=args.ctx)
+        engine.speculation = speculation_for(
+            engine, getattr(args, "speculative", "off"), getattr(args, "draft_tokens", 4)
+        )
     except (LoadError, OSError, ValueError, RuntimeError) as e:
         err.print(f"ds4mlx agent: cannot load model {model}: {e}")
         return 2
@@ -301,7 +310,9 @@ def run(args: argparse.Namespace) -> int:
         can_ask=sys.stdin.isatty() or interactive,
         show_thinking=not args.hide_thinking,
     )
-    from ds4mlx.model.demo import DEMO_MAX_TOKENS
+    from ds4mlx.model.demo import DEMO_MAX_TOKENS, demo_policy
+
+    policy = demo_policy(args.demo, args.max_tokens)
 
     mcp = _start_mcp(
         mcp_config, args, workspace, env_policy, lambda m: err.print(f"warning: {m}"), kv_dir
@@ -316,12 +327,12 @@ def run(args: argparse.Namespace) -> int:
             yes=args.yes,
             # --demo (its own cap): no thinking, or the noise model's reasoning would take
             # the whole cap and the answer would be empty (as serve --demo does).
-            thinking=not args.nothink and not (args.demo and args.max_tokens is None),
+            thinking=not args.nothink and not policy,
             sampling=sampling,
             # The demo model's text is noise that may never end a turn: keep turns short.
             max_tokens=args.max_tokens or (DEMO_MAX_TOKENS if args.demo else None),
             # ... and the cap ends a turn as an EOS would (its last token fed).
-            cap_is_eos=args.demo and args.max_tokens is None,
+            cap_is_eos=policy,
             max_steps=args.max_steps,
             tool_output_tokens=args.tool_output_tokens,
             bash_timeout=args.bash_timeout,
@@ -359,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
         pass
     with _signals(interactive=True, exiting=True) as sig:
         try:
-            return repl(agent, ui, sig)
+            return repl(agent, ui, sig, demo=policy)
         finally:
             agent.close()
 
@@ -550,12 +561,14 @@ def _detach_terminal() -> None:
     os.close(fd)
 
 
-def repl(agent: Agent, ui: RichUI, sig: SignalState | None = None) -> int:
+def repl(agent: Agent, ui: RichUI, sig: SignalState | None = None, *, demo: bool = False) -> int:
     """Read messages and commands until ``/quit`` or end of input; returns 0.
 
     With ``sig`` (see :func:`_signals`): returns ``128 + N`` once signal N (SIGTERM,
     SIGHUP) asked the agent to exit.
     """
+    from ds4mlx.agent.idle import idle_notices
+
     sig = sig or SignalState()
     while True:
         if sig.terminating:
@@ -565,7 +578,9 @@ def repl(agent: Agent, ui: RichUI, sig: SignalState | None = None) -> int:
         try:
             sig.prompting, sig.pending = True, False
             try:
-                line = ui.read_line(guard=sig.read())
+                # A background job that ends meanwhile is shown at once (sent later).
+                with idle_notices(agent.turns, ui.interject):
+                    line = ui.read_line(guard=sig.read())
             finally:
                 sig.prompting = False
         except EOFError:
@@ -579,14 +594,35 @@ def repl(agent: Agent, ui: RichUI, sig: SignalState | None = None) -> int:
         if not text:
             continue
         if text.startswith("/"):
-            if command(agent, ui, text) == "quit":
+            if command(agent, ui, text, demo=demo) == "quit":
                 return 0
             continue
-        agent.send(line)
+        send_steerable(agent, ui, line)
 
 
-def command(agent: Agent, ui: RichUI, text: str) -> str | None:
-    """Run one ``/command``; returns ``"quit"`` for ``/quit``."""
+def send_steerable(agent: Agent, ui: RichUI, line: str) -> None:
+    """Send ``line`` with the steering key reader running (``ds4mlx.agent.steer``): lines
+    typed meanwhile are applied at the turn's next boundary; what is still queued when
+    the message's turns end (Esc, or typed as the last turn finished) is sent next. After
+    Ctrl+C the queue is dropped (said)."""
+    from ds4mlx.agent.steer import SteerQueue, steering
+
+    steer = SteerQueue()
+    text: str | None = line
+    while text:
+        with steering(agent, ui, steer) as keys:
+            result = agent.send(text)
+        text = steer.take()
+        if text and result.status == "interrupted" and not (keys and keys.escaped):
+            ui.notice(f"dropped after Ctrl+C: {text}", "warn")
+            return
+        if text:
+            ui.line(f"› {text}", "bold green")
+
+
+def command(agent: Agent, ui: RichUI, text: str, *, demo: bool = False) -> str | None:
+    """Run one ``/command``; returns ``"quit"`` for ``/quit``. ``demo``: the demo policy
+    applies (``ds4mlx.model.demo.demo_policy``), so ``/think`` keeps thinking off."""
     from ds4mlx.agent.loop import AgentError
 
     name, _, arg = text.partition(" ")
@@ -617,6 +653,10 @@ def command(agent: Agent, ui: RichUI, text: str) -> str | None:
                 ui.line(f"saved session {rec.id} ({snap})", "green")
         elif name == "/history":
             ui.show_history(agent.messages)
+        elif name == "/think" and demo:
+            from ds4mlx.model.demo import DEMO_NO_THINKING
+
+            ui.notice(f"thinking stays off: {DEMO_NO_THINKING}", "warn")
         elif name == "/think":
             agent.set_thinking(True)
             ui.line("thinking on", "dim")

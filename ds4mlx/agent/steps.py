@@ -9,6 +9,7 @@ reasoning block is closed by the loop's forced feed); run its tool calls.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ds4mlx.agent import once
+from ds4mlx.agent.dispatch import Dispatcher
 from ds4mlx.agent.events import Generated, Step
 from ds4mlx.agent.hooks import AFTER, BEFORE, fire_response
 from ds4mlx.agent.live import Live, LiveState
@@ -27,7 +29,6 @@ from ds4mlx.dsml import (
     ThinkingDelta,
     ToolCall,
     render_assistant_turn,
-    render_late_result,
 )
 from ds4mlx.dsml.tokens import THINK_END
 from ds4mlx.engine import FINISH_CANCELLED, FINISH_STOP, Turn, TurnHooks, TurnSpec, run_turn
@@ -39,6 +40,9 @@ _AGENT_STOP = {FINISH_STOP: "eos", FINISH_CANCELLED: "interrupted"}
 
 # Error kind of tool results for calls the user interrupted (ToolOutcome.error).
 INTERRUPTED = "interrupted"
+INTERRUPTED_BEFORE_TEXT = "error: not run: the user interrupted the agent before this call"
+# A call not started when the user's queued instructions were applied (steering).
+STEERED_TEXT = "not run: the user interrupted with new instructions"
 
 
 _GRAMMARS: dict[str, Any] = {}  # the tools' names and schemas -> their strict grammar
@@ -90,6 +94,39 @@ class _Hooks(TurnHooks):
             turn.force_feed([turn.tok.think_end_id])
 
 
+def closed_turn(lv, gen: Generated, thinking: bool) -> Message:
+    """The transcript message for a generated turn; the live state ``lv`` ends on it.
+
+    A turn that stopped inside its reasoning had ``</think>`` fed by the turn loop
+    (`_Hooks.at_end`), so the live text reads ``reasoning</think>content`` as the
+    renderer writes it; without room for it the state is ``dirty``.
+    """
+    raw = gen.raw
+    lv.state = LiveState.TURN_END
+    if thinking and THINK_END not in raw:
+        lv.state = LiveState.DIRTY
+    if gen.stop == "eos":
+        res = gen.result
+        msg = Message(
+            "assistant",
+            content=res.content,
+            reasoning=res.reasoning if thinking else None,
+            tool_calls=list(res.tool_calls),
+        )
+        if render_assistant_turn(msg, thinking=thinking, eos=False) != raw:
+            lv.exact = False
+        return msg
+    # Interrupted or cut: keep the raw text as it is in the live state; a partial
+    # tool call stays text and is never run.
+    if thinking and THINK_END in raw:
+        reasoning, content = raw.split(THINK_END, 1)
+    elif thinking:
+        reasoning, content = raw, ""
+    else:
+        reasoning, content = None, raw
+    return Message("assistant", content=content, reasoning=reasoning)
+
+
 class Steps:
     """One assistant turn's steps on ``live`` (see the module doc).
 
@@ -134,6 +171,14 @@ class Steps:
         # Writes the transcript (`SessionControl.persist`): before a round, after each result.
         self.persist: Callable[[], None] = lambda: None
         self.job_calls: dict[str, ToolCall] = {}  # background job handle -> its call
+        # True while a steer is queued (`ds4mlx.agent.steer`): calls not started skip.
+        self.steer_pending: Callable[[], bool] = lambda: False
+        self.steer_take: Callable[[], str | None] = lambda: None  # the queued text, once
+        # Read-only calls started at their block's close (`ds4mlx.agent.dispatch`).
+        self.dispatcher = Dispatcher(toolbox)
+        # Late results of ended jobs not yet in the transcript (taken while idle, too).
+        self.pending_notices: list[Message] = []
+        self._notice_lock = threading.Lock()
 
     def prepare(self, *, compact: bool) -> Prepared:
         """Put the transcript into the live state through the prompt cache (a lease:
@@ -204,6 +249,8 @@ class Steps:
             if kind == "summary" and not isinstance(ev, ThinkingDelta | TextDelta):
                 return  # tools are off while summarizing: calls are not shown or run
             lv.ui.event(ev)
+            if tools:
+                self.dispatcher.event(ev)  # a read-only call starts at its close
 
         spec = TurnSpec(
             self.sampling,
@@ -255,6 +302,10 @@ class Steps:
         answer turn, closed into the transcript and bound in the prompt cache:
         ``(Generated, Message)``, or a ``SendResult`` status when it did not run."""
         lv = self.live
+        steer = self.steer_take()
+        if steer:  # after the round's results (calls not started: "not run"), one user turn
+            lv.messages.append(Message("user", steer))
+            lv.ui.notice(f"sent: {steer}")
         self.add_notices()
         prepared = self.prepare(compact=True)
         if prepared.compact is not None:
@@ -274,6 +325,8 @@ class Steps:
         )
         if gen is None:
             return "interrupted"
+        if gen.stop != "eos":
+            self.dispatcher.drop()  # a cut turn runs no calls: early results discarded
         msg = self.close_turn(gen, thinking)
         lv.messages.append(msg)
         fire_response(self, AFTER, gen, msg)
@@ -282,51 +335,55 @@ class Steps:
         prepared.lease.finish(gen.turn, transcript_key=key)
         return gen, msg
 
+    def collect_notices(self) -> list[str]:
+        """Take the ends of background jobs the model has not heard of (each once: the
+        toolbox marks them seen) into the pending notices; their UI lines, returned
+        (shown by the caller: at once while idle, or by `add_notices`)."""
+        with self._notice_lock:
+            shown = []
+            for handle, outcome, detail in self.toolbox.job_notices():
+                call = self.job_calls.get(handle)
+                if call is None:
+                    continue
+                text = f"{outcome}\n{detail.rstrip()}" if detail.strip() else outcome
+                self.pending_notices.append(Message("tool", text, tool_call_id=call.id))
+                shown.append(f"{handle}: {outcome}")
+            return shown
+
     def add_notices(self) -> None:
         """Background jobs that ended since the model heard of them: each a late result
-        of its call (``dsml.render_late_result``) after the pending results or user
-        text, so it goes out in the next suffix; shown in the UI too."""
-        for handle, outcome, detail in self.toolbox.job_notices():
-            call = self.job_calls.get(handle)
-            calls = (c.id for m in self.live.messages for c in m.tool_calls)
-            if call is None or call.id not in calls:  # its call is in another session
-                continue
-            text = render_late_result(call.id, call.name, call.arguments, outcome, detail)
-            self.live.messages.append(Message("tool", text, tool_call_id=call.id))
-            self.live.ui.notice(f"{handle}: {outcome}")
+        of its call (the renderer heads it with the call: ``dsml.render_late_result``)
+        after the pending results or user text, so it goes out in the next suffix; shown
+        in the UI too (unless the idle prompt showed it already). A notice whose call is
+        in another session (after ``/switch``) is dropped."""
+        for line in self.collect_notices():
+            self.live.ui.notice(line)
+        with self._notice_lock:
+            pending, self.pending_notices = self.pending_notices, []
+        calls = {c.id for m in self.live.messages for c in m.tool_calls}
+        self.live.messages.extend(m for m in pending if m.tool_call_id in calls)
 
     def close_turn(self, gen: Generated, thinking: bool) -> Message:
-        """The transcript message for a generated turn; the live state ends on it.
+        """The transcript message for a generated turn (`closed_turn`)."""
+        return closed_turn(self.live, gen, thinking)
 
-        A turn that stopped inside its reasoning had ``</think>`` fed by the turn loop
-        (`_Hooks.at_end`), so the live text reads ``reasoning</think>content`` as the
-        renderer writes it; without room for it the state is ``dirty``.
-        """
-        lv = self.live
-        raw = gen.raw
-        lv.state = LiveState.TURN_END
-        if thinking and THINK_END not in raw:
-            lv.state = LiveState.DIRTY
-        if gen.stop == "eos":
-            res = gen.result
-            msg = Message(
-                "assistant",
-                content=res.content,
-                reasoning=res.reasoning if thinking else None,
-                tool_calls=list(res.tool_calls),
+    def _not_run(
+        self, call: ToolCall, call_errors: dict[str, str], interrupted: bool
+    ) -> ToolOutcome | None:
+        """The result of a call that must not run now, or None to run it: after Ctrl+C
+        (or with a steer queued) calls not started are answered so; a call started
+        early (`Dispatcher`) keeps its real result; a malformed call is refused."""
+        if (interrupted or self.steer_pending()) and not self.dispatcher.started(call.id):
+            text = STEERED_TEXT if not interrupted else INTERRUPTED_BEFORE_TEXT
+            return ToolOutcome(False, text, INTERRUPTED)
+        if call.id in call_errors:
+            return ToolOutcome(
+                False,
+                f"error: malformed tool call ({call_errors[call.id]}); it was not run. "
+                "Call the tool again with well-formed DSML.",
+                "invalid_arguments",
             )
-            if render_assistant_turn(msg, thinking=thinking, eos=False) != raw:
-                lv.exact = False
-            return msg
-        # Interrupted or cut: keep the raw text as it is in the live state; a partial
-        # tool call stays text and is never run.
-        if thinking and THINK_END in raw:
-            reasoning, content = raw.split(THINK_END, 1)
-        elif thinking:
-            reasoning, content = raw, ""
-        else:
-            reasoning, content = None, raw
-        return Message("assistant", content=content, reasoning=reasoning)
+        return None
 
     def run_tools(self, calls: list[ToolCall], call_errors: dict[str, str]) -> bool:
         """Run ``calls`` in order, appending one tool message each; False if interrupted.
@@ -344,24 +401,13 @@ class Steps:
             outcome: ToolOutcome | None = None
             interrupted = interrupted or lv.cancel  # Ctrl+C between two calls
             try:
-                if interrupted:
-                    outcome = ToolOutcome(
-                        False,
-                        "error: not run: the user interrupted the agent before this call",
-                        INTERRUPTED,
-                    )
-                elif call.id in call_errors:
-                    outcome = ToolOutcome(
-                        False,
-                        f"error: malformed tool call ({call_errors[call.id]}); it was not run. "
-                        "Call the tool again with well-formed DSML.",
-                        "invalid_arguments",
-                    )
-                else:
+                outcome = self._not_run(call, call_errors, interrupted)
+                if outcome is None:
                     lv.phase = "tools"
                     lv.ui.tool_start(call, self.toolbox.describe(call.name, call.arguments))
                     if once.repeats_unknown(call, lv.messages):
                         outcome = self.toolbox.already_applied(call.name, call.arguments)
+                    outcome = outcome or self.dispatcher.take(call.id)  # started early
                     outcome = outcome or self.toolbox.run(call.name, call.arguments)
             except KeyboardInterrupt:
                 interrupted = True
@@ -375,4 +421,5 @@ class Steps:
                 if outcome.job:
                     self.job_calls[outcome.job] = call
             lv.ui.tool_result(call, outcome)
+        self.dispatcher.drop()  # outcomes of calls that did not run
         return not interrupted

@@ -20,10 +20,13 @@ in red.
 from __future__ import annotations
 
 import contextlib
+import sys
+import threading
 import time
 from collections.abc import Iterable
 
 from rich.console import Console, ConsoleOptions, RenderableType
+from rich.control import Control, ControlType
 from rich.markup import escape
 from rich.panel import Panel
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -76,6 +79,16 @@ def _text(text: str, style: str | None = None) -> Text:
     return out
 
 
+def _typed() -> str:
+    """What the user typed so far at ``input()``'s prompt (readline's buffer; "" when
+    readline is not in use)."""
+    rl = sys.modules.get("readline")
+    try:
+        return rl.get_line_buffer() if rl is not None else ""
+    except Exception:  # an editline build without it
+        return ""
+
+
 class SafeConsole(Console):
     """A rich ``Console`` whose printed text never carries a raw control character.
 
@@ -124,6 +137,10 @@ class RichUI(AgentUI):
         self._mode: str | None = None
         self._line_start = True
         self._pending_call_end = False
+        self._prompt_lock = threading.Lock()
+        self._prompt: str | None = None  # shown while read_line waits
+        # The steering key reader (`ds4mlx.agent.steer.KeyReader`) while a turn runs.
+        self.keys = None
 
     # ---- plain output helpers
 
@@ -162,7 +179,7 @@ class RichUI(AgentUI):
         )
         while True:
             try:
-                ans = self.console.input("allow? [o]nce / [a]lways / [d]eny › ", markup=False)
+                ans = self._answer("allow? [o]nce / [a]lways / [d]eny › ")
             except EOFError:
                 return "deny"
             decision = _ANSWERS.get(ans.strip().lower())
@@ -182,10 +199,19 @@ class RichUI(AgentUI):
             "yellow",
         )
         try:
-            return self.console.input(Text(escape_controls(tail) or "input › "), markup=False)
+            return self._answer(escape_controls(tail) or "input › ")
         except EOFError:
             self.console.print()
             return None
+
+    def _answer(self, prompt: str) -> str:
+        """A line answering a question on screen: from the steering key reader while a
+        turn runs (the next line typed, never one queued before), else ``input()``."""
+        if self.keys is None:
+            return self.console.input(Text(prompt), markup=False)
+        self.console.print(Text(prompt), end="")
+        self.console.file.flush()
+        return self.keys.read_line()
 
     def prefill_progress(self, done: int, total: int) -> None:
         if total < PROGRESS_MIN_TOKENS or not self.console.is_interactive:
@@ -275,27 +301,11 @@ class RichUI(AgentUI):
                 f"[yellow]compacting context ({info.reason}: {info.before} tokens)", style="yellow"
             )
             return
-        how = "model" if info.by_model else "mechanical"
-        self.line(
-            f"compacted: {info.dropped} messages replaced by a {how} summary "
-            f"({len(info.summary)} chars), {info.kept} kept verbatim; "
-            f"{info.before} → {info.after} tokens",
-            "yellow",
-        )
+        self.line(compaction_line(info), "yellow")
 
     def status(self, status: Status) -> None:
         self._newline()
-        pct = 100.0 * status.used / status.ctx if status.ctx else 0.0
-        parts = [f"ctx {status.used}/{status.ctx} ({pct:.0f}%)"]
-        if status.prefilled:
-            parts.append(f"prefill {status.prefilled} tok ({status.prefill_tok_s:.0f} tok/s)")
-        if status.generated:
-            parts.append(f"gen {status.generated} tok ({status.tok_s:.1f} tok/s)")
-        parts.append(f"KV {status.kv_bytes / 2**20:.1f} MiB")
-        if status.session is not None:
-            parts.append(f"session {status.session}")
-        parts.append("thinking" if status.thinking else "no thinking")
-        self.line(" · ".join(parts), "dim")
+        self.line(status_line(status), "dim")
 
     # ---- REPL helpers
 
@@ -307,43 +317,102 @@ class RichUI(AgentUI):
         never lands inside rich's rendering).
         """
         self.prefill_done()
-        self._newline()
-        self.console.print(f"[bold green]{escape(prompt)}[/]", end="")
-        self.console.file.flush()
-        with guard if guard is not None else contextlib.nullcontext():
-            return input()
+        with self._prompt_lock:
+            self._newline()
+            self.console.print(f"[bold green]{escape(prompt)}[/]", end="")
+            self.console.file.flush()
+            self._prompt = prompt
+        try:
+            with guard if guard is not None else contextlib.nullcontext():
+                return input()
+        finally:
+            with self._prompt_lock:
+                self._prompt = None
+
+    def interject(self, text: str, level: str = "info") -> None:
+        """Show a notice while :meth:`read_line` waits (from another thread): the line
+        is written over the prompt, then the prompt and what was typed so far again."""
+        with self._prompt_lock:
+            if self._prompt is None:
+                self.notice(text, level)
+                return
+            self.console.control(Control.move_to_column(0), Control((ControlType.ERASE_IN_LINE, 2)))
+            self._line_start = True
+            self.notice(text, level)
+            self.console.print(f"[bold green]{escape(self._prompt)}[/]", end="")
+            self.console.print(_text(_typed()), end="", soft_wrap=True)
+            self.console.file.flush()
 
     def show_sessions(self, records: list[SessionRecord], current: int | None) -> None:
         if not records:
             self.line("no sessions yet", "dim")
             return
-        table = Table(box=None, show_header=True, header_style="bold", pad_edge=False)
-        for col in ("", "#", "title", "messages", "snapshot", "updated"):
-            table.add_column(col)
-        for r in records:
-            snap = f"{r.kv_tokens} tokens" if r.kv_key else "-"
-            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.updated))
-            table.add_row(
-                "*" if r.id == current else "",
-                str(r.id),
-                _text(r.title or "(empty)"),
-                str(sum(1 for m in r.messages if m.role != "system")),
-                snap,
-                when,
-            )
-        self.console.print(table)
+        self.console.print(sessions_table(records, current))
 
     def show_history(self, messages) -> None:
-        shown = False
-        for label, text in describe_messages(messages):
-            shown = True
-            body = text if len(text) <= 600 else text[:600] + f"… ({len(text)} chars)"
-            style = {
-                "thinking": "dim italic",
-                "tool call": "cyan",
-                "tool result": "dim",
-                "user": "bold green",
-            }.get(label, "")
-            self.line(f"[{label}] {body}", style)
-        if not shown:
+        rows = history_rows(messages)
+        for text, style in rows:
+            self.line(text, style)
+        if not rows:
             self.line("(no messages yet)", "dim")
+
+
+def status_line(status: Status) -> str:
+    """The status line after a turn: context used, prefill and decode speed, KV bytes."""
+    pct = 100.0 * status.used / status.ctx if status.ctx else 0.0
+    parts = [f"ctx {status.used}/{status.ctx} ({pct:.0f}%)"]
+    if status.prefilled:
+        parts.append(f"prefill {status.prefilled} tok ({status.prefill_tok_s:.0f} tok/s)")
+    if status.generated:
+        parts.append(f"gen {status.generated} tok ({status.tok_s:.1f} tok/s)")
+    parts.append(f"KV {status.kv_bytes / 2**20:.1f} MiB")
+    if status.session is not None:
+        parts.append(f"session {status.session}")
+    parts.append("thinking" if status.thinking else "no thinking")
+    return " · ".join(parts)
+
+
+def compaction_line(info: CompactionInfo) -> str:
+    """What a finished compaction did, in one line."""
+    how = "model" if info.by_model else "mechanical"
+    return (
+        f"compacted: {info.dropped} messages replaced by a {how} summary "
+        f"({len(info.summary)} chars), {info.kept} kept verbatim; "
+        f"{info.before} → {info.after} tokens"
+    )
+
+
+def sessions_table(records: list[SessionRecord], current: int | None) -> Table:
+    """``/list``: one row per saved session, the current one starred."""
+    table = Table(box=None, show_header=True, header_style="bold", pad_edge=False)
+    for col in ("", "#", "title", "messages", "snapshot", "updated"):
+        table.add_column(col)
+    for r in records:
+        snap = f"{r.kv_tokens} tokens" if r.kv_key else "-"
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.updated))
+        table.add_row(
+            "*" if r.id == current else "",
+            str(r.id),
+            _text(r.title or "(empty)"),
+            str(sum(1 for m in r.messages if m.role != "system")),
+            snap,
+            when,
+        )
+    return table
+
+
+_HISTORY_STYLES = {
+    "thinking": "dim italic",
+    "tool call": "cyan",
+    "tool result": "dim",
+    "user": "bold green",
+}
+
+
+def history_rows(messages) -> list[tuple[str, str]]:
+    """``/history``: ``(line, style)`` per message part, long texts cut at 600 chars."""
+    rows = []
+    for label, text in describe_messages(messages):
+        body = text if len(text) <= 600 else text[:600] + f"… ({len(text)} chars)"
+        rows.append((f"[{label}] {body}", _HISTORY_STYLES.get(label, "")))
+    return rows

@@ -21,12 +21,15 @@ class ToolSpec:
     """A function tool offered to the model.
 
     ``parameters`` is a JSON Schema object (dict). Its ``properties`` order is the
-    order arguments are reported back in.
+    order arguments are reported back in. ``background``: the client declared the tool
+    ``async: true`` (docs/ARCHITECTURE.md §4, asynchronous tools): a call to it that has
+    no result yet gets a pending status result, and its result may arrive turns later.
     """
 
     name: str
     description: str = ""
     parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+    background: bool = False
 
 
 @dataclass
@@ -88,7 +91,15 @@ class Conversation:
     that tool). It does not change the rendered prompt; the generation loop opens the
     tool-call block itself once the visible reply starts. ``tool_none``: the client's
     ``tool_choice: none``: no tools are rendered and a call the model writes anyway is
-    dropped (never reported as a call nor shown as text).
+    dropped (never reported as a call nor shown as text). ``single_call``: the client
+    allows no parallel calls (``parallel_tool_calls: false``, Anthropic's
+    ``disable_parallel_tool_use``): the turn ends after the first closed invoke (the
+    generation loop closes the block itself); it does not change the rendered prompt.
+
+    ``loaded_tools``: tools a tool search the client ran loaded during the conversation
+    (Responses ``tool_search_output``): their schemas render inside that search's tool
+    result, not in the tools section (which stays a stable prefix); the model may call
+    them like ``tools`` (the decoder orders their arguments too).
 
     ``late_system``: system instructions that arrive inside the conversation before the
     first assistant turn (Claude Code's environment block, OpenAI ``developer``
@@ -111,5 +122,8 @@ class Conversation:
     tool_required: bool = False
     tool_name: str | None = None
     tool_none: bool = False
+    single_call: bool = False
     late_system: str = ""
     open_reply: bool = False
+    # Last: fields are also given by position (messages, tools, thinking, …).
+    loaded_tools: list[ToolSpec] = field(default_factory=list)

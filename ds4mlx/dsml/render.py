@@ -64,9 +64,12 @@ from .tool_memory import ToolMemory
 
 __all__ = [
     "Segment",
+    "background_names",
     "canonical_invoke",
     "render_assistant_turn",
     "render_invoke",
+    "render_late_result",
+    "render_pending_status",
     "render_prompt",
     "render_segments",
     "render_tool_calls",
@@ -101,6 +104,10 @@ _TOOLS_INTRO = (
 _TOOLS_OUTRO = (
     "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to "
     "invoke tool calls.\n"
+)
+_BACKGROUND_NOTE = (
+    "These tools run in the background (a call first gets a status result; its real result "
+    "comes later, headed by the call's id): "
 )
 _RESPONSE_FORMAT_INTRO = (
     "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
@@ -137,7 +144,11 @@ def _tools_section(tools: list[ToolSpec]) -> str:
     # The schemas are the client's content; the intro and outro are ours (they spell
     # <think> and </think>, which the official encoding tokenizes as special tokens).
     schemas = "\n".join(to_json(tool_schema_dict(t)) for t in tools)
-    return _TOOLS_INTRO + content(schemas) + _TOOLS_OUTRO
+    background = [t.name for t in tools if t.background]
+    # One sentence after the list, only when a tool runs in the background: without one
+    # the section stays the official template's, byte for byte.
+    note = f"\n\n{_BACKGROUND_NOTE}{content(', '.join(background))}." if background else ""
+    return _TOOLS_INTRO + content(schemas) + note + _TOOLS_OUTRO
 
 
 def render_tools_section(tools: list[ToolSpec]) -> str:
@@ -249,7 +260,8 @@ class _Turn:
     tools: list[ToolSpec] = field(default_factory=list)
     task: str | None = None
     response_format: dict[str, Any] | None = None
-    # Merged user turns: ("text", text, None) or ("tool", content, tool_call_id).
+    # Merged user turns: ("text", text, None), ("tool", content, tool_call_id) (a result
+    # or a pending status), or ("late", headed content, tool_call_id).
     blocks: list[tuple[str, str, str | None]] | None = None
     # Leading system turn: Conversation.late_system, rendered after the tools section.
     late: str = ""
@@ -309,23 +321,80 @@ def _sort_tool_results(turns: list[_Turn]) -> None:
 
     ``encoding_dsv4.py``: ``sort_tool_results_by_call_order`` — text blocks keep their
     slots, unknown ids sort as position 0, the sort is stable. One addition: a late
-    result (:func:`render_late_result`) answers a call of an *earlier* assistant turn;
-    it sorts after the latest turn's results (API clients never send those).
+    result (``"late"`` block, `_async_results`) answers a call of an *earlier* assistant
+    turn; it sorts after the latest turn's results, in arrival order (API clients send
+    those only for async tools).
     """
     order: dict[str, int] = {}
-    earlier: set[str] = set()
     for turn in turns:
         if turn.role == "assistant" and turn.tool_calls:
-            earlier.update(order)
             order = {c.id: i for i, c in enumerate(turn.tool_calls) if c.id}
         elif turn.role == "user" and turn.blocks:
-            results = [b for b in turn.blocks if b[0] == "tool"]
+            results = [b for b in turn.blocks if b[0] != "text"]
             if len(results) > 1 and order:
                 late = len(order)
-                ranks = [order.get(c, late if c in earlier else 0) for _, _, c in results]
+                ranks = [late if k == "late" else order.get(c, 0) for k, _, c in results]
                 by_rank = sorted(range(len(results)), key=ranks.__getitem__)
                 ranked = iter([results[i] for i in by_rank])
-                turn.blocks = [next(ranked) if b[0] == "tool" else b for b in turn.blocks]
+                turn.blocks = [next(ranked) if b[0] != "text" else b for b in turn.blocks]
+
+
+def background_names(conv: Conversation) -> frozenset[str]:
+    """Names of the tools ``conv`` declares background (`ToolSpec.background`, the
+    wire's ``async: true``): the conversation's tools, those a tool search loaded and
+    those of its messages."""
+    tools = [*conv.tools, *conv.loaded_tools, *(t for m in conv.messages for t in m.tools)]
+    return frozenset(t.name for t in tools if t.background)
+
+
+def _late_block(
+    block: tuple[str, str, str | None], calls: dict[str, ToolCall], latest: set[str]
+) -> tuple[str, str, str | None]:
+    kind, text, call_id = block
+    if kind != "tool" or call_id in latest or call_id not in calls:
+        return block
+    call = calls[call_id]
+    return "late", render_late_result(call.id, call.name, call.arguments, text), call_id
+
+
+def _async_results(turns: list[_Turn], background: frozenset[str]) -> list[_Turn]:
+    """Name late results and add pending status results (docs/ARCHITECTURE.md §4,
+    asynchronous tools).
+
+    A tool result whose call lies in an assistant turn before the latest one becomes a
+    ``"late"`` block headed by its call (`render_late_result`). A call to a background
+    tool whose result is not in the user turn right after its turn gets a status result
+    there (`render_pending_status`), in call order, in a user turn of its own when none
+    follows; it stays there in every later prompt, so renderings only grow.
+    """
+    calls: dict[str, ToolCall] = {}
+    latest: set[str] = set()
+    out: list[_Turn] = []
+    for i, turn in enumerate(turns):
+        if turn.role == "assistant":
+            latest = {c.id for c in turn.tool_calls if c.id}
+        elif turn.blocks:
+            turn.blocks = [_late_block(b, calls, latest) for b in turn.blocks]
+        out.append(turn)
+        if turn.role != "assistant":
+            continue
+        for c in turn.tool_calls:
+            if c.id:  # a call without an id (DeepSeek's own vectors) cannot be named
+                calls.setdefault(c.id, c)
+        nxt = turns[i + 1] if i + 1 < len(turns) else None
+        has_blocks = nxt is not None and nxt.role == "user" and nxt.blocks is not None
+        answered = {b[2] for b in nxt.blocks if b[0] == "tool"} if has_blocks else set()
+        status = [
+            ("tool", render_pending_status(c.id, c.name), c.id)
+            for c in turn.tool_calls
+            if c.name in background and c.id not in answered
+        ]
+        if status and has_blocks:
+            at = next((j for j, b in enumerate(nxt.blocks) if b[0] == "text"), len(nxt.blocks))
+            nxt.blocks[at:at] = status
+        elif status:
+            out.append(_Turn(role="user", sources=[], blocks=status))
+    return out
 
 
 def _last_user_index(turns: list[_Turn]) -> int:
@@ -370,7 +439,7 @@ def _drop_old_thinking(turns: list[_Turn]) -> list[_Turn]:
 
 def _prepare(conv: Conversation) -> tuple[list[_Turn], bool]:
     """Merged, sorted, thinning-applied turns and whether old reasoning was dropped."""
-    turns = _merge(conv)
+    turns = _async_results(_merge(conv), background_names(conv))
     for turn in turns[:-1]:
         turn.open = False  # only the last message can be continued
     if turns and turns[-1].role == "assistant" and not turns[-1].open and conv.open_reply:
@@ -446,7 +515,7 @@ def _render_turn(
         parts = []
         for kind, text, _ in turn.blocks or [("text", turn.content, None)]:
             text = content(text)
-            parts.append(f"<tool_result>{text}</tool_result>" if kind == "tool" else text)
+            parts.append(text if kind == "text" else f"<tool_result>{text}</tool_result>")
         out += USER + "\n\n".join(parts)
     elif role == "latest_reminder":
         out += LATEST_REMINDER + content(turn.content)
@@ -575,24 +644,56 @@ def render_prompt(
     return render(conv, context_size=context_size, tool_memory=tool_memory).text
 
 
-def render_late_result(
-    call_id: str, name: str, arguments: dict[str, Any], outcome: str, detail: str = ""
-) -> str:
-    """The text of a result that arrives after its call's round (a background job's end),
-    sent as a ``tool`` message answering ``call_id`` so it renders in ``<tool_result>``
-    (a job's output never reads as the user's words)::
+_LATE_STRING_CHARS = 60
+_LATE_ARGS_CHARS = 200
 
-        [result of call_ID bash(command="sleep 2; echo done", background=true): job_1 exited 0]
-        detail lines…
 
-    Argument values are JSON, each cut to 120 characters (``…``).
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _short_value(value: Any) -> Any:
+    """``value`` with every string cut to `_LATE_STRING_CHARS` characters (``…``)."""
+    if isinstance(value, str):
+        return _cut(value, _LATE_STRING_CHARS)
+    if isinstance(value, dict):
+        return {k: _short_value(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_short_value(v) for v in value]
+    return value
+
+
+def render_late_result(call_id: str, name: str, arguments: Any, result: str = "") -> str:
+    """The text of a result that arrives after its call's round, naming the call it
+    answers (the DeepSeek format has no ids)::
+
+        [result of call_ID NAME(ARGS)]
+        result…
+
+    ARGS: ``key=value`` pairs, each value compact JSON with every string cut to 60
+    characters, all of them cut to 200 (``…``); a non-object ``arguments`` is one compact
+    JSON value. Without ``result`` only the heading. The renderer heads every late result
+    with it (a client's result of an async tool, the agent's background-job notice);
+    the call's pending status is `render_pending_status`.
     """
-    shown = []
-    for k, v in arguments.items():
-        text = json.dumps(v, ensure_ascii=False)
-        shown.append(f"{k}={text if len(text) <= 120 else text[:119] + '…'}")
-    head = f"[result of {call_id} {name}({', '.join(shown)}): {outcome}]"
-    return f"{head}\n{detail.rstrip()}" if detail.strip() else head
+    short = _short_value(arguments)
+    if isinstance(short, dict):
+        args = ", ".join(
+            f"{k}={json.dumps(v, ensure_ascii=False, separators=(',', ':'))}"
+            for k, v in short.items()
+        )
+    else:
+        args = json.dumps(short, ensure_ascii=False, separators=(",", ":"))
+    head = f"[result of {call_id} {name}({_cut(args, _LATE_ARGS_CHARS)})]"
+    return f"{head}\n{result}" if result else head
+
+
+def render_pending_status(call_id: str, name: str) -> str:
+    """The status result of a call to a background tool (`ToolSpec.background`) that has
+    no result yet, rendered right after the call's turn and kept there in every later
+    prompt (append-only): ``[call_ID NAME: running in the background; its result will
+    come later with this id]``."""
+    return f"[{call_id} {name}: running in the background; its result will come later with this id]"
 
 
 def render_tool_results_suffix(
@@ -620,9 +721,11 @@ def render_tool_results_suffix(
     if k == 0 or k == len(segments) - 1:
         raise ValueError("conversation does not end with tool results after an assistant turn")
     sources = [i for s in segments[k + 1 :] for i in s.sources]
-    if not any(conv.messages[i].role == "tool" for i in sources):
-        raise ValueError("no tool results after the last assistant turn")
     last_assistant = conv.messages[segments[k].sources[0]]
     if not last_assistant.tool_calls:
         raise ValueError("the last assistant turn made no tool calls")
+    background = background_names(conv)
+    pending = any(c.name in background for c in last_assistant.tool_calls)
+    if not pending and not any(conv.messages[i].role == "tool" for i in sources):
+        raise ValueError("no tool results after the last assistant turn")
     return Rendered.parse(EOS + "".join(s.text for s in segments[k + 1 :]))

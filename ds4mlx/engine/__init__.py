@@ -25,6 +25,7 @@ from ds4mlx.engine.core import (
     default_ctx_size,
     describe_quant,
 )
+from ds4mlx.engine.hooks import TurnHooks, chain_hooks
 from ds4mlx.engine.sampling import SamplingParams
 from ds4mlx.engine.session import (
     DEFAULT_CHUNK,
@@ -34,16 +35,17 @@ from ds4mlx.engine.session import (
     SnapshotError,
     prefill_chunks,
 )
+from ds4mlx.engine.steer import Steering, close_reasoning
 from ds4mlx.engine.turn import (
     FINISH_CANCELLED,
     FINISH_CONTEXT,
     FINISH_LENGTH,
+    FINISH_STEERED,
     FINISH_STOP,
     FINISH_STOP_SEQUENCE,
     RawText,
     TokenLogprob,
     Turn,
-    TurnHooks,
     TurnResult,
     TurnSpec,
     run_turn,
@@ -56,6 +58,7 @@ __all__ = [
     "FINISH_CANCELLED",
     "FINISH_CONTEXT",
     "FINISH_LENGTH",
+    "FINISH_STEERED",
     "FINISH_STOP",
     "FINISH_STOP_SEQUENCE",
     "ContextOverflowError",
@@ -66,11 +69,14 @@ __all__ = [
     "Session",
     "SessionState",
     "SnapshotError",
+    "Steering",
     "TokenLogprob",
     "Turn",
     "TurnHooks",
     "TurnResult",
     "TurnSpec",
+    "chain_hooks",
+    "close_reasoning",
     "default_ctx_size",
     "describe_quant",
     "prefill_chunks",

@@ -13,6 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ds4mlx.engine.session import Session
+from ds4mlx.engine.speculative import Speculation
 
 # Default context when the caller does not choose one: one figure for the engine and the
 # loader's fit check.
@@ -84,14 +85,17 @@ def _dtype_name(dt) -> str:
     return {mx.float32: "f32", mx.bfloat16: "bf16", mx.float16: "f16"}.get(dt, str(dt))
 
 
-def _model_identity(path: Path, config: dict, quant: str) -> str:
+def _model_identity(path: Path, config: dict, quant: str, layout: str = "") -> str:
     """Stable id of a checkpoint's content: config, the weights
     (``ds4mlx.model.identity.checkpoint_identity``: their digest and sampled bytes of
-    every tensor) and the quantization loaded. ``"ds4-<32 hex>"`` (128 bits)."""
+    every tensor), the quantization loaded and, when split across ranks, the split.
+    ``"ds4-<32 hex>"`` (128 bits)."""
     h = hashlib.sha256()
     h.update(json.dumps(config, sort_keys=True).encode())
     h.update(checkpoint_identity(path).encode())
     h.update(quant.encode())
+    if layout:
+        h.update(layout.encode())
     return "ds4-" + h.hexdigest()[:32]
 
 
@@ -116,9 +120,14 @@ class Engine:
         quant: the `QuantInfo`; ``quant_desc`` its display form, e.g.
             ``"experts=q2 other=q8"``.
         session: the live ``Session``.
+        speculation: the speculative-decoding setting and totals
+            (``ds4mlx.engine.speculative.Speculation``; ``off`` unless the caller sets
+            it).
     """
 
-    def __init__(self, model, args, tokenizer: Tokenizer, *, path, config, ctx_size=None):
+    def __init__(
+        self, model, args, tokenizer: Tokenizer, *, path, config, ctx_size=None, layout=""
+    ):
         self.path = Path(path)
         self.model = model
         self.args = args
@@ -136,8 +145,11 @@ class Engine:
         self.ctx_size = int(ctx_size)
         self.quant = describe_quant(model)
         self.quant_desc = str(self.quant)
-        self.identity = _model_identity(self.path, config, self.quant_desc)
+        # ``layout``: how the layers are split across ranks ("" for one process).
+        self.layout = layout
+        self.identity = _model_identity(self.path, config, self.quant_desc, layout)
         self._last_logits = _last_logits_fn(model)
+        self.speculation = Speculation()
         self.session = Session(self)
 
     @classmethod

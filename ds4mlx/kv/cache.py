@@ -20,7 +20,7 @@ prompt may continue from. The agent's other uses of its state go through the cac
 `resume` (``/switch``), `reset` (``/new``).
 
 `PromptCache.peek` answers, without changing anything or queueing a job, what a prompt
-would reuse (``count_tokens``, ``/health``), and `summary` describes the cache as plain
+would reuse and be charged (``count_tokens``), and `summary` describes the cache as plain
 Python values (``/health``: routes never see sessions or arrays).
 
 Failures are neutral facts (`ds4mlx.kv.plan.UnknownToolId`,
@@ -79,6 +79,9 @@ class Prompt:
         salt: the cache salt (``""``: none): opaque to the cache (the server derives it
             from a request's ``cache_salt`` and API key). A live state or snapshot made
             under one salt is never reused by a prompt of another.
+        side: the client marked it a side request (a helper agent's fork of a
+            conversation): it runs on a side state or room (`PromptCache.begin`), never
+            on a conversation's state, even one it would continue.
     """
 
     tokens: Tokens
@@ -88,6 +91,7 @@ class Prompt:
     transcript: bool = False
     state_key: str | None = None
     salt: str = ""
+    side: bool = False
 
     @property
     def text(self) -> Rendered | None:
@@ -97,10 +101,13 @@ class Prompt:
 @dataclass(frozen=True)
 class Reuse:
     """What `PromptCache.peek` found: ``cached`` prompt tokens a live state would keep
-    (0: none), on state ``state`` (None: no live match)."""
+    (0: none), on state ``state`` (None: no live match), and ``prompt_tokens``: the
+    prompt's tokens as the session would hold them — the usage a request for it is
+    charged (kept + the suffix prefilled; with no live match, its whole tokenization)."""
 
     cached: int
     state: int | None
+    prompt_tokens: int
 
 
 class Lease:
@@ -143,7 +150,9 @@ class Lease:
         if self._saves:
             self._cache.tier.after_token(self.state)
 
-    def finish(self, result, *, transcript_key: Rendered | str | None = None) -> None:
+    def finish(
+        self, result, *, transcript_key: Rendered | str | None = None, at_boundary: bool = False
+    ) -> None:
         """Record what a later prompt may continue this state from.
 
         Args:
@@ -152,14 +161,20 @@ class Lease:
             transcript_key: a caller that keeps its transcript (the agent): its
                 rendering through this turn, ending with the turn's EOS. Then only that
                 binding is made (the caller renders its own next prompt).
+            at_boundary: the turn ended at a turn boundary although it was not an EOS
+                (``ds4mlx.engine.Steering.at_boundary``: steered, or cancelled and
+                closed): it binds as an end of turn does.
         """
         p = self.prompt
         chat = p is not None and not p.transcript and result.decoded is not None
+        finish = (
+            "stop" if at_boundary and result.finish in ("steered", "cancelled") else result.finish
+        )
         self._cache.planner.after_generation(
             self.state,
             # Dropped calls (``tool_choice: none``) are in the live state but in no
             # rendering of this turn: it binds nothing, as a cut turn does.
-            finish="dropped-calls" if getattr(result, "dropped_calls", 0) else result.finish,
+            finish="dropped-calls" if getattr(result, "dropped_calls", 0) else finish,
             tool_calls=result.tool_calls,
             # The rendering with its content spans: the turn's visible keys carry where
             # the prompt spells special tokens as plain text.
@@ -180,8 +195,8 @@ class PromptCache:
         disk: a `ds4mlx.kv.disk.DiskCache`, or None (no disk tier).
         sessions: the most live states kept (``--sessions N``; 1: the engine's own).
 
-    Called on the inference thread, except `bound_tool_ids` and `summary` (any thread:
-    plain Python values).
+    Called on the inference thread, except `bound_tool_ids`, `summary` and `peek` (any
+    thread: plain Python values).
     """
 
     @classmethod
@@ -276,7 +291,8 @@ class PromptCache:
         """The state for a job and why (``live``, ``side``, ``key``, ``room``; for the
         log line) (docs/ARCHITECTURE.md §3, resident states): the best live
         match (a tool-id continuation over a text key over a prefix, then the most tokens
-        kept); else, for a side request (`_is_side`), room that spares conversations
+        kept; a ``prompt.side`` request matches side states only); else, for a side
+        request (``prompt.side`` or `_is_side`), room that spares conversations
         (`ResidentStates.room_for`); else the state of the prompt's ``state_key``; else
         room (a free state, or the least valuable one)."""
         states = self.states
@@ -286,12 +302,15 @@ class PromptCache:
         else:
             best: tuple | None = None
             for s in states.states:
+                if prompt.side and not s.side:
+                    continue  # a helper's fork would take the conversation's state
                 score = self.planner.live_match(
                     s, tokens, rendered, prompt.conversation, prompt.salt
                 )
-                if score is not None and (best is None or score > best[0]):
+                # Ranked by (tier, kept tokens); the predicted prompt is no criterion.
+                if score is not None and (best is None or score[:2] > best[0][:2]):
                     best = (score, s)
-            side = best is None and self._is_side(prompt, rendered, tokens)
+            side = prompt.side or self._is_side(prompt, rendered, tokens)
             keyed = [
                 s
                 for s in states.states
@@ -311,7 +330,9 @@ class PromptCache:
                 if s.key == prompt.state_key and s is not r:
                     s.key = None
             r.key = prompt.state_key
-        r.side = side
+        # A live continuation keeps a conversation's state one; a side request that
+        # continues the scratch state keeps it the state side requests take.
+        r.side = side and (why != "live" or r.side)
         states.touch(r)
         return r, why
 
@@ -330,16 +351,23 @@ class PromptCache:
     # ---------------------------------------------------------------- queries
 
     def peek(self, prompt: Prompt) -> Reuse:
-        """What ``prompt`` would reuse of a live state, without changing anything (no
-        job, no disk lookup): for ``count_tokens`` and ``/health``."""
+        """What ``prompt`` would reuse of a live state and be charged, without changing
+        anything (no job, no disk lookup): ``count_tokens`` predicts usage with it.
+
+        Safe from any thread (it reads plain values, no arrays): it answers while a job
+        runs, against the states as they are then (a state being generated on has no
+        binding yet and matches only as a prefix).
+        """
         best: tuple | None = None
         rendered = prompt.text
         tokens = lazy_tokens(prompt.tokens)
         for r in list(self.states.states):
             score = self.planner.live_match(r, tokens, rendered, prompt.conversation, prompt.salt)
             if score is not None and (best is None or score[1] > best[0]):
-                best = (score[1], r.index)
-        return Reuse(best[0], best[1]) if best is not None else Reuse(0, None)
+                best = (score[1], r.index, score[2])
+        if best is None:
+            return Reuse(0, None, len(tokens()))
+        return Reuse(*best)
 
     def bound_tool_ids(self) -> frozenset[str]:
         """Ids of the live tool bindings of every state (any thread)."""

@@ -88,15 +88,10 @@ def _resolve(dir: Path, key: str) -> Path | None:
     return None
 
 
-def _cmd_ls(args: argparse.Namespace, con: Console) -> int:
-    from rich.table import Table
-    from rich.text import Text
-
+def _ls_scan(args: argparse.Namespace, dir: Path):
+    """``(entries, bad)`` of ``dir``; with ``--verify`` every entry is read and checked."""
     from ds4mlx.kv import store as kvs
 
-    dir = Path(args.dir)
-    if _no_dir(dir):
-        return 2
     scan = kvs.scan_dir(dir)
     bad = list(scan.bad)
     entries = []
@@ -110,13 +105,16 @@ def _cmd_ls(args: argparse.Namespace, con: Console) -> int:
                 bad.append(kvs.BadFile(e.path, str(exc), e.size))
                 continue
         entries.append(e)
+    return entries, bad
+
+
+def _ls_rows(entries, bad) -> list[tuple[dict[str, str], str, bool]]:
+    """``(cells by column, free text, is bad)`` per file; ``full`` is the whole key."""
     now = time.time()
-    cols = ["key", "tokens", "hits", "age", "used", "reason", "size"]
-    if args.long:
-        cols += ["ctx", "model"]
-    rows: list[tuple[dict[str, str], str, bool]] = []  # (cells, free text, is bad)
+    rows = []
     for e in entries:
         cells = {
+            "full": e.key,
             "key": e.key[:12],
             "tokens": str(e.tokens),
             "hits": str(e.hits),
@@ -129,37 +127,72 @@ def _cmd_ls(args: argparse.Namespace, con: Console) -> int:
         }
         rows.append((cells, e.head, False))
     for b in bad:
-        rows.append(
-            ({"key": b.path.name[:12], "reason": "BAD", "size": _size(b.size)}, b.reason, True)
-        )
-    # Rich shrinks every column when a row is too wide; cut the free text ourselves so
-    # the other columns keep their natural width.
+        name = b.path.name
+        cells = {"full": name, "key": name[:12], "reason": "BAD", "size": _size(b.size)}
+        rows.append((cells, b.reason, True))
+    return rows
+
+
+def _ls_table(title: str, cols: list[str], rows, width: int):
+    """A rich table of ``rows`` that fits ``width`` cells: rich would shrink every column
+    of a too-wide row (to "toke…"), so the free text is cut here and the least useful
+    columns are dropped until the others fit whole."""
+    from rich.table import Table
+    from rich.text import Text
+
     widths = {c: max([len(c)] + [len(r[0].get(c, "")) for r in rows]) for c in cols}
-    room = max(12, con.width - sum(widths.values()) - 3 * (len(cols) + 1) - 4)
+    cols = list(cols)
 
-    def cut(s: str, style: str) -> Text:
-        t = Text(s, style=style)
-        t.truncate(room, overflow="ellipsis")  # by terminal cells: CJK counts double
-        return t
+    def need(names: list[str]) -> int:
+        return sum(widths[c] for c in names) + 3 * (len(names) + 1) + 4
 
-    t = Table(title=f"KV cache {dir}", title_justify="left")
+    for drop in ("model", "ctx", "used", "hits", "age"):
+        if need(cols) + 12 <= width:
+            break
+        if drop in cols:
+            cols.remove(drop)
+    room = width - need(cols)
+    t = Table(title=title, title_justify="left")
     for c in cols:
         t.add_column(
             c, justify="left" if c in ("key", "reason", "model") else "right", no_wrap=True
         )
-    t.add_column("text", no_wrap=True, overflow="ellipsis")
+    if room >= 12:
+        t.add_column("text", no_wrap=True, overflow="ellipsis")
     for cells, text, is_bad in rows:
         style = "red" if is_bad else ""
+        cut = Text(text, style=style)
+        cut.truncate(room, overflow="ellipsis")  # by terminal cells: CJK counts double
         t.add_row(
             *(
                 Text(cells.get(c, ""), style=style + (" bold" if c == "reason" and is_bad else ""))
                 for c in cols
             ),
-            cut(text, style),
+            *([cut] if room >= 12 else []),
         )
-    con.print(t)
+    return t
+
+
+def _cmd_ls(args: argparse.Namespace, con: Console) -> int:
+    dir = Path(args.dir)
+    if _no_dir(dir):
+        return 2
+    entries, bad = _ls_scan(args, dir)
+    cols = ["key", "tokens", "hits", "age", "used", "reason", "size"]
+    if args.long:
+        cols += ["ctx", "model"]
+    rows = _ls_rows(entries, bad)
     total = sum(e.size for e in entries) + sum(b.size for b in bad)
-    con.print(f"{len(entries)} snapshots, {len(bad)} bad, {_size(total)} total")
+    summary = f"{len(entries)} snapshots, {len(bad)} bad, {_size(total)} total"
+    if not con.is_terminal:  # a pipe or a file: whole values, tab-separated, for scripts
+        print("\t".join([*cols, "text"]), file=con.file)
+        for cells, text, _ in rows:
+            vals = [cells["full"], *(cells.get(c, "") for c in cols[1:]), text]
+            print("\t".join(" ".join(v.split()) for v in vals), file=con.file)
+        print(summary, file=sys.stderr)
+        return 0
+    con.print(_ls_table(f"KV cache {dir}", cols, rows, con.width))
+    con.print(summary)
     return 0
 
 

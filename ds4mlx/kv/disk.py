@@ -280,7 +280,8 @@ class DiskCache:
         ``rendered_text`` (same model identity and context size) and that ``accept``
         takes, or None: `DiskKVStore.lookup_and_load` (``accept``, ``limit``: the
         candidate check made before any KV array is read, the most candidates tried;
-        ``salt``: the prompt's cache salt, only snapshots saved under it are found).
+        ``salt``: the prompt's cache salt, only snapshots saved under it are found; the
+        checks' time bound is the settings' ``lookup_ms``).
 
         Corrupt or foreign files are skipped (and reported by the store), never loaded.
         """
@@ -290,7 +291,13 @@ class DiskCache:
             data = rendered_text.encode("utf-8", "surrogatepass")
             self.writer.wait_for(lambda p: p.salt == salt and p.prefix_of(data), timeout=60)
         try:
-            return self.store.lookup_and_load(rendered_text, accept=accept, limit=limit, salt=salt)
+            return self.store.lookup_and_load(
+                rendered_text,
+                accept=accept,
+                limit=limit,
+                salt=salt,
+                budget_ms=self.settings.lookup_ms,
+            )
         except Exception:
             log.exception("kv cache: lookup failed")
             return None

@@ -46,7 +46,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ds4mlx.dsml import Conversation, Message, Rendered, ToolCall, render_tool_results_suffix
+from ds4mlx.dsml import (
+    Conversation,
+    Message,
+    Rendered,
+    ToolCall,
+    background_names,
+    render_tool_results_suffix,
+)
 from ds4mlx.dsml.tokens import EOS
 
 __all__ = [
@@ -79,10 +86,21 @@ class ToolBinding:
         ids: the call ids in sampled order (tuple of str, non-empty).
         n_tokens: live token count right after the turn (int tokens); the binding is
             valid only while the session still holds exactly that many.
+        names: the called tools' names, parallel to ``ids`` (``()``: unknown, every call
+            then counts as synchronous); a request's background tools
+            (``ToolSpec.background``) decide which calls its status results answer.
     """
 
     ids: tuple[str, ...]
     n_tokens: int
+    names: tuple[str, ...] = ()
+
+    def sync_ids(self, conv: Conversation) -> set[str]:
+        """The ids a request must answer to continue live: every call but those to the
+        request's background tools, which their pending status results answer."""
+        background = background_names(conv)
+        async_ids = {i for i, n in zip(self.ids, self.names, strict=False) if n in background}
+        return set(self.ids) - async_ids
 
 
 @dataclass(frozen=True)
@@ -190,33 +208,53 @@ def tool_results_suffix(
 ) -> Rendered | None:
     """What to append to the live state if ``conv`` answers ``binding``'s calls.
 
-    Matches when the tool results after the last assistant turn carry exactly the bound
-    id set (each once; a partial set does not match) and, when the request replays that
-    assistant turn, its calls are those same ids. Returns
+    Matches when the tool results after the last assistant turn answer (each once) every
+    *synchronous* bound call (`ToolBinding.sync_ids`: a call to a background tool is
+    answered by its pending status result, or by its own result), and each other result
+    is a late result of a call the request replays in an earlier turn; when the request
+    replays the bound assistant turn, its calls are those same ids. Returns
     ``<｜end▁of▁sentence｜><｜User｜><tool_result>…</tool_result>…<｜Assistant｜><think>``
     (or ``</think>``): the trailing turns rendered exactly as `render_prompt` would
-    render them after the sampled turn, results ordered by the *sampled* call order,
-    with its content spans (`ds4mlx.dsml.Rendered`). The assistant turn itself is
-    never re-rendered (its bytes are the live tokens). None when ``conv`` does not match.
+    render them after the sampled turn (results and status results in *sampled* call
+    order, late results after them), with its content spans (`ds4mlx.dsml.Rendered`).
+    The assistant turn itself is never re-rendered (its bytes are the live tokens).
+    None when ``conv`` does not match.
     """
     start = _trailing_start(conv)
     trailing = conv.messages[start:]
     ids = [m.tool_call_id or "" for m in trailing if m.role == "tool"]
-    if not ids or len(set(ids)) != len(ids) or set(ids) != set(binding.ids):
+    replays = start > 0 and conv.messages[start - 1].role == "assistant"
+    earlier = {
+        c.id: c
+        for m in conv.messages[: start - 1 if replays else 0]
+        if m.role == "assistant"
+        for c in m.tool_calls
+    }
+    late = [i for i in ids if i not in binding.ids and i in earlier]
+    answered = set(ids) - set(late)
+    if len(set(ids)) != len(ids) or not binding.sync_ids(conv) <= answered <= set(binding.ids):
         return None
-    if start > 0 and conv.messages[start - 1].role == "assistant":
+    if not ids and not replays:
+        return None  # nothing in the request refers to the sampled turn
+    if replays:
         replayed = {c.id for c in conv.messages[start - 1].tool_calls}
         if replayed != set(binding.ids):
             return None
     if any(m.role not in ("tool", "user") for m in trailing):
         return None
-    # A stand-in for the sampled turn: only its call order matters (results are sorted
-    # by it); its own text is not part of the suffix.
+    # A stand-in for the sampled turn: only its call order and names matter (results
+    # are sorted by the order, status results name the tool); its own text is not part
+    # of the suffix. Late results need their calls, from an earlier stand-in turn.
+    names = binding.names or ("",) * len(binding.ids)
     sampled = Message(
-        role="assistant", tool_calls=[ToolCall(id=i, name="", arguments={}) for i in binding.ids]
+        role="assistant",
+        tool_calls=[
+            ToolCall(id=i, name=n, arguments={}) for i, n in zip(binding.ids, names, strict=True)
+        ],
     )
+    before = [Message(role="assistant", tool_calls=[earlier[i] for i in late])] if late else []
     synth = Conversation(
-        messages=[sampled, *trailing],
+        messages=[*before, sampled, *trailing],
         tools=conv.tools,
         thinking=conv.thinking,
         reasoning_effort=conv.reasoning_effort,

@@ -11,9 +11,11 @@ prompt may continue from. The planner holds nothing between jobs.
 `Planner` implements the whole matching order; the first rule that fits wins:
 
 1–2. ``live-tools`` (`ds4mlx.kv.live.LIVE_TOOLS`; a caller may relabel it for its log) —
-   the trailing tool results carry exactly the call ids the live state just sampled
-   (`ds4mlx.kv.live.ToolBinding`): only the tool-results suffix is appended, tokenized
-   on its own; the sampled turn (hidden thinking, exact DSML) stays as is;
+   the trailing tool results answer the calls the live state just sampled
+   (`ds4mlx.kv.live.ToolBinding`): all the synchronous ones (a call to a background tool
+   is answered by its pending status result), plus late results of replayed earlier
+   calls: only the tool-results suffix is appended, tokenized on its own; the sampled
+   turn (hidden thinking, exact DSML) stays as is;
 3. ``live-transcript`` / ``live-thinking`` — the prompt starts with the agent's own
    rendering of the conversation the live state holds (`ds4mlx.kv.live.TranscriptBinding`),
    or with the visible key of the thinking turn the live state just sampled
@@ -407,11 +409,12 @@ class Planner:
 
     def live_match(
         self, r: Resident, prompt_tokens: Tokens, rendered, conversation, salt: str = ""
-    ) -> tuple[int, int] | None:
-        """``(tier, kept tokens)`` of the best live rule for state ``r`` (3: tool ids,
-        2: a text key, 1: a prefix), or None (also for a state of another cache
-        ``salt``). No side effects: it only ranks states
-        (`ds4mlx.kv.cache.PromptCache` plans the chosen one for real)."""
+    ) -> tuple[int, int, int] | None:
+        """``(tier, kept tokens, prompt tokens)`` of the best live rule for state ``r``
+        (tier 3: tool ids, 2: a text key, 1: a prefix; prompt tokens: kept + the suffix
+        it would prefill), or None (also for a state of another cache ``salt``). No side
+        effects: it ranks states (`ds4mlx.kv.cache.PromptCache` plans the chosen one for
+        real) and predicts usage (`ds4mlx.kv.cache.PromptCache.peek`)."""
         if not r.live or r.salt != salt:
             return None
         s, b = r.session, r.bindings
@@ -428,7 +431,7 @@ class Planner:
             )
         if plan is None or plan.prompt_tokens >= self.engine.ctx_size:
             return None
-        return tier, plan.keep
+        return tier, plan.keep, plan.prompt_tokens
 
     def append(self, r: Resident, tail: Rendered) -> Plan | None:
         """A plan that continues state ``r`` after its caller's turn with ``tail`` (the
@@ -471,7 +474,8 @@ class Planner:
         return False
 
     def _live_tools(self, session, conv, binding: ToolBinding | None) -> Plan | None:
-        """Rules 1-2: the trailing tool results answer exactly the calls just sampled."""
+        """Rules 1-2: the trailing tool results answer the calls just sampled (the
+        synchronous ones at least: `ds4mlx.kv.live.tool_results_suffix`)."""
         n = len(session.tokens)
         if conv is None or binding is None or binding.n_tokens != n:
             return None
@@ -581,7 +585,8 @@ class Planner:
             return
         calls = list(tool_calls)
         if calls and all(c.id for c in calls):
-            r.bindings.tool = ToolBinding(tuple(c.id for c in calls), n)
+            ids, names = tuple(c.id for c in calls), tuple(c.name for c in calls)
+            r.bindings.tool = ToolBinding(ids, n, names)
         if thinking and prompt_text.text.endswith(THINK_START):
             keys = visible_keys(prompt_text, text, render_tool_calls(calls, self.tool_memory))
             r.bindings.thinking = ThinkingBinding(keys, n)

@@ -57,6 +57,8 @@ DEFAULT_COLD_MAX_TOKENS = 30000
 DEFAULT_CONTINUED_INTERVAL_TOKENS = 10000
 DEFAULT_BOUNDARY_TRIM_TOKENS = 32
 DEFAULT_BOUNDARY_ALIGN_TOKENS = 2048
+# A disk lookup stops trying shorter candidates after this much time went to checks (ms).
+DEFAULT_LOOKUP_MS = 1000
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,10 @@ class KVCacheSettings:
             pending saves (MiB; the oldest pending save is dropped beyond it).
         sessions: ``--sessions``, live states kept resident in memory (1 = the one live
             session; ``ds4mlx.kv.resident``). Independent of the disk directory.
+        lookup_ms: ``--kv-cache-lookup-ms``, the time bound of a disk lookup's candidate
+            checks (milliseconds): after the first candidate, no further one is tried
+            once this much went to checking (besides the bound of
+            ``ds4mlx.kv.tier.MAX_CANDIDATES`` candidates).
 
     Raises:
         ValueError: negative values, ``min_tokens`` < 1, ``disk_space_mb`` < 1, or a
@@ -102,6 +108,7 @@ class KVCacheSettings:
     prompt_end: bool = True
     write_queue_mb: int = DEFAULT_WRITE_QUEUE_MB
     sessions: int = 1
+    lookup_ms: int = DEFAULT_LOOKUP_MS
 
     def __post_init__(self) -> None:
         for name in (
@@ -109,6 +116,7 @@ class KVCacheSettings:
             "continued_interval_tokens",
             "boundary_trim_tokens",
             "boundary_align_tokens",
+            "lookup_ms",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -184,6 +192,7 @@ class KVCacheSettings:
             prompt_end=not args.kv_cache_no_prompt_end,
             write_queue_mb=args.kv_write_queue_mb,
             sessions=args.sessions if args.sessions is not None else 1,
+            lookup_ms=args.kv_cache_lookup_ms,
         )
 
 
@@ -248,6 +257,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-write-queue-mb", type=int, metavar="MB", default=DEFAULT_WRITE_QUEUE_MB,
                    help="pending snapshot bytes the writer thread holds before it drops the "
                         "oldest pending save (default %(default)s)")  # fmt: skip
+    g.add_argument("--kv-cache-lookup-ms", type=int, metavar="MS", default=DEFAULT_LOOKUP_MS,
+                   help="a disk lookup tries shorter snapshots while the longer ones fail "
+                        "verification, for at most this many milliseconds of checks (and "
+                        "at most 8 candidates; default %(default)s)")  # fmt: skip
     g.add_argument("--sessions", type=int, metavar="N", default=None,
                    help="live KV states kept resident in memory (a conversation, each "
                         "sub-agent, side requests); a job runs on the best match, one at a "

@@ -230,6 +230,8 @@ class Loaded:
         tool_memory: tool id -> exact sampled DSML.
         tried: lookup candidates tried before it was taken, itself included (1 unless
             `DiskKVStore.lookup_and_load` fell back from longer ones).
+        check_ms: milliseconds the lookup spent finding and checking candidates before
+            this one's KV arrays were read (float).
     """
 
     entry: Entry
@@ -239,6 +241,7 @@ class Loaded:
     meta: dict[str, str]
     tool_memory: dict[str, str]
     tried: int = 1
+    check_ms: float = 0.0
 
     def suffix(self, rendered_prompt: str) -> str:
         """The part of ``rendered_prompt`` after this snapshot's text.
@@ -947,6 +950,7 @@ class DiskKVStore:
         accept: Callable[[Entry, str, Callable[[], list[int]]], str | None] | None = None,
         limit: int = 0,
         salt: str = "",
+        budget_ms: float | None = None,
     ) -> Loaded | None:
         """:meth:`lookup` then :meth:`load`, falling back to shorter prefixes when a
         candidate is rejected or fails to load. Returns None when nothing usable matches.
@@ -959,12 +963,32 @@ class DiskKVStore:
                 None to take it, or why not (logged; the next candidate is tried).
             limit: the most candidates tried (0: no limit).
             salt: the cache salt (`lookup`).
+            budget_ms: no candidate after the first starts once this many milliseconds
+                went to checking (None: no time bound). With ``limit`` it bounds what a
+                prompt whose snapshots all fail verification costs before it goes cold.
 
-        The loaded snapshot's ``tried`` counts the candidates tried, itself included.
+        The loaded snapshot's ``tried`` counts the candidates tried, itself included, and
+        ``check_ms`` the milliseconds spent. Giving up logs one line with both bounds.
         """
         failed: list[str] = []
         data = _utf8(rendered_prompt)
-        while not limit or len(failed) < limit:
+        t0 = time.monotonic()
+        while True:
+            ms = (time.monotonic() - t0) * 1e3
+            if failed and (
+                (limit and len(failed) >= limit) or (budget_ms is not None and ms >= budget_ms)
+            ):
+                bound = f"{limit} candidates" if limit else "no candidate limit"
+                if budget_ms is not None:
+                    bound += f" or {budget_ms:g} ms"
+                log.info(
+                    "kv cache: none of %d snapshot candidates verifies in %.0f ms "
+                    "(bound: %s); not tried further",
+                    len(failed),
+                    ms,
+                    bound,
+                )
+                return None
             e = self.lookup(rendered_prompt, exclude=failed, salt=salt)
             if e is None:
                 return None
@@ -978,6 +1002,7 @@ class DiskKVStore:
             text = data[: e.via_alias or e.text_bytes].decode("utf-8", "surrogatepass")
             try:
                 why = accept(e, text, tokens) if accept is not None else None
+                check_ms = (time.monotonic() - t0) * 1e3
                 if why is None:
                     loaded = self.load(e)
                     if read and loaded.tokens != read[0]:  # replaced since its tokens were read
@@ -997,9 +1022,8 @@ class DiskKVStore:
                     loaded.entry, via_alias=e.via_alias, alias_marks=e.alias_marks
                 )
             loaded.tried = len(failed) + 1
+            loaded.check_ms = check_ms
             return loaded
-        log.info("kv cache: none of %d snapshot candidates verifies", limit)
-        return None
 
     def tool_maps(self, *, newest_first: bool = False) -> Iterator[tuple[Entry, dict[str, str]]]:
         """Yield ``(entry, {tool id: exact DSML})`` for each compatible snapshot with tools.

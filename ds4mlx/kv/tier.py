@@ -108,8 +108,9 @@ class DiskTier:
         self, r: Resident, rendered: Rendered, salt: str = ""
     ) -> tuple[int, str, int] | None:
         """Rule 6: restore into ``r`` the longest stored rendered-text prefix of
-        ``rendered`` whose markers match, trying up to `MAX_CANDIDATES` from the longest
-        down; ``(tokens restored, log detail, characters of the prompt it covers)`` or
+        ``rendered`` whose markers match, trying from the longest down, up to
+        `MAX_CANDIDATES` or the settings' ``lookup_ms`` of checks, whichever comes
+        first; ``(tokens restored, log detail, characters of the prompt it covers)`` or
         None (no hit: ``r`` is unchanged). Only snapshots saved under the prompt's cache
         ``salt`` are candidates; on a hit ``r`` takes that salt.
 
@@ -153,7 +154,10 @@ class DiskTier:
         n = len(loaded.tokens)
         ms = (time.perf_counter() - t0) * 1e3
         e = loaded.entry
-        detail = f"ids=0 key={e.key[:12]} reason={e.reason} tried={loaded.tried} load={ms:.0f}ms"
+        detail = (
+            f"ids=0 key={e.key[:12]} reason={e.reason} tried={loaded.tried} "
+            f"checked={loaded.check_ms:.0f}ms load={ms:.0f}ms"
+        )
         return n, detail, end
 
     def resume(self, r: Resident, key: str) -> int | None:

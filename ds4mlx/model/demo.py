@@ -11,6 +11,27 @@ from typing import Any
 # the end of a turn.
 DEMO_MAX_TOKENS = 256
 
+# Context of ``serve --demo`` unless --ctx is given: the smallest window Claude Code works
+# in (its own prompt is ~19k tokens and it compacts at the window less 33k; see
+# examples/README.md). The demo's KV at this size is a few MB.
+DEMO_CTX = 65536
+
+
+def demo_policy(demo: bool, output_limit: int | None) -> bool:
+    """Whether the demo policy applies: ``--demo`` without an explicit output limit
+    (``serve --tokens``, ``agent --max-tokens``). The one source of truth for what the demo
+    serves: then nothing thinks (the server's every model id, its banner and
+    ``/v1/models`` ``"thinking": false``; the agent's ``/think`` is refused), and the
+    ``DEMO_MAX_TOKENS`` cap ends a turn as an EOS would."""
+    return bool(demo and output_limit is None)
+
+
+# Why the demo policy turns thinking off, for the banner, the agent and the docs.
+DEMO_NO_THINKING = (
+    f"the demo model answers without thinking: its noise reasoning would fill the whole "
+    f"{DEMO_MAX_TOKENS}-token cap and show nothing (an explicit output limit lifts this)"
+)
+
 
 def demo_model_dir() -> Path:
     """The cached tiny demo checkpoint directory (``$XDG_CACHE_HOME/ds4mlx/demo``)."""

@@ -223,7 +223,7 @@ def _suggestions(report: FitReport, args, tensors, dtype_bytes: int) -> list[str
         if one >= 1024:
             out.append(f"1 resident session at --ctx {min(one, report.ctx_size) // 1024 * 1024}")
     # Re-converting the routed experts: bits + 32/64 per weight (bf16 scale and bias per 64).
-    params = args.n_layers * args.n_routed_experts * 3 * args.dim * args.moe_inter_dim
+    params = routed_expert_params(args)
     rest = report.total - _expert_bytes(tensors)
     for bits in (4, 3, 2):
         size = rest + params * (bits + 0.5) / 8
@@ -302,6 +302,50 @@ def check_fit(
 
 
 DEFAULT_SESSIONS = 4  # resident states by default, when memory holds them
+
+
+def routed_expert_params(args: ModelArgs) -> int:
+    """Routed-expert weights of the network (three matrices per expert and layer)."""
+    return args.n_layers * args.n_routed_experts * 3 * args.dim * args.moe_inter_dim
+
+
+# ``ds4mlx convert`` builds of DeepSeek V4 Flash users pick from (docs/WEIGHTS.md, "Picking
+# bits for a Mac"): (flags, routed-expert bits per weight, bytes of everything else). The
+# sizes are computed from the format arithmetic, not measured on a converted checkpoint.
+FLASH_BUILDS = (
+    ("--expert-mode mxfp4 --bits mxfp8", 4.25, 8.5e9),
+    ("--expert-bits 4 --bits 8", 4.5, 7.8e9),
+    ("--expert-bits 3 --bits mxfp8", 3.5, 8.5e9),
+    ("--expert-bits 2 --bits mxfp8", 2.5, 8.5e9),
+    ("--expert-bits 2 --group-size 128 --bits mxfp8", 2.25, 8.5e9),
+    ("--expert-bits 2 --group-size 128 --bits 4", 2.25, 4.1e9),
+)
+
+
+def flash_builds(
+    available: int, source: str, ctx_size: int = DEFAULT_CTX_GPU, dtype_bytes: int = 2
+) -> list[tuple[str, FitReport]]:
+    """The fit check's arithmetic for each ``FLASH_BUILDS`` entry before anything is
+    downloaded: ``(flags, report)`` with weights from the build's bits, KV and working
+    memory of DeepSeek V4 Flash (43 layers) at ``ctx_size`` in a ``dtype_bytes`` compute
+    dtype (2: bf16 on a Mac), one session, against ``available`` bytes."""
+    from .synth import flash_args
+
+    args = flash_args(43)
+    experts = routed_expert_params(args)
+    out = []
+    for flags, bits, rest in FLASH_BUILDS:
+        report = FitReport(
+            weights=int(experts * bits / 8 + rest),
+            kv_per_session=kv_bytes(args, ctx_size, dtype_bytes),
+            sessions=1,
+            working=working_bytes(args, dtype_bytes),
+            available=available,
+            source=source,
+            ctx_size=ctx_size,
+        )
+        out.append((flags, report))
+    return out
 
 
 def sessions_that_fit(

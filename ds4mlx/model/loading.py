@@ -130,13 +130,17 @@ def read_config(path: str) -> dict:
     """``config.json`` of ``path``.
 
     Raises:
-        LoadError: missing or not JSON.
+        LoadError: ``path`` missing or not a directory, ``config.json`` missing or not JSON.
     """
     import json
 
     cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(path):
+        raise LoadError(f"{path} does not exist")
+    if not os.path.isdir(path):
+        raise LoadError(f"{path} is not a directory (give the checkpoint's directory)")
     if not os.path.isfile(cfg_path):
-        raise LoadError(f"{path}: no config.json")
+        raise LoadError(f"{path}: no config.json (not a checkpoint directory)")
     try:
         with open(cfg_path) as f:
             return json.load(f)

@@ -149,17 +149,33 @@ class Model(nn.Module):
             cache = self.make_cache()
         if len(cache) != len(self.layers):
             raise ValueError(f"cache has {len(cache)} layers, model has {len(self.layers)}")
-        L = tokens.shape[0]
-        a = self.args
-        ctx = Step(
-            cache[0].offset, L, a.window_size, self._inv_main, self._inv_comp, self.compute_dtype
-        )
-        h = self.embed(tokens).astype(self.compute_dtype)
-        x = mx.broadcast_to(h[:, None, :], (L, a.hc_mult, h.shape[-1]))
+        ctx = self.step_for(cache[0].offset, tokens.shape[0])
+        x = self.embed_streams(tokens)
         for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
             x = layer(x, tokens, c, ctx)
             if probe is not None:
                 probe(i, x, c)
+        return self.head_logits(x, last_only=last_only)
+
+    # The three parts of a forward call, public so a pipeline split
+    # (``ds4mlx.engine.pipeline``) runs them on different ranks with the same arithmetic.
+
+    def step_for(self, offset: int, L: int) -> Step:
+        """The per-call `Step` (positions, RoPE tables, masks) for ``L`` tokens at
+        absolute position ``offset``."""
+        a = self.args
+        return Step(offset, L, a.window_size, self._inv_main, self._inv_comp, self.compute_dtype)
+
+    def embed_streams(self, tokens: mx.array) -> mx.array:
+        """int32 ``(L,)`` token ids -> the ``hc_mult`` residual streams ``(L, hc, dim)`` in
+        the compute dtype (the embedding copied into every stream)."""
+        h = self.embed(tokens).astype(self.compute_dtype)
+        return mx.broadcast_to(h[:, None, :], (tokens.shape[0], self.args.hc_mult, h.shape[-1]))
+
+    def head_logits(self, x: mx.array, *, last_only: bool = False) -> mx.array:
+        """Streams ``(L, hc, dim)`` after the last layer -> float32 logits ``(1, L, vocab)``
+        (``(1, 1, vocab)`` with ``last_only``)."""
+        a = self.args
         if last_only:
             x = x[-1:]
         y = hc_head_fn(a.hc_eps, a.norm_eps)(

@@ -30,13 +30,31 @@ from .loading import load_model
 @dataclass
 class ReportRow:
     """One expert choice: ``agreement`` (0–1), ``mean_kl`` (nats), ``weight_bytes`` written,
-    ``positions`` compared."""
+    ``positions`` compared, ``expert_format``: the routed experts' stored format(s) in that
+    conversion (e.g. ``"affine4"``; the reference's when the choice could not apply)."""
 
     choice: str
     agreement: float
     mean_kl: float
     weight_bytes: int
     positions: int
+    expert_format: str = ""
+
+    def coverage(self) -> str:
+        """How much of the routed experts this conversion stores quantized: ``"all"``,
+        ``"part"`` (some matrices' dimensions do not divide by the group size and stay
+        float) or ``"none"`` (then its agreement and KL measure nothing)."""
+        labels = [x for x in self.expert_format.split("+") if x and x != "none"]
+        floats = sum(x in FLOAT_LABELS for x in labels)
+        return "none" if floats == len(labels) else "part" if floats else "all"
+
+
+FLOAT_LABELS = frozenset({"f32", "bf16", "f16"})  # convert's labels of unquantized tensors
+
+
+def _expert_format(summary) -> str:
+    part = summary.parts.get("experts")
+    return "+".join(sorted(part.formats)) if part and part.params else "none"
 
 
 def _log_probs(path: str, prompts: Sequence[Sequence[int]], dtype) -> list[np.ndarray]:
@@ -95,13 +113,16 @@ def quant_report(
         base.dtype or ("bfloat16" if mx.metal.is_available() else "float32")
     ]
     ref = _log_probs(ref_dir, prompts, dtype)
-    rows = [ReportRow("reference", 1.0, 0.0, summary.total_bytes, sum(len(p) for p in prompts))]
+    positions = sum(len(p) for p in prompts)
+    rows = [
+        ReportRow("reference", 1.0, 0.0, summary.total_bytes, positions, _expert_format(summary))
+    ]
     shutil.rmtree(ref_dir)
     for choice in choices:
         d = os.path.join(workdir, f"experts-{choice.replace(':', 'g')}")
         say(f"converting with experts={choice}")
         summary = convert(src, d, replace(ref_opts, expert=choice))
         agree, kl, n = compare(ref, _log_probs(d, prompts, dtype))
-        rows.append(ReportRow(choice, agree, kl, summary.total_bytes, n))
+        rows.append(ReportRow(choice, agree, kl, summary.total_bytes, n, _expert_format(summary)))
         shutil.rmtree(d)
     return rows

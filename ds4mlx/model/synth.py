@@ -15,6 +15,8 @@ evaluated, one tensor at a time, so peak memory stays at the quantized size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -85,6 +87,7 @@ def flash_model(
     other_bits: int | None = 8,
     sinkhorn_iters: int = 20,
     seed: int = 0,
+    progress: Callable[[int, int], object] | None = None,
 ) -> Model:
     """A random Flash-shaped ``Model`` (float32 compute, embedding and head included).
 
@@ -96,6 +99,8 @@ def flash_model(
             keeps them float32.
         sinkhorn_iters: ``hc_sinkhorn_iters``.
         seed: random seed.
+        progress: called as ``progress(done, total)`` in parameter bytes while the random
+            weights are generated (a minute or more per layer at Flash size on a CPU).
     """
     args = flash_args(n_layers, first=first, sinkhorn_iters=sinkhorn_iters)
     model = Model(args)  # lazy: nothing allocated yet
@@ -111,7 +116,11 @@ def flash_model(
     params = dict(tree_flatten(model.parameters()))
     key = mx.random.key(seed)
     new: dict[str, mx.array] = {}
+    total, done = sum(p.nbytes for p in params.values()), 0
     for name, p in params.items():
+        done += p.nbytes
+        if progress is not None:
+            progress(done, total)
         key, sub = mx.random.split(key)
         stem, _, leaf = name.rpartition(".")
         if leaf in ("scales", "biases"):

@@ -2,7 +2,9 @@
 
 - `ds4mlx.routes.anthropic`: ``/v1/messages``, ``/v1/messages/count_tokens``
 - `ds4mlx.routes.openai`: ``/v1/chat/completions``
-- `ds4mlx.routes.responses`: ``/v1/responses`` (HTTP + WebSocket)
+- `ds4mlx.routes.responses`: ``/v1/responses`` (HTTP)
+- `ds4mlx.routes.responses_ws`: the Responses WebSocket (``GET /v1/responses`` upgrade),
+  with steering and cancel frames
 - `ds4mlx.routes.completions`: ``/v1/completions`` (raw text)
 - `ds4mlx.routes.models`: ``/v1/models``, ``/v1/tokenize``, ``/v1/detokenize``,
   ``/health``, ``/debug/script``
@@ -62,11 +64,12 @@ def register(app) -> None:
         models,
         openai,
         responses,
+        responses_ws,
     )
     from ds4mlx.routes.errors import APIError, http_exception_to_api
 
     carrier.install(app, app.extensions["ds4mlx"].config.reasoning_key)
-    for mod in (openai, completions, anthropic, responses, models):
+    for mod in (openai, completions, anthropic, responses, responses_ws, models):
         app.register_blueprint(mod.bp)
 
     @app.after_serving
@@ -110,11 +113,12 @@ def _install_access(app, rejected) -> None:
     ``rejected(err, method=None, path=None)`` logs a refusal."""
     from quart import request, websocket
 
-    from ds4mlx.routes import access
+    from ds4mlx.routes import access, mapping
     from ds4mlx.routes.common import state
 
     @app.before_request
     async def _access():
+        mapping.note_unsupported()
         # Host and Origin first, on every route (a rebound page reads /health too).
         config = state().config
         err = access.check_request(request.path, request.headers, config)
@@ -129,6 +133,7 @@ def _install_access(app, rejected) -> None:
 
     @app.before_websocket
     async def _ws_access():
+        mapping.note_unsupported()
         # The upgrade is refused with an HTTP answer before it is accepted.
         err = access.check_request(websocket.path, websocket.headers, state().config)
         if err is not None:

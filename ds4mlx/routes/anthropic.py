@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, StrictBool, Tag
 from quart import Blueprint, request
 
 from ds4mlx.dsml import (
@@ -58,6 +58,7 @@ from ds4mlx.routes.body import OpenModel, offload, parse, read_body
 from ds4mlx.routes.carrier import carrier
 from ds4mlx.routes.common import (
     cache_salt,
+    helper_agent,
     json_response,
     model_thinking,
     new_id,
@@ -80,11 +81,9 @@ from ds4mlx.routes.mapping import (
 from ds4mlx.routes.pipeline import (
     demo_policy,
     prepare,
-    render,
     respond,
     sampling_params,
     stream,
-    tokenize,
 )
 from ds4mlx.routes.sse import sse
 
@@ -231,6 +230,9 @@ class AnthropicTool(OpenModel):
     description: str | None = None
     input_schema: dict[str, Any] | None = None
     type: str | None = None
+    # Ours, no Anthropic field (docs/ARCHITECTURE.md §4, asynchronous tools): the tool
+    # runs in the background.
+    async_: StrictBool | None = Field(None, alias="async")
 
 
 class ThinkingConfig(OpenModel):
@@ -374,6 +376,7 @@ def _tools(req: CountTokensRequest) -> list[ToolSpec]:
             name=t.name,
             description=t.description or "",
             parameters=t.input_schema or empty_schema(),
+            background=bool(t.async_),
         )
         for t in req.tools or []
         if t.input_schema is not None
@@ -458,6 +461,7 @@ def to_conversation(
         tool_required=required,
         tool_name=name,
         tool_none=(req.tool_choice or {}).get("type") == "none",
+        single_call=(req.tool_choice or {}).get("disable_parallel_tool_use") is True,
         open_reply=True,
     )
 
@@ -654,43 +658,61 @@ class MessageEncoder:
 
 @bp.post("/v1/messages/count_tokens")
 async def count_tokens():
-    """Token count of the rendered prompt: ``{"input_tokens": n}``."""
-    return json_response({"input_tokens": await offload(_count, await read_body())})
+    """``{"input_tokens": n}``: the prompt tokens the same request to ``/v1/messages``
+    would be charged now (its usage ``input_tokens + cache_read_input_tokens``)."""
+    key = state_key(request.headers)
+    n = await offload(_count, await read_body(), key, key_salt(request.headers))
+    return json_response({"input_tokens": n})
 
 
-def _count(raw: bytes) -> int:
-    """The tokens of a count request's rendered prompt (off the event loop)."""
-    return len(tokenize(render(_conversation(parse(CountTokensRequest, raw)))))
+def _count(raw: bytes, key: str | None, salt_of_key: str = "") -> int:
+    """A count request's prediction (off the event loop): its job as ``/v1/messages``
+    builds it, answered by the prompt cache's read-only query (``ServerState.charged``).
+    No job is queued, so it answers while a generation runs. A live state the request
+    continues counts as the next request's usage does: with the hidden reasoning it
+    holds, which the rendering leaves out."""
+    return state().charged(_gen(parse(CountTokensRequest, raw), "/v1/messages", key, salt_of_key))
 
 
 def _job(
-    raw: bytes, path: str, key: str | None, salt_of_key: str = ""
+    raw: bytes, path: str, key: str | None, salt_of_key: str = "", side: bool = False
 ) -> tuple[MessagesRequest, GenRequest]:
-    """The typed request and its job (off the event loop: parse, validate, map, render);
-    ``key``: its `state_key` (from the headers); the body's ``cache_salt`` and
-    ``salt_of_key`` (the API key's `key_salt`) make its cache salt (`cache_salt`)."""
+    """The typed request and its job (off the event loop: parse, validate, map, render)."""
     req = parse(MessagesRequest, raw)
+    return req, _gen(req, path, key, salt_of_key, side)
+
+
+def _gen(
+    req: CountTokensRequest, path: str, key: str | None, salt_of_key: str, side: bool = False
+) -> GenRequest:
+    """The job of a validated request (a count request has no output limit nor stops);
+    ``key``: its `state_key` (from the headers); the body's ``cache_salt`` and
+    ``salt_of_key`` (the API key's `key_salt`) make its cache salt (`cache_salt`);
+    ``side``: a helper agent's request (`helper_agent`)."""
     conv = _conversation(req)
-    gen = prepare(
+    return prepare(
         conv,
         NAMES,
         path=path,
-        max_tokens=req.max_tokens,
+        max_tokens=getattr(req, "max_tokens", None),
         sampling=sampling_params(conv.thinking, req),
         id_prefix="toolu_",
-        stops=req.stop_sequences,
+        stops=getattr(req, "stop_sequences", None),
         state_key=key,
         salt=cache_salt((req.model_extra or {}).get("cache_salt"), salt_of_key),
+        side=side,
         constraint=constraints.read(constraints.anthropic_constraint, req),
     )
-    return req, gen
 
 
 @bp.post("/v1/messages")
 async def messages():
     """Anthropic Messages (streaming and not). Errors: Anthropic error shapes."""
-    key = state_key(request.headers)
-    req, gen = await offload(_job, await read_body(), request.path, key, key_salt(request.headers))
+    h = request.headers
+    key = state_key(h)
+    req, gen = await offload(
+        _job, await read_body(), request.path, key, key_salt(h), helper_agent(h)
+    )
     st = state()
     job = st.submit(gen)
     enc = MessageEncoder(

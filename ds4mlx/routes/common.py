@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import secrets
 import time
 from typing import Any
@@ -23,6 +24,10 @@ log = logging.getLogger("ds4mlx.server")
 # the session's (the main conversation and its side requests).
 STATE_HEADERS = ("x-claude-code-agent-id", "x-claude-code-session-id")
 MAX_STATE_KEY_BYTES = 256
+# Claude Code names a forked helper agent (its session title, prompt suggestion,
+# compaction, memory extraction, speculation, side question…) "a" + label + "-" + 16 hex
+# digits; an Agent-tool sub-agent is "a" + 16 hex digits, a teammate "name@team".
+HELPER_AGENT_ID = re.compile(r"a[A-Za-z0-9_-]+-[0-9a-f]{16}")
 MAX_CACHE_SALT_CHARS = 256
 
 
@@ -97,6 +102,22 @@ def state_key(headers: Any = None, body_key: Any = None) -> str | None:
         source = "cache" if name == "prompt_cache_key" else name.split("-")[-2]
         return f"{source}:{value}"
     return None
+
+
+def helper_agent(headers: Any = None) -> bool:
+    """Whether a request comes from one of Claude Code's helper agents: its
+    ``x-claude-code-agent-id`` has a label (`HELPER_AGENT_ID`). Such a request is a side
+    request (``ds4mlx.jobs.GenRequest.side``): it forks the conversation for a moment and
+    must not take the state the conversation continues. A sub-agent of the ``Agent`` tool
+    (no label) is a conversation of its own. A value `state_key` ignores is no helper."""
+    if headers is None:
+        return False
+    value = headers.get(STATE_HEADERS[0])
+    return (
+        isinstance(value, str)
+        and len(value) <= MAX_STATE_KEY_BYTES
+        and HELPER_AGENT_ID.fullmatch(value) is not None
+    )
 
 
 def cache_salt(body_salt: Any, key_salt: str = "") -> str:

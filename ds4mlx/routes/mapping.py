@@ -6,7 +6,9 @@ rule exists once:
 
 - system text joins: ``\\n`` between Anthropic system blocks (only where the previous
   part lacks one), a blank line between hoisted system parts;
-- a non-text content block renders as a short placeholder naming its type;
+- a non-text content block (image, document, audio, file…) renders as one placeholder
+  spelling on every protocol, ``[Unsupported Image]`` and the like (DeepSeek's own
+  conversion writes the image one), and is noted for the request's log line;
 - tool-call arguments that are not a JSON object are kept under ``"arguments"``;
 - an "effort" word maps onto DeepSeek's thinking switch and Think-Max;
 - a forced ``tool_choice`` needs a callable tool, and a named one must be offered;
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from contextvars import ContextVar
 from typing import Any
 
 from ds4mlx.dsml import Message, ToolSpec
@@ -57,9 +60,53 @@ def join_blank(parts: Iterable[str]) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
+# What a placeholder stands for, by wire type: the same noun on every protocol.
+_NOUNS = {
+    "image": "Image",
+    "image_url": "Image",
+    "input_image": "Image",
+    "document": "Document",
+    "input_file": "File",
+    "file": "File",
+    "input_audio": "Audio",
+    "audio": "Audio",
+}
+# Wire types of the parts the current request replaced by placeholders (a list set per
+# HTTP request / WebSocket by `note_unsupported`; thread-pool copies of the request's
+# context share it).
+_UNSUPPORTED: ContextVar[list[str] | None] = ContextVar("unsupported_parts", default=None)
+
+
 def placeholder(kind: str | None) -> str:
-    """Short text standing in for a non-text block (image, document, audio…) of ``kind``."""
-    return f"[{kind or 'content'}]"
+    """The text the model sees instead of a non-text block of wire type ``kind`` (the
+    model reads text only): ``[Unsupported Image]`` for ``image``, ``image_url`` and
+    ``input_image`` alike, ``[Unsupported Document]``, ``[Unsupported File]``,
+    ``[Unsupported Audio]``, else ``[Unsupported KIND]``. Notes ``kind`` for the log."""
+    seen = _UNSUPPORTED.get()
+    if seen is not None:
+        seen.append(kind or "content")
+    return placeholder_text(kind)
+
+
+def placeholder_text(kind: str | None) -> str:
+    """`placeholder`'s text for ``kind``, without noting it."""
+    return f"[Unsupported {_NOUNS.get(kind or '', kind or 'content')}]"
+
+
+def note_unsupported() -> None:
+    """Start noting the placeholders of the current request (a request hook calls it)."""
+    _UNSUPPORTED.set([])
+
+
+def take_unsupported() -> list[str]:
+    """The wire types noted since the last call (or `note_unsupported`), in order; clears
+    them (a WebSocket carries several requests)."""
+    seen = _UNSUPPORTED.get()
+    if not seen:
+        return []
+    out = list(seen)
+    seen.clear()
+    return out
 
 
 def parts_text(content: str | list[Any] | None) -> str:

@@ -20,9 +20,10 @@ reasoning; tool-call arguments that are not a JSON object are kept under
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, StrictBool
 from quart import Blueprint, request
 
 from ds4mlx.dsml import (
@@ -116,6 +117,8 @@ class FunctionDef(OpenModel):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    # Ours (docs/ARCHITECTURE.md §4, asynchronous tools): the tool runs in the background.
+    async_: StrictBool | None = Field(None, alias="async")
 
 
 class ChatTool(OpenModel):
@@ -148,12 +151,15 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[ChatTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None
     thinking: dict[str, Any] | bool | None = None
     think: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # Streaming tool dispatch (NVIDIA Dynamo's field): strictly a JSON boolean.
+    tool_call_dispatch: StrictBool | None = None
 
 
 def stops_of(stop: str | list[str] | None) -> list[str]:
@@ -243,6 +249,7 @@ def _tools(req: ChatRequest) -> list[ToolSpec]:
             name=t.function.name,
             description=t.function.description or "",
             parameters=t.function.parameters or empty_schema(),
+            background=bool(t.function.async_),
         )
         for t in req.tools or []
         if t.type == "function"
@@ -294,6 +301,7 @@ def to_conversation(req: ChatRequest, *, default_thinking: bool = True) -> Conve
         tool_required=required,
         tool_name=name,
         tool_none=req.tool_choice == "none",
+        single_call=req.parallel_tool_calls is False,
         open_reply=True,
     )
 
@@ -330,6 +338,15 @@ def _chat_logprobs(lps: list[TokenLogprob], tok) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class _Dispatch:
+    """A streaming tool dispatch event (``event: tool_call_dispatch``, NVIDIA Dynamo's
+    shape): ``data`` is ``{"choice_index": 0, "tool_call": {"index", "id", "type",
+    "function": {"name", "arguments"}}}``, sent the moment the call's DSML closes."""
+
+    data: dict[str, Any]
+
+
 class ChatEncoder:
     """Job events → ``chat.completion.chunk`` frames, and (fed everything) the
     ``chat.completion`` object.
@@ -337,7 +354,10 @@ class ChatEncoder:
     A token's logprob entry rides on the next visible chunk (its text may be held back
     across tokens); what is left goes out with the finish chunk. A tool call cut by the
     end of the turn (``ToolCallEnd.closed`` False) was streamed but is left out of the
-    object and does not make the finish reason ``tool_calls``.
+    object and does not make the finish reason ``tool_calls``. With ``dispatch``
+    (streaming tool dispatch) each call that closes well-formed is also sent whole, at
+    its close, as ``event: tool_call_dispatch`` (`_Dispatch`): a client may start it
+    while the model writes the next one.
     """
 
     def __init__(
@@ -348,8 +368,10 @@ class ChatEncoder:
         include_usage: bool,
         logprobs: bool,
         tokenizer=None,
+        dispatch: bool = False,
     ):
         self.meta = meta
+        self.dispatch = dispatch
         self.tokenizer = tokenizer  # the ids of logprobs → texts (needed with logprobs)
         self.base = {**meta, "object": "chat.completion.chunk"}
         self.thinking = thinking
@@ -380,6 +402,8 @@ class ChatEncoder:
         return {**self.base, "choices": [choice]}
 
     def frame(self, ev: dict[str, Any] | str) -> bytes:
+        if isinstance(ev, _Dispatch):
+            return sse(ev.data, "tool_call_dispatch")
         return sse(ev)
 
     def opening(self) -> list[Any]:
@@ -414,10 +438,14 @@ class ChatEncoder:
         ]
 
     def _tool_end(self, e: ToolCallEnd) -> list[Any]:
-        if e.closed:  # a cut call is left out
-            fn = {"name": e.call.name, "arguments": e.arguments_json}
-            self.calls.append({"id": e.call.id, "type": "function", "function": fn})
-        return []
+        if not e.closed:  # a cut call is left out
+            return []
+        fn = {"name": e.call.name, "arguments": e.arguments_json}
+        self.calls.append({"id": e.call.id, "type": "function", "function": fn})
+        if not self.dispatch or e.error:
+            return []
+        call = {"index": e.index, **self.calls[-1]}
+        return [_Dispatch({"choice_index": 0, "tool_call": call})]
 
     def _logprob(self, e: TokenLogprob) -> list[Any]:
         self.pending.append(e)
@@ -521,6 +549,7 @@ async def chat_completions():
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         logprobs=bool(req.logprobs),
         tokenizer=st.tokenizer,
+        dispatch=bool(req.stream) and (req.tool_call_dispatch or st.config.tool_call_dispatch),
     )
     if req.stream:
         return await stream(job, enc, NAMES)

@@ -25,6 +25,7 @@ implementation.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol, TypeVar
@@ -47,6 +48,7 @@ from ds4mlx.jobs import (
 )
 from ds4mlx.routes.common import state
 from ds4mlx.routes.errors import APIError, Wording, context_error, failed_to_api
+from ds4mlx.routes.mapping import placeholder_text, take_unsupported
 from ds4mlx.routes.sse import SSE_COMMENT, sse_response
 from ds4mlx.sampling import DEFAULT_MIN_P, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, SamplingParams
 
@@ -58,6 +60,20 @@ T = TypeVar("T")
 MAX_TOKEN_CHARS = 128
 
 # --------------------------------------------------------------------------- the pipeline
+
+
+def _log_unsupported(path: str) -> None:
+    """One log line naming the content parts the model will not see (placeholders)."""
+    from collections import Counter
+
+    kinds = Counter(take_unsupported())
+    if kinds:
+        named = ", ".join(f"{k}×{n}" if n > 1 else k for k, n in kinds.items())
+        shown = ", ".join(dict.fromkeys(placeholder_text(k) for k in kinds))
+        logging.getLogger("ds4mlx.server").info(
+            "%s: unsupported content parts %s: the model sees only %s in their place",
+            path, named, shown,
+        )  # fmt: skip
 
 
 def prepare(
@@ -72,6 +88,7 @@ def prepare(
     top_logprobs: int | None = None,
     state_key: str | None = None,
     salt: str = "",
+    side: bool = False,
     constraint: OutputConstraint | None = None,
 ) -> GenRequest:
     """Render and bound ``conv``; return the job to submit (call off the event loop).
@@ -88,11 +105,13 @@ def prepare(
         top_logprobs: chat ``logprobs``: None (off) or alternatives per token.
         state_key: the client's conversation name (`ds4mlx.routes.common.state_key`).
         salt: the prompt cache salt (`ds4mlx.routes.common.cache_salt`).
+        side: the client marked it a side request (`ds4mlx.routes.common.helper_agent`).
         constraint: structured output / strict or custom tools to enforce (`grammar`).
     Raises:
         APIError: 400 for a conversation that cannot be rendered, a rendering the
             context cannot hold (`bound`), a constraint that cannot be enforced.
     """
+    _log_unsupported(path)
     rendered = render(conv)
     bound(rendered.text, wording.param)
     gram = constrain(conv, constraint)
@@ -102,12 +121,13 @@ def prepare(
         max_tokens=limit,
         # A continued assistant message (prefix) with content: the reply is visible text.
         thinking=reply_thinking(conv),
-        tools=tuple(conv.tools),
+        tools=(*conv.tools, *conv.loaded_tools),
         id_prefix=id_prefix,
         stops=tuple(stops or ()),
         tool_required=conv.tool_required,
         tool_name=conv.tool_name,
         calls=not conv.tool_none,
+        parallel_calls=not conv.single_call,
         top_logprobs=top_logprobs,
         # A constrained reply cut by the demo cap is incomplete, never a natural end.
         cap_is_eos=cap_is_eos and gram is None,
@@ -121,6 +141,7 @@ def prepare(
         labels=wording.labels,
         state_key=state_key,
         salt=salt,
+        side=side,
     )
 
 

@@ -1,4 +1,4 @@
-"""OpenAI Responses API: ``POST /v1/responses`` (SSE or JSON) and its WebSocket transport.
+"""OpenAI Responses API: ``POST /v1/responses`` (SSE or JSON), and what its WebSocket shares.
 
 Reference: https://platform.openai.com/docs/api-reference/responses/create and the
 streaming events https://platform.openai.com/docs/api-reference/responses-streaming:
@@ -21,10 +21,10 @@ of the sampled reasoning (``ds4mlx.routes.common.ReasoningCarrier``), so a state
 client replaying it renders the exact prefix the model sampled.
 
 ``previous_response_id`` and ``conversation`` need a response store: over HTTP they
-are rejected with a clear 400. On the WebSocket transport (``GET /v1/responses``
-upgrade, one JSON event per text frame, as Codex's ``responses_websockets`` client
-speaks it) the connection keeps its own responses, so a ``response.create`` that
-continues the previous response of the same connection by id is served.
+are rejected with a clear 400. On the WebSocket transport (`ds4mlx.routes.responses_ws`:
+``GET /v1/responses`` upgrade, steering and cancel frames) the connection keeps its own
+responses, so a ``response.create`` that continues the previous response of the same
+connection by id is served.
 
 This module owns the whole protocol: the request schema, its mapping onto the neutral
 ``Conversation`` (`to_conversation`), its names for the planner (`NAMES`), and one
@@ -39,13 +39,12 @@ accepted and not offered.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
-from quart import Blueprint, request, websocket
+from pydantic import Discriminator, Field, StrictBool, Tag, ValidationError
+from quart import Blueprint, request
 
 from ds4mlx.dsml import (
     Conversation,
@@ -58,9 +57,10 @@ from ds4mlx.dsml import (
     ToolCallStart,
     ToolSpec,
 )
+from ds4mlx.dsml.render import to_json, tool_schema_dict
 from ds4mlx.jobs import GenRequest, JobDone, JobFailed, JobStarted, LiveLabels
 from ds4mlx.routes import constraints
-from ds4mlx.routes.access import check_auth, key_salt
+from ds4mlx.routes.access import key_salt
 from ds4mlx.routes.body import OpenModel, offload, parse_json, read_body, validate
 from ds4mlx.routes.carrier import carrier
 from ds4mlx.routes.common import (
@@ -73,7 +73,7 @@ from ds4mlx.routes.common import (
     state,
     state_key,
 )
-from ds4mlx.routes.errors import APIError, Wording, failed_to_api, openai_error
+from ds4mlx.routes.errors import APIError, Wording, failed_to_api
 from ds4mlx.routes.mapping import (
     WireError,
     effort_to_reasoning,
@@ -89,12 +89,9 @@ from ds4mlx.routes.mapping import (
 )
 from ds4mlx.routes.pipeline import (
     demo_policy,
-    events,
-    guard,
     prepare,
     respond,
     sampling_params,
-    start,
     stream,
 )
 from ds4mlx.routes.sse import sse
@@ -162,6 +159,29 @@ class ReasoningItem(OpenModel):
     encrypted_content: str | None = None
 
 
+class ToolSearchCallItem(OpenModel):
+    """A tool search the model started (the SDK's ``ResponseToolSearchCall``)."""
+
+    type: Literal["tool_search_call"]
+    id: str | None = None
+    call_id: str | None = None
+    arguments: Any = None
+    execution: str | None = None
+    status: str | None = None
+
+
+class ToolSearchOutputItem(OpenModel):
+    """The tools a tool search loaded (the SDK's ``ResponseToolSearchOutputItem``):
+    function and namespace tool definitions, as in ``tools``."""
+
+    type: Literal["tool_search_output"]
+    id: str | None = None
+    call_id: str | None = None
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    execution: str | None = None
+    status: str | None = None
+
+
 class OtherItem(OpenModel):
     """Hosted-tool call records, compaction items, item references…"""
 
@@ -175,6 +195,8 @@ _ITEMS = {
     "custom_tool_call",
     "custom_tool_call_output",
     "reasoning",
+    "tool_search_call",
+    "tool_search_output",
 }
 
 
@@ -193,6 +215,8 @@ Item = Annotated[
     | Annotated[CustomToolCallItem, Tag("custom_tool_call")]
     | Annotated[CustomToolCallOutputItem, Tag("custom_tool_call_output")]
     | Annotated[ReasoningItem, Tag("reasoning")]
+    | Annotated[ToolSearchCallItem, Tag("tool_search_call")]
+    | Annotated[ToolSearchOutputItem, Tag("tool_search_output")]
     | Annotated[OtherItem, Tag("other")],
     Discriminator(_item_tag),
 ]
@@ -205,6 +229,10 @@ class ResponsesTool(OpenModel):
     parameters: dict[str, Any] | None = None
     format: dict[str, Any] | None = None  # custom tools
     tools: list[dict[str, Any]] | None = None  # namespace groups
+    # The openai SDK's beta ``FunctionTool.async``: the function runs in the background.
+    async_: StrictBool | None = Field(None, alias="async")
+    execution: str | None = None  # tool_search: "client" or "server"
+    defer_loading: bool | None = None  # loaded by a tool search, not offered up front
 
 
 class ReasoningConfig(OpenModel):
@@ -243,10 +271,11 @@ class ResponsesRequest(OpenModel):
 class ToolKind:
     """How a tool the model may call is reported back in a Responses stream.
 
-    ``kind`` is ``"function"`` (item ``function_call``, JSON ``arguments``) or
+    ``kind`` is ``"function"`` (item ``function_call``, JSON ``arguments``),
     ``"custom"`` (item ``custom_tool_call``, free-form ``input``; offered to the model
-    as a function with one string parameter ``input``). ``namespace`` is the
-    ``namespace`` tool group the function was declared in, or None.
+    as a function with one string parameter ``input``) or ``"tool_search"`` (item
+    ``tool_search_call``, its ``arguments`` an object; the client runs the search).
+    ``namespace`` is the ``namespace`` tool group the function was declared in, or None.
     """
 
     kind: str
@@ -259,6 +288,28 @@ CUSTOM_INPUT_SCHEMA: dict[str, Any] = {
     "required": ["input"],
 }
 
+# The function a client-run ``tool_search`` tool is offered as (its name, and the
+# description and schema when the client sends none).
+TOOL_SEARCH = "tool_search"
+TOOL_SEARCH_DESCRIPTION = "Search the deferred tools; the matching ones can be called next."
+TOOL_SEARCH_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "query": {"type": "string", "description": "what the tools should do"},
+        "limit": {"type": "integer", "description": "most tools to load"},
+    },
+    "required": ["query"],
+}
+
+
+def _search_tool(tools: list[ResponsesTool] | None) -> ResponsesTool | None:
+    """The ``tool_search`` tool the client runs (``execution`` other than ``server``),
+    or None. A hosted (server-run) search is not offered: this server runs none."""
+    for t in tools or []:
+        if t.type == "tool_search" and t.execution != "server":
+            return t
+    return None
+
 
 def tool_kinds(tools: list[ResponsesTool] | None) -> dict[str, ToolKind]:
     """Callable tools of a request by name; hosted tool types are left out."""
@@ -270,6 +321,8 @@ def tool_kinds(tools: list[ResponsesTool] | None) -> dict[str, ToolKind]:
             for sub in t.tools or []:
                 if sub.get("type", "function") == "function":
                     out[sub.get("name") or ""] = ToolKind("function", t.name)
+    if _search_tool(tools) is not None:
+        out[TOOL_SEARCH] = ToolKind("tool_search")
     return out
 
 
@@ -283,11 +336,11 @@ def _custom_spec(t: ResponsesTool) -> ToolSpec:
     return ToolSpec(name=t.name or "", description=desc, parameters=CUSTOM_INPUT_SCHEMA)
 
 
-def _namespace_specs(t: ResponsesTool) -> list[ToolSpec]:
+def _namespace_specs(t: ResponsesTool, deferring: bool) -> list[ToolSpec]:
     ns_desc = t.description or ""
     specs = []
     for sub in t.tools or []:
-        if sub.get("type", "function") != "function":
+        if sub.get("type", "function") != "function" or (deferring and sub.get("defer_loading")):
             continue
         desc = sub.get("description") or ""
         specs.append(
@@ -300,32 +353,69 @@ def _namespace_specs(t: ResponsesTool) -> list[ToolSpec]:
     return specs
 
 
-def tool_specs(tools: list[ResponsesTool] | None) -> list[ToolSpec]:
+def tool_specs(tools: list[ResponsesTool] | None, *, loaded: bool = False) -> list[ToolSpec]:
     """The tools offered to the model.
 
     Hosted tools (web_search, file_search, code_interpreter, image_generation, mcp,
-    computer_use, local_shell…) are accepted and not offered.
+    computer_use, local_shell, a server-run tool_search…) are accepted and not offered.
+    With a client-run ``tool_search`` tool, it is offered as the function
+    `TOOL_SEARCH` and tools marked ``defer_loading`` are not: the client's search loads
+    them (``tool_search_output``). ``loaded``: ``tools`` are such a search's output
+    (nothing in them is deferred).
 
     Raises:
         WireError: a function or custom tool without a name.
     """
     specs: list[ToolSpec] = []
+    search = None if loaded else _search_tool(tools)
     for i, t in enumerate(tools or []):
         if t.type in ("function", "custom") and not t.name:
             raise WireError(f"tools[{i}].name: required for a {t.type} tool", f"tools.{i}.name")
+        if search is not None and t.defer_loading:
+            continue
         if t.type == "function":
             specs.append(
                 ToolSpec(
                     name=t.name or "",
                     description=t.description or "",
                     parameters=t.parameters or empty_schema(),
+                    background=bool(t.async_),
                 )
             )
         elif t.type == "custom":
             specs.append(_custom_spec(t))
         elif t.type == "namespace":
-            specs.extend(_namespace_specs(t))
+            specs.extend(_namespace_specs(t, search is not None))
+        elif t is search:
+            specs.append(
+                ToolSpec(
+                    name=TOOL_SEARCH,
+                    description=t.description or TOOL_SEARCH_DESCRIPTION,
+                    parameters=t.parameters or TOOL_SEARCH_SCHEMA,
+                )
+            )
     return specs
+
+
+def loaded_tools(it: ToolSearchOutputItem, i: int) -> list[ResponsesTool]:
+    """The tool definitions a ``tool_search_output`` item (input item ``i``) loaded.
+
+    Raises:
+        WireError: a definition that is not a tool object.
+    """
+    try:
+        return [ResponsesTool.model_validate(t) for t in it.tools]
+    except ValidationError as e:
+        where = ".".join(str(p) for p in e.errors()[0]["loc"])
+        raise WireError(
+            f"input[{i}].tools: not a tool definition ({where})", f"input.{i}.tools"
+        ) from None
+
+
+def search_result_text(tools: list[ToolSpec]) -> str:
+    """A tool search's result as the model reads it: the loaded tools' schemas, one JSON
+    line each, exactly as the tools section writes them."""
+    return "\n".join(to_json(tool_schema_dict(t)) for t in tools)
 
 
 def _output_text(output: str | list[dict[str, Any]] | None) -> str:
@@ -352,6 +442,8 @@ class _Turns:
         self.system: list[str] = []  # instructions + leading system/developer items
         self.late: list[str] = []  # system/developer items met after the conversation began
         self.open = False
+        self.loaded: list[ToolSpec] = []  # tools loaded by tool_search_output items
+        self.search_id: str | None = None  # the last tool_search_call's call id
 
     def _assistant(self, fresh: bool = False) -> Message:
         if self.open and not fresh and self.msgs and self.msgs[-1].role == "assistant":
@@ -403,6 +495,21 @@ class _Turns:
     def output(self, it: FunctionCallOutputItem | CustomToolCallOutputItem) -> None:
         self._other(Message(role="tool", tool_call_id=it.call_id, content=_output_text(it.output)))
 
+    def search_call(self, it: ToolSearchCallItem, i: int) -> None:
+        """A tool search the model started: a call of the `TOOL_SEARCH` function (a
+        server-run one without a call id is named by its item id or position)."""
+        self.search_id = it.call_id or it.id or f"tool_search_{i}"
+        args = it.arguments if isinstance(it.arguments, dict) else json_object(it.arguments)
+        call = ToolCall(id=self.search_id, name=TOOL_SEARCH, arguments=args)
+        self._assistant().tool_calls.append(call)
+
+    def search_output(self, it: ToolSearchOutputItem, i: int) -> None:
+        """The tools a search loaded: its tool result (their schemas), and callable."""
+        tools = tool_specs(loaded_tools(it, i), loaded=True)
+        self.loaded.extend(tools)
+        call_id = it.call_id or self.search_id or it.id or f"tool_search_{i}"
+        self._other(Message(role="tool", tool_call_id=call_id, content=search_result_text(tools)))
+
 
 def _add_item(turns: _Turns, i: int, it: Any) -> None:
     if isinstance(it, MessageItem):
@@ -413,6 +520,10 @@ def _add_item(turns: _Turns, i: int, it: Any) -> None:
         turns.call(it)
     elif isinstance(it, FunctionCallOutputItem | CustomToolCallOutputItem):
         turns.output(it)
+    elif isinstance(it, ToolSearchCallItem):
+        turns.search_call(it, i)
+    elif isinstance(it, ToolSearchOutputItem):
+        turns.search_output(it, i)
     elif it.type == "item_reference":
         raise WireError(
             "item_reference needs a server-side response store, which this server does not keep; "
@@ -462,13 +573,25 @@ def to_conversation(
         messages=hoisted_system(turns.msgs, turns.system),
         late_system=late_system(turns.late),
         tools=tools,
+        loaded_tools=[] if req.tool_choice == "none" else turns.loaded,
         thinking=thinking,
         reasoning_effort=effort if thinking else None,
         tool_required=required,
         tool_name=name,
         tool_none=req.tool_choice == "none",
+        single_call=req.parallel_tool_calls is False,
         open_reply=True,
     )
+
+
+def _loaded_kinds(req: ResponsesRequest) -> dict[str, ToolKind]:
+    """How the tools that ``tool_search_output`` input items loaded are reported."""
+    out: dict[str, ToolKind] = {}
+    if isinstance(req.input, list):
+        for i, it in enumerate(req.input):
+            if isinstance(it, ToolSearchOutputItem):
+                out.update(tool_kinds(loaded_tools(it, i)))
+    return out
 
 
 # --------------------------------------------------------------------------- preparing a job
@@ -477,11 +600,13 @@ def to_conversation(
 @dataclass
 class _Prepared:
     """A validated request, its input items as sent (dicts, a previous response's
-    prepended) and the job to submit."""
+    prepended), the job to submit, and the body as the client sent it (``data``: the
+    settings a steered response's successor inherits)."""
 
     req: ResponsesRequest
     items: list[Any]
     gen: GenRequest
+    data: dict[str, Any]
 
 
 def _raw_items(inp: Any) -> list[Any]:
@@ -527,6 +652,7 @@ def _prepare(
     `key_salt`, with the body's ``cache_salt`` the request's cache salt (`cache_salt`).
     """
     req = validate(ResponsesRequest, data)
+    sent = dict(data)
     if req.conversation is not None:
         raise APIError(
             400,
@@ -561,7 +687,7 @@ def _prepare(
         salt=cache_salt((req.model_extra or {}).get("cache_salt"), key),
         constraint=constraints.read(constraints.responses_constraint, req),
     )
-    return _Prepared(req, _raw_items(data["input"]), gen)
+    return _Prepared(req, _raw_items(data["input"]), gen, sent)
 
 
 # --------------------------------------------------------------------------- encoder
@@ -593,7 +719,7 @@ class ResponseEncoder:
     def __init__(self, req: ResponsesRequest, model: str, carrier):
         self.carrier = carrier
         self.include_encrypted = "reasoning.encrypted_content" in (req.include or [])
-        self.kinds = tool_kinds(req.tools)
+        self.kinds = {**_loaded_kinds(req), **tool_kinds(req.tools)}
         self.seq = 0
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item being streamed
@@ -727,9 +853,10 @@ class ResponseEncoder:
     def _tool_start(self, e: ToolCallStart) -> list[dict[str, Any]]:
         out = self._close()
         kind = self.kinds.get(e.name) or ToolKind("function")
-        if kind.kind == "custom":
-            # Free-form input is the "input" argument; it is known once the call ends.
-            self.custom[e.index] = {"name": e.name, "id": e.id}
+        if kind.kind in ("custom", "tool_search"):
+            # Free-form input is the "input" argument, a search's arguments an object:
+            # both are known once the call ends.
+            self.custom[e.index] = {"name": e.name, "id": e.id, "kind": kind.kind}
             return out
         item = {
             "id": new_id("fc_"),
@@ -785,6 +912,8 @@ class ResponseEncoder:
     def _custom_call(self, info: dict[str, Any], e: ToolCallEnd) -> list[dict[str, Any]]:
         if not e.closed:
             return []  # cut by the end of the turn: never shown as a call
+        if info["kind"] == "tool_search":
+            return self._search_call(info, e)
         args = e.call.arguments
         # The tool's one string parameter, whatever the model named it (``input``, ``patch``).
         raw = args.get("input", next(iter(args.values())) if len(args) == 1 else None)
@@ -805,6 +934,22 @@ class ResponseEncoder:
         item["status"] = "completed"
         return out + self._close()
 
+    def _search_call(self, info: dict[str, Any], e: ToolCallEnd) -> list[dict[str, Any]]:
+        """A search the model started: a ``tool_search_call`` item the client runs
+        (``ResponseToolSearchCall``), answered by a ``tool_search_output`` with its
+        ``call_id``."""
+        item = {
+            "id": new_id("tsc_"),
+            "type": "tool_search_call",
+            "status": "in_progress",
+            "call_id": info["id"],
+            "arguments": e.call.arguments,
+            "execution": "client",
+        }
+        out = self._add(item)
+        item["status"] = "completed"
+        return out + self._close()
+
     def feed(self, e: Any) -> list[dict[str, Any]]:
         """Stream events for one job event (empty for events with no wire form)."""
         handler = self._feed.get(type(e))
@@ -820,13 +965,16 @@ class ResponseEncoder:
             if not (it["type"] == "function_call" and it["status"] == "incomplete")
         ]
         self.response["usage"] = _usage(d)
-        if d.finish == "cancelled":
-            self.response["status"] = "failed"
-            self.response["error"] = {"code": "server_error", "message": "generation cancelled"}
-            return [*out, self._ev("response.failed", response=self.result())]
-        if d.finish in ("length", "context"):  # Responses has no context-full reason
+        if d.finish == "cancelled":  # a client's cancel (or a shutdown), not a failure
+            self.response["status"] = "cancelled"
+            return [*out, self._ev("response.incomplete", response=self.result())]
+        calls = any(it["type"] in ("function_call", "custom_tool_call") for it in self.output)
+        reason = {"length": "max_output_tokens", "context": "max_output_tokens"}.get(d.finish)
+        if d.finish == "steered" and not calls:
+            reason = "steered"  # a steered turn with calls waits for their results
+        if reason is not None:  # Responses has no context-full reason
             self.response["status"] = "incomplete"
-            self.response["incomplete_details"] = {"reason": "max_output_tokens"}
+            self.response["incomplete_details"] = {"reason": reason}
             return [*out, self._ev("response.incomplete", response=self.result())]
         self.response["status"] = "completed"
         return [*out, self._ev("response.completed", response=self.result())]
@@ -877,73 +1025,3 @@ async def get_response(response_id: str):
         type="invalid_request_error",
         code="not_found",
     )
-
-
-# --------------------------------------------------------------------------- WebSocket
-
-
-@bp.websocket("/v1/responses")
-async def responses_ws():
-    """Codex's Responses WebSocket transport: ``response.create`` frames in, events out.
-
-    Each ``{"type": "response.create", ...body}`` text frame runs one response and
-    streams its events as JSON text frames, ending with ``response.completed`` (or
-    ``incomplete``/``failed``): the HTTP stream's loop (``pipeline.events``), the same
-    cancel guard and the same request steps (parsed and prepared off the event loop,
-    `pipeline.start` before the first event). Request errors come back as
-    ``{"type": "error", "status": 4xx, "error": {...}}`` (`_ws_error`: OpenAI's error
-    object) and the connection stays open. ``response.processed`` acknowledgements are
-    ignored.
-    """
-    err = check_auth(websocket.headers)
-    if err is not None:
-        await websocket.close(1008, "invalid or missing API key")
-        return
-    await websocket.accept()
-    st = state()
-    store: dict[str, list[Any]] = {}
-    key = key_salt(websocket.headers)
-    while True:
-        raw = await websocket.receive()
-        try:
-            prep = await offload(_ws_request, raw, store, key)
-            if prep is None:
-                continue  # an acknowledgement
-            job = st.submit(prep.gen)
-            await start(job, NAMES)
-        except APIError as e:
-            await websocket.send(_ws_error(e))
-            continue
-        enc = _encoder(prep)
-        async for d in guard(job, events(job, enc, st.config.keepalive_s)):
-            if d is not None:
-                await websocket.send(json.dumps(d, ensure_ascii=False))
-        if enc.response["status"] in ("completed", "incomplete"):
-            store.clear()  # only the latest response can be continued
-            store[enc.response["id"]] = prep.items + [dict(i) for i in enc.output]
-
-
-def _ws_request(raw: str | bytes, store: dict[str, list[Any]], key: str = "") -> _Prepared | None:
-    """One client frame: a ``response.create``'s prepared job, or None for an
-    acknowledgement (off the event loop).
-
-    Raises:
-        APIError: 400 for a malformed frame, another event type or a bad request.
-    """
-    try:
-        data = parse_json(raw)
-    except APIError as e:
-        raise APIError(400, f"malformed JSON frame: {e.message}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "malformed JSON frame: not an object")
-    typ = data.pop("type", None)
-    if typ == "response.processed":
-        return None
-    if typ != "response.create":
-        raise APIError(400, f"unsupported event type {typ!r}", param="type")
-    return _prepare(data, path="ws /v1/responses", store=store, key=key)
-
-
-def _ws_error(e: APIError) -> str:
-    """A request error as a WebSocket frame: OpenAI's error object with the status."""
-    return json.dumps({"type": "error", "status": e.status, **openai_error(e)}, ensure_ascii=False)

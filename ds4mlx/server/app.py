@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ds4mlx.jobs import GenRequest, Job
+from ds4mlx.model.demo import DEMO_NO_THINKING
 from ds4mlx.server.config import ServerConfig
 from ds4mlx.server.trace import Tracer
 from ds4mlx.server.worker import Worker
@@ -41,6 +42,10 @@ class ServerState:
 
     def submit(self, request: GenRequest) -> Job:
         return self.worker.submit(request)
+
+    def charged(self, request: GenRequest) -> int:
+        """The prompt tokens ``request`` would be charged now (``Worker.charged``; no job)."""
+        return self.worker.charged(request)
 
 
 def start_worker(load: Callable[[], Any], config: ServerConfig) -> tuple[Any, Worker]:
@@ -104,9 +109,10 @@ def banner(engine, config: ServerConfig, url: str, *, connections: int | None = 
     t = Table(show_header=False, box=None, padding=(0, 1))
     t.add_row("[bold]model[/]", f"{config.model_name}  ({engine.path})")
     t.add_row(
-        "[bold]aliases[/]",
+        "[bold]model ids[/]",
         ", ".join(
-            f"{a} ({'thinking' if th else 'non-thinking'})" for a, th in config.aliases.items()
+            f"{a} ({'thinking' if config.thinking_default(a) else 'non-thinking'})"
+            for a in config.model_ids()
         ),
     )
     t.add_row("[bold]quant[/]", engine.quant_desc)
@@ -114,9 +120,10 @@ def banner(engine, config: ServerConfig, url: str, *, connections: int | None = 
     if config.max_tokens_cap is not None and config.demo_policy:
         t.add_row(
             "[bold]output[/]",
-            f"at most {config.max_tokens_cap} tokens per request, without thinking (demo "
-            "cap, reported as a natural end of turn: the noise model never samples EOS; "
-            "--tokens N sets a real output limit instead)",
+            f"at most {config.max_tokens_cap} tokens per request (demo cap, reported as a "
+            "natural end of turn: the noise model never samples EOS); every model id "
+            f"without thinking: {DEMO_NO_THINKING}; --tokens N sets a real output limit "
+            "instead",
         )
     elif config.max_tokens_cap is not None:
         t.add_row(
@@ -274,7 +281,7 @@ def serve(
         await hyper_serve(app, hc, shutdown_trigger=shutdown_trigger)
 
     asyncio.run(main())
-    return 0
+    return worker.exit_code
 
 
 def _host_for_bind(host: str) -> str:

@@ -2,20 +2,31 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+from dataclasses import replace
 
-from ds4mlx.model.demo import DEMO_MAX_TOKENS, demo_model_dir, ensure_demo_model
+from ds4mlx.model.demo import (
+    DEMO_CTX,
+    DEMO_MAX_TOKENS,
+    demo_model_dir,
+    demo_policy,
+    ensure_demo_model,
+)
 from ds4mlx.server.app import serve, start_worker
 from ds4mlx.server.config import ServerConfig
 
 NO_MODEL_MESSAGE = """\
 ds4mlx serve: no model given.
 
-  Serve a DeepSeek V4 Flash checkpoint directory (config.json + *.safetensors):
-      ds4mlx serve -m /path/to/DeepSeek-V4-Flash-4bit      (or set DS4MLX_MODEL)
-  MLX conversions such as mlx-community/DeepSeek-V4-Flash-4bit load directly, e.g.
-      huggingface-cli download mlx-community/DeepSeek-V4-Flash-4bit --local-dir ~/models/ds4-flash
+  Serve a converted DeepSeek V4 Flash checkpoint directory (config.json + *.safetensors):
+      ds4mlx serve -m ~/models/ds4-flash-q2      (or set DS4MLX_MODEL)
+  Get one (README "Run the real model on a Mac"; `ds4mlx doctor` says which build fits
+  this machine: the one below needs a 128 GB Mac):
+      hf download deepseek-ai/DeepSeek-V4-Flash --local-dir ~/models/DeepSeek-V4-Flash
+      ds4mlx convert ~/models/DeepSeek-V4-Flash ~/models/ds4-flash-q2 \\
+          --expert-bits 2 --group-size 128 --bits mxfp8
 
   Or try the server right now on the tiny demo model (random weights, real tokenizer
   and protocols; its text is noise):
@@ -59,20 +70,12 @@ def run_serve(args, register) -> int:
         datefmt="%H:%M:%S",
     )
     logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
-    model = args.model or os.environ.get("DS4MLX_MODEL")
-    if args.demo:
-        if model:
-            print("ds4mlx serve: give either --model or --demo, not both", file=sys.stderr)
-            return 2
-        from rich.console import Console
-
-        path = demo_model_dir()
-        if not (path / "config.json").is_file():
-            Console(stderr=True).print(f"making the tiny demo model in {path} (once)…")
-        model = str(ensure_demo_model(path))
-    if not model:
-        print(NO_MODEL_MESSAGE, file=sys.stderr, end="")
+    model = _model_dir(args)
+    if model is None:
         return 2
+    split, done = _pipeline_role(args, model)
+    if done is not None:
+        return done
     busy = port_problem(args.host, args.port)
     if busy is not None:
         print(
@@ -81,19 +84,14 @@ def run_serve(args, register) -> int:
             file=sys.stderr,
         )
         return 1
-    from ds4mlx.server.connections import keep_open_file_limit, raise_open_file_limit
+    from ds4mlx.server.connections import raise_open_file_limit
 
     raise_open_file_limit()  # every client connection holds a descriptor
-    with keep_open_file_limit():  # the engine imports mlx-lm, which sets the limit
-        from ds4mlx.engine import Engine
-    from ds4mlx.kv.policy import KVCacheSettings
-
     try:
-        kv = KVCacheSettings.from_args(args)
+        kv, sessions_why = _kv_settings(args, model)
     except ValueError as e:
         print(f"ds4mlx serve: {e}", file=sys.stderr)
         return 2
-    kv, sessions_why = _default_sessions(kv, args, model)
     if args.tokens is not None and args.tokens < 1:
         print("ds4mlx serve: --tokens must be >= 1", file=sys.stderr)
         return 2
@@ -120,7 +118,7 @@ def run_serve(args, register) -> int:
         model_name=args.served_model_name,
         default_max_tokens=cap if args.demo else args.tokens,
         max_tokens_cap=cap,
-        demo_policy=bool(args.demo and args.tokens is None),
+        demo_policy=demo_policy(args.demo, args.tokens),
         api_keys=api_keys_from(args.api_key, os.environ.get("DS4MLX_API_KEY")),
         cors=args.cors,
         allowed_origins=tuple(origins),
@@ -136,11 +134,11 @@ def run_serve(args, register) -> int:
         sessions_why=sessions_why,
         tool_memory_max_ids=args.tool_memory_max_ids,
         exact_dsml_replay=not args.disable_exact_dsml_tool_replay,
+        tool_call_dispatch=args.enable_streaming_tool_dispatch,
     )
+
     try:
-        engine, worker = start_worker(
-            lambda: Engine.load(model, ctx_size=args.ctx, sessions=kv.sessions), config
-        )
+        engine, worker = start_worker(_loader(args, model, kv.sessions, split), config)
     except Exception as e:  # LoadError, TokenizerError, OSError, ValueError…
         print(f"ds4mlx serve: cannot load model {model}: {e}", file=sys.stderr)
         return 2
@@ -151,9 +149,135 @@ def run_serve(args, register) -> int:
         return 1
 
 
+def _model_dir(args) -> str | None:
+    """The checkpoint to serve: ``-m``/``$DS4MLX_MODEL``, or the demo model (made once;
+    its context then defaults to ``DEMO_CTX``). None after printing why there is none."""
+    import sys
+
+    model = args.model or os.environ.get("DS4MLX_MODEL")
+    if args.demo:
+        if model:
+            print("ds4mlx serve: give either --model or --demo, not both", file=sys.stderr)
+            return None
+        from rich.console import Console
+
+        path = demo_model_dir()
+        if not (path / "config.json").is_file():
+            Console(stderr=True).print(f"making the tiny demo model in {path} (once)…")
+        model = str(ensure_demo_model(path))
+        if args.ctx is None:
+            args.ctx = DEMO_CTX
+    if not model:
+        print(NO_MODEL_MESSAGE, file=sys.stderr, end="")
+        return None
+    return model
+
+
+def _pipeline_role(args, model: str) -> tuple[list[int] | None, int | None]:
+    """``(split, done)`` for ``--distributed pipeline``: the parsed ``--pipeline-split``,
+    and an exit code when this process is finished before serving: a rank > 0, which ran
+    its layers for rank 0 until shutdown (0), or a bad flag (2)."""
+    import sys
+
+    if not args.distributed and args.pipeline_split is None:
+        return None, None
+    from ds4mlx.engine.pipeline import PipelineError, follower_rank, load_distributed, parse_split
+
+    try:
+        if not args.distributed:
+            raise PipelineError("--pipeline-split needs --distributed pipeline")
+        split = parse_split(args.pipeline_split)
+        if follower_rank():
+            # Ranks > 0 run their layers for rank 0 and never listen.
+            load_distributed(model, ctx_size=args.ctx, split=split)
+            return split, 0
+    except (PipelineError, ValueError, OSError, RuntimeError) as e:
+        print(f"ds4mlx serve: {e}", file=sys.stderr)
+        return None, 2
+    return split, None
+
+
+def _kv_settings(args, model: str):
+    """``(KVCacheSettings, sessions_why)`` from the flags: ``--sessions`` resolved
+    (`_default_sessions`), the disk tier off under ``--distributed``.
+
+    Raises:
+        ValueError: a bad value, or more sessions than memory holds (the message).
+    """
+    from ds4mlx.kv.policy import KVCacheSettings
+
+    refused = _sessions_refusal(args.sessions, model, args.ctx)
+    if refused is not None:
+        raise ValueError(refused)
+    kv, sessions_why = _default_sessions(KVCacheSettings.from_args(args), args, model)
+    return _distributed_kv(args, kv), sessions_why
+
+
+def _distributed_kv(args, kv):
+    """The disk KV cache is off under ``--distributed``: a snapshot of a split model
+    would hold rank 0's layers only (docs/DISTRIBUTED.md)."""
+    import sys
+
+    if not args.distributed or kv.disk_dir is None:
+        return kv
+    print("ds4mlx serve: --distributed: the disk KV cache is off", file=sys.stderr)
+    return replace(kv, disk_dir=None)
+
+
+def _loader(args, model: str, sessions: int, split: list[int] | None):
+    """The engine loader the worker thread runs: one process, or rank 0 of a split."""
+    from ds4mlx.engine import Engine
+    from ds4mlx.engine.speculative import speculation_for
+
+    def load():
+        if not args.distributed:
+            engine = Engine.load(model, ctx_size=args.ctx, sessions=sessions)
+        else:
+            from ds4mlx.engine.pipeline import load_distributed
+
+            engine = load_distributed(model, ctx_size=args.ctx, sessions=sessions, split=split)
+            # The followers exit when rank 0 says so, at exit: the worker has stopped then.
+            atexit.register(engine.model.shutdown)
+        # --speculative (ValueError for a drafter the checkpoint lacks: refused at start).
+        engine.speculation = speculation_for(
+            engine, getattr(args, "speculative", "off"), getattr(args, "draft_tokens", 4)
+        )
+        return engine
+
+    return load
+
+
+def _sessions_refusal(n: int | None, model: str, ctx: int | None) -> str | None:
+    """Why an explicit ``--sessions n`` cannot be served, with the fit check's numbers
+    (`ds4mlx.model.fit.sessions_that_fit`), or None (absent, or it fits). ``n`` < 1, or
+    more resident states than the memory budget holds after the weights at ``ctx``."""
+    if n is None:
+        return None
+    from dataclasses import replace
+
+    from ds4mlx.model.fit import sessions_that_fit
+
+    try:
+        most, report = sessions_that_fit(model, ctx, cap=max(n, 1 << 20))
+    except Exception:  # not even one fits, a bad config: the load says why, with numbers
+        return None if n >= 1 else f"--sessions {n}: at least one resident state is needed"
+    if n < 1:
+        return (
+            f"--sessions {n}: at least one resident state is needed; memory holds {most}: "
+            f"{report.describe()}"
+        )
+    if n > most:
+        return (
+            f"--sessions {n} does not fit: {replace(report, sessions=n).describe()}. "
+            f"Memory holds {most} at this context (--sessions {most}, or a smaller --ctx; "
+            "override the budget with --memory-limit)"
+        )
+    return None
+
+
 def _default_sessions(kv, args, model: str):
-    """``(settings, why)``: ``kv`` with ``--sessions`` resolved. Given, it is kept (the
-    fit check at load refuses more than memory holds, with the numbers); absent, it is
+    """``(settings, why)``: ``kv`` with ``--sessions`` resolved. Given, it is kept
+    (`_sessions_refusal` refused it already when memory cannot hold it); absent, it is
     min(4, what the memory budget holds after the weights), at least 1
     (`ds4mlx.model.fit.sessions_that_fit`)."""
     from dataclasses import replace

@@ -61,6 +61,9 @@ class ServerConfig:
             (``--tool-memory-max-ids``).
         exact_dsml_replay: render replayed tool calls from the exact sampled DSML
             (off with ``--disable-exact-dsml-tool-replay``).
+        tool_call_dispatch: every streamed chat completion sends ``event:
+            tool_call_dispatch`` at each call's close (``--enable-streaming-tool-dispatch``;
+            a request's ``tool_call_dispatch`` field does it for that request).
     """
 
     model_name: str = DEFAULT_MODEL_NAME
@@ -85,6 +88,7 @@ class ServerConfig:
     sessions_why: str = ""
     tool_memory_max_ids: int = 100_000
     exact_dsml_replay: bool = True
+    tool_call_dispatch: bool = False
 
     def model_ids(self) -> list[str]:
         """Every model id the server answers to, the served name first."""

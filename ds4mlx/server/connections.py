@@ -7,8 +7,7 @@ reached, ``accept`` fails with ``EMFILE``, new clients (``/health`` included) wa
 kernel's backlog until an idle connection times out, and asyncio logs a traceback for
 every failed accept, many times a second. So:
 
-- `raise_open_file_limit` lifts the soft ``RLIMIT_NOFILE`` to the hard limit at start;
-  `keep_open_file_limit` keeps an import from lowering it again.
+- `raise_open_file_limit` lifts the soft ``RLIMIT_NOFILE`` to the hard limit at start.
 - `ConnectionGate` caps open connections below the limit (`default_cap`: the limit less
   the descriptors open at start less `RESERVE`, kept for snapshot files, the trace and
   the log). At the cap a new connection closes the longest-idle connection (one with no
@@ -31,7 +30,6 @@ import socket
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
 
 log = logging.getLogger("ds4mlx.server")
 
@@ -69,28 +67,6 @@ def raise_open_file_limit() -> tuple[int, int]:
         except (ValueError, OSError):
             continue
     return resource.getrlimit(resource.RLIMIT_NOFILE)
-
-
-@contextlib.contextmanager
-def keep_open_file_limit() -> Iterator[None]:
-    """Run an import that sets ``RLIMIT_NOFILE`` without letting it change the limit.
-
-    mlx-lm's ``utils`` module sets the limit to (2048, 4096) when imported: that lowers
-    a higher hard limit for good (an unprivileged process cannot raise it back), and
-    raises ValueError — failing the import — where the hard limit is below 4096. Used
-    on the main thread before the worker starts, so nothing else calls setrlimit then.
-    """
-    real = resource.setrlimit
-
-    def setrlimit(which: int, limits: tuple[int, int]) -> None:
-        if which != resource.RLIMIT_NOFILE:
-            real(which, limits)
-
-    resource.setrlimit = setrlimit
-    try:
-        yield
-    finally:
-        resource.setrlimit = real
 
 
 def open_fds() -> int:

@@ -6,7 +6,9 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -80,6 +82,8 @@ class Worker:
         self._thread: threading.Thread | None = None
         self.jobs_done = 0
         self.jobs_submitted = 0
+        # Non-zero once a failure stopped the server (`_check_fatal`): serve's exit code.
+        self.exit_code = 0
 
     # ---- event-loop side
 
@@ -137,6 +141,7 @@ class Worker:
         """Queue ``request`` (FIFO) and return its `Job`. Call on the event loop."""
         job = Job(request, asyncio.get_running_loop())
         if self._stopping.is_set():
+            log.info("%s job %d refused: the server is shutting down", request.path, job.id)
             job.emit(JobFailed(Failure.SHUTTING_DOWN))
             return job
         with self._lock:
@@ -151,6 +156,16 @@ class Worker:
         with self._lock:
             return self._pending
 
+    def charged(self, request: GenRequest) -> int:
+        """The prompt tokens ``request`` would be charged (its usage) if it ran now: the
+        prompt cache's read-only prediction (``PromptCache.peek``: the live state it
+        would continue and the suffix it would prefill, else the whole prompt).
+
+        Queues no job and waits for none: any thread, while a job runs (which may
+        change the answer once it ends). Tokenizes the suffix, or the prompt.
+        """
+        return self.cache.peek(_cache_prompt(request, self.tokenizer)).prompt_tokens
+
     @property
     def busy(self) -> bool:
         return self.current is not None
@@ -164,6 +179,7 @@ class Worker:
         self._stopping.set()
         cur = self.current
         if cur is not None:
+            log.info("shutdown: %s job %d interrupted", cur.request.path, cur.id)
             cur.cancel.set()
         # Fail everything still queued so their clients get an answer.
         while True:
@@ -172,6 +188,7 @@ class Worker:
             except queue.Empty:
                 break
             if job is not None:
+                log.info("shutdown: %s job %d refused before it started", job.request.path, job.id)
                 job.emit(JobFailed(Failure.SHUTTING_DOWN))
         self._queue.put(None)
         if self._thread is not None and self._thread.is_alive():
@@ -186,6 +203,8 @@ class Worker:
             if job is None:
                 break
             if job.cancelled() or self._stopping.is_set():
+                why = "the server is shutting down" if self._stopping.is_set() else "client gone"
+                log.info("%s job %d cancelled before it started: %s", job.request.path, job.id, why)
                 job.emit(JobDone("cancelled", None, 0, 0, 0))
                 self._finish(job)
                 continue
@@ -202,6 +221,7 @@ class Worker:
                 job.emit(JobFailed(Failure.INTERNAL, detail=f"{type(e).__name__}: {e}"))
                 if isinstance(e, KeyboardInterrupt | SystemExit):
                     raise
+                _stop_if_fatal(self, e)
             finally:
                 self.current = None
                 self._finish(job)
@@ -216,22 +236,20 @@ class Worker:
         self.jobs_done += 1
 
     def _run_job(self, job: Job) -> None:
-        from ds4mlx.engine import FINISH_CONTEXT, FINISH_LENGTH, ContextOverflowError, run_turn
-        from ds4mlx.kv.cache import ContextFull, Prompt, UnknownToolId
+        from ds4mlx.engine import (
+            FINISH_CONTEXT,
+            FINISH_LENGTH,
+            ContextOverflowError,
+            Steering,
+            run_turn,
+        )
+        from ds4mlx.kv.cache import ContextFull, UnknownToolId
 
         req = job.request
         tok = self.tokenizer
         t_start = time.monotonic()
-        prompt = Prompt(
-            _prompt_tokens(req, tok),
-            req.prompt,
-            req.conversation,
-            thinking=req.turn.thinking,
-            state_key=req.state_key,
-            salt=req.salt,
-        )
         try:
-            lease = self.cache.begin(prompt)
+            lease = self.cache.begin(_cache_prompt(req, tok))
         except UnknownToolId as e:
             job.emit(JobFailed(Failure.UNKNOWN_TOOL_ID, tool_id=e.tool_id))
             return
@@ -257,6 +275,9 @@ class Worker:
         )
         job.emit(JobStarted(plan.prompt_tokens, plan.cached, decision))
         spec = _fitted(req.turn, s.ctx_size - plan.prompt_tokens, script)
+        # Steer and cancel arrive through the job's flags; a cancelled turn is closed at
+        # a turn boundary too, so the next request can continue it.
+        hooks = Steering(job.steer.is_set, close_cancelled=True)
         try:
             result = run_turn(
                 s,
@@ -269,6 +290,7 @@ class Worker:
                 tool_memory=self.tool_memory,
                 after_token=lease.after_token,
                 script=_script_ids(script, tok),
+                hooks=hooks,
             )
         except ContextOverflowError as e:
             job.emit(_prompt_error(e.have + e.adding, e.ctx_size))
@@ -277,7 +299,8 @@ class Worker:
             self.tracer.write(job.id, "output", text=result.raw, finish=result.finish)
         if result.finish == FINISH_LENGTH and spec.max_tokens < req.turn.max_tokens:
             result.finish = FINISH_CONTEXT  # the room left, not the client's limit, ended it
-        self._done(job, lease, result, t_start, decision, detail)
+        at_boundary = hooks.at_boundary and result.prefilled == len(plan.suffix_tokens)
+        self._done(job, lease, result, t_start, decision, detail, at_boundary)
 
     def _emitter(self, job: Job) -> Callable[[Any], None]:
         """``emit`` for the turn loop: its events are job events (the trace sees the
@@ -290,29 +313,18 @@ class Worker:
 
         return emit
 
-    def _done(self, job: Job, lease, result, t_start: float, decision: str, detail: str) -> None:
-        """Report the turn (bindings, event, trace, log line)."""
+    def _done(
+        self, job: Job, lease, result, t_start, decision: str, detail: str, at_boundary=False
+    ) -> None:
+        """Report the turn (bindings, event, trace, log line); ``at_boundary``: a steered
+        or cancelled turn that ends at a turn boundary binds as an end of turn."""
         plan = lease.plan
-        finish = result.finish
-        calls = list(result.tool_calls)
-        outcome = JobDone(
-            finish=finish,
-            stop_sequence=result.stop_sequence,
-            prompt_tokens=plan.prompt_tokens,
-            cached_tokens=plan.cached,
-            completion_tokens=result.completion_tokens,
-            reasoning_tokens=result.reasoning_tokens,
-            tool_calls=[ToolCallDone(c.id, c.name, c.arguments, c.dsml) for c in calls],
-            reasoning=result.reasoning,
-            prefill_s=result.prefill_s,
-            decode_s=result.decode_s,
-            decision=decision,
-            text=result.text,
-        )
+        outcome = _outcome(result, plan, decision)
         try:
-            lease.finish(result)
+            lease.finish(result, at_boundary=at_boundary)
         except Exception:
             log.exception("after-generation bookkeeping failed")
+        self.engine.speculation.add(result)
         job.emit(outcome)
         self.tracer.write(
             job.id,
@@ -322,11 +334,45 @@ class Worker:
         _log_job(job, plan, result, outcome, t_start, detail)
 
 
+def _outcome(result, plan, decision: str) -> JobDone:
+    """The job's final event from its `TurnResult` and plan."""
+    return JobDone(
+        finish=result.finish,
+        stop_sequence=result.stop_sequence,
+        prompt_tokens=plan.prompt_tokens,
+        cached_tokens=plan.cached,
+        completion_tokens=result.completion_tokens,
+        reasoning_tokens=result.reasoning_tokens,
+        tool_calls=[ToolCallDone(c.id, c.name, c.arguments, c.dsml) for c in result.tool_calls],
+        reasoning=result.reasoning,
+        prefill_s=result.prefill_s,
+        decode_s=result.decode_s,
+        decision=decision,
+        text=result.text,
+    )
+
+
+def _stop_if_fatal(worker: Worker, e: BaseException) -> None:
+    """A failure no later job can avoid (a pipeline rank is gone: every forward call needs
+    it) stops the server with exit code 1 instead of failing every request after it."""
+    lost = getattr(worker.engine.model, "lost_peer", None)
+    line = lost(e) if lost is not None else None
+    if line is None:
+        return
+    log.error("%s; stopping the server", line)
+    worker.exit_code = 1
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float, detail: str) -> None:
-    """The one log line per job: path, decision, token counts, rates, finish, queue wait."""
+    """The one log line per job: path, decision, token counts, rates, finish, queue wait,
+    and for a drafting turn its drafted / accepted tokens and tokens per target forward."""
+    from ds4mlx.engine.speculative import draft_words
+
     n = outcome.completion_tokens
     log.info(
-        "%s %s%s prompt=%d cached=%d generated=%d prefill=%s decode=%.1f tok/s finish=%s wait=%.2fs",
+        "%s %s%s prompt=%d cached=%d generated=%d prefill=%s decode=%.1f tok/s finish=%s "
+        "wait=%.2fs job=%d%s",
         job.request.path,
         outcome.decision,
         f" {detail}" if detail else "",
@@ -337,12 +383,29 @@ def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float, detail: s
         (n - 1) / result.decode_s if result.decode_s > 0 and n > 1 else 0.0,
         outcome.finish,
         t_start - job.submitted,
+        job.id,
+        draft_words(result),
     )
 
 
 def _text(req: GenRequest) -> str | None:
     """The prompt text of a request (a ``Rendered``'s text, a raw string, or None)."""
     return req.prompt.text if isinstance(req.prompt, Rendered) else req.prompt
+
+
+def _cache_prompt(req: GenRequest, tok):
+    """The prompt cache's ``Prompt`` of a request (a job's, or a prediction's)."""
+    from ds4mlx.kv.cache import Prompt
+
+    return Prompt(
+        _prompt_tokens(req, tok),
+        req.prompt,
+        req.conversation,
+        thinking=req.turn.thinking,
+        state_key=req.state_key,
+        salt=req.salt,
+        side=req.side,
+    )
 
 
 def _prompt_tokens(req: GenRequest, tok) -> list[int] | Callable[[], list[int]]:

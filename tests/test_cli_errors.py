@@ -1,0 +1,189 @@
+"""Issue 26 items 4 and 6: every bad value is one line on stderr with exit 2 (usage) or 1
+(runtime), never a traceback; and the quiet corners of the command line say what they do.
+
+Real ``ds4mlx`` processes throughout (``python -m ds4mlx.cli`` with this checkout first on
+the path); ``XDG_CACHE_HOME`` points at a scratch directory so ``--demo`` makes its own
+tiny model instead of touching the user's cache.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from server_util import REPO, free_port
+
+CMD = [sys.executable, "-m", "ds4mlx.cli"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict[str, str]:
+    cache = tmp_path_factory.mktemp("xdg")
+    return {
+        **os.environ,
+        "XDG_CACHE_HOME": str(cache),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "COLUMNS": "80",
+    }
+
+
+def _run(env, *args, timeout=600, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*CMD, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env, **kw
+    )
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("cli_errors")
+    existing = root / "existing"
+    existing.mkdir()
+    (existing / "config.json").write_text("{}")
+    (root / "empty").mkdir()
+    return {
+        "MISSING": root / "no-such-model",
+        "EXISTING": existing,
+        "EMPTY": root / "empty",
+        "TINY": tiny_model_dir,
+        "OUT": root / "out",
+    }
+
+
+# (arguments, exit status, a phrase of the one line). Placeholders in CAPS are filled
+# from ``places``; PORT is a free port (so only the bad value can fail).
+BAD = [
+    (["serve", "--port", "99999"], 2, "not a port"),
+    (["serve", "--port", "0"], 2, "not a port"),
+    (["serve", "--ctx", "-5", "--demo"], 2, "--ctx: -5 must be at least 1"),
+    (["serve", "--memory-limit", "foo", "--demo"], 2, "not a size: 'foo'"),
+    (["serve", "-m", "MISSING", "--port", "PORT"], 2, "does not exist"),
+    (["generate", "-m", "MISSING", "-p", "hi"], 1, "does not exist"),
+    (["generate", "-m", "TINY", "-p", "hi", "-n", "-3"], 2, "--max-tokens: -3"),
+    (["generate", "-p", "hi"], 2, "-m/--model or --demo is required"),
+    (["generate", "-m", "TINY", "--demo", "-p", "hi"], 2, "not both"),
+    (["generate", "-m", "TINY", "-p", "hi", "--memory-limit", "foo"], 2, "not a size"),
+    (["bench", "--demo", "--frontiers", "1,x"], 2, "--frontiers"),
+    (["bench", "--demo", "--frontiers", "64,32"], 2, "increasing"),
+    (["bench", "--shape", "flash", "--demo"], 2, "builds its own model"),
+    (["agent", "--ctx", "0", "--demo"], 2, "--ctx: 0 must be at least 1"),
+    (["make-tiny", "EXISTING"], 1, "--overwrite"),
+    (["convert", "MISSING", "OUT"], 1, "does not exist"),
+    (["convert", "TINY", "OUT", "--override", "oops"], 2, "PART=SPEC"),
+    (["tokenize", "-m", "MISSING", "hi"], 1, "is not a directory"),
+]
+
+
+@pytest.mark.parametrize(("argv", "status", "phrase"), BAD, ids=[" ".join(c[0]) for c in BAD])
+def test_bad_values_are_one_line(env, places, argv, status, phrase):
+    argv = [str(places.get(a, a)) for a in argv]
+    argv = [str(free_port()) if a == "PORT" else a for a in argv]
+    r = _run(env, *argv)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == status, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr and "terminate called" not in r.stderr
+    assert len(lines) == 1 and phrase in lines[0], r.stderr
+    assert "reading headers" not in r.stderr  # no progress bar before the failure
+    assert not (places["OUT"] / "config.json").exists()
+
+
+def test_make_tiny_overwrite_replaces_and_keeps_refusing_without_it(env, places, tmp_path):
+    d = tmp_path / "tiny"
+    assert _run(env, "make-tiny", d, "--float32").returncode == 0
+    before = (d / "model.safetensors").stat().st_mtime_ns
+    r = _run(env, "make-tiny", d, "--seed", "3")
+    assert r.returncode == 1 and (d / "model.safetensors").stat().st_mtime_ns == before
+    assert _run(env, "make-tiny", d, "--seed", "3", "--overwrite").returncode == 0
+
+
+def test_generate_and_bench_take_demo(env, tmp_path):
+    r = _run(env, "generate", "--demo", "-p", "hi", "-n", "4", "--seed", "1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    csv = tmp_path / "b.csv"
+    r = _run(env, "bench", "--demo", "--frontiers", "32,64", "--decode-tokens", "2", "--csv", csv)
+    assert r.returncode == 0, r.stderr
+    rows = csv.read_text().splitlines()
+    assert rows[0].startswith("frontier") and len(rows) == 3, rows
+
+
+def test_tokenize_says_it_uses_the_packaged_tokenizer(env, places):
+    r = _run(env, "tokenize", "-m", places["EMPTY"], "hello")
+    assert r.returncode == 0, r.stderr
+    notice = [ln for ln in r.stderr.splitlines() if "tokenizer" in ln]
+    assert len(notice) == 1 and "packaged" in notice[0] and str(places["EMPTY"]) in notice[0]
+    # A directory with its own tokenizer.json says nothing of the kind.
+    r = _run(env, "tokenize", "-m", places["TINY"], "hello")
+    assert r.returncode == 0 and "packaged" not in r.stderr
+
+
+def test_serve_help_shows_the_defaults(env):
+    out = _run(env, "serve", "--help").stdout
+    flat = " ".join(out.split())
+    assert "--ctx CTX context size in tokens (default: the model's limit, at most 65536" in flat
+    assert "--demo: 65536" in flat
+    assert "--keepalive SECONDS keepalive interval" in flat and "(default: 10.0)" not in flat
+
+
+def test_demo_serves_claude_codes_context(env):
+    """``serve --demo`` defaults to 65536 tokens (Claude Code's smallest workable window)."""
+    from ds4mlx.model.demo import DEMO_CTX
+
+    assert DEMO_CTX == 65536
+    src = (REPO / "ds4mlx" / "server" / "cli.py").read_text()
+    assert "args.ctx = DEMO_CTX" in src
+
+
+def _kv_dir(tmp_path) -> tuple[Path, str]:
+    from test_kv_store import make_store, save
+
+    store = make_store(tmp_path)
+    e = save(store, "a snapshot whose text is long enough to be cut " * 4, seed=1, n_tokens=600)
+    return store.dir, e.key
+
+
+def test_kv_ls_piped_is_tab_separated_whole_values(env, tmp_path):
+    d, key = _kv_dir(tmp_path)
+    r = _run(env, "kv", "ls", d)  # stdout is a pipe
+    assert r.returncode == 0, r.stderr
+    head, row = r.stdout.splitlines()
+    assert head.split("\t") == ["key", "tokens", "hits", "age", "used", "reason", "size", "text"]
+    cells = row.split("\t")
+    assert cells[0] == key and cells[1] == "600" and cells[-1].startswith("a snapshot whose")
+    assert "…" not in r.stdout and "1 snapshots" in r.stderr
+
+
+def test_kv_ls_fits_an_80_column_terminal(tmp_path):
+    from rich.console import Console
+
+    from ds4mlx.cli import build_parser
+    from ds4mlx.kv.cli import run
+
+    d, key = _kv_dir(tmp_path)
+    for long in ([], ["-l"]):
+        con = Console(width=80, force_terminal=True, record=True)
+        assert run(build_parser().parse_args(["kv", "ls", *long, str(d)]), con) == 0
+        text = con.export_text()
+        assert all(len(ln) <= 80 for ln in text.splitlines()), text
+        for col in ("key", "tokens", "reason", "size"):
+            assert f" {col} " in text, text  # whole headers: never "toke…"
+        assert key[:12] in text and "600" in text
+
+
+@pytest.mark.slow
+def test_bench_flash_honours_frontiers_and_shows_progress():
+    """Per frontier one row per layer (plus embedding+head), prefill timed per interval;
+    the build reports its progress. One Flash-size layer (a minute or so here)."""
+    from ds4mlx.bench import run_flash_shape
+
+    seen: list[tuple[int, int]] = []
+    res = run_flash_shape(
+        1, frontiers=[4, 8], decode_tokens=1, progress=lambda d, t: seen.append((d, t))
+    )
+    assert [r.context for r in res.rows] == [4, 4, 8, 8]
+    assert [r.layer for r in res.rows] == [0, -1, 0, -1]
+    assert len(seen) > 10 and seen[-1][0] == seen[-1][1] and seen[0][0] < seen[0][1]
+    with pytest.raises(ValueError, match="increasing"):
+        run_flash_shape(1, frontiers=[8, 4])
