@@ -2,7 +2,7 @@
 
 The tool schemas are captured at test time from the real CLIs in ``tests/clients``
 (``claude -p`` and ``codex exec`` against a loopback capture server, as
-``benchmarks/client_traffic.py`` captures its traffic; nothing of them is stored here).
+``benchmarks/client_capture.py`` captures client traffic; nothing of them is stored here).
 Each compilable client tool is offered as a *strict* tool with ``tool_choice``
 required: every call that closes must validate against the tool's original schema.
 `grammar_cases.SCHEMAS` and a few more are sampled as JSON replies. A schema llguidance
@@ -81,10 +81,10 @@ def _capture() -> tuple[list[dict], list[dict]]:
     require_cli("codex")
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
-        import client_traffic
+        import client_capture
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
-    return client_traffic.capture_claude, client_traffic.capture_codex
+    return client_capture.capture_claude, client_capture.capture_codex
 
 
 @pytest.fixture(scope="module")
