@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ds4mlx.agent import once
 from ds4mlx.agent.dispatch import Dispatcher
@@ -32,6 +33,7 @@ from ds4mlx.dsml import (
 )
 from ds4mlx.dsml.tokens import THINK_END
 from ds4mlx.engine import FINISH_CANCELLED, FINISH_STOP, Turn, TurnHooks, TurnSpec, run_turn
+from ds4mlx.engine.grammar import GrammarError, ToolRule, json_grammar, ll_tokenizer, turn_grammar
 from ds4mlx.engine.steer import FINISH_STEERED, Steering
 from ds4mlx.kv.cache import Lease, Prompt
 
@@ -43,6 +45,26 @@ INTERRUPTED = "interrupted"
 INTERRUPTED_TEXT = "error: not run: the user interrupted the agent before this call"
 # A call not started when the user's queued instructions were applied (steering).
 STEERED_TEXT = "not run: the user interrupted with new instructions"
+
+
+_GRAMMARS: dict[str, Any] = {}  # the tools' names and schemas -> their strict grammar
+
+
+def strict_grammar(tools, tok) -> Any:
+    """The grammar that makes every call to the agent's tools strict (names, parameter
+    names and values per each schema; docs/STRUCTURED_OUTPUTS.md), cached per tool set;
+    an MCP tool whose schema llguidance cannot compile is held to well-formed DSML only."""
+    key = repr([(t.name, t.parameters) for t in tools])
+    if key not in _GRAMMARS:
+        rules = {}
+        for t in tools:
+            try:
+                json_grammar(t.parameters)
+                rules[t.name] = ToolRule(strict=True)
+            except GrammarError:
+                pass
+        _GRAMMARS[key] = turn_grammar(list(tools), rules, tokenizer=ll_tokenizer(tok))
+    return _GRAMMARS[key]
 
 
 @dataclass
@@ -245,6 +267,7 @@ class Steps:
             cap_is_eos=self.cap_is_eos and kind == "answer",
             thinking=thinking,
             tools=tuple(lv.conv.tools) if tools else (),
+            grammar=strict_grammar(lv.conv.tools, lv.tok) if tools and lv.conv.tools else None,
         )
         res = run_turn(
             s,

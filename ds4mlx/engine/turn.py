@@ -103,6 +103,9 @@ class TurnSpec:
         pipeline: build each decode step's graph while the previous one evaluates
             (`Session.begin_decode`); False feeds token by token, synchronously. Both
             leave exactly the same state.
+        grammar: an ``ds4mlx.engine.grammar.Grammar`` the reply (after ``</think>``) must
+            follow: its mask wraps the turn's hooks (`Grammar.hooks`), or None. A
+            constrained turn does not draft (no per-position matcher for verify rows).
     """
 
     sampling: SamplingParams
@@ -122,6 +125,7 @@ class TurnSpec:
     cap_is_eos: bool = False
     ignore_eos: bool = False
     pipeline: bool = True
+    grammar: Any = None
 
 
 class PrefillPlan(Protocol):
@@ -251,7 +255,7 @@ class Turn:
     ):
         self.s, self.tok, self.spec = session, tokenizer, spec
         self.hooks: TurnHooks = hooks or _NO_HOOKS
-        self.drafting = Drafting.for_turn(session, self.hooks)
+        self.drafting = None if spec.grammar else Drafting.for_turn(session, self.hooks)
         self.ended = False
         self.emit = emit
         self.cancel = cancel or (lambda: False)
@@ -580,8 +584,10 @@ def run_turn(
         RuntimeError: the session has no logits after the prefill (empty prompt).
     """
     emit = emit or (lambda _ev: None)
-    if spec.parse and not spec.parallel_calls:
-        hooks = chain_hooks(SingleCall(), hooks)
+    single = SingleCall() if spec.parse and not spec.parallel_calls else None
+    hooks = chain_hooks(single, hooks)
+    if spec.grammar is not None:  # its mask around the caller's hooks
+        hooks = spec.grammar.hooks(hooks or _NO_HOOKS)
     turn = Turn(session, tokenizer, spec, emit, cancel, tool_memory, hooks)
     if prefill is not None:
         suffix = list(getattr(prefill, "suffix_tokens", prefill))
