@@ -78,7 +78,7 @@ def _load_engine(model: str, ctx_size: int | None, args: argparse.Namespace | No
         if args is None or getattr(args, "distributed", None) is None:
             if getattr(args, "pipeline_split", None) is not None:
                 raise PipelineError("--pipeline-split needs --distributed pipeline")
-            return Engine.load(model, ctx_size=ctx_size)
+            return _with_speculation(Engine.load(model, ctx_size=ctx_size), model, args)
         engine = load_distributed(
             model,
             ctx_size=ctx_size,
@@ -91,6 +91,18 @@ def _load_engine(model: str, ctx_size: int | None, args: argparse.Namespace | No
     if engine is None:
         return FOLLOWED
     atexit.register(engine.model.shutdown)
+    return _with_speculation(engine, model, args)
+
+
+def _with_speculation(engine, model: str, args: argparse.Namespace | None):
+    """``engine`` with ``args``' ``--speculative`` set, or None (the refusal printed)."""
+    if args is None or not hasattr(args, "speculative"):
+        return engine
+    try:
+        set_speculation(engine, args)
+    except ValueError as e:
+        print(f"ds4mlx: cannot load model {model}: {e}", file=sys.stderr)
+        return None
     return engine
 
 
@@ -109,6 +121,46 @@ def add_distributed_flags(p: argparse.ArgumentParser) -> None:
         metavar="L[,L...]",
         help="first layer of each rank after rank 0 (default: an even split)",
     )
+
+
+def _draft_tokens(text: str) -> int:
+    from ds4mlx.sampling import MAX_DRAFT_TOKENS
+
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if not 1 <= k <= MAX_DRAFT_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be an integer in 1..{MAX_DRAFT_TOKENS}")
+    return k
+
+
+def speculative_flags(p: argparse.ArgumentParser) -> None:
+    """``--speculative`` and ``--draft-tokens`` (serve, agent, generate, bench)."""
+    from ds4mlx.sampling import DEFAULT_DRAFT_TOKENS, SPECULATIVE_MODES
+
+    p.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_MODES,
+        default="off",
+        help="speculative decoding: lookup = prompt n-grams, mtp = the checkpoint's MTP "
+        "head, auto = both; exact (the output is the target's) (off)",
+    )
+    p.add_argument(
+        "--draft-tokens",
+        type=_draft_tokens,
+        default=DEFAULT_DRAFT_TOKENS,
+        metavar="K",
+        help=f"tokens drafted per verify, 1..16 ({DEFAULT_DRAFT_TOKENS})",
+    )
+
+
+def set_speculation(engine, args: argparse.Namespace) -> None:
+    """Give ``engine`` the ``--speculative`` setting. Raises ValueError with a message
+    for the user (``mtp`` on a checkpoint without an MTP drafter)."""
+    from ds4mlx.engine.speculative import speculation_for
+
+    engine.speculation = speculation_for(engine, args.speculative, args.draft_tokens)
 
 
 def _chat_prompt(text: str, *, thinking: bool):
@@ -175,6 +227,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     from ds4mlx.engine import RawText, TurnSpec, run_turn
+    from ds4mlx.engine.speculative import draft_words
 
     def show(ev) -> None:
         if isinstance(ev, RawText) and ev.text:
@@ -200,7 +253,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(
             f"prompt {len(ids)} tokens in {pre:.2f}s ({len(ids) / pre:.1f} tok/s); "
             f"generated {n} tokens, {dec:.2f} tok/s; stop={result.finish}; "
-            f"KV {session.kv_bytes() / 1e6:.2f} MB",
+            f"KV {session.kv_bytes() / 1e6:.2f} MB{draft_words(result)}",
             file=sys.stderr,
         )
     return 0
@@ -740,6 +793,7 @@ def build_parser() -> argparse.ArgumentParser:
     _memory_limit_flag(p)
     p.add_argument("-v", "--verbose", action="store_true", help="model banner and speed on stderr")
     add_distributed_flags(p)
+    speculative_flags(p)
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser(
@@ -813,6 +867,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", default=None, help="write the CSV here instead of stdout")
     p.add_argument("--plot", default=None, help="write a PNG plot (needs matplotlib)")
     add_distributed_flags(p)
+    speculative_flags(p)
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser(
@@ -924,6 +979,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-scripted-decoding", action="store_true", help=argparse.SUPPRESS)
     _memory_limit_flag(p)
     add_distributed_flags(p)
+    speculative_flags(p)
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("agent", help="terminal coding agent")
@@ -931,6 +987,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _agent_parser(p)
     _memory_limit_flag(p)
+    speculative_flags(p)
     p.set_defaults(func=_cmd_agent)
 
     p = sub.add_parser(

@@ -28,10 +28,20 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from ds4mlx.dsml import Conversation, Rendered
+from ds4mlx.dsml import Conversation, Rendered, ToolSpec
+from ds4mlx.engine.grammar import (
+    Grammar,
+    GrammarError,
+    ToolRule,
+    custom_grammar,
+    json_grammar,
+    ll_tokenizer,
+    turn_grammar,
+)
 from ds4mlx.engine.turn import RawText, TokenLogprob, TurnSpec
 
 __all__ = [
+    "ConstraintError",
     "Failure",
     "GenRequest",
     "Job",
@@ -39,12 +49,15 @@ __all__ = [
     "JobFailed",
     "JobStarted",
     "LiveLabels",
+    "OutputConstraint",
     "PrefillProgress",
     "RawText",
     "Script",
     "TokenLogprob",
     "ToolCallDone",
+    "ToolRule",
     "TurnSpec",
+    "compile_constraint",
 ]
 
 
@@ -299,3 +312,107 @@ class Job:
             if isinstance(ev, JobDone | JobFailed):
                 self.done = True
                 return
+
+
+# --------------------------------------------------------------------------- constraints
+
+
+@dataclass
+class OutputConstraint:
+    """What a request asks the reply to follow, from its protocol's fields (the route
+    builds it; `compile_constraint` turns it into the engine's ``Grammar``).
+
+    Attributes:
+        schema: the visible text is one JSON value valid for this JSON schema, or None.
+        json_object: the visible text is one JSON object (any), when ``schema`` is None.
+        schema_param: the wire path of ``schema`` (for errors), e.g.
+            ``response_format.json_schema.schema``.
+        tools: tool name → `ToolRule` (strict function tools, custom tools).
+        tool_params: tool name → the wire path of its schema or grammar definition.
+        parallel: False (``parallel_tool_calls: false``): at most one call per turn.
+    """
+
+    schema: dict[str, Any] | None = None
+    json_object: bool = False
+    schema_param: str = ""
+    tools: dict[str, ToolRule] = field(default_factory=dict)
+    tool_params: dict[str, str] = field(default_factory=dict)
+    parallel: bool = True
+
+
+class ConstraintError(ValueError):
+    """A constraint that cannot be enforced: ``message`` names the problem, ``param``
+    the wire path of the offending part (a route answers 400 with both)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+def _join(base: str, path: str) -> str:
+    return f"{base}.{path}" if base and path else base or path
+
+
+def _check_parts(c: OutputConstraint, tools: dict[str, ToolSpec]) -> None:
+    """Compile each part on its own first, so an error names its own path."""
+    if c.schema is not None:
+        try:
+            json_grammar(c.schema)
+        except GrammarError as e:
+            raise ConstraintError(e.message, _join(c.schema_param, e.path)) from e
+    for name, rule in c.tools.items():
+        param = c.tool_params.get(name, "tools")
+        spec = tools.get(name)
+        try:
+            if rule.custom and rule.syntax is not None:
+                custom_grammar(rule.syntax, rule.definition)
+            elif rule.strict and spec is not None:
+                if not isinstance(spec.parameters, dict) or spec.parameters.get("type") != "object":
+                    raise GrammarError("strict: true needs a JSON schema of type object")
+                json_grammar(spec.parameters)
+        except GrammarError as e:
+            raise ConstraintError(f"tool {name!r}: {e.message}", _join(param, e.path)) from e
+
+
+def compile_constraint(
+    c: OutputConstraint | None,
+    *,
+    tools: list[ToolSpec],
+    calls: bool,
+    required: bool,
+    tool_name: str | None,
+    tokenizer=None,
+    param: str = "",
+) -> Grammar | None:
+    """The engine's ``Grammar`` for a request's `OutputConstraint` (None: nothing to
+    enforce). Call off the event loop: compiling is bounded by llguidance's limits
+    (``ds4mlx.engine.grammar.LIMITS``), not instant.
+
+    Args:
+        tools: the tools offered to the model (``tool_choice: none`` offers none).
+        calls / required / tool_name: the request's tool choice (``TurnSpec`` fields).
+        tokenizer: the ``ds4mlx.tokenizer.Tokenizer`` for the full check, or None.
+        param: the wire field to name when the combined grammar fails.
+    Raises:
+        ConstraintError: a schema keyword, pattern or grammar that cannot be enforced.
+    """
+    if c is None:
+        return None
+    by_name = {t.name: t for t in tools}
+    _check_parts(c, by_name)
+    llt = ll_tokenizer(tokenizer) if tokenizer is not None else None
+    try:
+        return turn_grammar(
+            tools,
+            c.tools,
+            text_schema=c.schema,
+            text_json=c.json_object,
+            calls=calls,
+            required=required,
+            tool_name=tool_name,
+            parallel=c.parallel,
+            tokenizer=llt,
+        )
+    except GrammarError as e:
+        raise ConstraintError(e.message, param) from e

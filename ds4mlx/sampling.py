@@ -54,3 +54,10 @@ class SamplingParams:
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
 DEFAULT_MIN_P = 0.05
+
+
+# Speculative decoding settings (``ds4mlx.engine.speculative``): here, stdlib-only, so
+# the command line declares its flags without importing MLX.
+SPECULATIVE_MODES = ("off", "auto", "lookup", "mtp", "dspark")
+MAX_DRAFT_TOKENS = 16
+DEFAULT_DRAFT_TOKENS = 4

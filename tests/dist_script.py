@@ -19,6 +19,25 @@ import mlx.core as mx
 import numpy as np
 
 
+def feeds(model, prompt: list[int], chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """Feed ``prompt`` to ``model`` (a ``Model`` or a ``PipelineModel``: the same call) in
+    chunks of ``chunk``, then 8 greedy decode steps. Returns float32 logits at every
+    prompt position ``(len(prompt), vocab)`` and after each decode step ``(8, vocab)``."""
+    cache = model.make_cache()
+    chunks = []
+    for s in range(0, len(prompt), chunk):
+        logits = model(mx.array(prompt[s : s + chunk], dtype=mx.int32), cache)
+        mx.eval(logits)
+        chunks.append(np.array(logits[0]))
+    steps, tok = [], int(np.argmax(chunks[-1][-1]))
+    for _ in range(8):
+        logits = model(mx.array([tok], dtype=mx.int32), cache, last_only=True)
+        mx.eval(logits)
+        steps.append(np.array(logits[0, -1]))
+        tok = int(np.argmax(steps[-1]))
+    return np.concatenate(chunks), np.stack(steps)
+
+
 def main() -> int:
     model_dir, out, n_prompt, chunk = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     split = sys.argv[5] if len(sys.argv) > 5 else None
@@ -50,18 +69,7 @@ def main() -> int:
     from ds4mlx.tokenizer import Tokenizer
 
     prompt = np.random.default_rng(0).integers(0, args.vocab_size, n_prompt).tolist()
-    cache = pm.make_cache()
-    chunks = []
-    for s in range(0, n_prompt, chunk):
-        logits = pm(mx.array(prompt[s : s + chunk], dtype=mx.int32), cache)
-        mx.eval(logits)
-        chunks.append(np.array(logits[0]))
-    steps, tok = [], int(np.argmax(chunks[-1][-1]))
-    for _ in range(8):
-        logits = pm(mx.array([tok], dtype=mx.int32), cache, last_only=True)
-        mx.eval(logits)
-        steps.append(np.array(logits[0, -1]))
-        tok = int(np.argmax(steps[-1]))
+    prefill, decode = feeds(pm, prompt, chunk)
     if engine is None:
         engine = Engine(
             pm, args, Tokenizer.load(model_dir), path=model_dir, config=read_config(model_dir)
@@ -78,8 +86,8 @@ def main() -> int:
     pm.shutdown()
     np.savez(
         out,
-        prefill=np.concatenate(chunks),
-        decode=np.stack(steps),
+        prefill=prefill,
+        decode=decode,
         turn=np.array(session.tokens[n_prompt:], dtype=np.int64),
         layout=np.array(engine.layout),
         identity=np.array(engine.identity),

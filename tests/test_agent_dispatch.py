@@ -100,3 +100,24 @@ def test_dispatch_results_dropped_when_the_turn_is_cut(engine, workspace: Path) 
         assert agent.consistent()
     finally:
         agent.close()
+
+
+def test_dispatch_reads_after_a_write_wait_for_it(engine, workspace: Path) -> None:
+    """A read after a write in the same turn reads what the write wrote (not started
+    at its close: only the turn's leading read-only calls are)."""
+    script = [
+        turn(
+            "Write, then read it back.",
+            "",
+            invoke("write", path="n.txt", content="fresh\n"),
+            invoke("read", path="n.txt"),
+        ),
+        turn("Read.", "Done."),
+    ]
+    agent = Agent(engine, workspace, ui=RecordingUI(), script=script, yes=True)
+    try:
+        assert agent.send("write and read").ok
+        wrote, read = (m.content for m in agent.messages if m.role == "tool")
+        assert "fresh" in read and "not found" not in read
+    finally:
+        agent.close()

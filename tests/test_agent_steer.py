@@ -78,9 +78,111 @@ def test_notice_shown_at_once_while_idle_and_sent_once_with_the_next_message(tin
         history = child.before
         child.expect("› ")
         # Sent once, as a late result of its call, after the message that followed it.
-        assert history.count("[tool result] [result of ") == 1
-        assert history.index("what happened?") < history.index("[result of ")
-        assert history.index("[result of ") < history.index("The job finished.")
+        assert history.count("[tool result] job_1 exited 0") == 1
+        assert history.index("what happened?") < history.index("job_1 exited 0")
+        assert history.index("job_1 exited 0") < history.index("The job finished.")
+        _quit(child, tmp_path)
+    finally:
+        child.close()
+
+
+def test_steer_typed_during_a_block_skips_the_call_not_started(tiny, tmp_path):
+    """``use Go instead⏎`` typed while the model writes its second call: the block ends
+    the turn, the second call does not run (its file is absent) and is answered "not
+    run", the first (a read, started at its close) keeps its result, the text follows."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "a.py").write_text("print('a')\n")
+    script = [
+        turn(
+            "Read it, then write b.py.",
+            "",
+            invoke("read", path="a.py"),
+            invoke("write", path="b.py", content="STEERME " + "pad " * 400),
+        ),
+        turn("Go then.", "Switching to Go."),
+    ]
+    child = _spawn(tiny, tmp_path, script, "--yes")
+    try:
+        child.sendline("write b.py")
+        child.expect("STEERME")
+        child.send("use Go instead\r")
+        child.expect("queued for the next boundary: use Go instead")
+        child.expect("Switching to Go.")
+        child.expect("› ")
+        assert not (ws / "b.py").exists()
+        child.sendline("/history")
+        child.expect(re.escape("[assistant] Switching to Go."))
+        history = child.before
+        child.expect("› ")
+        assert "print('a')" in history
+        assert "[tool result] not run: the user interrupted with new instructions" in history
+        assert "[user] use Go instead" in history
+        assert history.index("not run: the user") < history.index("[user] use Go instead")
+        _quit(child, tmp_path)
+    finally:
+        child.close()
+
+
+def test_steer_line_queued_before_a_permission_prompt_does_not_answer_it(tiny, tmp_path):
+    """``a⏎`` (which would answer "always") typed while the model writes a ``write`` call:
+    it steers (the call is not run, no question asked); the next ``write`` asks, and the
+    question waits for a line typed after it appeared."""
+    script = [
+        turn("Write.", "", invoke("write", path="one.txt", content="STEERME " + "pad " * 400)),
+        turn("Again.", "", invoke("write", path="two.txt", content="two\n")),
+        turn("Done.", "Asked and answered."),
+    ]
+    child = _spawn(tiny, tmp_path, script)
+    try:
+        child.sendline("write files")
+        child.expect("STEERME")
+        child.send("a\r")
+        child.expect("queued for the next boundary: a")
+        child.expect("allow write")
+        child.expect(r"\[o\]nce / \[a\]lways / \[d\]eny")
+        # Nothing typed yet: the question stays (the queued "a" did not answer it).
+        with pytest.raises(pexpect.TIMEOUT):
+            child.expect("Asked and answered.", timeout=3)
+        assert "allow write" not in child.before
+        child.send("d\r")
+        child.expect("Asked and answered.")
+        child.expect("› ")
+        ws = tmp_path / "ws"
+        assert not (ws / "one.txt").exists() and not (ws / "two.txt").exists()
+        child.sendline("/history")
+        child.expect(re.escape("[assistant] Asked and answered."))
+        history = child.before
+        child.expect("› ")
+        assert "not run: the user interrupted with new instructions" in history
+        assert "[user] a" in history and "permission denied" in history
+        _quit(child, tmp_path)
+    finally:
+        child.close()
+
+
+def test_steer_escape_stops_at_once_and_sends_the_queue(tiny, tmp_path):
+    """Esc while the model thinks: the turn stops at once (as Ctrl+C) and the line being
+    typed is sent as the next message."""
+    script = [
+        turn("ponder " * 3000, "never shown"),
+        turn("Go.", "Going with Go."),
+    ]
+    child = _spawn(tiny, tmp_path, script)
+    try:
+        child.sendline("think long")
+        child.expect("ponder")
+        child.expect("ponder")
+        child.send("use Go\x1b")
+        child.expect("interrupted")
+        child.expect("Going with Go.")
+        child.expect("› ")
+        assert "never shown" not in child.before
+        child.sendline("/history")
+        child.expect(re.escape("[assistant] Going with Go."))
+        history = child.before
+        child.expect("› ")
+        assert "[user] use Go" in history
         _quit(child, tmp_path)
     finally:
         child.close()

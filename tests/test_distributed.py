@@ -99,24 +99,15 @@ def _launch(model_dir: Path, out: Path, split: str | None, timeout: float = 600)
 def _reference(model_dir: Path) -> dict[str, np.ndarray]:
     """The same feeds in one process: full prefill logits per chunk, 8 greedy decode
     steps, and a greedy 32-token turn."""
+    from dist_script import feeds
+
     from ds4mlx.engine import Engine, SamplingParams, TurnSpec, run_turn
     from ds4mlx.model.loading import load_model, read_config
     from ds4mlx.tokenizer import Tokenizer
 
     model, args = load_model(str(model_dir), dtype=mx.float32, check_memory=False)
     prompt = np.random.default_rng(0).integers(0, args.vocab_size, N_PROMPT).tolist()
-    cache = model.make_cache()
-    chunks = []
-    for s in range(0, N_PROMPT, CHUNK):
-        logits = model(mx.array(prompt[s : s + CHUNK], dtype=mx.int32), cache)
-        mx.eval(logits)
-        chunks.append(np.array(logits[0]))
-    steps, tok = [], int(np.argmax(chunks[-1][-1]))
-    for _ in range(8):
-        logits = model(mx.array([tok], dtype=mx.int32), cache, last_only=True)
-        mx.eval(logits)
-        steps.append(np.array(logits[0, -1]))
-        tok = int(np.argmax(steps[-1]))
+    prefill, decode = feeds(model, prompt, CHUNK)
     engine = Engine(
         model, args, Tokenizer.load(model_dir), path=model_dir, config=read_config(model_dir)
     )
@@ -124,8 +115,8 @@ def _reference(model_dir: Path) -> dict[str, np.ndarray]:
     spec = TurnSpec(SamplingParams(temperature=0.0), max_tokens=32, parse=False, ignore_eos=True)
     run_turn(session, engine.tokenizer, spec, prefill=prompt)
     return {
-        "prefill": np.concatenate(chunks),
-        "decode": np.stack(steps),
+        "prefill": prefill,
+        "decode": decode,
         "turn": np.array(session.tokens[N_PROMPT:], dtype=np.int64),
         "identity": np.array(engine.identity),
     }
@@ -437,3 +428,23 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_speculation_is_refused_on_a_split_model(tiny_f32_dir):
+    """A verify writes rejected rows into every rank's caches, which the followers cannot
+    rewind: drafting is refused under a split (at start, with one line)."""
+    from ds4mlx.engine import Engine
+    from ds4mlx.engine.speculative import speculation_for
+    from ds4mlx.model.loading import load_model, read_config
+    from ds4mlx.tokenizer import Tokenizer
+
+    model, args = load_model(str(tiny_f32_dir), dtype=mx.float32, check_memory=False)
+    config = read_config(str(tiny_f32_dir))
+    tok = Tokenizer.load(tiny_f32_dir)
+    split = Engine(model, args, tok, path=tiny_f32_dir, config=config, layout="pipeline:0-2,2-4")
+    plain = Engine(model, args, tok, path=tiny_f32_dir, config=config)
+    assert split.identity != plain.identity  # nothing saved under one is used by the other
+    with pytest.raises(ValueError, match="not supported with --distributed"):
+        speculation_for(split, "lookup")
+    assert speculation_for(split, "off") is not None
+    assert speculation_for(plain, "lookup") is not None

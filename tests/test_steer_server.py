@@ -51,11 +51,20 @@ def _calls(*commands: str, eos: bool = True) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(server_factory, tiny_model_dir):
-    return server_factory(
-        tiny_model_dir,
-        extra=["--served-model-name", MODEL, "--keepalive", "0.2", "--sessions", "1"],
-    )
+def trace(tmp_path_factory):
+    return tmp_path_factory.mktemp("steer") / "trace.jsonl"
+
+
+@pytest.fixture(scope="module")
+def server(server_factory, tiny_model_dir, trace):
+    extra = ["--served-model-name", MODEL, "--keepalive", "0.2", "--sessions", "1"]
+    return server_factory(tiny_model_dir, extra=extra + ["--trace", str(trace)])
+
+
+def _last_prompt(trace) -> str:
+    """The rendered prompt of the latest job (the trace's ``prompt`` record)."""
+    recs = [json.loads(ln) for ln in trace.read_text().splitlines()]
+    return [r for r in recs if r["kind"] == "prompt"][-1]["text"]
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +105,7 @@ def _ended(ev) -> bool:
 # --------------------------------------------------------------------------- steering
 
 
-def test_steer_mid_text_ends_steered_and_a_successor_continues_live(server, client):
+def test_steer_mid_text_ends_steered_and_a_successor_continues_live(server, client, trace):
     server.wait_idle()
     n0 = len(server.request_lines())
     server.script("plan</think>" + LONG + EOS, "Go it is." + EOS)
@@ -144,12 +153,14 @@ def test_steer_mid_text_ends_steered_and_a_successor_continues_live(server, clie
     assert " live-thinking " in second, second
     cached = int(second.split(" cached=")[1].split()[0])
     prompt = int(second.split(" prompt=")[1].split()[0])
-    assert (
-        prompt - cached <= 16
-    )  # "<｜end▁of▁sentence｜><｜User｜>use Go instead<｜Assistant｜><think>"
+    assert prompt - cached <= 16
+    # The rendered suffix: the steered turn as the client saw it, then the steering text.
+    assert _last_prompt(trace).endswith(
+        f"</think>{text}<｜end▁of▁sentence｜><｜User｜>use Go instead<｜Assistant｜><think>"
+    )
 
 
-def test_steer_inside_a_call_waits_for_required_input_then_prepends(server, client):
+def test_steer_inside_a_call_waits_for_required_input_then_prepends(server, client, trace):
     server.wait_idle()
     n0 = len(server.request_lines())
     server.script("ok</think>" + _calls("ls", "pwd"), "Switching to Go." + EOS)
@@ -189,6 +200,15 @@ def test_steer_inside_a_call_waits_for_required_input_then_prepends(server, clie
     assert evs[-1].type == "response.completed"
     line = server.request_line(n0 + 1)
     assert " live-responses " in line and "ids=2" in line, line
+    # The queued input went first, in the same user turn as the results; only that
+    # suffix was prefilled.
+    assert _last_prompt(trace).endswith(
+        "</｜DSML｜tool_calls><｜end▁of▁sentence｜><｜User｜>use Go instead\n\n"
+        "<tool_result>out 0</tool_result>\n\n<tool_result>out 1</tool_result>"
+        "<｜Assistant｜><think>"
+    )
+    cached = int(line.split(" cached=")[1].split()[0])
+    assert int(line.split(" prompt=")[1].split()[0]) - cached <= 40
 
 
 def test_steer_bad_frames_fail_with_the_input_returned(server, client):

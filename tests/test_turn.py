@@ -364,9 +364,8 @@ def test_one_call_when_parallel_calls_are_off(engine, session, in_reasoning):
     reasoning = "Let me look." + ("" if in_reasoning else "</think>")
     prompt = _ids(engine, PROMPT + "<think>")
     spec = TurnSpec(GREEDY, 200, thinking=True, tools=(TOOL,), parallel_calls=False)
-    res = run_turn(
-        session, engine.tokenizer, spec, prefill=prompt, script=_ids(engine, reasoning + two)
-    )
+    script = _ids(engine, reasoning + two)
+    res = run_turn(session, engine.tokenizer, spec, prefill=prompt, script=script)
     assert [c.arguments for c in res.tool_calls] == [{"command": "ls"}]
     assert res.finish == "stop" and res.call_errors == {}
     one = reasoning + head + "\n</｜DSML｜tool_calls>"

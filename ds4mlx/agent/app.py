@@ -271,6 +271,7 @@ def run(args: argparse.Namespace) -> int:
     from ds4mlx.agent.sessions import SessionBook
     from ds4mlx.blas import blas_label
     from ds4mlx.engine import Engine, SamplingParams
+    from ds4mlx.engine.speculative import speculation_for
     from ds4mlx.kv.store import DiskKVStore
     from ds4mlx.model.loading import LoadError
 
@@ -281,6 +282,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         engine = Engine.load(model, ctx_size=args.ctx)
+        engine.speculation = speculation_for(
+            engine, getattr(args, "speculative", "off"), getattr(args, "draft_tokens", 4)
+        )
     except (LoadError, OSError, ValueError, RuntimeError) as e:
         err.print(f"ds4mlx agent: cannot load model {model}: {e}")
         return 2
@@ -575,7 +579,7 @@ def repl(agent: Agent, ui: RichUI, sig: SignalState | None = None, *, demo: bool
             sig.prompting, sig.pending = True, False
             try:
                 # A background job that ends meanwhile is shown at once (sent later).
-                with idle_notices(agent.turns, ui.interject):
+                with idle_notices(agent.turns.notices, ui.interject):
                     line = ui.read_line(guard=sig.read())
             finally:
                 sig.prompting = False

@@ -5,6 +5,9 @@ call whose ``</｜DSML｜invoke>`` has been sampled can already run: it changes 
 reads never ask (a path outside the workspace is refused, not asked). :class:`Dispatcher`
 sees the decoder's `ToolCallEnd` events (on the MLX thread, from the turn's ``emit``)
 and submits each such call to one worker thread, in call order; MLX stays on its thread.
+Only the turn's leading read-only calls start early: once another call (a ``write``, a
+``bash``, a malformed one) has closed, later reads wait for their turn after it, since
+they may read what it changes.
 After the turn, ``Steps.run_tools`` takes each call's outcome from here (waiting for it
 if it still runs) instead of running it, so results are appended in call order into the
 same suffix as without dispatch. A turn that ends cut (``max_tokens``, Ctrl+C, Esc) runs
@@ -38,6 +41,7 @@ class Dispatcher:
         self.enabled = enabled
         self._pool: ThreadPoolExecutor | None = None
         self._futures: dict[str, Future[ToolOutcome]] = {}
+        self._blocked = False  # a call that is not an early read came first in this turn
 
     def event(self, ev: Event) -> None:
         """A decoder event of the turn being generated: a closed, well-formed read-only
@@ -45,9 +49,13 @@ class Dispatcher:
         if not (self.enabled and isinstance(ev, ToolCallEnd)):
             return
         call = ev.call
-        if not ev.closed or ev.error is not None or call.name not in READ_ONLY:
+        if self._blocked or call.id in self._futures:
             return
-        if self.toolbox.permissions.needs_ask(call.name) or call.id in self._futures:
+        if not ev.closed or ev.error is not None or call.name not in READ_ONLY:
+            self._blocked = True  # a later read may depend on what this call changes
+            return
+        if self.toolbox.permissions.needs_ask(call.name):
+            self._blocked = True
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dispatch")
@@ -71,10 +79,12 @@ class Dispatcher:
 
     def drop(self) -> None:
         """Discard every outcome not taken (the turn was cut, or a steer skipped the
-        calls): calls not started are cancelled, running ones finish unread."""
+        calls): calls not started are cancelled, running ones finish unread; the next
+        turn starts afresh."""
         for f in self._futures.values():
             f.cancel()
         self._futures.clear()
+        self._blocked = False
 
     def close(self) -> None:
         """Drop what is left and stop the worker thread."""

@@ -9,16 +9,18 @@ reasoning block is closed by the loop's forced feed); run its tool calls.
 
 from __future__ import annotations
 
-import threading
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ds4mlx.agent import once
 from ds4mlx.agent.dispatch import Dispatcher
 from ds4mlx.agent.events import Generated, Step
 from ds4mlx.agent.hooks import AFTER, BEFORE, fire_response
+from ds4mlx.agent.idle import JobNotices
 from ds4mlx.agent.live import Live, LiveState
 from ds4mlx.agent.tools import ToolOutcome
 from ds4mlx.dsml import (
@@ -31,16 +33,38 @@ from ds4mlx.dsml import (
 )
 from ds4mlx.dsml.tokens import THINK_END
 from ds4mlx.engine import FINISH_CANCELLED, FINISH_STOP, Turn, TurnHooks, TurnSpec, run_turn
+from ds4mlx.engine.grammar import GrammarError, ToolRule, json_grammar, ll_tokenizer, turn_grammar
+from ds4mlx.engine.steer import FINISH_STEERED, Steering
 from ds4mlx.kv.cache import Lease, Prompt
 
 # The turn loop's finish reasons as the agent's steps name them.
-_AGENT_STOP = {FINISH_STOP: "eos", FINISH_CANCELLED: "interrupted"}
+_AGENT_STOP = {FINISH_STOP: "eos", FINISH_CANCELLED: "interrupted", FINISH_STEERED: "steered"}
 
 # Error kind of tool results for calls the user interrupted (ToolOutcome.error).
 INTERRUPTED = "interrupted"
-INTERRUPTED_BEFORE_TEXT = "error: not run: the user interrupted the agent before this call"
+INTERRUPTED_TEXT = "error: not run: the user interrupted the agent before this call"
 # A call not started when the user's queued instructions were applied (steering).
 STEERED_TEXT = "not run: the user interrupted with new instructions"
+
+
+_GRAMMARS: dict[str, Any] = {}  # the tools' names and schemas -> their strict grammar
+
+
+def strict_grammar(tools, tok) -> Any:
+    """The grammar that makes every call to the agent's tools strict (names, parameter
+    names and values per each schema; docs/STRUCTURED_OUTPUTS.md), cached per tool set;
+    an MCP tool whose schema llguidance cannot compile is held to well-formed DSML only."""
+    key = repr([(t.name, t.parameters) for t in tools])
+    if key not in _GRAMMARS:
+        rules = {}
+        for t in tools:
+            try:
+                json_grammar(t.parameters)
+                rules[t.name] = ToolRule(strict=True)
+            except GrammarError:
+                pass
+        _GRAMMARS[key] = turn_grammar(list(tools), rules, tokenizer=ll_tokenizer(tok))
+    return _GRAMMARS[key]
 
 
 @dataclass
@@ -72,6 +96,13 @@ class _Hooks(TurnHooks):
             turn.force_feed([turn.tok.think_end_id])
 
 
+def _turn_hooks(ui, steer_pending, kind: str, planned: int, thinking: bool) -> TurnHooks:
+    """The turn's hooks: the agent's own; an answer also polls the steer queue (the
+    engine's one boundary rule, `ds4mlx.engine.steer.Steering`)."""
+    hooks = _Hooks(ui, kind, planned, close_thinking=thinking)
+    return Steering(steer_pending, hooks) if kind == "answer" else hooks
+
+
 def closed_turn(lv, gen: Generated, thinking: bool) -> Message:
     """The transcript message for a generated turn; the live state ``lv`` ends on it.
 
@@ -83,7 +114,8 @@ def closed_turn(lv, gen: Generated, thinking: bool) -> Message:
     lv.state = LiveState.TURN_END
     if thinking and THINK_END not in raw:
         lv.state = LiveState.DIRTY
-    if gen.stop == "eos":
+    if gen.stop == "eos" or (gen.stop == "steered" and gen.result.tool_calls):
+        # steered at a tool boundary: the turn is whole up to its block's close
         res = gen.result
         msg = Message(
             "assistant",
@@ -148,15 +180,13 @@ class Steps:
         self.last_prefill = (0, 0.0)
         # Writes the transcript (`SessionControl.persist`): before a round, after each result.
         self.persist: Callable[[], None] = lambda: None
-        self.job_calls: dict[str, ToolCall] = {}  # background job handle -> its call
         # True while a steer is queued (`ds4mlx.agent.steer`): calls not started skip.
         self.steer_pending: Callable[[], bool] = lambda: False
         self.steer_take: Callable[[], str | None] = lambda: None  # the queued text, once
         # Read-only calls started at their block's close (`ds4mlx.agent.dispatch`).
         self.dispatcher = Dispatcher(toolbox)
-        # Late results of ended jobs not yet in the transcript (taken while idle, too).
-        self.pending_notices: list[Message] = []
-        self._notice_lock = threading.Lock()
+        # Ended background jobs' late results (`ds4mlx.agent.idle.JobNotices`).
+        self.notices = JobNotices(live, toolbox)
 
     def prepare(self, *, compact: bool) -> Prepared:
         """Put the transcript into the live state through the prompt cache (a lease:
@@ -222,6 +252,7 @@ class Steps:
         ids = list(lease.plan.suffix_tokens)
         lv.phase = "model"
         scripted = self.script.popleft() if self.script else None
+        self.dispatcher.drop()  # a new turn: no early read from an earlier one
 
         def show(ev: Event) -> None:
             if kind == "summary" and not isinstance(ev, ThinkingDelta | TextDelta):
@@ -236,6 +267,7 @@ class Steps:
             cap_is_eos=self.cap_is_eos and kind == "answer",
             thinking=thinking,
             tools=tuple(lv.conv.tools) if tools else (),
+            grammar=strict_grammar(lv.conv.tools, lv.tok) if tools and lv.conv.tools else None,
         )
         res = run_turn(
             s,
@@ -249,7 +281,7 @@ class Steps:
             tool_memory=lv.tool_memory if tools else None,
             after_token=lease.after_token,
             chunk_size=self.chunk_size,
-            hooks=_Hooks(lv.ui, kind, len(ids), close_thinking=thinking),
+            hooks=_turn_hooks(lv.ui, self.steer_pending, kind, len(ids), thinking),
         )
         n = res.prefilled
         lv.steps.append(Step(prefill_kind, before, n, len(ids), res.prefill_s, lv.tok.decode(ids)))
@@ -283,7 +315,7 @@ class Steps:
         if steer:  # after the round's results (calls not started: "not run"), one user turn
             lv.messages.append(Message("user", steer))
             lv.ui.notice(f"sent: {steer}")
-        self.add_notices()
+        self.notices.add()
         prepared = self.prepare(compact=True)
         if prepared.compact is not None:
             prepared.lease.abandon()
@@ -302,7 +334,7 @@ class Steps:
         )
         if gen is None:
             return "interrupted"
-        if gen.stop != "eos":
+        if gen.stop != "eos" and not (gen.stop == "steered" and gen.result.tool_calls):
             self.dispatcher.drop()  # a cut turn runs no calls: early results discarded
         msg = self.close_turn(gen, thinking)
         lv.messages.append(msg)
@@ -310,57 +342,17 @@ class Steps:
         self.responses += 1
         key = lv.render() if lv.state == LiveState.TURN_END else None
         prepared.lease.finish(gen.turn, transcript_key=key)
+        if gen.stop == "steered":
+            if not msg.tool_calls:  # stopped in its text: the queued text is the next turn
+                return self.answer(compactor, max_tokens)
+            # A tool boundary: the round runs (calls not started answer "not run"), then
+            # the queued text follows in the same user turn.
+            gen = dataclasses.replace(gen, stop="eos")
         return gen, msg
-
-    def collect_notices(self) -> list[str]:
-        """Take the ends of background jobs the model has not heard of (each once: the
-        toolbox marks them seen) into the pending notices; their UI lines, returned
-        (shown by the caller: at once while idle, or by `add_notices`)."""
-        with self._notice_lock:
-            shown = []
-            for handle, outcome, detail in self.toolbox.job_notices():
-                call = self.job_calls.get(handle)
-                if call is None:
-                    continue
-                text = f"{outcome}\n{detail.rstrip()}" if detail.strip() else outcome
-                self.pending_notices.append(Message("tool", text, tool_call_id=call.id))
-                shown.append(f"{handle}: {outcome}")
-            return shown
-
-    def add_notices(self) -> None:
-        """Background jobs that ended since the model heard of them: each a late result
-        of its call (the renderer heads it with the call: ``dsml.render_late_result``)
-        after the pending results or user text, so it goes out in the next suffix; shown
-        in the UI too (unless the idle prompt showed it already). A notice whose call is
-        in another session (after ``/switch``) is dropped."""
-        for line in self.collect_notices():
-            self.live.ui.notice(line)
-        with self._notice_lock:
-            pending, self.pending_notices = self.pending_notices, []
-        calls = {c.id for m in self.live.messages for c in m.tool_calls}
-        self.live.messages.extend(m for m in pending if m.tool_call_id in calls)
 
     def close_turn(self, gen: Generated, thinking: bool) -> Message:
         """The transcript message for a generated turn (`closed_turn`)."""
         return closed_turn(self.live, gen, thinking)
-
-    def _not_run(
-        self, call: ToolCall, call_errors: dict[str, str], interrupted: bool
-    ) -> ToolOutcome | None:
-        """The result of a call that must not run now, or None to run it: after Ctrl+C
-        (or with a steer queued) calls not started are answered so; a call started
-        early (`Dispatcher`) keeps its real result; a malformed call is refused."""
-        if (interrupted or self.steer_pending()) and not self.dispatcher.started(call.id):
-            text = STEERED_TEXT if not interrupted else INTERRUPTED_BEFORE_TEXT
-            return ToolOutcome(False, text, INTERRUPTED)
-        if call.id in call_errors:
-            return ToolOutcome(
-                False,
-                f"error: malformed tool call ({call_errors[call.id]}); it was not run. "
-                "Call the tool again with well-formed DSML.",
-                "invalid_arguments",
-            )
-        return None
 
     def run_tools(self, calls: list[ToolCall], call_errors: dict[str, str]) -> bool:
         """Run ``calls`` in order, appending one tool message each; False if interrupted.
@@ -378,7 +370,8 @@ class Steps:
             outcome: ToolOutcome | None = None
             interrupted = interrupted or lv.cancel  # Ctrl+C between two calls
             try:
-                outcome = self._not_run(call, call_errors, interrupted)
+                started = self.dispatcher.started(call.id)
+                outcome = not_run(call, call_errors, interrupted, self.steer_pending(), started)
                 if outcome is None:
                     lv.phase = "tools"
                     lv.ui.tool_start(call, self.toolbox.describe(call.name, call.arguments))
@@ -396,7 +389,27 @@ class Steps:
                 lv.messages.append(Message("tool", outcome.text, tool_call_id=call.id))
                 self.persist()
                 if outcome.job:
-                    self.job_calls[outcome.job] = call
+                    self.notices.job_calls[outcome.job] = call
             lv.ui.tool_result(call, outcome)
         self.dispatcher.drop()  # outcomes of calls that did not run
         return not interrupted
+
+
+def not_run(
+    call: ToolCall, call_errors: dict[str, str], interrupted: bool, steered: bool, started: bool
+) -> ToolOutcome | None:
+    """The result of a call that must not run now, or None to run it: after Ctrl+C (or
+    with a steer queued) calls not started are answered so; a call ``started`` early
+    (`Dispatcher`) keeps its real result; a malformed call is refused."""
+    if (interrupted or steered) and not started:
+        return ToolOutcome(
+            False, STEERED_TEXT if not interrupted else INTERRUPTED_TEXT, INTERRUPTED
+        )
+    if call.id in call_errors:
+        return ToolOutcome(
+            False,
+            f"error: malformed tool call ({call_errors[call.id]}); it was not run. "
+            "Call the tool again with well-formed DSML.",
+            "invalid_arguments",
+        )
+    return None

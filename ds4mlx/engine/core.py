@@ -13,6 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ds4mlx.engine.session import Session
+from ds4mlx.engine.speculative import Speculation
 
 # Default context when the caller does not choose one: one figure for the engine and the
 # loader's fit check.
@@ -119,6 +120,9 @@ class Engine:
         quant: the `QuantInfo`; ``quant_desc`` its display form, e.g.
             ``"experts=q2 other=q8"``.
         session: the live ``Session``.
+        speculation: the speculative-decoding setting and totals
+            (``ds4mlx.engine.speculative.Speculation``; ``off`` unless the caller sets
+            it).
     """
 
     def __init__(
@@ -145,6 +149,7 @@ class Engine:
         self.layout = layout
         self.identity = _model_identity(self.path, config, self.quant_desc, layout)
         self._last_logits = _last_logits_fn(model)
+        self.speculation = Speculation()
         self.session = Session(self)
 
     @classmethod

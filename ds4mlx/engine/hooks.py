@@ -26,10 +26,10 @@ class TurnHooks:
       reason ends the turn there (steering and cancel polls).
     - `mask`: the logits to sample this step from, ``(vocab,)`` float (e.g. ``-inf``
       on forbidden ids), or None for the session's own; forced tokens skip it.
-    - `draft`: proposed next tokens (a draft model, a lookup); the loop verifies each
-      against the token it samples and counts ``TurnResult.drafted``/``accepted`` (a
-      mismatch drops the rest of the draft). Today every step still samples one token
-      with one forward pass: a batched verify plugs in here without touching callers.
+    - `draft`: proposed tokens to follow the one just sampled (a draft model, a
+      lookup); `ds4mlx.engine.speculative` verifies them in one forward pass and
+      counts ``TurnResult.drafted``/``accepted`` (the engine's own drafters, chosen by
+      ``Engine.speculation``, propose when this returns nothing).
     - `at_end`: the turn ended (any finish but an exception); it may call
       `Turn.force_feed` (e.g. ``</think>`` to close a cut reasoning block).
     """

@@ -14,7 +14,14 @@ import mlx.core as mx
 
 from ds4mlx.sampling import SamplingParams
 
-__all__ = ["SamplingParams", "min_p_filter", "sample_token", "top_k_filter", "top_p_filter"]
+__all__ = [
+    "SamplingParams",
+    "min_p_filter",
+    "sample_token",
+    "sampling_logprobs",
+    "top_k_filter",
+    "top_p_filter",
+]
 
 _NEG_INF = float("-inf")
 
@@ -72,13 +79,12 @@ def top_k_filter(logprobs: mx.array, top_k: int) -> mx.array:
     return mx.put_along_axis(logprobs, rest, mx.array(_NEG_INF, logprobs.dtype), axis=-1)
 
 
-def sample_token(logits: mx.array, params: SamplingParams, key: mx.array) -> mx.array:
-    """Draw one token id (uint32 scalar array) from float32 ``logits`` of shape (vocab,).
-
-    Filters run on the untempered distribution in the order top-p, min-p, top-k; the
-    temperature then scales the surviving log-probabilities.
-    """
-    logprobs = (logits - mx.logsumexp(logits, keepdims=True))[None]
+def sampling_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
+    """The distribution `sample_token` draws from, as log-probabilities: float32
+    ``logits`` ``(..., vocab)`` through the filters (top-p, min-p, top-k, on the
+    untempered distribution) and the temperature, normalised over the last axis
+    (filtered ids ``-inf``). Speculative sampling compares drafts against it."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     vocab = logprobs.shape[-1]
     if 0 < params.top_p < 1:
         logprobs = top_p_filter(logprobs, params.top_p)
@@ -86,6 +92,13 @@ def sample_token(logits: mx.array, params: SamplingParams, key: mx.array) -> mx.
         logprobs = min_p_filter(logprobs, params.min_p)
     if 0 < params.top_k < vocab:
         logprobs = top_k_filter(logprobs, params.top_k)
+    scaled = logprobs * (1.0 / params.temperature)
+    return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+
+
+def sample_token(logits: mx.array, params: SamplingParams, key: mx.array) -> mx.array:
+    """Draw one token id (uint32 scalar array) from float32 ``logits`` of shape (vocab,)
+    under `sampling_logprobs`."""
     # An explicit key, not MLX's global generator: any other MLX user in the process
     # would perturb that one.
-    return mx.random.categorical(logprobs * (1.0 / params.temperature), key=key)[0]
+    return mx.random.categorical(sampling_logprobs(logits[None], params), key=key)[0]

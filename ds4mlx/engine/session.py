@@ -144,6 +144,66 @@ class PendingStep:
 # --------------------------------------------------------------------------- session
 
 
+def split_key(session: Session, params: SamplingParams) -> mx.array:
+    """A fresh subkey of ``session``'s sampling generator (seeded from ``params.seed``
+    on first use): every random draw of a turn comes from this one stream."""
+    if session._key is None:
+        session.seed(params.seed)
+    session._key, sub = mx.random.split(session._key)
+    return sub
+
+
+class VerifyStep:
+    """Draft verification (`ds4mlx.engine.speculative`): ``tokens`` fed tentatively from
+    the live state in one forward pass, every row's logits kept; then `settle`.
+
+    Attributes:
+        logits: float32 ``(len(tokens), vocab)``; row ``i`` predicts the token after
+            ``tokens[i]``.
+        forwards: target forward passes this step ran (1, or 2 once `settle` re-fed).
+
+    Undoing rejected rows: the forward wrote ring slots, compressed rows and compressor
+    / indexer frontiers for every row, so `settle` with fewer tokens rewinds every cache
+    to its capture and feeds the kept ones again in one forward (exact within the
+    chunked-vs-full prefill tolerance); keeping all rows keeps the forward as it is.
+    While unsettled, ``session.tentative`` is set and `Session.snapshot` refuses.
+
+    Raises (constructor): ContextOverflowError when ``tokens`` do not fit; on a model
+    error the session is reset, as after a failed prefill.
+    """
+
+    def __init__(self, session: Session, tokens: Sequence[int]):
+        self.s, self.tokens = session, [int(t) for t in tokens]
+        session._check_room(len(self.tokens))
+        self.saved = [c.capture() for c in session._cache]
+        self.forwards = 1
+        x = mx.array(self.tokens, dtype=mx.int32)[None]
+        try:
+            self.logits = session.engine.model(x, session._cache)[0].astype(mx.float32)
+            mx.eval(self.logits, session._cache_arrays())
+        except BaseException:
+            session.reset()
+            raise
+        session.tentative = self
+
+    def settle(self, kept: Sequence[int]) -> None:
+        """Keep ``kept``: a prefix of the verified tokens, possibly with its last token
+        replaced (the target's correction of a rejected draft). The session then holds
+        exactly what feeding ``kept`` one token at a time would leave (within tolerance).
+        """
+        s, kept = self.s, [int(t) for t in kept]
+        s.tentative = None
+        if kept == self.tokens:
+            s.tokens.extend(kept)
+            s.logits = self.logits[-1]
+            return
+        for c, saved in zip(s._cache, self.saved, strict=True):
+            c.rewind(saved)
+        if kept:
+            self.forwards += 1
+            s._forward(kept)
+
+
 class Session:
     """The live inference state: token ids, per-layer KV caches, next-token logits.
 
@@ -160,6 +220,7 @@ class Session:
         self._cache = engine.model.make_cache()
         self._script: deque[int] | None = None
         self._key: mx.array | None = None
+        self.tentative: VerifyStep | None = None  # unverified rows in the caches
 
     # ---- bookkeeping
 
@@ -308,17 +369,10 @@ class Session:
         return len(self._script) if self._script else 0
 
     def sample(self, params: SamplingParams, *, greedy: bool = False) -> int:
-        """Pick the next token from ``logits`` (does not feed it; see ``decode``).
-
-        Args:
-            params: sampling settings; temperature 0 is argmax.
-            greedy: force argmax (used while emitting protocol structure,
-                docs/ARCHITECTURE.md §4).
-        Returns:
-            The token id (int): the next scripted token when a script is set.
-        Raises:
-            RuntimeError: no logits yet (nothing was fed).
-        """
+        """Pick the next token (int) from ``logits`` (does not feed it; see ``decode``):
+        the next scripted one when a script is set, argmax when ``params`` is greedy or
+        ``greedy`` (protocol structure, docs/ARCHITECTURE.md §4). Raises RuntimeError
+        before any token was fed."""
         return int(self.sample_async(params, greedy=greedy).item())
 
     def sample_async(
@@ -340,10 +394,7 @@ class Session:
         if greedy or params.greedy:
             t = mx.argmax(logits)
         else:
-            if self._key is None:
-                self.seed(params.seed)
-            self._key, sub = mx.random.split(self._key)
-            t = sample_token(logits, params, sub)
+            t = sample_token(logits, params, split_key(self, params))
         mx.async_eval(t)
         return t
 
@@ -390,7 +441,10 @@ class Session:
 
     def snapshot(self) -> SessionState:
         """A detached copy of the full state (tokens, logits, every cache tensor): later
-        feeding does not affect it (arrays are copied and evaluated)."""
+        feeding does not affect it (arrays are copied and evaluated). Raises RuntimeError
+        while a `VerifyStep` is unsettled."""
+        if self.tentative is not None:
+            raise RuntimeError("snapshot while unverified draft rows are in the caches")
         arrays: dict[str, mx.array] = {}
         if self.logits is not None:
             arrays[_LOGITS_KEY] = mx.array(self.logits)

@@ -58,6 +58,7 @@ from ds4mlx.engine.hooks import TurnHooks, chain_hooks
 from ds4mlx.engine.sampling import SamplingParams
 from ds4mlx.engine.session import DEFAULT_CHUNK, Session
 from ds4mlx.engine.single_call import SingleCall
+from ds4mlx.engine.speculative import Drafting
 
 # Finish reasons of a turn (`TurnResult.finish`).
 FINISH_STOP = "stop"  # EOS sampled (or a cap_is_eos cap reached)
@@ -102,6 +103,9 @@ class TurnSpec:
         pipeline: build each decode step's graph while the previous one evaluates
             (`Session.begin_decode`); False feeds token by token, synchronously. Both
             leave exactly the same state.
+        grammar: an ``ds4mlx.engine.grammar.Grammar`` the reply (after ``</think>``) must
+            follow: its mask wraps the turn's hooks (`Grammar.hooks`), or None. A
+            constrained turn does not draft (no per-position matcher for verify rows).
     """
 
     sampling: SamplingParams
@@ -121,6 +125,7 @@ class TurnSpec:
     cap_is_eos: bool = False
     ignore_eos: bool = False
     pipeline: bool = True
+    grammar: Any = None
 
 
 class PrefillPlan(Protocol):
@@ -187,8 +192,10 @@ class TurnResult:
         decode_s: seconds from the first sampled token to the end.
         forced: tokens fed by `Turn.force_feed` after the loop ended (in ``fed`` and
             ``raw``, not in ``completion_tokens``).
-        drafted: tokens a `TurnHooks.draft` proposed and the loop checked.
+        drafted: drafted tokens the loop checked (`ds4mlx.engine.speculative`).
         accepted: drafted tokens that matched the sampled ones.
+        forwards: target forward passes of the decode (verifies and re-feeds
+            included): ``fed / forwards`` is the tokens per target forward.
     """
 
     finish: str
@@ -209,6 +216,7 @@ class TurnResult:
     forced: int = 0
     drafted: int = 0
     accepted: int = 0
+    forwards: int = 0
 
 
 _NO_HOOKS = TurnHooks()
@@ -247,7 +255,7 @@ class Turn:
     ):
         self.s, self.tok, self.spec = session, tokenizer, spec
         self.hooks: TurnHooks = hooks or _NO_HOOKS
-        self.drafts: collections.deque[int] = collections.deque()
+        self.drafting = None if spec.grammar else Drafting.for_turn(session, self.hooks)
         self.ended = False
         self.emit = emit
         self.cancel = cancel or (lambda: False)
@@ -386,36 +394,25 @@ class Turn:
             self.pending_ids, self.pending_lp = [], []
         return hit
 
-    def _logprob_for(self, visible: bool) -> Callable[[int], TokenLogprob] | None:
-        """``f(token) -> TokenLogprob`` under the current logits, when asked for."""
+    def logprob_for(self, logits: mx.array | None = None) -> Callable[[int], TokenLogprob] | None:
+        """``f(token) -> TokenLogprob`` under ``logits`` (default: the session's), when
+        the spec asks for logprobs of this token."""
         spec = self.spec
         n = spec.top_logprobs if spec.parse else spec.logprobs
-        if n is None or (spec.parse and not visible):
+        if n is None or (spec.parse and self.in_thinking):
             return None
-        lps, top = top_logprobs(self.s.logits, n)
+        lps, top = top_logprobs(self.s.logits if logits is None else logits, n)
         return lambda t: TokenLogprob(t, float(lps[t].item()), top)
 
     def _sample(self, greedy_after_script: bool) -> tuple[mx.array, Callable | None]:
         """The next token as a lazy array (forced, scripted or sampled, its evaluation
         launched) and ``f(token) -> TokenLogprob`` under the current logits if asked."""
-        lp_fn = self._logprob_for(not self.in_thinking)
+        lp_fn = self.logprob_for()
         if self.forced:
             return mx.array(self.forced.popleft(), dtype=mx.uint32), lp_fn
-        if not self.drafts:
-            self.drafts.extend(self.hooks.draft(self))
         greedy = greedy_after_script or bool(self.decoder and self.decoder.in_structure)
         masked = self.hooks.mask(self, self.s.logits) if self.s.logits is not None else None
         return self.s.sample_async(self.spec.sampling, greedy=greedy, logits=masked), lp_fn
-
-    def _verify(self, t: int) -> None:
-        """Check sampled token ``t`` against the next drafted one (`TurnHooks.draft`)."""
-        if not self.drafts:
-            return
-        self.result.drafted += 1
-        if self.drafts.popleft() == t:
-            self.result.accepted += 1
-        else:
-            self.drafts.clear()
 
     def _ends_turn(self, n: int) -> str | None:
         """The finish reason if the ``n``-th sampled token ends the turn, else None.
@@ -430,9 +427,21 @@ class Turn:
             return FINISH_CONTEXT
         return None
 
-    def _handle(self, t: int, lp: TokenLogprob | None, n: int) -> tuple[str | None, bool]:
-        """Account for sampled token ``t``: ``(finish reason or None, feed it?)``."""
+    def poll(self) -> str | None:
+        """The finish reason polled before each sampled token (cancel, `before_step`,
+        ``max_tokens``), or None."""
+        if self.cancel():
+            return FINISH_CANCELLED
+        stop = self.hooks.before_step(self)
+        if stop is not None or self.result.completion_tokens < self.spec.max_tokens:
+            return stop
+        return FINISH_LENGTH
+
+    def handle(self, t: int, lp: TokenLogprob | None) -> tuple[str | None, bool]:
+        """Account for the next sampled token ``t`` (events, stops, DSML state):
+        ``(finish reason or None, feed it?)``. The caller feeds it."""
         spec, r = self.spec, self.result
+        r.completion_tokens += 1
         if self.in_thinking:
             r.reasoning_tokens += 1
             if t == self.tok.think_end_id:
@@ -448,7 +457,7 @@ class Turn:
             # reasoning ended where it began, and a forced call is already there.
             self.in_thinking = False
             self.force_text = None
-        end = self._ends_turn(n)
+        end = self._ends_turn(r.completion_tokens)
         return end, end in (None, FINISH_STOP)
 
     # ---- the loop
@@ -463,41 +472,33 @@ class Turn:
         spec, s, r = self.spec, self.s, self.result
         t0 = time.monotonic()
         t_first = None
-        n = 0
-        while True:
-            if self.cancel():
-                r.finish = FINISH_CANCELLED
-                break
-            stop = self.hooks.before_step(self)
-            if stop is not None:
-                r.finish = stop
-                break
-            if n >= spec.max_tokens:
-                r.finish = FINISH_LENGTH
-                break
+        after = after_token or (lambda _s: None)
+        while (end := self.poll()) is None:
             t_arr, lp_fn = self._sample(spec.greedy_after_script)
-            step = s.begin_decode(t_arr) if spec.pipeline else None
+            drafting = self.drafting is not None and self.drafting.ready(self)
+            step = s.begin_decode(t_arr) if spec.pipeline and not drafting else None
             fed = False
             try:
                 t = int(t_arr.item())
                 t_first = t_first or time.monotonic()
-                n += 1
-                r.completion_tokens = n  # hooks read it during the turn
-                self._verify(t)
-                end, fed = self._handle(t, lp_fn(t) if lp_fn else None, n)
-                if fed:
-                    s.commit(step, t) if step is not None else s.decode(t)
-                    r.fed += 1
+                end, fed = self.handle(t, lp_fn(t) if lp_fn else None)
+                if fed and step is not None:
+                    s.commit(step, t)
             finally:
                 if step is not None and not fed:
                     s.abandon(step)
-            if fed and after_token is not None:
-                after_token(s)
+            if fed and drafting:  # feeds t, maybe with verified drafts after it
+                end = self.drafting.feed(self, t, end, after)
+            elif fed:
+                if step is None:
+                    s.decode(t)
+                r.fed += 1
+                r.forwards += 1
+                after(s)
             if end is not None:
-                r.finish = end
                 break
+        r.finish = end
         s.sync()
-        r.completion_tokens = n
         self.ended = True
         self.hooks.at_end(self)
         self._flush()
@@ -583,8 +584,10 @@ def run_turn(
         RuntimeError: the session has no logits after the prefill (empty prompt).
     """
     emit = emit or (lambda _ev: None)
-    if spec.parse and not spec.parallel_calls:
-        hooks = chain_hooks(SingleCall(), hooks)
+    single = SingleCall() if spec.parse and not spec.parallel_calls else None
+    hooks = chain_hooks(single, hooks)
+    if spec.grammar is not None:  # its mask around the caller's hooks
+        hooks = spec.grammar.hooks(hooks or _NO_HOOKS)
     turn = Turn(session, tokenizer, spec, emit, cancel, tool_memory, hooks)
     if prefill is not None:
         suffix = list(getattr(prefill, "suffix_tokens", prefill))

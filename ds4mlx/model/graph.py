@@ -111,8 +111,9 @@ def time_decode(model, cache, tokens: Sequence[int]) -> dict:
     return out
 
 
-def decode_step_primitives(model, cache, token: int = 0) -> dict:
-    """Primitives of one decode step of ``model`` on ``cache`` (left unchanged).
+def decode_step_primitives(model, cache, token: int | Sequence[int] = 0) -> dict:
+    """Primitives of one decode step of ``model`` on ``cache`` (left unchanged); with a
+    list of ids, of one forward over those rows (a speculative verify).
 
     Args:
         model: anything called as ``model(tokens (1, 1) int32, cache) -> logits``
@@ -122,7 +123,7 @@ def decode_step_primitives(model, cache, token: int = 0) -> dict:
             Caches with ``capture()`` / ``rewind(captured)`` (ds4mlx's) are left exactly as
             they were; others (mlx-lm's update arrays in place) keep the evaluated step,
             i.e. advance by one token.
-        token: the token id fed.
+        token: the token id fed, or the ids of a multi-row step.
 
     Returns:
         ``count_primitives`` of the logits plus every cache array after the step, plus
@@ -132,7 +133,8 @@ def decode_step_primitives(model, cache, token: int = 0) -> dict:
     rewindable = all(hasattr(c, "capture") and hasattr(c, "rewind") for c in cache)
     saved = [c.capture() for c in cache] if rewindable else None
     t0 = time.perf_counter()
-    logits = model(mx.array([[token]], dtype=mx.int32), cache)
+    rows = [token] if isinstance(token, int) else [int(t) for t in token]
+    logits = model(mx.array([rows], dtype=mx.int32), cache)
     build_ms = 1e3 * (time.perf_counter() - t0)
     arrays = [logits, *_cache_arrays(cache)]
     out = count_primitives(arrays)

@@ -52,6 +52,7 @@ from ds4mlx.dsml import (
     ToolSpec,
 )
 from ds4mlx.jobs import GenRequest, JobDone, JobFailed, JobStarted, LiveLabels
+from ds4mlx.routes import constraints
 from ds4mlx.routes.access import key_salt
 from ds4mlx.routes.body import OpenModel, offload, parse, read_body
 from ds4mlx.routes.carrier import carrier
@@ -700,6 +701,7 @@ def _gen(
         state_key=key,
         salt=cache_salt((req.model_extra or {}).get("cache_salt"), salt_of_key),
         side=side,
+        constraint=constraints.read(constraints.anthropic_constraint, req),
     )
 
 

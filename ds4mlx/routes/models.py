@@ -135,6 +135,7 @@ async def root():
 @bp.get("/health")
 async def health():
     st = state()
+    eng = st.worker.engine  # (its speculation report is plain values)
     return json_response(
         {
             "status": "ok",
@@ -144,6 +145,9 @@ async def health():
             "queued": st.worker.queued,
             "submitted": st.worker.jobs_submitted,
             "done": st.worker.jobs_done,
+            # Speculative decoding: mode, draft_tokens, drafted, accepted,
+            # tokens_per_forward (target forward passes of drafting turns).
+            "speculative": None if eng is None else eng.speculation.report(),
             # The prompt cache's own summary (plain values): live_tokens, sessions,
             # states (--sessions N), kv_writer (the disk writer's counts, or None).
             **st.kv.summary(),

@@ -38,6 +38,7 @@ from ds4mlx.dsml import (
     ToolSpec,
 )
 from ds4mlx.jobs import GenRequest, JobDone, JobFailed, JobStarted, LiveLabels, TokenLogprob
+from ds4mlx.routes import constraints
 from ds4mlx.routes.access import key_salt
 from ds4mlx.routes.body import OpenModel, offload, parse, read_body
 from ds4mlx.routes.common import (
@@ -522,6 +523,7 @@ def _job(
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         state_key=state_key(headers, extra.get("prompt_cache_key")),
         salt=cache_salt(extra.get("cache_salt"), key),
+        constraint=constraints.read(constraints.chat_constraint, req),
     )
     return req, conv, gen
 

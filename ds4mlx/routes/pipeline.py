@@ -34,7 +34,18 @@ from quart import Response
 
 from ds4mlx.dsml import Conversation, Rendered, reply_thinking
 from ds4mlx.dsml import render as render_conv
-from ds4mlx.jobs import GenRequest, Job, JobDone, JobFailed, JobStarted, PrefillProgress, TurnSpec
+from ds4mlx.jobs import (
+    ConstraintError,
+    GenRequest,
+    Job,
+    JobDone,
+    JobFailed,
+    JobStarted,
+    OutputConstraint,
+    PrefillProgress,
+    TurnSpec,
+    compile_constraint,
+)
 from ds4mlx.routes.common import state
 from ds4mlx.routes.errors import APIError, Wording, context_error, failed_to_api
 from ds4mlx.routes.mapping import placeholder_text, take_unsupported
@@ -78,6 +89,7 @@ def prepare(
     state_key: str | None = None,
     salt: str = "",
     side: bool = False,
+    constraint: OutputConstraint | None = None,
 ) -> GenRequest:
     """Render and bound ``conv``; return the job to submit (call off the event loop).
 
@@ -94,13 +106,15 @@ def prepare(
         state_key: the client's conversation name (`ds4mlx.routes.common.state_key`).
         salt: the prompt cache salt (`ds4mlx.routes.common.cache_salt`).
         side: the client marked it a side request (`ds4mlx.routes.common.helper_agent`).
+        constraint: structured output / strict or custom tools to enforce (`grammar`).
     Raises:
-        APIError: 400 for a conversation that cannot be rendered or a rendering the
-            context cannot hold (`bound`).
+        APIError: 400 for a conversation that cannot be rendered, a rendering the
+            context cannot hold (`bound`), a constraint that cannot be enforced.
     """
     _log_unsupported(path)
     rendered = render(conv)
     bound(rendered.text, wording.param)
+    gram = constrain(conv, constraint)
     limit, cap_is_eos = turn_limit(max_tokens)
     turn = TurnSpec(
         sampling=sampling,
@@ -115,7 +129,9 @@ def prepare(
         calls=not conv.tool_none,
         parallel_calls=not conv.single_call,
         top_logprobs=top_logprobs,
-        cap_is_eos=cap_is_eos,
+        # A constrained reply cut by the demo cap is incomplete, never a natural end.
+        cap_is_eos=cap_is_eos and gram is None,
+        grammar=gram,
     )
     return GenRequest(
         path=path,
@@ -130,6 +146,28 @@ def prepare(
 
 
 # --------------------------------------------------------------------------- steps
+
+
+def constrain(conv: Conversation, constraint: OutputConstraint | None):
+    """The engine grammar enforcing ``constraint`` on ``conv``'s reply, or None.
+
+    Raises:
+        APIError: 400 naming what cannot be enforced and its field path (nothing is
+            queued; the check runs here, off the event loop, within llguidance's limits).
+    """
+    try:
+        return compile_constraint(
+            constraint,
+            tools=list(conv.tools),
+            calls=not conv.tool_none,
+            required=conv.tool_required,
+            tool_name=conv.tool_name,
+            tokenizer=state().tokenizer,
+            param="tools",
+        )
+    except ConstraintError as e:
+        text = f"{e.param}: {e.message}" if e.param else e.message
+        raise APIError(400, text, param=e.param or None, code="unsupported_constraint") from e
 
 
 def bound(text: str, param: str) -> None:

@@ -59,6 +59,7 @@ from ds4mlx.dsml import (
 )
 from ds4mlx.dsml.render import to_json, tool_schema_dict
 from ds4mlx.jobs import GenRequest, JobDone, JobFailed, JobStarted, LiveLabels
+from ds4mlx.routes import constraints
 from ds4mlx.routes.access import key_salt
 from ds4mlx.routes.body import OpenModel, offload, parse_json, read_body, validate
 from ds4mlx.routes.carrier import carrier
@@ -684,6 +685,7 @@ def _prepare(
         id_prefix="call_",
         state_key=state_key(headers, (req.model_extra or {}).get("prompt_cache_key")),
         salt=cache_salt((req.model_extra or {}).get("cache_salt"), key),
+        constraint=constraints.read(constraints.responses_constraint, req),
     )
     return _Prepared(req, _raw_items(data["input"]), gen, sent)
 
@@ -912,7 +914,9 @@ class ResponseEncoder:
             return []  # cut by the end of the turn: never shown as a call
         if info["kind"] == "tool_search":
             return self._search_call(info, e)
-        raw = e.call.arguments.get("input")
+        args = e.call.arguments
+        # The tool's one string parameter, whatever the model named it (``input``, ``patch``).
+        raw = args.get("input", next(iter(args.values())) if len(args) == 1 else None)
         text = raw if isinstance(raw, str) else e.arguments_json
         item = {
             "id": new_id("ctc_"),

@@ -13,7 +13,7 @@ from ds4mlx.jobs import GenRequest, Job
 from ds4mlx.model.demo import DEMO_NO_THINKING
 from ds4mlx.server.config import ServerConfig
 from ds4mlx.server.trace import Tracer
-from ds4mlx.server.worker import Worker
+from ds4mlx.server.worker import Worker, cache_prompt
 
 # --------------------------------------------------------------------------- state + app
 
@@ -44,8 +44,14 @@ class ServerState:
         return self.worker.submit(request)
 
     def charged(self, request: GenRequest) -> int:
-        """The prompt tokens ``request`` would be charged now (``Worker.charged``; no job)."""
-        return self.worker.charged(request)
+        """The prompt tokens ``request`` would be charged (its usage) if it ran now: the
+        prompt cache's read-only prediction (``PromptCache.peek``: the live state it
+        would continue and the suffix it would prefill, else the whole prompt).
+
+        Queues no job and waits for none: any thread, while a job runs (which may
+        change the answer once it ends). Tokenizes the suffix, or the prompt.
+        """
+        return self.kv.peek(cache_prompt(request, self.tokenizer)).prompt_tokens
 
 
 def start_worker(load: Callable[[], Any], config: ServerConfig) -> tuple[Any, Worker]:

@@ -228,17 +228,23 @@ def _distributed_kv(args, kv):
 def _loader(args, model: str, sessions: int, split: list[int] | None):
     """The engine loader the worker thread runs: one process, or rank 0 of a split."""
     from ds4mlx.engine import Engine
+    from ds4mlx.engine.speculative import speculation_for
 
     def load():
         if not args.distributed:
-            return Engine.load(model, ctx_size=args.ctx, sessions=sessions)
-        from ds4mlx.engine.distributed import load_distributed
+            engine = Engine.load(model, ctx_size=args.ctx, sessions=sessions)
+        else:
+            from ds4mlx.engine.distributed import load_distributed
 
-        engine = load_distributed(
-            model, ctx_size=args.ctx, sessions=sessions, split=split, mode=args.distributed
+            engine = load_distributed(
+                model, ctx_size=args.ctx, sessions=sessions, split=split, mode=args.distributed
+            )
+            # The followers exit when rank 0 says so, at exit: the worker has stopped then.
+            atexit.register(engine.model.shutdown)
+        # --speculative (ValueError for a drafter the checkpoint lacks: refused at start).
+        engine.speculation = speculation_for(
+            engine, getattr(args, "speculative", "off"), getattr(args, "draft_tokens", 4)
         )
-        # The followers exit when rank 0 says so, at exit: the worker has stopped by then.
-        atexit.register(engine.model.shutdown)
         return engine
 
     return load

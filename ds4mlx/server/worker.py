@@ -156,16 +156,6 @@ class Worker:
         with self._lock:
             return self._pending
 
-    def charged(self, request: GenRequest) -> int:
-        """The prompt tokens ``request`` would be charged (its usage) if it ran now: the
-        prompt cache's read-only prediction (``PromptCache.peek``: the live state it
-        would continue and the suffix it would prefill, else the whole prompt).
-
-        Queues no job and waits for none: any thread, while a job runs (which may
-        change the answer once it ends). Tokenizes the suffix, or the prompt.
-        """
-        return self.cache.peek(_cache_prompt(request, self.tokenizer)).prompt_tokens
-
     @property
     def busy(self) -> bool:
         return self.current is not None
@@ -249,7 +239,7 @@ class Worker:
         tok = self.tokenizer
         t_start = time.monotonic()
         try:
-            lease = self.cache.begin(_cache_prompt(req, tok))
+            lease = self.cache.begin(cache_prompt(req, tok))
         except UnknownToolId as e:
             job.emit(JobFailed(Failure.UNKNOWN_TOOL_ID, tool_id=e.tool_id))
             return
@@ -324,6 +314,7 @@ class Worker:
             lease.finish(result, at_boundary=at_boundary)
         except Exception:
             log.exception("after-generation bookkeeping failed")
+        self.engine.speculation.add(result)
         job.emit(outcome)
         self.tracer.write(
             job.id,
@@ -364,11 +355,14 @@ def _stop_if_fatal(worker: Worker, e: BaseException) -> None:
 
 
 def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float, detail: str) -> None:
-    """The one log line per job: path, decision, token counts, rates, finish, queue wait."""
+    """The one log line per job: path, decision, token counts, rates, finish, queue wait,
+    and for a drafting turn its drafted / accepted tokens and tokens per target forward."""
+    from ds4mlx.engine.speculative import draft_words
+
     n = outcome.completion_tokens
     log.info(
         "%s %s%s prompt=%d cached=%d generated=%d prefill=%s decode=%.1f tok/s finish=%s "
-        "wait=%.2fs job=%d",
+        "wait=%.2fs job=%d%s",
         job.request.path,
         outcome.decision,
         f" {detail}" if detail else "",
@@ -380,6 +374,7 @@ def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float, detail: s
         outcome.finish,
         t_start - job.submitted,
         job.id,
+        draft_words(result),
     )
 
 
@@ -388,8 +383,9 @@ def _text(req: GenRequest) -> str | None:
     return req.prompt.text if isinstance(req.prompt, Rendered) else req.prompt
 
 
-def _cache_prompt(req: GenRequest, tok):
-    """The prompt cache's ``Prompt`` of a request (a job's, or a prediction's)."""
+def cache_prompt(req: GenRequest, tok):
+    """The prompt cache's ``Prompt`` of a request: a job's, and `ServerState.charged`'s
+    prediction of its usage (the same prompt, so the same plan)."""
     from ds4mlx.kv.cache import Prompt
 
     return Prompt(

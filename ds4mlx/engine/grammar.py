@@ -1,0 +1,575 @@
+"""Grammar-constrained decoding: the per-step logits mask of the turn loop (llguidance).
+
+A `Grammar` is a compiled, validated llguidance grammar over the *reply* — the text a
+turn generates after ``</think>`` in thinking mode, from its first token in chat mode.
+Reasoning is never constrained. The turn loop installs `Grammar.hooks` around its own
+`TurnHooks` when ``TurnSpec.grammar`` is set (`GrammarHooks`):
+
+- every generated token (sampled, scripted or force-fed) after the reasoning is
+  consumed by the matcher, so the mask always describes the state the session holds;
+- before each sampling step the next-token bitmask is filled (llguidance's numpy API,
+  into a preallocated ``int32`` buffer) and applied: ``mx.where`` over the unpacked
+  bits, on every device (llguidance's MLX helper is a Metal-only kernel; on Metal it
+  could replace the unpacking, unmeasured here);
+- the mask for step t+1 is computed as soon as the loop asks for it, which in the
+  pipelined loop is after the forward of token t was launched (``mx.async_eval``): on
+  a GPU the matcher runs on the CPU while the forward runs on the device;
+- a token the grammar rejects (a script that leaves it, a forced feed it does not
+  expect) ends the constraint for the turn (`GrammarHooks.violated`): nothing is
+  masked afterwards and the output claims no validity.
+
+Grammars are built from what callers have already checked (`json_grammar`, `turn_grammar`
+take JSON-schema dicts, the engine's `ToolSpec` schemas; no wire format): a schema or
+grammar llguidance cannot compile raises `GrammarError` with the feature and its path.
+
+The `llguidance.LLTokenizer` is built from the DeepSeek V4 ``tokenizer.json`` text
+(``Tokenizer.path``) directly, never through llguidance's ``hf`` helper (it imports
+transformers), once per file (~1–2 s), and cached.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import llguidance
+import llguidance.numpy as llnp
+import mlx.core as mx
+import numpy as np
+
+from ds4mlx.dsml import ToolSpec
+from ds4mlx.dsml.tokens import (
+    INVOKE_CLOSE,
+    INVOKE_OPEN,
+    PARAM_CLOSE,
+    PARAM_OPEN,
+    TOOL_CALLS_CLOSE,
+    TOOL_CALLS_OPEN,
+    TOOL_CALLS_SEP,
+)
+from ds4mlx.engine.turn import Turn, TurnHooks
+
+# Bounds on what one request may make the matcher do (llguidance's own fuel limits):
+# a schema that compiles into a grammar beyond them is refused before it is queued.
+MAX_SOURCE_CHARS = 256 * 1024  # the grammar text (schemas, tool grammars) in characters
+LIMITS = dict(max_grammar_size=400_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000)
+
+# The DSML marker any free text must not contain: a tool-call block outside the grammar.
+_DSML_WORD = "｜DSML｜"
+
+
+class GrammarError(ValueError):
+    """A schema or grammar that cannot be enforced.
+
+    ``message``: what is wrong (llguidance's reason, the unsupported keyword);
+    ``path``: dotted path of the offending part inside what the caller passed (e.g.
+    ``properties.when.not``), or "" when unknown.
+    """
+
+    def __init__(self, message: str, path: str = ""):
+        super().__init__(message)
+        self.message = message
+        self.path = path
+
+
+def _limits() -> llguidance.LLParserLimits:
+    return llguidance.LLParserLimits(**LIMITS)
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+_tok_lock = threading.Lock()
+_ll_tokenizers: dict[tuple[str, int, int], llguidance.LLTokenizer] = {}
+
+
+def ll_tokenizer(tokenizer, n_vocab: int | None = None) -> llguidance.LLTokenizer:
+    """The `llguidance.LLTokenizer` of a ``ds4mlx.tokenizer.Tokenizer`` (cached per file).
+
+    ``n_vocab``: the model's logits width (129280 for DeepSeek V4); defaults to the
+    tokenizer's own size. The EOS token is the tokenizer's ``<｜end▁of▁sentence｜>``.
+    """
+    n = int(n_vocab or tokenizer.vocab_size)
+    key = (str(tokenizer.path), n, int(tokenizer.eos_id))
+    with _tok_lock:
+        hit = _ll_tokenizers.get(key)
+        if hit is None:
+            text = tokenizer.path.read_text(encoding="utf-8")
+            hit = llguidance.LLTokenizer(text, n_vocab=n, eos_token=tokenizer.eos_id)
+            _ll_tokenizers[key] = hit
+        return hit
+
+
+# --------------------------------------------------------------------------- grammars
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A validated llguidance grammar for a turn's reply (opaque to callers).
+
+    ``source``: llguidance's grammar text (a Lark grammar or its JSON form);
+    ``what``: a short description for logs (``json_schema``, ``tools``).
+    """
+
+    source: str
+    what: str = "grammar"
+
+    def hooks(self, inner: TurnHooks) -> GrammarHooks:
+        """The turn's hooks with this grammar's mask around ``inner``'s."""
+        return GrammarHooks(self, inner)
+
+
+def _lit(text: str) -> str:
+    """A Lark string literal for ``text``."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _key_path(node: Any, key: str, path: tuple[str, ...] = ()) -> str | None:
+    """Dotted path of the first dict key ``key`` inside ``node``."""
+    if isinstance(node, dict):
+        if key in node:
+            return ".".join((*path, key))
+        items = node.items()
+    elif isinstance(node, list):
+        items = ((str(i), v) for i, v in enumerate(node))
+    else:
+        return None
+    for k, v in items:
+        hit = _key_path(v, key, (*path, str(k)))
+        if hit is not None:
+            return hit
+    return None
+
+
+def _value_path(node: Any, value: str, path: tuple[str, ...] = ()) -> str | None:
+    """Dotted path of the first string ``value`` inside ``node``."""
+    if node == value:
+        return ".".join(path)
+    if isinstance(node, dict | list):
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for k, v in items:
+            hit = _value_path(v, value, (*path, str(k)))
+            if hit is not None:
+                return hit
+    return None
+
+
+_UNIMPLEMENTED = re.compile(r'Unimplemented keys: \["([^"]+)"')
+_UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
+_REGEX_ERR = re.compile(r"regex parse error:\s*\n\s*(.+?)\s*\n", re.S)
+
+
+def _explain(message: str, schema: Any) -> GrammarError:
+    """A `GrammarError` for llguidance's ``message`` about ``schema``, with the path."""
+    first = message.strip().splitlines()[0] if message.strip() else message
+    first = re.sub(r"^at \d+\(\d+\): ", "", first)
+    m = _UNIMPLEMENTED.search(message)
+    if m:
+        path = _key_path(schema, m.group(1)) or ""
+        return GrammarError(f"unsupported JSON schema keyword {m.group(1)!r}", path)
+    m = _UNKNOWN_FORMAT.search(message)
+    if m:
+        return GrammarError(
+            f"unsupported string format {m.group(1)!r}", _value_path(schema, m.group(1)) or ""
+        )
+    m = _REGEX_ERR.search(message)
+    if m:
+        path = _value_path(schema, m.group(1)) or ""
+        detail = message.strip().splitlines()
+        reason = next((ln.strip() for ln in detail if ln.strip().startswith("error:")), first)
+        return GrammarError(f"pattern {m.group(1)!r} is not supported ({reason})", path)
+    return GrammarError(first, "")
+
+
+def validate(source: str, tokenizer=None, *, schema: Any = None, what: str = "grammar") -> Grammar:
+    """Check that llguidance compiles ``source`` within `LIMITS`; return the `Grammar`.
+
+    ``tokenizer``: an `llguidance.LLTokenizer` for the full check (lexer against the
+    vocabulary), or None (structure only, e.g. in a process without the tokenizer).
+    ``schema``: what ``source`` was built from, to locate the error.
+
+    Raises:
+        GrammarError: the grammar does not compile, or exceeds the size limits.
+    """
+    if len(source) > MAX_SOURCE_CHARS:
+        raise GrammarError(
+            f"the grammar is {len(source)} characters; the limit is {MAX_SOURCE_CHARS}"
+        )
+    is_error, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(
+        source, tokenizer, limits=_limits()
+    )
+    if is_error:
+        raise _explain(msgs[0] if msgs else "the grammar does not compile", schema)
+    return Grammar(source, what)
+
+
+def custom_grammar(syntax: str | None, definition: str | None, tokenizer=None) -> Grammar:
+    """Check a custom tool's input grammar on its own (``syntax`` ``"lark"`` or
+    ``"regex"``).
+
+    Raises:
+        GrammarError: an unknown syntax, or a definition that does not compile.
+    """
+    if syntax not in ("lark", "regex"):
+        raise GrammarError(f"unknown grammar syntax {syntax!r} (supported: lark, regex)")
+    if not isinstance(definition, str) or not definition.strip():
+        raise GrammarError("the grammar definition is empty")
+    lark = definition if syntax == "lark" else f"start: /{_regex_body(definition)}/"
+    return validate(json.dumps({"grammars": [{"lark_grammar": lark}]}), tokenizer, what=syntax)
+
+
+def _json_lark(schema: dict[str, Any]) -> str:
+    """A Lark ``%json`` rule for ``schema``: compact JSON (no free whitespace between
+    tokens: a model could otherwise spend its whole budget on blanks)."""
+    guide = {"whitespace_flexible": False, **(schema.get("x-guidance") or {})}
+    return "%json " + json.dumps({**schema, "x-guidance": guide}, ensure_ascii=False)
+
+
+def json_grammar(schema: dict[str, Any] | None, tokenizer=None) -> Grammar:
+    """A reply that is one JSON value valid for ``schema`` (None: any JSON object).
+
+    Raises:
+        GrammarError: a keyword or pattern llguidance does not support (with its path).
+    """
+    schema = {"type": "object"} if schema is None else schema
+    if not isinstance(schema, dict):
+        raise GrammarError("a JSON schema must be an object")
+    return validate(f"start: {_json_lark(schema)}\n", tokenizer, schema=schema, what="json")
+
+
+@dataclass(frozen=True)
+class ToolRule:
+    """How one offered tool's calls are constrained.
+
+    ``strict``: parameter names, order (the schema's) and values follow its schema.
+    ``syntax``/``definition``: a custom tool's input grammar (``"lark"`` or
+    ``"regex"``), or None for free text; a custom tool has one string parameter.
+    """
+
+    strict: bool = False
+    custom: bool = False
+    syntax: str | None = None
+    definition: str | None = None
+
+
+@dataclass
+class _Builder:
+    """Accumulates the Lark rules of a turn grammar and its subgrammars."""
+
+    rules: list[str] = field(default_factory=list)
+    subs: list[dict[str, Any]] = field(default_factory=list)
+    n: int = 0
+
+    def rule(self, body: str, prefix: str = "r") -> str:
+        self.n += 1
+        name = f"{prefix}{self.n}"
+        self.rules.append(f"{name}: {body}")
+        return name
+
+    def sub(self, grammar: dict[str, Any]) -> str:
+        name = f"g{len(self.subs) + 1}"
+        self.subs.append({"name": name, **grammar})
+        return "@" + name
+
+
+def _regex_body(rx: str) -> str:
+    """``rx`` inside a Lark ``/…/`` literal (its slashes escaped)."""
+    return rx.replace("/", "\\/")
+
+
+# Lexemes (llguidance's lexer is greedy: a free-text lexeme followed by a literal that
+# could continue it would swallow the literal, so each free text ends *with* its closer).
+# RAWC: a raw ``string="true"`` value and the parameter closer that ends it.
+def _rx(text: str) -> str:
+    """A regex matching ``text`` literally, for a Lark ``/…/`` literal."""
+    return _regex_body(re.escape(text).replace("\\\n", "\\n"))
+
+
+_CLOSE_RX = _rx(PARAM_CLOSE)
+_RAWC = rf"/(?s:.*){_CLOSE_RX}/ & ~/(?s:.*{_CLOSE_RX}.+)/"
+# TEXT: visible text without DSML; OPEN: such text, then the tool-call block opener.
+_OPEN_RX = _rx(f"{TOOL_CALLS_SEP}{TOOL_CALLS_OPEN}\n")
+_FREE_TEXT = rf"/(?s:.+)/ & ~/(?s:.*{_DSML_WORD}.*)/"
+_OPEN = rf"/(?s:.*){_OPEN_RX}/ & ~/(?s:.*{_DSML_WORD}.*{_DSML_WORD}.*)/"
+
+
+_NOTES = {"description", "title", "default", "examples", "$comment"}
+
+
+def _raw_value(b: _Builder, sub: Any) -> str | None:
+    """The Lark body of a string property written raw (``string="true"``, as the model
+    is prompted to write strings) up to and including the parameter closer, or None when
+    its constraints need the JSON form. Raw forms: any text; ``minLength``/``maxLength``;
+    an ``enum``/``const`` of strings; a ``pattern`` anchored with ``^…$``."""
+    if not isinstance(sub, dict):
+        return None
+    keys = set(sub) - _NOTES
+    values = sub.get("enum", [sub["const"]] if "const" in sub else None)
+    if values is not None and keys <= {"type", "enum", "const"}:
+        if values and all(isinstance(v, str) and PARAM_CLOSE not in v for v in values):
+            alts = " | ".join(_lit(v) for v in values)
+            return f"({alts}) {_lit(PARAM_CLOSE)}"
+        return None
+    if sub.get("type") != "string":
+        return None
+    if keys == {"type"}:
+        return "RAWC"
+    if keys <= {"type", "minLength", "maxLength"}:
+        lo, hi = int(sub.get("minLength", 0)), sub.get("maxLength")
+        body = f"(?s:.{{{lo},{'' if hi is None else int(hi)}}})"
+    elif keys == {"type", "pattern"}:
+        rx = sub["pattern"]
+        if not (rx.startswith("^") and rx.endswith("$") and not rx.endswith("\\$")):
+            return None
+        body = f"(?:{_regex_body(rx[1:-1])})"
+    else:
+        return None
+    b.n += 1
+    b.rules.append(f"RAW{b.n}: /{body}{_CLOSE_RX}/ & ~/(?s:.*{_CLOSE_RX}.+)/")
+    return f"RAW{b.n}"
+
+
+def _param(b: _Builder, name: str, sub: Any, defs: dict[str, Any]) -> str:
+    head = f'{PARAM_OPEN} name="{name}" string='
+    raw = _raw_value(b, sub)
+    if raw is not None:
+        return b.rule(f"{_lit(head + chr(34) + 'true' + chr(34) + '>')} {raw}")
+    schema = dict(sub) if isinstance(sub, dict) else {}
+    schema.update({k: v for k, v in defs.items() if k not in schema})
+    return b.rule(
+        f"{_lit(head + chr(34) + 'false' + chr(34) + '>')} {_json_lark(schema)} {_lit(PARAM_CLOSE)}"
+    )
+
+
+def _strict_params(b: _Builder, tool: ToolSpec) -> str:
+    """The parameter lines of a strict tool: its properties in schema order, required
+    ones present, optional ones optional, nothing else."""
+    schema = tool.parameters or {}
+    if schema.get("type", "object") != "object":
+        raise GrammarError(f"tool {tool.name!r}: a strict tool's schema must be an object")
+    props = schema.get("properties") or {}
+    required = set(schema.get("required") or ())
+    defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+    parts = []
+    for name, sub in props.items():
+        line = _param(b, name, sub, defs)
+        parts.append(f'({line} "\\n")' + ("" if name in required else "?"))
+    return " ".join(parts) if parts else '""'
+
+
+def _custom_params(b: _Builder, tool: ToolSpec, rule: ToolRule) -> str:
+    """A custom tool's one string parameter, its value under the tool's grammar."""
+    props = list((tool.parameters or {}).get("properties") or {"input": {}})
+    head = _lit(f'{PARAM_OPEN} name="{props[0]}" string="true">')
+    if rule.syntax is None:
+        return f"{head} RAWC {_lit(chr(10))}"
+    if rule.syntax == "lark":
+        value = b.sub({"lark_grammar": rule.definition})
+    elif rule.syntax == "regex":
+        value = b.sub({"lark_grammar": f"start: /{_regex_body(rule.definition or '')}/"})
+    else:
+        raise GrammarError(f"tool {tool.name!r}: unknown grammar syntax {rule.syntax!r}")
+    return f"{head} {value} {_lit(PARAM_CLOSE + chr(10))}"
+
+
+_LOOSE_PARAM = (
+    f'{_lit(PARAM_OPEN + " name=" + chr(34))} /[^"\\n]+/ '
+    f'{_lit(chr(34) + " string=" + chr(34))} ("true" | "false") {_lit(chr(34) + ">")} '
+    f"RAWC {_lit(chr(10))}"
+)
+
+
+def _invoke(b: _Builder, tool: ToolSpec, rule: ToolRule) -> str:
+    if rule.custom:
+        params = _custom_params(b, tool, rule)
+    elif rule.strict:
+        params = _strict_params(b, tool)
+    else:
+        params = "loose_param*"
+    head = _lit(f'{INVOKE_OPEN} name="{tool.name}">\n')
+    return b.rule(f"{head} {params} {_lit(INVOKE_CLOSE + chr(10))}", "invoke")
+
+
+def turn_grammar(
+    tools: Sequence[ToolSpec],
+    rules: Mapping[str, ToolRule],
+    *,
+    text_schema: dict[str, Any] | None = None,
+    text_json: bool = False,
+    calls: bool = True,
+    required: bool = False,
+    tool_name: str | None = None,
+    parallel: bool = True,
+    tokenizer=None,
+) -> Grammar | None:
+    """The grammar of a chat reply: visible text, then optionally one DSML tool-call block.
+
+    Args:
+        tools: the offered tools (in the prompt's order).
+        rules: name → `ToolRule` for tools whose calls are constrained (strict, custom);
+            any other offered tool is held to its name and well-formed DSML only.
+        text_schema / text_json: the visible text is one JSON value for this schema
+            (``text_json`` with no schema: any JSON object); otherwise free text
+            without DSML markers.
+        calls: False (``tool_choice: none``): no tool-call block.
+        required: the reply is a tool-call block only (``tool_choice`` required/named).
+        tool_name: with ``required``, the only tool that may be called.
+        parallel: False: exactly one call in the block.
+        tokenizer: an `llguidance.LLTokenizer` for the full check, or None.
+    Returns:
+        The `Grammar`, or None when nothing needs constraining (no schema, no strict
+        or custom tool).
+    Raises:
+        GrammarError: a tool schema or custom grammar that does not compile.
+    """
+    json_text = text_json or text_schema is not None
+    constrained = any(r.strict or r.syntax for r in rules.values())
+    if not json_text and not (calls and tools and constrained):
+        return None
+    b = _Builder()
+    if calls and tools:
+        offered = [t for t in tools if not (required and tool_name and t.name != tool_name)]
+        invokes = [_invoke(b, t, rules.get(t.name, ToolRule())) for t in offered]
+        b.rules.append("invoke_any: " + " | ".join(invokes))
+        body = f"invoke_any{'+' if parallel else ''} {_lit(TOOL_CALLS_CLOSE)}"
+        b.rules.append(f"calls: {_lit(TOOL_CALLS_SEP + TOOL_CALLS_OPEN + chr(10))} {body}")
+        b.rules.append(f"text_calls: OPEN {body}")
+    text = (
+        _json_lark(text_schema if text_schema is not None else {"type": "object"})
+        if json_text
+        else "TEXT"
+    )
+    if not (calls and tools):
+        start = f"start: {text}" if json_text else "start: TEXT?"
+    elif required:
+        start = "start: calls"
+    elif json_text:
+        start = f"start: {text} | calls"
+    else:
+        start = "start: TEXT? | text_calls"
+    lark = "\n".join(
+        [
+            start,
+            *b.rules,
+            f"loose_param: {_LOOSE_PARAM}",
+            f"TEXT: {_FREE_TEXT}",
+            f"OPEN: {_OPEN}",
+            f"RAWC: {_RAWC}",
+        ]
+    )
+    source = json.dumps({"grammars": [{"lark_grammar": lark}, *b.subs]}, ensure_ascii=False)
+    schema_ctx = {"text": text_schema, "tools": {t.name: t.parameters for t in tools}}
+    return validate(source, tokenizer, schema=schema_ctx, what="tools" if tools else "json")
+
+
+# --------------------------------------------------------------------------- the mask
+
+
+def _bits_to_bool(bitmask: np.ndarray, vocab: int) -> np.ndarray:
+    """``(words,)`` int32 llguidance bitmask → ``(vocab,)`` bool (bit i of word i//32)."""
+    return np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:vocab].astype(bool)
+
+
+@dataclass
+class MaskStats:
+    """Per-turn mask figures: ``steps`` masks applied, ``fill_s`` seconds filling
+    bitmasks (matcher), ``apply_s`` seconds unpacking and building the masked logits,
+    ``waits``: seconds the loop waited in each masked step (catch-up, fill, apply)."""
+
+    steps: int = 0
+    fill_s: float = 0.0
+    apply_s: float = 0.0
+    waits: list[float] = field(default_factory=list)
+
+
+class GrammarHooks(TurnHooks):
+    """`TurnHooks` that mask each sampling step by a `Grammar` (see the module doc); every
+    other hook is ``inner``'s. ``violated``: a generated token left the grammar (the
+    constraint stopped there); ``stats``: `MaskStats`."""
+
+    def __init__(self, grammar: Grammar, inner: TurnHooks):
+        self.grammar, self.inner = grammar, inner
+        self.matcher: llguidance.LLMatcher | None = None
+        self.bitmask: np.ndarray | None = None
+        self.seen = -1  # absolute session position of the next token to consume
+        self.started = False
+        self.violated = False
+        self.stats = MaskStats()
+
+    def after_prefill(self, turn: Turn) -> None:
+        self.inner.after_prefill(turn)
+
+    def before_step(self, turn: Turn) -> str | None:
+        return self.inner.before_step(turn)
+
+    def draft(self, turn: Turn) -> Sequence[int]:
+        return self.inner.draft(turn)
+
+    def at_end(self, turn: Turn) -> None:
+        self.inner.at_end(turn)
+
+    def _start(self, turn: Turn, vocab: int) -> None:
+        tok = ll_tokenizer(turn.tok, vocab)
+        self.matcher = llguidance.LLMatcher(tok, self.grammar.source, log_level=0, limits=_limits())
+        self.bitmask = llnp.allocate_token_bitmask(1, vocab)
+        if self.matcher.is_error():  # validated at the route: a fault, not bad input
+            raise RuntimeError(f"grammar failed to start: {self.matcher.get_error()}")
+
+    def _catch_up(self, turn: Turn) -> bool:
+        """Consume the generated tokens the matcher has not seen; False while the
+        constraint has not started (reasoning) or after a violation."""
+        tokens = turn.s.tokens
+        if self.seen < 0:  # first call: where this turn's generated tokens begin
+            self.seen = len(tokens) - turn.result.fed
+        new = tokens[self.seen :]
+        self.seen = len(tokens)
+        if not self.started:
+            if turn.spec.thinking:
+                if turn.tok.think_end_id not in new:
+                    return False
+                new = new[len(new) - new[::-1].index(turn.tok.think_end_id) :]
+            self.started = True
+        if new and not self.matcher.consume_tokens(new):
+            self.violated = True
+        return not self.violated
+
+    def mask(self, turn: Turn, logits: mx.array) -> mx.array | None:
+        inner = self.inner.mask(turn, logits)
+        if self.violated:
+            return inner
+        base = logits if inner is None else inner
+        vocab = base.shape[-1]
+        if self.matcher is None:
+            self._start(turn, vocab)
+        t_in = time.perf_counter()
+        if not self._catch_up(turn):
+            return inner
+        t0 = time.perf_counter()
+        llnp.fill_next_token_bitmask(self.matcher, self.bitmask)
+        t1 = time.perf_counter()
+        allowed = mx.array(_bits_to_bool(self.bitmask[0], vocab))
+        out = mx.where(allowed, base, mx.array(-mx.inf, dtype=base.dtype))
+        self.stats.steps += 1
+        self.stats.fill_s += t1 - t0
+        t2 = time.perf_counter()
+        self.stats.apply_s += t2 - t1
+        self.stats.waits.append(t2 - t_in)
+        return out
+
+
+__all__ = [
+    "Grammar",
+    "GrammarError",
+    "GrammarHooks",
+    "MaskStats",
+    "ToolRule",
+    "custom_grammar",
+    "json_grammar",
+    "ll_tokenizer",
+    "turn_grammar",
+    "validate",
+]

@@ -1,0 +1,264 @@
+"""Grammar-constrained decoding in the one turn loop (``ds4mlx.engine.grammar``), on the
+real tiny model: validity of sampled JSON under a schema (and its invalidity without
+one), free reasoning before ``</think>``, strict tool calls, exactness against
+unconstrained decoding, and compile errors naming the problem and its path.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jsonschema
+import llguidance
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from ds4mlx.dsml import ToolSpec
+from ds4mlx.engine import Engine, SamplingParams, TurnSpec, run_turn
+from ds4mlx.engine.grammar import (
+    GrammarError,
+    ToolRule,
+    json_grammar,
+    ll_tokenizer,
+    turn_grammar,
+)
+from tests.grammar_cases import SCHEMAS, bounded
+
+CHAT = "<｜begin▁of▁sentence｜><｜User｜>answer in JSON<｜Assistant｜></think>"
+THINK = "<｜begin▁of▁sentence｜><｜User｜>answer in JSON<｜Assistant｜><think>"
+SAMPLE = SamplingParams(temperature=1.0, top_p=1.0, min_p=0.0)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_f32_dir):
+    return Engine.load(tiny_f32_dir, ctx_size=1024)
+
+
+@pytest.fixture(scope="module")
+def llt(engine):
+    return ll_tokenizer(engine.tokenizer, 129280)
+
+
+def _run(engine, prompt: str, spec: TurnSpec, script=None):
+    s = engine.new_session()
+    try:
+        r = run_turn(
+            s, engine.tokenizer, spec, prefill=engine.tokenizer.encode(prompt), script=script
+        )
+        return r, list(s.tokens), s.logits
+    finally:
+        s.reset()
+
+
+def _spec(seed: int, grammar=None, max_tokens: int = 120, **kw) -> TurnSpec:
+    sp = SamplingParams(temperature=1.0, top_p=1.0, min_p=0.0, seed=seed)
+    return TurnSpec(sp, max_tokens=max_tokens, grammar=grammar, **kw)
+
+
+def _accepts_prefix(llt, grammar, engine, text: str) -> bool:
+    m = llguidance.LLMatcher(llt, grammar.source, log_level=0)
+    return m.consume_tokens(engine.tokenizer.encode(text))
+
+
+def test_ll_tokenizer_without_transformers(engine):
+    """The llguidance tokenizer is built from tokenizer.json alone: building it (and
+    compiling a constraint the way a route does) imports no transformers or torch."""
+    tok = ll_tokenizer(engine.tokenizer, 129280)
+    assert tok.vocab_size == 129280 and tok.eos_token == engine.tokenizer.eos_id
+    code = (
+        "import sys\n"
+        "from ds4mlx.jobs import OutputConstraint, compile_constraint\n"
+        "from ds4mlx.tokenizer import Tokenizer\n"
+        "g = compile_constraint(OutputConstraint(schema={'type': 'object'}), tools=[],"
+        " calls=True, required=False, tool_name=None, tokenizer=Tokenizer.load())\n"
+        "assert g is not None\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'torch')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_json_schema_validity_and_unconstrained_invalid(engine, llt):
+    """Every schema: the constrained reply validates when it finishes (>= 90 % finish),
+    a reply cut by max_tokens is a prefix the grammar accepts; the same seeds without
+    the grammar give no valid JSON at all."""
+    finished = 0
+    invalid_free = 0
+    for i, schema in enumerate(SCHEMAS):
+        g = json_grammar(bounded(schema), llt)
+        r, _, _ = _run(engine, CHAT, _spec(i, g))
+        if r.finish == "stop":
+            finished += 1
+            jsonschema.validate(json.loads(r.text), schema)
+        else:
+            assert r.finish == "length" and _accepts_prefix(llt, g, engine, r.raw)
+        free, _, _ = _run(engine, CHAT, _spec(i, None, max_tokens=24))
+        try:
+            jsonschema.validate(json.loads(free.text), schema)
+        except (ValueError, jsonschema.ValidationError):
+            invalid_free += 1
+    assert finished >= 0.9 * len(SCHEMAS)
+    assert invalid_free == len(SCHEMAS)
+
+
+def test_reasoning_is_free_then_constrained(engine, llt):
+    """Thinking mode: the scripted reasoning (not JSON) goes through untouched; the
+    reply after </think> is sampled under the mask and validates."""
+    schema = SCHEMAS[1]
+    g = json_grammar(bounded(schema), llt)
+    script = engine.tokenizer.encode("let me think about it. no JSON here {</think>")
+    r, _, _ = _run(engine, THINK, _spec(3, g, thinking=True), script=script)
+    assert r.reasoning.startswith("let me think about it. no JSON here {")
+    assert r.finish == "stop", r.raw
+    jsonschema.validate(json.loads(r.text), schema)
+
+
+def test_exactness_scripted_output_inside_grammar(engine, llt):
+    """A scripted reply the grammar accepts: the same tokens and the same state (logits)
+    with and without the constraint."""
+    schema = SCHEMAS[1]
+    g = json_grammar(schema, llt)
+    script = engine.tokenizer.encode('{"name":"Ada","age":36}') + [engine.tokenizer.eos_id]
+    a, toks_a, logits_a = _run(engine, CHAT, _spec(0, g), script=script)
+    b, toks_b, logits_b = _run(engine, CHAT, _spec(0, None), script=script)
+    assert a.finish == b.finish == "stop"
+    assert toks_a == toks_b and a.raw == b.raw
+    assert np.array_equal(np.array(logits_a), np.array(logits_b))
+
+
+def test_mask_forbids_what_the_grammar_rejects(engine, llt):
+    """Greedy decoding under an enum: the reply is one of the values, whatever the
+    model's favourite tokens are (greedy-inside-structure uses the masked logits)."""
+    schema = {"enum": ["alpha", "beta"]}
+    g = json_grammar(schema, llt)
+    r, _, _ = _run(engine, CHAT, TurnSpec(SamplingParams(temperature=0), max_tokens=20, grammar=g))
+    assert r.finish == "stop" and json.loads(r.text) in ("alpha", "beta")
+    mx.eval(mx.array(0))
+
+
+TOOLS = [
+    ToolSpec(
+        "Bash",
+        "run a command",
+        {
+            "type": "object",
+            "properties": {
+                "command": {"type": "string"},
+                "timeout": {"type": "integer", "maximum": 600},
+            },
+            "required": ["command"],
+            "additionalProperties": False,
+        },
+    ),
+    ToolSpec(
+        "Read",
+        "read a file",
+        {
+            "type": "object",
+            "properties": {"file_path": {"type": "string"}, "limit": {"type": "integer"}},
+            "required": ["file_path"],
+        },
+    ),
+]
+
+
+def test_strict_tool_calls_validate(engine, llt):
+    """tool_choice required, strict tools: every call closes, names a declared tool and
+    its arguments validate against that tool's schema."""
+    bounded_tools = [ToolSpec(t.name, t.description, bounded(t.parameters)) for t in TOOLS]
+    rules = {t.name: ToolRule(strict=True) for t in TOOLS}
+    g = turn_grammar(bounded_tools, rules, required=True, tokenizer=llt)
+    schemas = {t.name: t.parameters for t in TOOLS}
+    calls = 0
+    for seed in range(4):
+        r, _, _ = _run(
+            engine, CHAT, _spec(seed, g, max_tokens=160, tools=TOOLS, tool_required=True)
+        )
+        for c in r.tool_calls:
+            jsonschema.validate(c.arguments, schemas[c.name])
+            assert c.id not in r.call_errors
+            calls += 1
+        if r.finish == "stop":
+            assert r.tool_calls
+    assert calls >= 3
+
+
+def test_parallel_false_one_call(engine, llt):
+    rules = {t.name: ToolRule(strict=True) for t in TOOLS}
+    g = turn_grammar(TOOLS, rules, required=True, parallel=False, tokenizer=llt)
+    m = llguidance.LLMatcher(llt, g.source, log_level=0)
+    one = (
+        '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="Read">\n'
+        '<｜DSML｜parameter name="file_path" string="true">a</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n"
+    )
+    assert m.consume_tokens(engine.tokenizer.encode(one))
+    second = engine.tokenizer.encode('<｜DSML｜invoke name="Read">')
+    assert m.validate_tokens(second) < len(second)  # no second call
+    close = engine.tokenizer.encode("</｜DSML｜tool_calls>")
+    assert m.validate_tokens(close) == len(close)
+
+
+@pytest.mark.parametrize(
+    "schema, path, word",
+    [
+        (
+            {"type": "object", "properties": {"a": {"not": {"type": "string"}}}},
+            "properties.a.not",
+            "not",
+        ),
+        (
+            {"type": "object", "properties": {"p": {"type": "string", "pattern": "(?<=x)y"}}},
+            "properties.p.pattern",
+            "look",
+        ),
+    ],
+)
+def test_unsupported_schema_names_feature_and_path(llt, schema, path, word):
+    with pytest.raises(GrammarError) as e:
+        json_grammar(schema, llt)
+    assert e.value.path == path and word in e.value.message
+
+
+def test_custom_tool_grammar_errors(llt):
+    tool = ToolSpec(
+        "apply_patch", "", {"type": "object", "properties": {"input": {"type": "string"}}}
+    )
+    with pytest.raises(GrammarError, match="syntax"):
+        turn_grammar(
+            [tool],
+            {"apply_patch": ToolRule(custom=True, syntax="ebnf", definition="x")},
+            tokenizer=llt,
+        )
+    with pytest.raises(GrammarError):
+        turn_grammar(
+            [tool],
+            {"apply_patch": ToolRule(custom=True, syntax="lark", definition="start: (")},
+            tokenizer=llt,
+        )
+
+
+def test_agent_tools_are_strict(engine, llt, tmp_path):
+    """``ds4mlx agent`` constrains calls to its own tools: a call with the schema's
+    parameters is accepted, an unknown parameter or a non-integer limit is not."""
+    from ds4mlx.agent.permissions import Permissions
+    from ds4mlx.agent.steps import strict_grammar
+    from ds4mlx.agent.tools import Toolbox
+
+    specs = Toolbox(tmp_path, Permissions(yes=True)).specs
+    g = strict_grammar(specs, engine.tokenizer)
+    head = '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="read">\n'
+    path = '<｜DSML｜parameter name="path" string="true">a.txt</｜DSML｜parameter>\n'
+    tok = engine.tokenizer
+
+    def accepts(text: str) -> bool:
+        m = llguidance.LLMatcher(llt, g.source, log_level=0)
+        ids = tok.encode(text)
+        return m.validate_tokens(ids) == len(ids)
+
+    assert accepts("ok" + head + path + "</｜DSML｜invoke>\n</｜DSML｜tool_calls>")
+    assert not accepts(head + '<｜DSML｜parameter name="nope" string="true">')
+    assert not accepts(head + path + '<｜DSML｜parameter name="limit" string="false">"x"')

@@ -1,0 +1,393 @@
+"""Issue 24 on the wire: structured outputs and strict / custom tools, through a real
+``ds4mlx serve`` (tiny random model, scripted decoding where a test steers output).
+
+CI matrix: `test_validity_matrix` runs one bounded schema per protocol × stream ×
+thinking cell (12 requests); the 12-schema engine suite is ``tests/test_grammar.py``;
+the 50-schema suite with Claude Code's captured tool schemas is
+``tests/test_grammar_suite.py`` (slow).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+from grammar_cases import SCHEMAS, bounded
+from server_util import EOS, Server, sse_events, tool_call_dsml
+
+CTX = 1024
+CHAT = "/v1/chat/completions"
+MSGS = "/v1/messages"
+RESP = "/v1/responses"
+HEADERS = {"anthropic-version": "2023-06-01"}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with Server(tiny_model_dir, ctx=CTX) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, headers=HEADERS, timeout=300) as c:
+        yield c
+
+
+def _format(path: str, schema: dict[str, Any] | None) -> dict[str, Any]:
+    if schema is None:
+        return {}
+    if path == CHAT:
+        return {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": schema},
+            }
+        }
+    if path == RESP:
+        return {"text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}}
+    return {"output_config": {"format": {"type": "json_schema", "schema": schema}}}
+
+
+def _body(path: str, *, thinking: bool, schema=None, seed: int = 0, max_tokens: int = 160, **extra):
+    think = {"type": "enabled" if thinking else "disabled"}
+    if path == RESP:
+        body = {"input": "answer in JSON", "reasoning": {"effort": "high" if thinking else "none"}}
+        body["max_output_tokens"] = max_tokens
+    else:
+        body = {"messages": [{"role": "user", "content": "answer in JSON"}], "thinking": think}
+        body["max_tokens"] = max_tokens
+    return {
+        "model": "deepseek-v4",
+        "seed": seed,
+        "temperature": 1.0,
+        **body,
+        **_format(path, schema),
+        **extra,
+    }
+
+
+def _result(client, path: str, body: dict[str, Any], stream: bool) -> tuple[str, str, list]:
+    """``(visible text, finish, tool calls as (name, arguments))`` of one request."""
+    if not stream:
+        r = client.post(path, json=body)
+        assert r.status_code == 200, r.text
+        d = r.json()
+        if path == CHAT:
+            m = d["choices"][0]
+            calls = [
+                (c["function"]["name"], json.loads(c["function"]["arguments"]))
+                for c in m["message"].get("tool_calls") or []
+            ]
+            return m["message"].get("content") or "", m["finish_reason"], calls
+        if path == MSGS:
+            text = "".join(b["text"] for b in d["content"] if b["type"] == "text")
+            calls = [(b["name"], b["input"]) for b in d["content"] if b["type"] == "tool_use"]
+            return text, d["stop_reason"], calls
+        text = "".join(
+            c["text"] for o in d["output"] if o["type"] == "message" for c in o["content"]
+        )
+        calls = [
+            (o["name"], json.loads(o["arguments"]))
+            for o in d["output"]
+            if o["type"] == "function_call"
+        ]
+        calls += [(o["name"], o["input"]) for o in d["output"] if o["type"] == "custom_tool_call"]
+        return text, d["status"], calls
+    with client.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        datas = [json.loads(d) for _, d in sse_events(r.iter_lines()) if d not in (None, "[DONE]")]
+    if path == CHAT:
+        text = "".join(
+            (c["choices"][0]["delta"].get("content") or "") for c in datas if c.get("choices")
+        )
+        fin = [
+            c["choices"][0]["finish_reason"]
+            for c in datas
+            if c.get("choices") and c["choices"][0]["finish_reason"]
+        ]
+        return text, fin[-1], []
+    if path == MSGS:
+        text = "".join(
+            d["delta"].get("text", "") for d in datas if d["type"] == "content_block_delta"
+        )
+        fin = [d["delta"]["stop_reason"] for d in datas if d["type"] == "message_delta"]
+        return text, fin[-1], []
+    done = [
+        d for d in datas if d["type"] == "response.completed" or d["type"] == "response.incomplete"
+    ][-1]
+    text = "".join(d["delta"] for d in datas if d["type"] == "response.output_text.delta")
+    return text, done["response"]["status"], []
+
+
+STOPPED = {"stop", "end_turn", "completed", "tool_calls", "tool_use"}
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", [CHAT, MSGS, RESP])
+def test_validity_matrix(server, client, path, stream, thinking):
+    """Each cell: a bounded schema sampled under the mask validates against the original
+    schema; thinking-on cells script the reasoning through </think>, then sample. The
+    same request without the format is not valid JSON for the schema."""
+    i = [CHAT, MSGS, RESP].index(path) * 4 + stream * 2 + thinking
+    schema = SCHEMAS[i % len(SCHEMAS)]
+    if thinking:
+        server.script("free reasoning, not JSON {[</think>")
+    text, finish, _ = _result(
+        client, path, _body(path, thinking=thinking, schema=bounded(schema), seed=i), stream
+    )
+    assert finish in STOPPED, (finish, text)
+    jsonschema.validate(json.loads(text), schema)
+    if not stream and not thinking:
+        free, _, _ = _result(
+            client, path, _body(path, thinking=False, seed=i, max_tokens=24), False
+        )
+        with pytest.raises((ValueError, jsonschema.ValidationError)):
+            jsonschema.validate(json.loads(free), schema)
+
+
+def test_json_object(client):
+    r = client.post(
+        CHAT,
+        json={**_body(CHAT, thinking=False, seed=5), "response_format": {"type": "json_object"}},
+    )
+    assert r.status_code == 200
+    m = r.json()["choices"][0]
+    assert m["finish_reason"] == "stop"
+    assert isinstance(json.loads(m["message"]["content"]), dict)
+
+
+BASH = {
+    "type": "object",
+    "properties": {"command": {"type": "string"}, "timeout": {"type": "integer", "maximum": 600}},
+    "required": ["command"],
+    "additionalProperties": False,
+}
+
+
+def _strict_tools(path: str, schema: dict[str, Any]) -> dict[str, Any]:
+    if path == CHAT:
+        return {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {"name": "Bash", "parameters": schema, "strict": True},
+                }
+            ],
+            "tool_choice": "required",
+        }
+    if path == MSGS:
+        return {
+            "tools": [{"name": "Bash", "input_schema": schema, "strict": True}],
+            "tool_choice": {"type": "any"},
+        }
+    return {
+        "tools": [{"type": "function", "name": "Bash", "parameters": schema, "strict": True}],
+        "tool_choice": "required",
+    }
+
+
+@pytest.mark.parametrize("path", [CHAT, MSGS, RESP])
+def test_strict_tool_calls(client, path):
+    """tool_choice required + a strict tool: the sampled call validates."""
+    body = _body(path, thinking=False, seed=7, max_tokens=200, **_strict_tools(path, bounded(BASH)))
+    _, finish, calls = _result(client, path, body, False)
+    assert calls, finish
+    for name, args in calls:
+        assert name == "Bash"
+        jsonschema.validate(args, BASH)
+
+
+PATCH_LARK = r"""
+start: begin_patch add_hunk end_patch
+begin_patch: "*** Begin Patch" LF
+end_patch: "*** End Patch" LF?
+add_hunk: "*** Add File: " filename LF add_line add_line?
+filename: /([a-z]{1,8}\.txt)/
+add_line: "+" /([a-z ]{0,8})/ LF
+%import common.LF
+"""
+PATCH_RE = re.compile(
+    r"\*\*\* Begin Patch\n\*\*\* Add File: [a-z]{1,8}\.txt\n(\+[a-z ]{0,8}\n){1,2}\*\*\* End Patch\n?"
+)
+CUSTOM = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "edit files",
+    "format": {"type": "grammar", "syntax": "lark", "definition": PATCH_LARK},
+}
+
+
+def test_custom_tool_input_exact_whatever_the_parameter_name(server, client):
+    """A scripted custom call whose parameter the model named ``patch``: the
+    custom_tool_call carries the exact text (over the grammar, which accepts it)."""
+    patch = "*** Begin Patch\n*** Add File: a.txt\n+hello\n*** End Patch\n"
+    dsml = tool_call_dsml("apply_patch", input=patch)
+    server.script(dsml.replace('name="input"', 'name="patch"'))
+    body = {**_body(RESP, thinking=False), "tools": [CUSTOM]}
+    body.pop("text", None)
+    _, status, calls = _result(client, RESP, body, False)
+    assert calls == [("apply_patch", patch)], status
+
+
+def test_custom_tool_sampled_under_its_grammar(client):
+    body = {
+        **_body(RESP, thinking=False, seed=3, max_tokens=300),
+        "tools": [CUSTOM],
+        "tool_choice": "required",
+    }
+    _, status, calls = _result(client, RESP, body, False)
+    assert calls and status == "completed"
+    for _, text in calls:  # the grammar's language, as a regex oracle
+        assert PATCH_RE.fullmatch(text), text
+
+
+@pytest.mark.parametrize(
+    "path, extra, param, word",
+    [
+        (
+            CHAT,
+            _format(CHAT, {"type": "object", "properties": {"a": {"not": {}}}}),
+            "response_format.json_schema.schema.properties.a.not",
+            "not",
+        ),
+        (
+            MSGS,
+            _format(
+                MSGS,
+                {"type": "object", "properties": {"p": {"type": "string", "pattern": "(?<=a)b"}}},
+            ),
+            "output_config.format.schema.properties.p.pattern",
+            "pattern",
+        ),
+        (
+            RESP,
+            _format(RESP, {"type": "object", "propertyNames": {"pattern": "a"}}),
+            "text.format.schema.propertyNames",
+            "propertyNames",
+        ),
+        (
+            CHAT,
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "array"}, "strict": True},
+                    }
+                ]
+            },
+            "tools[0].function.parameters",
+            "object",
+        ),
+        (
+            MSGS,
+            {"tools": [{"name": "f", "input_schema": {"type": "string"}, "strict": True}]},
+            "tools.0.input_schema",
+            "object",
+        ),
+        (
+            RESP,
+            {
+                "tools": [
+                    {**CUSTOM, "format": {"type": "grammar", "syntax": "ebnf", "definition": "x"}}
+                ]
+            },
+            "tools[0].format.definition",
+            "ebnf",
+        ),
+        (
+            RESP,
+            {
+                "tools": [
+                    {
+                        **CUSTOM,
+                        "format": {"type": "grammar", "syntax": "lark", "definition": "start: ("},
+                    }
+                ]
+            },
+            "tools[0].format.definition",
+            "",
+        ),
+        (CHAT, {"response_format": {"type": "xml"}}, "response_format.type", "xml"),
+    ],
+)
+def test_bad_constraints_are_400(server, client, path, extra, param, word):
+    body = {**_body(path, thinking=False), **extra}
+    r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert word in err["message"]
+    if path != MSGS:
+        assert err["param"] == param
+    assert param in err["message"]
+    h = server.health()
+    assert h["queued"] == 0 and not h["busy"]
+
+
+def test_live_continuation_after_strict_call(server, client):
+    """A strict call, then its tool result: the second request extends the live state
+    (only the suffix is prefilled)."""
+    server.wait_idle()
+    n0 = len(server.request_lines())
+    server.script(tool_call_dsml("Bash", command="ls"))
+    tools = _strict_tools(CHAT, BASH)
+    msgs = [{"role": "user", "content": "list files"}]
+    r = client.post(
+        CHAT,
+        json={
+            "model": "m",
+            "messages": msgs,
+            "thinking": {"type": "disabled"},
+            "max_tokens": 60,
+            **tools,
+        },
+    )
+    assert r.status_code == 200, r.text
+    m = r.json()["choices"][0]["message"]
+    call = m["tool_calls"][0]
+    assert json.loads(call["function"]["arguments"]) == {"command": "ls"}
+    server.request_line(n0)
+    server.script("done" + EOS)
+    msgs += [m, {"role": "tool", "tool_call_id": call["id"], "content": "a.txt"}]
+    r2 = client.post(
+        CHAT,
+        json={
+            "model": "m",
+            "messages": msgs,
+            "thinking": {"type": "disabled"},
+            "max_tokens": 20,
+            "tools": tools["tools"],
+        },
+    )
+    assert r2.status_code == 200, r2.text
+    usage = r2.json()["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0 and usage["prompt_tokens"] - cached < 40
+    assert "live" in server.request_line(n0 + 1)
+
+
+def test_demo_cap_cut_json_is_incomplete(tiny_model_dir, tmp_path):
+    """``serve --demo``: its output cap stands in for EOS, except for a constrained reply:
+    JSON cut by the cap ends as ``length``, never as a valid-looking ``stop``."""
+    import shutil
+
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny_model_dir, cache / "ds4mlx" / "demo")
+    schema = {"type": "array", "items": {"type": "integer"}}
+    with Server(None, extra=["--demo"], env={"XDG_CACHE_HOME": str(cache)}) as s:
+        s.script("[1,2,3")  # then sampled under the mask until the cap
+        body = {"model": "m", "messages": [{"role": "user", "content": "go"}]}
+        r = httpx.post(s.url + CHAT, json={**body, **_format(CHAT, schema)}, timeout=300)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        text = choice["message"]["content"]
+        try:
+            jsonschema.validate(json.loads(text), schema)
+            assert choice["finish_reason"] == "stop"
+        except ValueError:
+            assert choice["finish_reason"] == "length", text
