@@ -391,7 +391,9 @@ def test_pipeline_rank_killed_mid_request_fails_the_request_and_stops_the_server
                 ) as r:
                     for line in r.iter_lines():
                         events.append(line)
-                        if line.startswith("data:"):
+                        # Killed while decoding (a text delta came): a peer killed
+                        # mid-prefill is not always noticed by the ring on loopback.
+                        if _text_delta(line):
                             started.set()
             except httpx.HTTPError as e:
                 events.append(f"transport error: {e}")
@@ -420,6 +422,20 @@ def test_pipeline_rank_killed_mid_request_fails_the_request_and_stops_the_server
             except ProcessLookupError:
                 pass
         server.kill()
+
+
+def _text_delta(line: str) -> bool:
+    """An SSE chat chunk carrying visible text or reasoning (decode has started)."""
+    import json
+
+    if not line.startswith("data:") or "[DONE]" in line:
+        return False
+    try:
+        choices = json.loads(line[5:]).get("choices") or [{}]
+    except ValueError:
+        return False
+    delta = choices[0].get("delta") or {}
+    return bool(delta.get("content") or delta.get("reasoning_content"))
 
 
 def _alive(pid: int) -> bool:
