@@ -96,6 +96,20 @@ def json_content_type(value: str | None) -> bool:
 
 def api_keys_from(flags: Iterable[str] | None, env: str | None) -> tuple[str, ...]:
     """The accepted API keys: every ``--api-key`` given, else ``DS4MLX_API_KEY`` split at
-    commas; blanks dropped. Empty: no key required."""
-    given = list(flags or ()) or (env or "").split(",")
-    return tuple(dict.fromkeys(k.strip() for k in given if k.strip()))
+    commas. Empty: no key required (neither given).
+
+    Raises:
+        ValueError: a key given that is empty or blank (``--api-key "$KEY"`` with ``KEY``
+            unset must not turn authentication off).
+    """
+    if flags:
+        given, where = list(flags), "--api-key"
+    elif env is not None and env.strip().strip(","):
+        given, where = env.strip().strip(",").split(","), "DS4MLX_API_KEY"
+    elif env:
+        raise ValueError("DS4MLX_API_KEY: no key in it (empty keys are refused)")
+    else:
+        return ()
+    if any(not k.strip() for k in given):
+        raise ValueError(f"{where}: an empty key (refused: it would turn authentication off)")
+    return tuple(dict.fromkeys(k.strip() for k in given))

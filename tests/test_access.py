@@ -298,3 +298,17 @@ def test_header_parsing():
     assert json_content_type("application/problem+json")
     assert not json_content_type("text/plain") and not json_content_type("application/jsonx")
     assert not json_content_type(None)
+
+
+def test_empty_api_keys_are_refused_not_dropped():
+    """An empty ``--api-key`` (a script's ``--api-key "$KEY"`` with ``KEY`` unset) or a
+    ``DS4MLX_API_KEY`` holding only separators must not turn authentication off."""
+    from ds4mlx.origins import api_keys_from
+
+    assert api_keys_from(None, None) == ()
+    assert api_keys_from(None, "") == ()
+    assert api_keys_from(None, "a, b,") == ("a", "b")
+    assert api_keys_from(["k1", "k1"], "ignored") == ("k1",)
+    for flags, env in (([""], None), (["k", "  "], None), (None, " , "), (None, "a,,b")):
+        with pytest.raises(ValueError, match="empty key|no key"):
+            api_keys_from(flags, env)

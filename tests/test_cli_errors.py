@@ -73,6 +73,10 @@ BAD = [
     (["convert", "MISSING", "OUT"], 1, "does not exist"),
     (["convert", "TINY", "OUT", "--override", "oops"], 2, "PART=SPEC"),
     (["tokenize", "-m", "MISSING", "hi"], 1, "is not a directory"),
+    # A load that fails on the worker thread exits cleanly (it aborted the process once).
+    (["serve", "-m", "TINY", "--speculative", "mtp", "--port", "PORT"], 2, "has no MTP drafter"),
+    # `--api-key "$KEY"` with KEY unset must not serve without authentication.
+    (["serve", "-m", "TINY", "--api-key", "", "--port", "PORT"], 2, "--api-key: an empty key"),
 ]
 
 

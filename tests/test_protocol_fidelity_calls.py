@@ -450,3 +450,33 @@ def test_tool_search_output_that_is_not_tools_is_a_400(server):
     r = httpx.post(server.url + RESP, json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "input.2.tools"
+
+
+@pytest.mark.parametrize(
+    "path, field, body",
+    [
+        (
+            "/v1/chat/completions",
+            "parallel_tool_calls",
+            {"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": "no"},
+        ),
+        ("/v1/responses", "parallel_tool_calls", {"input": "x", "parallel_tool_calls": 0}),
+        (
+            "/v1/messages",
+            "disable_parallel_tool_use",
+            {
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": "x"}],
+                "tool_choice": {"type": "auto", "disable_parallel_tool_use": "false"},
+            },
+        ),
+    ],
+    ids=["chat", "responses", "anthropic"],
+)
+def test_no_parallel_calls_flag_must_be_a_boolean(server, path, field, body):
+    """A string or number where a JSON boolean belongs is the protocol's 400 naming the
+    field, not silently ignored (``"no"`` read as absent would allow parallel calls)."""
+
+    r = httpx.post(server.url + path, json={"model": "deepseek-v4-flash", **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert field in r.text

@@ -389,10 +389,17 @@ def _tool_choice(choice: dict[str, Any] | None, tools: list[ToolSpec]) -> tuple[
 
     Raises:
         WireError: an unknown type, ``tool`` without a name, a forced choice without
-            tools, or a named tool that is not offered.
+            tools, a named tool that is not offered, or a ``disable_parallel_tool_use``
+            that is not a JSON boolean.
     """
     if choice is None:
         return False, None
+    flag = choice.get("disable_parallel_tool_use")
+    if flag is not None and not isinstance(flag, bool):
+        raise WireError(
+            "tool_choice.disable_parallel_tool_use: Input should be a valid boolean",
+            "tool_choice.disable_parallel_tool_use",
+        )
     typ = choice.get("type")
     if typ in ("auto", "none"):
         return False, None

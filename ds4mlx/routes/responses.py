@@ -260,7 +260,7 @@ class ResponsesRequest(OpenModel):
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     metadata: dict[str, Any] | None = None
 
 

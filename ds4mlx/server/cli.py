@@ -99,18 +99,14 @@ def run_serve(args, register) -> int:
     if args.tool_memory_max_ids < 1:
         print("ds4mlx serve: --tool-memory-max-ids must be >= 1", file=sys.stderr)
         return 2
-    from ds4mlx.origins import api_keys_from, origin_key
+    from ds4mlx.origins import api_keys_from
 
-    origins = []
-    for o in args.allowed_origin:
-        key = origin_key(o)
-        if key is None:
-            print(
-                f"ds4mlx serve: --allowed-origin {o!r} is not an origin (scheme://host[:port])",
-                file=sys.stderr,
-            )
-            return 2
-        origins.append(key)
+    try:
+        api_keys = api_keys_from(args.api_key, os.environ.get("DS4MLX_API_KEY"))
+        origins = _origins(args.allowed_origin)
+    except ValueError as e:
+        print(f"ds4mlx serve: {e}", file=sys.stderr)
+        return 2
     if args.max_connections is not None and args.max_connections < 1:
         print("ds4mlx serve: --max-connections must be >= 1", file=sys.stderr)
         return 2
@@ -119,7 +115,7 @@ def run_serve(args, register) -> int:
         default_max_tokens=cap if args.demo else args.tokens,
         max_tokens_cap=cap,
         demo_policy=demo_policy(args.demo, args.tokens),
-        api_keys=api_keys_from(args.api_key, os.environ.get("DS4MLX_API_KEY")),
+        api_keys=api_keys,
         cors=args.cors,
         allowed_origins=tuple(origins),
         allowed_hosts=tuple(h.strip() for h in args.allowed_host if h.strip()),
@@ -141,12 +137,31 @@ def run_serve(args, register) -> int:
         engine, worker = start_worker(_loader(args, model, kv.sessions, split), config)
     except Exception as e:  # LoadError, TokenizerError, OSError, ValueError…
         print(f"ds4mlx serve: cannot load model {model}: {e}", file=sys.stderr)
-        return 2
+        # Exit now: the inference thread's MLX state, left to interpreter exit after a
+        # failed load, intermittently aborts the process there ("terminate called
+        # without an active exception", mlx 0.32) and turns exit 2 into a SIGABRT.
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(2)
     try:
         return serve(engine, config, worker, register)
     except OSError as e:
         print(f"ds4mlx serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
+
+
+def _origins(given: list[str]) -> list:
+    """``--allowed-origin`` values as origin keys. Raises ValueError naming a value that
+    is not an origin."""
+    from ds4mlx.origins import origin_key
+
+    keys = []
+    for o in given:
+        key = origin_key(o)
+        if key is None:
+            raise ValueError(f"--allowed-origin {o!r} is not an origin (scheme://host[:port])")
+        keys.append(key)
+    return keys
 
 
 def _model_dir(args) -> str | None:
