@@ -223,6 +223,40 @@ def test_unsupported_schema_names_feature_and_path(llt, schema, path, word):
     assert e.value.path == path and word in e.value.message
 
 
+@pytest.mark.parametrize(
+    "schema, path",
+    [
+        (
+            {
+                "type": "object",
+                "properties": {"a": {"$ref": "#/$defs/a"}},
+                "required": ["a"],
+                "$defs": {"a": {"$ref": "#/$defs/a"}},
+            },
+            "properties.a.$ref",
+        ),
+        (
+            {
+                "$ref": "#/$defs/a",
+                "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+            },
+            "$ref",
+        ),
+    ],
+)
+def test_ref_cycle_is_refused_with_its_path(llt, schema, path):
+    """A ``$ref`` that only leads back to itself defines no value: refused (it compiled
+    and produced empty or invalid replies), while a recursive tree schema still compiles."""
+    with pytest.raises(GrammarError) as e:
+        json_grammar(schema, llt)
+    assert e.value.path == path and "$ref cycle" in e.value.message
+    tree = {
+        "type": "object",
+        "properties": {"children": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
+    }
+    json_grammar(tree, llt)
+
+
 def test_custom_tool_grammar_errors(llt):
     tool = ToolSpec(
         "apply_patch", "", {"type": "object", "properties": {"input": {"type": "string"}}}

@@ -314,6 +314,20 @@ def test_custom_tool_sampled_under_its_grammar(client):
             "",
         ),
         (CHAT, {"response_format": {"type": "xml"}}, "response_format.type", "xml"),
+        (
+            CHAT,
+            _format(
+                CHAT,
+                {
+                    "type": "object",
+                    "properties": {"a": {"$ref": "#/$defs/a"}},
+                    "required": ["a"],
+                    "$defs": {"a": {"$ref": "#/$defs/a"}},
+                },
+            ),
+            "response_format.json_schema.schema.properties.a.$ref",
+            "$ref cycle",
+        ),
     ],
 )
 def test_bad_constraints_are_400(server, client, path, extra, param, word):

@@ -229,6 +229,60 @@ def _json_lark(schema: dict[str, Any]) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": guide}, ensure_ascii=False)
 
 
+# Keys that leave a schema holding "$ref" defining nothing else (annotations, a
+# definitions table).
+_REF_ONLY = {"$ref", "$defs", "definitions", "description", "title", "$comment", "$schema", "$id"}
+
+
+def _pointer(root: Any, ref: Any) -> Any:
+    """The node a local ``$ref`` (``#/a/b``) names in ``root``, or None."""
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return None
+    node = root
+    for part in ref[1:].split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _ref_cycle(root: Any, node: Any = None, path: tuple[str, ...] = ()) -> str | None:
+    """The path of a ``$ref`` that leads only through ``$ref``s back to one it passed
+    (``$defs.a: {"$ref": "#/$defs/a"}``), else None. llguidance accepts such a schema,
+    but nothing satisfies it: it must be refused like any schema that cannot be served.
+    A recursive schema that defines structure on the way (a tree) is not a cycle."""
+    node = root if node is None else node
+    if isinstance(node, dict):
+        seen: set[int] = set()
+        cur = node
+        while isinstance(cur, dict) and "$ref" in cur and set(cur) <= _REF_ONLY:
+            if id(cur) in seen:
+                return ".".join((*path, "$ref"))
+            seen.add(id(cur))
+            cur = _pointer(root, cur["$ref"])
+        for k, v in node.items():
+            found = _ref_cycle(root, v, (*path, str(k)))
+            if found:
+                return found
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            found = _ref_cycle(root, v, (*path, str(i)))
+            if found:
+                return found
+    return None
+
+
+def _check_refs(schema: Any, where: str = "") -> None:
+    """Raise GrammarError when ``schema`` holds a `_ref_cycle`."""
+    found = _ref_cycle(schema)
+    if found is not None:
+        raise GrammarError(f"{where}$ref cycle: it defines no value", found)
+
+
 def json_grammar(schema: dict[str, Any] | None, tokenizer=None) -> Grammar:
     """A reply that is one JSON value valid for ``schema`` (None: any JSON object).
 
@@ -238,6 +292,7 @@ def json_grammar(schema: dict[str, Any] | None, tokenizer=None) -> Grammar:
     schema = {"type": "object"} if schema is None else schema
     if not isinstance(schema, dict):
         raise GrammarError("a JSON schema must be an object")
+    _check_refs(schema)
     return validate(f"start: {_json_lark(schema)}\n", tokenizer, schema=schema, what="json")
 
 
@@ -351,6 +406,7 @@ def _strict_params(b: _Builder, tool: ToolSpec) -> str:
     schema = tool.parameters or {}
     if schema.get("type", "object") != "object":
         raise GrammarError(f"tool {tool.name!r}: a strict tool's schema must be an object")
+    _check_refs(schema, f"tool {tool.name!r}: ")
     props = schema.get("properties") or {}
     required = set(schema.get("required") or ())
     defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
