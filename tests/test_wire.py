@@ -488,3 +488,24 @@ def test_system_text_after_the_first_assistant_turn_joins_a_user_turn():
         f"hi<｜end▁of▁sentence｜><｜User｜>{reminder('OPENS')}\n\nnext\n\n{reminder('AFTER')}"
         "<｜Assistant｜><think>"
     )
+
+
+@pytest.mark.parametrize("arguments", [[[]], 7, None, '{"query": "x"}', "not json"])
+def test_tool_search_call_arguments_of_any_json_shape_map_without_error(arguments):
+    """Found by the schema fuzz test: a ``tool_search_call`` whose ``arguments`` was a
+    list raised TypeError (a 500). Any JSON value maps, like a function call's arguments:
+    an object as is, anything else kept under ``"arguments"``."""
+    req = validate(
+        responses.ResponsesRequest,
+        {
+            "model": "m",
+            "input": [
+                {"type": "message", "role": "user", "content": "find tools"},
+                {"type": "tool_search_call", "call_id": "ts_1", "arguments": arguments},
+            ],
+        },
+    )
+    conv = responses.to_conversation(req)
+    call = conv.messages[-1].tool_calls[0]
+    assert call.id == "ts_1" and isinstance(call.arguments, dict)
+    render_prompt(conv)

@@ -131,7 +131,7 @@ def parts_text(content: str | list[Any] | None) -> str:
     return join_blank(parts)
 
 
-def json_object(text: str | dict[str, Any] | None) -> dict[str, Any]:
+def json_object(text: str | dict[str, Any] | Any) -> dict[str, Any]:
     """Decode a tool call's JSON arguments string; non-objects are wrapped.
 
     Clients replay arguments exactly as the server produced them, so this normally
@@ -142,6 +142,8 @@ def json_object(text: str | dict[str, Any] | None) -> dict[str, Any]:
         return text
     if not text:
         return {}
+    if not isinstance(text, str):  # any other JSON value a client sent in its place
+        return {"arguments": text}
     try:
         value = json.loads(text)
     except (ValueError, RecursionError):
