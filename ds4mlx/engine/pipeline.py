@@ -131,14 +131,13 @@ class _Peers:
         return (self.rank - 1) % self.world
 
 
-def _send_chain(arrays: list[mx.array], dst: int, group, after: list[mx.array]) -> mx.array:
+def _send_chain(arrays: list[mx.array], dst: int, group) -> mx.array:
     """Send ``arrays`` to ``dst`` in this order (each send depends on the previous one, so
     the receiver's ``recv`` calls see them in order); returns the last send node."""
-    last = after
+    last: mx.array | None = None
     for a in arrays:
-        a = mx.depends(a, last) if last else a
-        last = [mx.distributed.send(a, dst, group=group)]
-    return last[0]
+        last = mx.distributed.send(a if last is None else mx.depends(a, [last]), dst, group=group)
+    return last
 
 
 class PipelineModel:
@@ -203,7 +202,7 @@ class PipelineModel:
         if p.world == 1:
             return m.head_logits(x, last_only=last_only)
         header = self._header(OP_FORWARD, n, cache.state_id, int(last_only))
-        sent = _send_chain([header, tokens, x], p.next, p.group, [])
+        sent = _send_chain([header, tokens, x], p.next, p.group)
         rows = 1 if last_only else n
         back = mx.distributed.recv((rows, *x.shape[1:]), x.dtype, p.prev, group=p.group)
         back = mx.depends(back, [sent])
@@ -334,7 +333,7 @@ class _Follower:
             out = x[-1:] if last_only else x
             mx.eval(mx.distributed.send(out, p.next, group=group), arrays)
         else:
-            mx.eval(_send_chain([header, tokens, x], p.next, group, []), arrays)
+            mx.eval(_send_chain([header, tokens, x], p.next, group), arrays)
 
 
 def set_parent_death_signal() -> None:
