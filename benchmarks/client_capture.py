@@ -285,8 +285,12 @@ def _responses_sse(text: str) -> list:
     ]
 
 
-def capture_codex(work: Path) -> dict:
-    """Run ``codex exec`` against a capture server; return ``{"main": first request}``."""
+def capture_codex(work: Path, catalog: Path | None = None) -> dict:
+    """Run ``codex exec`` against a capture server; return ``{"main": first request}``.
+
+    ``catalog``: a ``model_catalog_json`` file to configure (e.g.
+    ``examples/codex-model-catalog.json``: Codex then offers its freeform ``apply_patch``
+    custom tool with its Lark grammar), or None (Codex's fallback metadata)."""
     cap = _Capture(
         lambda path, body: _responses_sse("Done.") if path.endswith("/responses") else None
     )
@@ -299,6 +303,11 @@ def capture_codex(work: Path) -> dict:
         'wire_api = "responses"\nsupports_websockets = false\n'
         "request_max_retries = 0\nstream_max_retries = 0\n"
     )
+    if catalog is not None:  # a top-level key: it must come before the provider table
+        text = (codex_home / "config.toml").read_text()
+        (codex_home / "config.toml").write_text(
+            f"model_catalog_json = {json.dumps(str(catalog))}\n" + text
+        )
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": str(home),

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TypeVar
+
+N = TypeVar("N", int, float)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -83,3 +86,32 @@ def int_list(text: str) -> list[int]:
     if not values or min(values) < 1 or values != sorted(set(values)):
         raise argparse.ArgumentTypeError(f"{text!r}: give increasing positive integers")
     return values
+
+
+def env_positive(name: str, default: N) -> N:
+    """A number > 0 from the environment variable ``name``, of ``default``'s type (int or
+    float), else ``default``.
+
+    For values the server settles on its own that users have no reason to tune but a
+    test shortens, so that it does not sit through the production value: periods
+    (an idle child's lifetime, a log interval, in seconds) and the demo model's output
+    cap (tokens). Read when a module is imported, so a bad value cannot be a usage error
+    with an exit code: it is named in one line on stderr and the default is used (a
+    traceback at import would stop every command, ``--help`` included).
+    """
+    import os
+
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = type(default)(raw)
+    except ValueError:
+        value = 0
+    if not value > 0 or value == float("inf"):
+        kind = "an integer" if isinstance(default, int) else "a number"
+        print(
+            f"ds4mlx: ignoring ${name}={raw!r} (give {kind} > 0); using {default}", file=sys.stderr
+        )
+        return default
+    return value

@@ -2,8 +2,9 @@
 
 docs/ARCHITECTURE.md §8. The prompt is prefilled incrementally, frontier by frontier; each row
 measures only its own interval (prefill of the tokens between the previous frontier and
-this one) and a decode run at that frontier, taken on a snapshot that is restored
-afterwards so the next interval starts from the exact prefill state.
+this one, timed ``prefill_repeats`` times from the same state and reported as the median)
+and a decode run at that frontier, taken on a snapshot that is restored afterwards so the
+next interval starts from the exact prefill state.
 
 The roofline column relates decode speed to memory bandwidth: a decoded token must read
 every active weight once (non-expert weights, the shared expert, ``top-k`` of the routed
@@ -34,10 +35,14 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ds4mlx.engine import DEFAULT_CHUNK, Engine, SamplingParams, TurnSpec, run_turn
-from ds4mlx.model.graph import decode_step_primitives, time_decode
+from ds4mlx.model.graph import decode_step_primitives, time_decode, time_verify
 
 # Tensors read one row per token: the token embedding and the hash-routing table.
 _ROW_LOOKUP = re.compile(r"\.(embed|embed_tokens|tid2eid)(\.|$)")
+# Rows of the verify-cost columns: what ``--draft-tokens 5`` verifies (t0 + 5 drafts).
+VERIFY_ROWS = 6
+# Timed prefills per frontier (``--prefill-repeats``); the row reports their median.
+DEFAULT_PREFILL_REPEATS = 3
 
 
 @dataclass
@@ -46,7 +51,7 @@ class BenchRow:
 
     frontier: int
     prefill_tokens: int
-    prefill_s: float
+    prefill_s: float  # the median of `prefill_repeats` timed prefills of the interval
     prefill_tok_s: float
     decode_tokens: int
     decode_s: float
@@ -60,6 +65,11 @@ class BenchRow:
     build_ms: float = float("nan")
     eval_ms: float = float("nan")
     decode_sync_tok_s: float = float("nan")
+    verify_primitives: int = 0
+    verify_non_view: int = 0
+    verify_ms: float = float("nan")
+    verify_ratio: float = float("nan")
+    prefill_repeats: int = 1
 
 
 @dataclass
@@ -126,6 +136,7 @@ def run_bench(
     decode_tokens: int = 32,
     chunk_size: int = DEFAULT_CHUNK,
     seed: int = 0,
+    prefill_repeats: int = DEFAULT_PREFILL_REPEATS,
     log: Callable[[str], object] | None = None,
 ) -> BenchResult:
     """Measure prefill/decode throughput at each frontier on a fresh session.
@@ -136,10 +147,16 @@ def run_bench(
         decode_tokens: tokens decoded (greedy) at each frontier.
         chunk_size: prefill chunk size.
         seed: seeds the random prompt (ids of ordinary vocabulary tokens).
+        prefill_repeats: each frontier's interval is prefilled this many times from the
+            previous frontier's state (restored between repeats); the row reports the
+            median time (`timed_prefill`).
         log: called with progress lines.
     Raises:
-        ValueError: frontiers not increasing, or too large for ``engine.ctx_size``.
+        ValueError: frontiers not increasing, too large for ``engine.ctx_size``, or
+            ``prefill_repeats`` < 1.
     """
+    if prefill_repeats < 1:
+        raise ValueError(f"prefill_repeats must be at least 1, got {prefill_repeats}")
     frontiers = [int(f) for f in frontiers]
     if not frontiers or any(b <= a for a, b in zip(frontiers, frontiers[1:], strict=False)):
         raise ValueError(f"frontiers must be increasing, got {frontiers}")
@@ -175,9 +192,7 @@ def run_bench(
     prev = 0
     for f in frontiers:
         chunk = prompt[prev:f]
-        t0 = time.perf_counter()
-        s.prefill(chunk, chunk_size=chunk_size)
-        t_pre = time.perf_counter() - t0
+        t_pre = timed_prefill(s, chunk, chunk_size, prefill_repeats)
         kv = s.kv_bytes()
 
         snap = s.snapshot()
@@ -206,16 +221,20 @@ def run_bench(
             roofline_tok_s=roof,
             roofline_fraction=dec_tps / roof if roof else float("nan"),
             decode_sync_tok_s=sync_tps,
+            prefill_repeats=prefill_repeats,
             **graph,
         )
         rows.append(row)
         say(
-            f"{f:>7} tokens: prefill {row.prefill_tok_s:8.1f} tok/s, decode "
+            f"{f:>7} tokens: prefill {row.prefill_tok_s:8.1f} tok/s (median of "
+            f"{prefill_repeats}), decode "
             f"{row.decode_tok_s:7.2f} tok/s pipelined / {sync_tps:.2f} synchronous "
             f"({100 * row.roofline_fraction:.2f}% of roofline), "
             f"KV {kv / 1e6:.2f} MB ({row.kv_used_bytes / 1e6:.2f} MB used); step graph "
             f"{row.decode_primitives} primitives, {row.decode_non_view} non-view; build "
-            f"{row.build_ms:.2f} ms + eval {row.eval_ms:.2f} ms"
+            f"{row.build_ms:.2f} ms + eval {row.eval_ms:.2f} ms; verify {VERIFY_ROWS} rows "
+            f"{row.verify_ms:.2f} ms = {row.verify_ratio:.2f} decode steps, "
+            f"{row.verify_primitives} primitives, {row.verify_non_view} non-view"
         )
         prev = f
     return BenchResult(
@@ -226,6 +245,22 @@ def run_bench(
         quant_desc=engine.quant_desc,
         chunk_size=chunk_size,
     )
+
+
+def timed_prefill(session, tokens: Sequence[int], chunk_size: int, repeats: int) -> float:
+    """Median seconds of ``repeats`` prefills of ``tokens`` into ``session``, each from the
+    state it had on entry (a snapshot restored between repeats); the session is left with
+    ``tokens`` prefilled once. On a shared box one timed prefill is a noisy sample (the
+    other processes' load moves it by 2x or more), so the bench reports a median."""
+    base = session.snapshot() if repeats > 1 else None
+    times = []
+    for i in range(repeats):
+        if i:
+            session.restore(base)
+        t0 = time.perf_counter()
+        session.prefill(tokens, chunk_size=chunk_size)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
 
 
 def _decode_spec(max_tokens: int, pipeline: bool = True) -> TurnSpec:
@@ -253,23 +288,37 @@ def caches_from_snapshot(model, snap) -> list:
 
 
 def graph_figures(model, snap, token: int, *, steps: int = 8) -> dict:
-    """Graph size of one decode step and the build / evaluation split of ``steps`` steps.
+    """Graph size of one decode step and the build / evaluation split of ``steps`` steps;
+    the verify cost of speculative decoding.
 
     Runs on caches rebuilt from ``snap`` (the session is not touched). Returns the
     ``BenchRow`` fields ``decode_primitives``, ``decode_non_view``, ``build_ms``,
-    ``eval_ms`` (medians per step) and ``kv_used_bytes`` (KV bytes in use, without the
-    spare rows that ``kv_bytes`` includes).
+    ``eval_ms`` (medians per step), ``kv_used_bytes`` (KV bytes in use, without the
+    spare rows that ``kv_bytes`` includes), and for one forward over ``VERIFY_ROWS`` rows
+    from the decode state: ``verify_primitives``, ``verify_non_view``, ``verify_ms`` and
+    ``verify_ratio`` (its time ÷ one decode step's, medians of ``steps`` interleaved
+    pairs, ``ds4mlx.model.graph.time_verify``).
     """
     caches = caches_from_snapshot(model, snap)
     used = sum(getattr(c, "used_nbytes", c.nbytes) for c in caches)
+    rows = np.random.default_rng(token).integers(1000, 100000, VERIFY_ROWS).tolist()
     r = decode_step_primitives(model, caches, token)
+    v = decode_step_primitives(model, caches, rows)
     t = time_decode(model, caches, [token] * max(1, steps))
+    feed = [token, *rows] * (max(1, steps) + 2)
+    tv = time_verify(model, caches_from_snapshot(model, snap), feed[: steps + 1 + VERIFY_ROWS],
+                     VERIFY_ROWS)  # fmt: skip
+    ver, dec = float(np.median(tv["verify_ms"])), float(np.median(tv["decode_ms"]))
     return {
         "kv_used_bytes": int(used),
         "decode_primitives": r["primitives"],
         "decode_non_view": r["non_view"],
         "build_ms": float(np.median(t["build_ms"])),
         "eval_ms": float(np.median(t["eval_ms"])),
+        "verify_primitives": v["primitives"],
+        "verify_non_view": v["non_view"],
+        "verify_ms": ver,
+        "verify_ratio": ver / dec if dec > 0 else float("nan"),
     }
 
 
@@ -348,6 +397,7 @@ class FlashShapeResult:
     build_s: float
     peak_rss_bytes: int
     includes_embedding_and_head: bool = True
+    routing: dict | None = None  # `expert_reads` of a decode step and a verify
 
 
 def peak_rss_bytes() -> int:
@@ -372,6 +422,32 @@ def _timed_forward(model, tokens: mx.array, cache, *, last_only: bool) -> list[f
     end = time.perf_counter()
     starts = [t0, *marks]
     return [b - a for a, b in zip(starts, marks, strict=False)] + [end - marks[-1]]
+
+
+def expert_reads(model, cache, tokens: Sequence[int]) -> dict:
+    """Routed experts one forward over ``tokens`` reads from ``cache``'s state (rewound
+    afterwards): ``{"experts": unique experts summed over layers, "bytes": their weight
+    bytes (packed weights + scales as stored)}``."""
+    saved = [c.capture() for c in cache]
+    logs = []
+    for layer in model.layers:
+        logs.append([])
+        object.__setattr__(layer.ffn, "routing_log", logs[-1])
+    try:
+        mx.eval(model(mx.array([list(tokens)], dtype=mx.int32), cache), *[g[0] for g in logs])
+    finally:
+        for layer in model.layers:
+            del layer.ffn.__dict__["routing_log"]
+        for c, sv in zip(cache, saved, strict=True):
+            c.rewind(sv)
+    n = nbytes = 0
+    for layer, log in zip(model.layers, logs, strict=True):
+        unique = len(np.unique(np.array(log[0])))
+        ex = layer.ffn.experts
+        per = sum(p.nbytes for _, p in tree_flatten(ex.parameters())) / ex.w1["weight"].shape[0]
+        n += unique
+        nbytes += int(unique * per)
+    return {"experts": n, "bytes": nbytes}
 
 
 def _flash_rows(model, first: int, point: int, pre, n: int, dec_med) -> list[LayerCost]:
@@ -452,6 +528,21 @@ def run_flash_shape(
         # The decoded tokens stay in the cache, so a later frontier's context is larger by
         # decode_tokens per earlier frontier: a few tokens, kept for simplicity.
         rows += _flash_rows(model, first, point, pre, n, np.median(np.array(dec), axis=0))
+    # What a speculative verify costs at these dimensions: the experts its rows read.
+    feed = rng.integers(1000, 100000, VERIFY_ROWS).tolist()
+    routing = {
+        "decode": expert_reads(model, cache, feed[:1]),
+        "verify": expert_reads(model, cache, feed),
+        "rows": VERIFY_ROWS,
+        "layers": len(model.layers),
+    }
+    say(
+        f"routed experts read (all {len(model.layers)} layers): decode "
+        f"{routing['decode']['experts']} ({routing['decode']['bytes'] / 1e6:.1f} MB), verify "
+        f"of {VERIFY_ROWS} rows {routing['verify']['experts']} "
+        f"({routing['verify']['bytes'] / 1e6:.1f} MB): "
+        f"{routing['verify']['bytes'] / max(routing['decode']['bytes'], 1):.2f}x"
+    )
     return FlashShapeResult(
         rows=rows,
         prompt_tokens=points[-1],
@@ -460,4 +551,163 @@ def run_flash_shape(
         other_bits=other_bits,
         build_s=build_s,
         peak_rss_bytes=peak_rss_bytes(),
+        routing=routing,
     )
+
+
+# ----------------------------------------------------------------------------- distributed
+# Flash's residual width: the hop of the issue's goal is one token's streams at it
+# ((1, 4, 4096) float32, 64 KiB).
+FLASH_DIM = 4096
+HOP_ROUND_TRIPS = 20
+
+
+@dataclass
+class Hop:
+    """One token's residual streams ``shape`` (``dtype``, ``nbytes``) sent rank 0 -> 1 ->
+    … -> 0 with the pipeline's send/recv: the median of ``round_trips`` round trips, ms."""
+
+    shape: tuple
+    dtype: str
+    nbytes: int
+    median_ms: float
+    round_trips: int
+
+
+@dataclass
+class DistributedFigures:
+    """What a split adds to the bench (docs/DISTRIBUTED.md, "Benchmark").
+
+    Attributes:
+        mode: ``"pipeline"`` or ``"tensor"``; ``world``: ranks.
+        hop: at the model's width (what a decode step sends); ``hop_flash``: at Flash's.
+        step: collective calls in one decode step on rank 0 (``{"all_sum": 10}``; the
+            pipeline's ``send``/``recv`` included).
+        layers: tensor mode, per layer: ``(kind, {"all_sum": 2})`` (the layer's own
+            collectives, counted in its graph); empty in pipeline mode.
+        single: the same bench of the unsplit checkpoint in one process (``--compare``),
+            or None.
+    """
+
+    mode: str
+    world: int
+    hop: Hop
+    hop_flash: Hop
+    step: dict[str, int]
+    layers: list[tuple[str, dict[str, int]]]
+    single: BenchResult | None = None
+
+
+def collective_calls(by_op: dict[str, int]) -> dict[str, int]:
+    """The collective calls among ``count_primitives``' ``by_op``: MLX labels an
+    ``all_sum`` node ``"Sum AllReduce"``, ``all_gather`` ``"AllGather"``, a ``send``
+    ``"Send"``, a ``recv`` ``"Recv"``."""
+    out: dict[str, int] = {}
+    for op, n in by_op.items():
+        if op.endswith("AllReduce"):
+            name = f"all_{op.split()[0].lower()}"
+        elif op in ("AllGather", "Send", "Recv"):
+            name = {"AllGather": "all_gather", "Send": "send", "Recv": "recv"}[op]
+        else:
+            continue
+        out[name] = out.get(name, 0) + n
+    return dict(sorted(out.items()))
+
+
+def step_collectives(model, per_layer: bool) -> tuple[dict, list]:
+    """Collectives of one decode step of a split model (rank 0's ``PipelineModel`` or
+    ``TensorModel``), counted in the graphs of a step built on fresh caches and never
+    evaluated (nothing is sent): ``(step, layers)`` as in `DistributedFigures`. With
+    ``per_layer`` (tensor mode) each layer's own collectives: the step is built once more
+    on the sharded network alone, its streams' graph counted after every layer."""
+    from collections import Counter
+
+    from ds4mlx.model.graph import count_primitives, decode_step_primitives
+
+    step = collective_calls(decode_step_primitives(model, model.make_cache(), 1)["by_op"])
+    model.settled()  # the step was built (the deadline armed), never launched
+    if not per_layer:
+        return step, []
+    net = model.model
+    outs: list[mx.array] = []
+    net(mx.array([[1]], dtype=mx.int32), net.make_cache(), probe=lambda _i, x, _c: outs.append(x))
+    layers, before = [], Counter()
+    for i, x in enumerate(outs):
+        upto = Counter(collective_calls(count_primitives([x])["by_op"]))
+        layers.append((model.args.layer_kind(i), dict(upto - before)))
+        before = upto
+    return step, layers
+
+
+def _hop(model, width: int, round_trips: int) -> Hop:
+    shape = (1, model.args.hc_mult, width)
+    dtype = model.compute_dtype
+    ms = model.hop(round_trips, width)
+    nbytes = int(np.prod(shape)) * dtype.size
+    return Hop(shape, str(dtype).removeprefix("mlx.core."), nbytes, float(np.median(ms)),
+               round_trips)  # fmt: skip
+
+
+def distributed_figures(engine: Engine, round_trips: int = HOP_ROUND_TRIPS) -> DistributedFigures:
+    """The hop (at the model's width and at Flash's) and the collectives per decode step
+    of ``engine``'s split (its ``layout``, ``"pipeline:…"`` or ``"tensor:W"``). Runs on
+    rank 0 while the followers follow; call on the inference thread."""
+    model = engine.model
+    mode = engine.layout.split(":", 1)[0]
+    step, layers = step_collectives(model, per_layer=mode == "tensor")
+    return DistributedFigures(
+        mode=mode,
+        world=model.world,
+        hop=_hop(model, engine.args.dim, round_trips),
+        hop_flash=_hop(model, FLASH_DIM, round_trips),
+        step=step,
+        layers=layers,
+    )
+
+
+def _calls(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {name}" for name, n in counts.items()) or "none"
+
+
+def distributed_report(split: BenchResult, figs: DistributedFigures) -> list[str]:
+    """The lines a split bench prints after its table: the hop, the collectives per
+    decode step (per layer kind in tensor mode), and with the 1-rank run (``figs.single``)
+    both runs side by side per frontier and the goal check (decode per token within the
+    1-rank time plus 1.5 hops; prefill at least 0.8x the 1-rank rate)."""
+    w = figs.world
+    lines = []
+    for h in (figs.hop, figs.hop_flash):
+        lines.append(
+            f"hop: {h.shape} {h.dtype} ({h.nbytes / 1024:g} KiB) rank 0 -> 1 -> 0: "
+            f"{h.median_ms:.3f} ms (median of {h.round_trips} round trips)"
+        )
+    kinds: dict[str, list[dict]] = {}
+    for kind, counts in figs.layers:
+        kinds.setdefault(kind, []).append(counts)
+    per_kind = [
+        f"{kind.upper() if kind != 'window' else 'window'} layer: "
+        f"{_calls(calls[0]) if all(c == calls[0] for c in calls) else 'varies'} (x{len(calls)})"
+        for kind, calls in kinds.items()
+    ]
+    lines.append(
+        f"collectives per decode step ({figs.mode}, rank 0): "
+        + "; ".join([*per_kind, f"total {_calls(figs.step)}"])
+    )
+    if figs.single is None:
+        lines.append("no 1-rank figures: rerun with --compare")
+        return lines
+    hop15 = 1.5 * figs.hop.median_ms
+    for a, b in zip(split.rows, figs.single.rows, strict=True):
+        x, y = 1e3 / a.decode_tok_s, 1e3 / b.decode_tok_s
+        lines += [
+            f"{a.frontier:>7} tokens: {w} ranks prefill {a.prefill_tok_s:.1f} tok/s, decode "
+            f"{a.decode_tok_s:.2f} tok/s; 1 rank prefill {b.prefill_tok_s:.1f} tok/s, decode "
+            f"{b.decode_tok_s:.2f} tok/s",
+            f"{a.frontier:>7} tokens: {w}-rank decode per token {x:.2f} ms <= 1-rank {y:.2f} ms"
+            f" + 1.5 hops {hop15:.2f} ms: {'holds' if x <= y + hop15 else 'misses'}",
+            f"{a.frontier:>7} tokens: prefill {a.prefill_tok_s:.1f} tok/s >= 0.8x 1-rank "
+            f"{b.prefill_tok_s:.1f} tok/s (medians of {a.prefill_repeats} and "
+            f"{b.prefill_repeats} prefills): "
+            f"{'holds' if a.prefill_tok_s >= 0.8 * b.prefill_tok_s else 'misses'}",
+        ]
+    return lines

@@ -25,6 +25,12 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
     if args.layers is not None and args.layers < 1:
         print("ds4mlx make-tiny: --layers must be at least 1", file=sys.stderr)
         return 2
+    if args.mtp < 0:
+        print("ds4mlx make-tiny: --mtp must be 0 or more", file=sys.stderr)
+        return 2
+    if args.mtp and args.dspark:
+        print("ds4mlx make-tiny: --mtp and --dspark both write mtp.*: pick one", file=sys.stderr)
+        return 2
     out = Path(args.dir)
     if out.exists() and not args.overwrite and (not out.is_dir() or any(out.iterdir())):
         print(
@@ -33,12 +39,16 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    if args.shape == "flash":
+        return _make_flash_width(args, other_bits)
     make_tiny(
         args.dir,
         seed=args.seed,
         expert_bits=expert_bits,
         other_bits=other_bits,
         layers=args.layers,
+        mtp=args.mtp,
+        dspark=args.dspark,
     )
     size = sum(f.stat().st_size for f in Path(args.dir).glob("*.safetensors"))
     quant = (
@@ -50,9 +60,36 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
         )
     )
     depth = "4 test layers" if args.layers is None else f"{args.layers} layers, Flash layout"
+    if args.mtp:
+        depth += f", {args.mtp} MTP block{'s' if args.mtp > 1 else ''}"
     print(
         f"wrote tiny DS4 checkpoint to {args.dir} ({depth}, {quant}, "
         f"{size / 1e6:.1f} MB of weights)"
+    )
+    return 0
+
+
+def _make_flash_width(args: argparse.Namespace, other_bits: int | None) -> int:
+    """``make-tiny --shape flash``: Flash's first ``--layers`` layers (2 by default) at
+    Flash's real dimensions, random, written as a checkpoint (`synth.write_flash_checkpoint`)."""
+    from ds4mlx.model.synth import write_flash_checkpoint
+
+    if args.float32 or args.mtp or args.dspark:
+        print(
+            "ds4mlx make-tiny: --shape flash writes quantized layers only (no --float32: "
+            "one float32 layer's experts are 25.8 GB; no --mtp/--dspark)",
+            file=sys.stderr,
+        )
+        return 2
+    layers = args.layers or 2
+    write_flash_checkpoint(
+        args.dir, layers, expert_bits=args.expert_bits, other_bits=other_bits, seed=args.seed
+    )
+    size = sum(f.stat().st_size for f in Path(args.dir).glob("*.safetensors"))
+    print(
+        f"wrote a Flash-width DS4 checkpoint to {args.dir} ({layers} layers of Flash's "
+        f"layout at its dimensions, experts=q{args.expert_bits} "
+        f"other={'q' + str(other_bits) if other_bits else 'f32'}, {size / 1e9:.2f} GB)"
     )
     return 0
 
@@ -78,12 +115,15 @@ def _load_engine(model: str, ctx_size: int | None, args: argparse.Namespace | No
         if args is None or getattr(args, "distributed", None) is None:
             if getattr(args, "pipeline_split", None) is not None:
                 raise PipelineError("--pipeline-split needs --distributed pipeline")
-            return _with_speculation(Engine.load(model, ctx_size=ctx_size), model, args)
+            mode = getattr(args, "speculative", "off")
+            engine = Engine.load(model, ctx_size=ctx_size, speculative=mode)
+            return _with_speculation(engine, model, args)
         engine = load_distributed(
             model,
             ctx_size=ctx_size,
             split=parse_split(args.pipeline_split),
             mode=args.distributed,
+            rank_timeout=args.rank_timeout,
         )
     except (LoadError, OSError, ValueError, RuntimeError) as e:
         print(f"ds4mlx: cannot load model {model}: {e}", file=sys.stderr)
@@ -98,8 +138,10 @@ def _with_speculation(engine, model: str, args: argparse.Namespace | None):
     """``engine`` with ``args``' ``--speculative`` set, or None (the refusal printed)."""
     if args is None or not hasattr(args, "speculative"):
         return engine
-    try:
-        set_speculation(engine, args)
+    from ds4mlx.engine.speculative import speculation_for
+
+    try:  # ValueError with a message for the user: a drafter the checkpoint lacks
+        engine.speculation = speculation_for(engine, args.speculative, args.draft_tokens)
     except ValueError as e:
         print(f"ds4mlx: cannot load model {model}: {e}", file=sys.stderr)
         return None
@@ -107,7 +149,7 @@ def _with_speculation(engine, model: str, args: argparse.Namespace | None):
 
 
 def add_distributed_flags(p: argparse.ArgumentParser) -> None:
-    """``--distributed`` / ``--pipeline-split`` (docs/DISTRIBUTED.md)."""
+    """``--distributed`` / ``--pipeline-split`` / ``--rank-timeout`` (docs/DISTRIBUTED.md)."""
     p.add_argument(
         "--distributed",
         choices=["pipeline", "tensor"],
@@ -121,6 +163,25 @@ def add_distributed_flags(p: argparse.ArgumentParser) -> None:
         metavar="L[,L...]",
         help="first layer of each rank after rank 0 (default: an even split)",
     )
+    p.add_argument(
+        "--rank-timeout",
+        type=_seconds,
+        default=120.0,
+        metavar="S",
+        help="a rank that does not answer within S seconds counts as lost: the request "
+        "fails and the server exits non-zero (default 120)",
+    )
+
+
+def _seconds(text: str) -> float:
+    """``--rank-timeout``: a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
 
 
 def _draft_tokens(text: str) -> int:
@@ -144,23 +205,34 @@ def speculative_flags(p: argparse.ArgumentParser) -> None:
         choices=SPECULATIVE_MODES,
         default="off",
         help="speculative decoding: lookup = prompt n-grams, mtp = the checkpoint's MTP "
-        "head, auto = both; exact (the output is the target's) (off)",
+        "head, dspark = Flash 0731's DSpark drafter, auto = the checkpoint's drafter plus "
+        "lookup; exact (the output is the target's) (off)",
     )
     p.add_argument(
         "--draft-tokens",
         type=_draft_tokens,
         default=DEFAULT_DRAFT_TOKENS,
+        action=_DraftTokens,
         metavar="K",
-        help=f"tokens drafted per verify, 1..16 ({DEFAULT_DRAFT_TOKENS})",
+        help=f"tokens drafted per verify, 1..16 ({DEFAULT_DRAFT_TOKENS}); needs --speculative",
     )
 
 
-def set_speculation(engine, args: argparse.Namespace) -> None:
-    """Give ``engine`` the ``--speculative`` setting. Raises ValueError with a message
-    for the user (``mtp`` on a checkpoint without an MTP drafter)."""
-    from ds4mlx.engine.speculative import speculation_for
+class _DraftTokens(argparse.Action):
+    """Stores ``--draft-tokens`` and notes that it was given (`check_speculative_flags`)."""
 
-    engine.speculation = speculation_for(engine, args.speculative, args.draft_tokens)
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.draft_tokens_given = True
+
+
+def check_speculative_flags(args: argparse.Namespace) -> str | None:
+    """Why the parsed ``--speculative``/``--draft-tokens`` do not go together, or None:
+    ``--draft-tokens`` without a drafting mode would be ignored while the user believes
+    speculation is on."""
+    if getattr(args, "draft_tokens_given", False) and args.speculative == "off":
+        return "--draft-tokens needs --speculative (lookup, mtp, dspark or auto)"
+    return None
 
 
 def _chat_prompt(text: str, *, thinking: bool):
@@ -352,8 +424,25 @@ def _cmd_bench_flash(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_refusal(args: argparse.Namespace) -> str | None:
+    """Why the bench's flags cannot work, checked before minutes of measuring (where the
+    results go, matplotlib for --plot, --compare without a split), or None."""
+    for flag, path in (("--csv", args.csv), ("--plot", args.plot)):
+        err = _output_path_error(path)
+        if err:
+            return f"{flag} {path}: {err}"
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            return "--plot needs matplotlib (pip install matplotlib)"
+    if args.compare and not args.distributed:
+        return "--compare needs --distributed (under mlx.launch)"
+    return None
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from ds4mlx.bench import plot, run_bench, to_csv
+    from ds4mlx.bench import DEFAULT_PREFILL_REPEATS, plot, run_bench, to_csv
     from ds4mlx.blas import blas_label
 
     if args.shape == "flash":
@@ -363,19 +452,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return 2
     if args.decode_tokens is None:
         args.decode_tokens = 32
+    if args.prefill_repeats is None:
+        args.prefill_repeats = DEFAULT_PREFILL_REPEATS
     frontiers = args.frontiers or [512, 1024, 2048]
-    # Check where the results go before spending minutes measuring.
-    for flag, path in (("--csv", args.csv), ("--plot", args.plot)):
-        err = _output_path_error(path)
-        if err:
-            print(f"ds4mlx bench: {flag} {path}: {err}", file=sys.stderr)
-            return 2
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            print("ds4mlx bench: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
-            return 2
+    refused = _bench_refusal(args)
+    if refused is not None:
+        print(f"ds4mlx bench: {refused}", file=sys.stderr)
+        return 2
     ctx = args.ctx or max(frontiers) + args.decode_tokens + 1
     model = _model_or_demo(args, "bench")
     if model is None:
@@ -395,8 +478,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             decode_tokens=args.decode_tokens,
             chunk_size=args.chunk_size,
             seed=args.seed,
+            prefill_repeats=args.prefill_repeats,
             log=lambda s: print(s, file=sys.stderr),
         )
+        if args.distributed:
+            _bench_split(args, engine, result, model, ctx, frontiers)
     except ValueError as e:
         print(f"ds4mlx bench: {e}", file=sys.stderr)
         return 2
@@ -414,6 +500,29 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             print(f"ds4mlx bench: no plot: {e}", file=sys.stderr)
             return 1
     return 0
+
+
+def _bench_split(args, engine, result, model: str, ctx: int, frontiers) -> None:
+    """Rank 0 of a split bench: the hop, the collectives per decode step and, with
+    ``--compare``, the same bench of the unsplit checkpoint in this process with the goal
+    check (`ds4mlx.bench.distributed_report`), printed after the split's table."""
+    from ds4mlx.bench import distributed_figures, distributed_report, run_bench
+    from ds4mlx.engine import Engine
+
+    figs = distributed_figures(engine)
+    if args.compare:
+        print("1 rank: the unsplit checkpoint in rank 0's process", file=sys.stderr)
+        figs.single = run_bench(
+            Engine.load(model, ctx_size=ctx),
+            frontiers,
+            decode_tokens=args.decode_tokens,
+            chunk_size=args.chunk_size,
+            seed=args.seed,
+            prefill_repeats=args.prefill_repeats,
+            log=lambda s: print(s, file=sys.stderr),
+        )
+    for line in distributed_report(result, figs):
+        print(line, file=sys.stderr)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -745,6 +854,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no quantization at all (float32 weights, the test oracle's format)",
     )
+    p.add_argument(
+        "--shape",
+        choices=("tiny", "flash"),
+        default="tiny",
+        help="flash: Flash's real dimensions (width 4096, 64 heads of 512, 256 experts) "
+        "for --layers layers (2), random and quantized: about 2.2 GB per layer at "
+        "--expert-bits 2, plus 1.1 GB of embedding and head (default: tiny)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty DIR")
     p.add_argument(
         "--layers",
@@ -752,6 +869,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="N layers in Flash's layout: 2 window-only, 3 hash-routed, then ratio 4 / "
         "ratio 128 alternating (default: the 4-layer test model)",
+    )
+    p.add_argument(
+        "--mtp",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N random MTP blocks under mtp.I.* (num_nextn_predict_layers), the drafter of "
+        "--speculative mtp (default 0)",
+    )
+    p.add_argument(
+        "--dspark",
+        action="store_true",
+        help="also write a random DSpark drafter (Flash 0731's mtp.* tensors and dspark_* "
+        "fields, at toy size) for --speculative dspark",
     )
     p.set_defaults(func=_cmd_make_tiny)
 
@@ -856,6 +987,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="decoded tokens per frontier (32; --shape flash: 3)",
     )
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk size (512)")
+    p.add_argument(
+        "--prefill-repeats",
+        type=argtypes.positive_int,
+        default=None,
+        metavar="R",
+        help="time each frontier's prefill R times from the same state and report the "
+        "median: a single sample is noisy on a shared machine (3)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
     p.add_argument(
         "--ctx",
@@ -867,6 +1006,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", default=None, help="write the CSV here instead of stdout")
     p.add_argument("--plot", default=None, help="write a PNG plot (needs matplotlib)")
     add_distributed_flags(p)
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="with --distributed: rank 0 also runs the same bench on the unsplit checkpoint "
+        "in its own process and prints the two side by side with the goal check (rank 0 "
+        "then also holds the whole model)",
+    )
     speculative_flags(p)
     p.set_defaults(func=_cmd_bench)
 
@@ -904,7 +1050,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="KEY",
         help="require this key (Authorization: Bearer or x-api-key); repeatable: any of them "
-        "(default: $DS4MLX_API_KEY, comma-separated). Required when --host is not loopback",
+        "(default: $DS4MLX_API_KEY, comma-separated). Set one when --host is not loopback: "
+        "without it anyone who can reach the port uses the model (the banner warns)",
     )
     p.add_argument(
         "--cors",
@@ -952,6 +1099,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         metavar="SECONDS",
         help="keepalive interval of idle streams, e.g. during long prefills (10)",
+    )
+    p.add_argument(
+        "--grammar-compile-ms",
+        type=argtypes.positive_int,
+        default=5000,
+        metavar="MS",
+        help="longest a request's JSON schema / tool grammar may take to compile; "
+        "longer is a 400 (5000)",
     )
     p.add_argument(
         "--tool-memory-max-ids",
@@ -1020,6 +1175,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    refusal = check_speculative_flags(args)
+    if refusal is not None:  # one line, exit 2, as any other usage error
+        argtypes.OneLineParser(prog=f"ds4mlx {args.command}").error(refusal)
     if args.command != "kv":
         from ds4mlx.blas import ensure_openblas
 

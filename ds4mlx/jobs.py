@@ -20,10 +20,14 @@ reads the `Job`'s events on the event loop; the worker emits them from its threa
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -40,10 +44,13 @@ from ds4mlx.engine.grammar import (
 )
 from ds4mlx.engine.turn import RawText, TokenLogprob, TurnSpec
 
+log = logging.getLogger("ds4mlx.server")
+
 __all__ = [
     "ConstraintError",
     "Failure",
     "GenRequest",
+    "Grammar",
     "Job",
     "JobDone",
     "JobFailed",
@@ -56,8 +63,10 @@ __all__ = [
     "TokenLogprob",
     "ToolCallDone",
     "ToolRule",
+    "CompileTicket",
     "TurnSpec",
     "compile_constraint",
+    "start_compile",
 ]
 
 
@@ -209,6 +218,8 @@ class GenRequest:
             none): live states and snapshots are reused only under the same salt.
         side: the client marked it as a side request (a helper agent of Claude Code,
             ``ds4mlx.routes.common.helper_agent``): it never takes a conversation's state.
+        logit_bias: ``(token id, offset)`` pairs added to the logits of every sampled
+            step (``ds4mlx.engine.bias.LogitBias``); ``()``: none.
     """
 
     path: str
@@ -220,6 +231,13 @@ class GenRequest:
     state_key: str | None = None
     salt: str = ""
     side: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def set_grammar(self, grammar: Grammar | None) -> None:
+        """Give the turn its compiled grammar (a route compiles it after building the
+        job, off the parsing threads). A demo cap then ends the turn as an end of turn
+        only where the grammar would let an EOS through (`TurnHooks.may_end`)."""
+        self.turn = dataclasses.replace(self.turn, grammar=grammar)
 
 
 @dataclass
@@ -339,40 +357,147 @@ class OutputConstraint:
     tool_params: dict[str, str] = field(default_factory=dict)
     parallel: bool = True
 
+    def shapes_reply(self) -> bool:
+        """Whether the visible reply itself must be JSON (a schema or ``json_object``),
+        not only the tool calls beside it."""
+        return self.schema is not None or self.json_object
+
 
 class ConstraintError(ValueError):
     """A constraint that cannot be enforced: ``message`` names the problem, ``param``
-    the wire path of the offending part (a route answers 400 with both)."""
+    the wire path of the offending part (a route answers 400 with both; 429 when
+    ``busy``)."""
 
-    def __init__(self, message: str, param: str):
+    def __init__(self, message: str, param: str, *, busy: bool = False):
         super().__init__(message)
         self.message = message
         self.param = param
+        self.busy = busy  # not the constraint's fault: every compile thread was taken
 
 
 def _join(base: str, path: str) -> str:
     return f"{base}.{path}" if base and path else base or path
 
 
-def _check_parts(c: OutputConstraint, tools: dict[str, ToolSpec]) -> None:
-    """Compile each part on its own first, so an error names its own path."""
+def _check_parts(
+    c: OutputConstraint, tools: dict[str, ToolSpec], stage: list[str], llt=None
+) -> None:
+    """Compile each part on its own first, so an error names its own path; ``stage[0]``
+    is set to the wire path being compiled (a timeout names it). A custom grammar is
+    compiled against ``llt`` (the llguidance tokenizer, when given) so that one matching
+    no text is refused here (`custom_grammar`)."""
     if c.schema is not None:
+        stage[0] = c.schema_param
         try:
             json_grammar(c.schema)
         except GrammarError as e:
             raise ConstraintError(e.message, _join(c.schema_param, e.path)) from e
     for name, rule in c.tools.items():
-        param = c.tool_params.get(name, "tools")
+        param = stage[0] = c.tool_params.get(name, "tools")
         spec = tools.get(name)
         try:
             if rule.custom and rule.syntax is not None:
-                custom_grammar(rule.syntax, rule.definition)
+                custom_grammar(rule.syntax, rule.definition, llt)
             elif rule.strict and spec is not None:
                 if not isinstance(spec.parameters, dict) or spec.parameters.get("type") != "object":
                     raise GrammarError("strict: true needs a JSON schema of type object")
                 json_grammar(spec.parameters)
         except GrammarError as e:
             raise ConstraintError(f"tool {name!r}: {e.message}", _join(param, e.path)) from e
+
+
+# The clock bound on compiling one request's constraint (``serve --grammar-compile-ms``).
+COMPILE_MS = 5000
+# Threads compiling constraints, shared by all requests: bounded, so abandoned compiles
+# (past their limit, left to finish within llguidance's fuel) never multiply; a compile
+# that finds them all busy waits its turn, within its own limit.
+COMPILE_THREADS = 2
+_compiles: ThreadPoolExecutor | None = None
+_compiles_lock = threading.Lock()
+
+
+def _compile_pool() -> ThreadPoolExecutor:
+    global _compiles
+    with _compiles_lock:
+        if _compiles is None:
+            # Its threads are joined at interpreter exit (concurrent.futures' own exit
+            # hook): an abandoned compile finishes instead of being finalized under
+            # native code that is still running (SIGSEGV).
+            _compiles = ThreadPoolExecutor(
+                COMPILE_THREADS, thread_name_prefix="ds4mlx-grammar-compile"
+            )
+        return _compiles
+
+
+class CompileTicket:
+    """A constraint compile handed to the compile threads (`start_compile`).
+
+    ``future``: its ``concurrent.futures.Future`` (the ``Grammar``, or None; or the
+    `ConstraintError` it raised). ``deadline``: the ``time.monotonic()`` second its
+    ``limit_ms`` ends, counted from the hand-over (waiting for a thread counts).
+    `expired` words the refusal once the deadline passes first.
+    """
+
+    def __init__(self, future: Future, limit_ms: int, stage: list[str], started: threading.Event):
+        self.future = future
+        self.limit_ms = limit_ms
+        self.deadline = time.monotonic() + limit_ms / 1000
+        self._stage = stage
+        self._started = started
+
+    def expired(self) -> ConstraintError:
+        """The error of a compile past its limit (cancelled if it had not started):
+        ``busy`` when every compile thread was taken for the whole limit (the
+        constraint itself was never tried)."""
+        if self.future.cancel() or not self._started.is_set():
+            return ConstraintError(
+                f"the server's grammar compilers were busy for the whole {self.limit_ms} ms "
+                "limit (serve --grammar-compile-ms): retry",
+                self._stage[0],
+                busy=True,
+            )
+        return ConstraintError(
+            f"compiling its grammar took longer than the {self.limit_ms} ms limit "
+            "(serve --grammar-compile-ms): simplify the schema or grammar",
+            self._stage[0],
+        )
+
+    def wait(self) -> Grammar | None:
+        """Block until the compile ends or its deadline passes (raises `ConstraintError`)."""
+        try:
+            return self.future.result(max(0.0, self.deadline - time.monotonic()))
+        except FutureTimeout:
+            raise self.expired() from None
+
+
+def start_compile(
+    c: OutputConstraint,
+    *,
+    tools: list[ToolSpec],
+    calls: bool,
+    required: bool,
+    tool_name: str | None,
+    tokenizer=None,
+    param: str = "",
+    limit_ms: int = COMPILE_MS,
+) -> CompileTicket:
+    """Hand ``c``'s compile (`compile_constraint`'s arguments) to the bounded compile
+    threads; return at once with its `CompileTicket`."""
+    stage = [param if c.tools else c.schema_param or param]  # named if it never starts
+    llt = ll_tokenizer(tokenizer) if tokenizer is not None else None  # cached, not timed
+    started = threading.Event()
+
+    def run() -> Grammar | None:
+        started.set()
+        t0 = time.monotonic()
+        log.info("grammar compile start param=%s", stage[0])
+        try:
+            return _compile(c, tools, calls, required, tool_name, llt, param, stage)
+        finally:
+            ms = (time.monotonic() - t0) * 1000
+            log.info("grammar compile end param=%s ms=%.0f", stage[0], ms)
+
+    return CompileTicket(_compile_pool().submit(run), limit_ms, stage, started)
 
 
 def compile_constraint(
@@ -384,24 +509,49 @@ def compile_constraint(
     tool_name: str | None,
     tokenizer=None,
     param: str = "",
+    limit_ms: int = COMPILE_MS,
 ) -> Grammar | None:
     """The engine's ``Grammar`` for a request's `OutputConstraint` (None: nothing to
-    enforce). Call off the event loop: compiling is bounded by llguidance's limits
-    (``ds4mlx.engine.grammar.LIMITS``), not instant.
+    enforce), waiting for it here (it blocks up to ``limit_ms``; a route awaits a
+    `start_compile` ticket instead, so no request thread waits on a compile).
+
+    Compiling is bounded by llguidance's limits (``ds4mlx.engine.grammar.LIMITS``) and
+    by the clock: it runs on the compile threads (`COMPILE_THREADS`), and past
+    ``limit_ms`` (waiting for a thread included) the request is refused (a compile
+    already running is left to finish within llguidance's fuel limits; llguidance
+    releases the GIL while it compiles).
 
     Args:
         tools: the tools offered to the model (``tool_choice: none`` offers none).
         calls / required / tool_name: the request's tool choice (``TurnSpec`` fields).
-        tokenizer: the ``ds4mlx.tokenizer.Tokenizer`` for the full check, or None.
+        tokenizer: the ``ds4mlx.tokenizer.Tokenizer`` for the full check (the compiled
+            matcher is then kept in the ``Grammar`` for the turn), or None.
         param: the wire field to name when the combined grammar fails.
+        limit_ms: milliseconds the whole compile may take.
     Raises:
-        ConstraintError: a schema keyword, pattern or grammar that cannot be enforced.
+        ConstraintError: a schema keyword, pattern or grammar that cannot be enforced,
+            or a compile past ``limit_ms`` (naming the part being compiled then;
+            ``busy`` when it never got a compile thread).
     """
     if c is None:
         return None
+    return start_compile(
+        c,
+        tools=tools,
+        calls=calls,
+        required=required,
+        tool_name=tool_name,
+        tokenizer=tokenizer,
+        param=param,
+        limit_ms=limit_ms,
+    ).wait()
+
+
+def _compile(c, tools, calls, required, tool_name, llt, param, stage) -> Grammar | None:
+    """`compile_constraint`'s work (on its thread; ``llt``: the llguidance tokenizer)."""
     by_name = {t.name: t for t in tools}
-    _check_parts(c, by_name)
-    llt = ll_tokenizer(tokenizer) if tokenizer is not None else None
+    _check_parts(c, by_name, stage, llt)
+    stage[0] = param if c.tools else c.schema_param or param
     try:
         return turn_grammar(
             tools,

@@ -78,6 +78,50 @@ def _inside(start: int, end: int, spans: Sequence[tuple[int, int]]) -> bool:
     return (i >= 0 and spans[i][1] > start) or (i + 1 < len(spans) and spans[i + 1][0] < end)
 
 
+# Texts longer than this (characters) are encoded through ``encode_batch``, which releases
+# the GIL while the Rust library works (``encode`` holds it: a 5 MB prompt held it for
+# ~20 s on a loaded machine, and the server's event loop with it); shorter ones are not
+# worth the batch call's thread-pool hop.
+GIL_FREE_CHARS = 1 << 14
+# `Tokenizer.count` encodes pieces of at most this many characters (fewer for a small
+# limit: a batch then overshoots it by a few pieces only), a batch at a time.
+COUNT_PIECE_CHARS = 1 << 16
+COUNT_BATCH = 8
+
+
+def split_points(text: str, piece: int) -> list[int]:
+    """Offsets cutting ``text`` into pieces of about ``piece`` characters (at least
+    ``piece // 2``) where the DeepSeek V4 pre-tokenizer always splits, so the pieces'
+    token counts add up to the whole text's: before a space that follows a
+    non-whitespace character, or after a newline that a non-whitespace character
+    follows. No special token's spelling holds whitespace, so no cut falls inside one. A
+    stretch without such a place is not cut (one longer piece). Returns the ascending
+    inner offsets (no 0, no ``len(text)``)."""
+    cuts: list[int] = []
+    start, n = 0, len(text)
+    while n - start > piece:
+        lo, i = start + piece // 2, start + piece
+        cut = None
+        while cut is None:
+            j = max(text.rfind(" ", lo, i), text.rfind("\n", lo, i - 1))
+            if j <= lo:
+                break
+            if text[j] == " " and not text[j - 1].isspace():
+                cut = j
+            elif text[j] == "\n" and not text[j + 1].isspace():
+                cut = j + 1
+            i = j
+        if cut is None:  # none in this window: try the next one
+            nxt = text.find(" ", start + piece)
+            if nxt < 0:
+                break
+            start = nxt  # not a cut yet; the loop looks again from here
+            continue
+        cuts.append(cut)
+        start = cut
+    return cuts
+
+
 def _literals_re(words: Iterable[str]) -> re.Pattern[str]:
     """A pattern that finds ``words`` leftmost-longest, as the library matches added
     tokens: a trie of nested groups, each node trying longer continuations before ending.
@@ -103,6 +147,16 @@ def _literals_re(words: Iterable[str]) -> re.Pattern[str]:
         return f"(?:{body})?" if "" in node else body
 
     return re.compile(group(trie))
+
+
+def _ids(tok: HFTokenizer, texts: list[str]) -> list[list[int]]:
+    """``tok``'s ids of each of ``texts`` (no special tokens added); through
+    ``encode_batch`` (the GIL released) when there are several or one is long."""
+    if len(texts) == 1 and len(texts[0]) <= GIL_FREE_CHARS:
+        return [tok.encode(texts[0], add_special_tokens=False).ids]
+    if not texts:
+        return []
+    return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
 
 
 class Tokenizer:
@@ -173,7 +227,7 @@ class Tokenizer:
             ]
             if forged:
                 return self._encode_with_text(text, content)
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return _ids(self._tok, [text])[0]
 
     def same_markers(
         self, tokens: Sequence[int], text: str, content: Sequence[tuple[int, int]] = ()
@@ -217,18 +271,46 @@ class Tokenizer:
             cfg = json.loads(self._tok.to_str())
             cfg["added_tokens"] = []
             self._plain = HFTokenizer.from_str(json.dumps(cfg))
-        ids: list[int] = []
+        # Runs of text (str) and marker ids (int), in order; the runs encoded in one batch.
+        parts: list[str | int] = []
         pos = 0
         for m in self._added_re.finditer(text):
             if _inside(m.start(), m.end(), content):
                 continue
             if m.start() > pos:
-                ids += self._plain.encode(text[pos : m.start()], add_special_tokens=False).ids
-            ids.append(self._added_ids[m.group(0)])
+                parts.append(text[pos : m.start()])
+            parts.append(self._added_ids[m.group(0)])
             pos = m.end()
         if pos < len(text):
-            ids += self._plain.encode(text[pos:], add_special_tokens=False).ids
+            parts.append(text[pos:])
+        runs = iter(_ids(self._plain, [p for p in parts if isinstance(p, str)]))
+        ids: list[int] = []
+        for p in parts:
+            if isinstance(p, int):
+                ids.append(p)
+            else:
+                ids += next(runs)
         return ids
+
+    def count(self, text: str, limit: int | None = None) -> int:
+        """How many tokens ``text`` has (`encode` without ``content`` spans), counted
+        piece by piece (`split_points`) in batches that run in parallel with the GIL
+        released, stopping once the count passes ``limit``: the returned count is then
+        more than ``limit`` and at most the whole text's. A spelled special token counts
+        as its id: for a rendering with content spans that is a lower bound (content
+        spells it as plain text, several tokens)."""
+        piece = COUNT_PIECE_CHARS if limit is None else min(COUNT_PIECE_CHARS, max(limit, 4096))
+        if len(text) <= piece:
+            return len(_ids(self._tok, [text])[0])
+        bounds = [0, *split_points(text, piece), len(text)]
+        pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+        total = 0
+        for k in range(0, len(pieces), COUNT_BATCH):
+            batch = self._tok.encode_batch(pieces[k : k + COUNT_BATCH], add_special_tokens=False)
+            total += sum(len(e.ids) for e in batch)
+            if limit is not None and total > limit:
+                break
+        return total
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """``encode`` for many texts at once (parallel in the Rust library)."""

@@ -11,6 +11,16 @@ import pytest
 
 from ds4mlx.blas import ensure_openblas, needs_reexec
 
+# One OpenBLAS thread per test process. The suite runs one xdist worker per core, each
+# beside the server / agent subprocesses it starts, so every core is already busy; the
+# tiny model's GEMMs are small, and OpenBLAS's extra thread spent its time spinning in
+# sched_yield between them (measured: sys time was a third of the suite's CPU time; this
+# halves it). Set before the re-exec below, so the re-executed
+# pytest, its xdist workers and every subprocess a test starts inherit it. A value the
+# user set is kept. Users' servers keep OpenBLAS's default (a real model's GEMMs gain
+# from every core).
+OPENBLAS_THREADS = os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 
 def pytest_configure(config):
     if needs_reexec():

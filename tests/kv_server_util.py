@@ -12,7 +12,7 @@ import json
 import time
 from pathlib import Path
 
-import httpx
+from server_util import HTTP
 
 EOS = "<｜end▁of▁sentence｜>"
 USER = "<｜User｜>"
@@ -61,19 +61,19 @@ def script(server, *texts: str, greedy: bool = False, tokens=None) -> None:
     body = {"texts": list(texts), "greedy": greedy}
     if tokens:
         body["tokens"] = [list(t) for t in tokens]
-    r = httpx.post(server.url + "/debug/script", json=body, timeout=10)
+    r = HTTP.post(server.url + "/debug/script", json=body, timeout=10)
     r.raise_for_status()
 
 
 def count_tokens(server, text: str) -> int:
     """Tokens of ``text`` tokenized on its own (special tokens recognized)."""
-    r = httpx.post(server.url + "/v1/tokenize", json={"text": text}, timeout=30)
+    r = HTTP.post(server.url + "/v1/tokenize", json={"text": text}, timeout=30)
     r.raise_for_status()
     return r.json()["count"]
 
 
 def tokenize(server, text: str) -> list[int]:
-    r = httpx.post(server.url + "/v1/tokenize", json={"text": text}, timeout=30)
+    r = HTTP.post(server.url + "/v1/tokenize", json={"text": text}, timeout=30)
     r.raise_for_status()
     return r.json()["tokens"]
 
@@ -128,7 +128,7 @@ class Trace:
 
 def post(server, path: str, body: dict, *, status: int = 200, timeout: float = 300) -> dict:
     """POST JSON and return the decoded answer, asserting the HTTP status."""
-    r = httpx.post(server.url + path, json=body, timeout=timeout)
+    r = HTTP.post(server.url + path, json=body, timeout=timeout)
     assert r.status_code == status, (r.status_code, r.text[:2000])
     return r.json()
 

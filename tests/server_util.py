@@ -26,6 +26,18 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 CLIENTS_BIN = REPO / "tests" / "clients" / "node_modules" / ".bin"
 EOS = "<｜end▁of▁sentence｜>"
+# The demo model's output cap in the tests' ``--demo`` processes (``DEMO_ENV`` sets
+# ``$DS4MLX_DEMO_MAX_TOKENS``; 256 by default): the noise model never samples EOS, so
+# every demo reply decodes the whole cap, ~4 CPU-seconds at 256 here. What the tests
+# assert (a natural end at the cap, text shown, the banner's figure) holds at any cap.
+DEMO_CAP = 64
+DEMO_ENV = {"DS4MLX_DEMO_MAX_TOKENS": str(DEMO_CAP)}
+
+# The helpers' one HTTP client. ``httpx.get``/``post`` make a client per call, and making
+# one loads the CA bundle: ~35 ms of CPU against ~2 ms for the request itself, paid by
+# every /health poll (start-up, `wait_idle`, tests' polling loops). No keep-alive, so each
+# request still has a connection of its own, as with ``httpx.get``.
+HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
 
 
 def pid_alive(pid: int) -> bool:
@@ -108,6 +120,7 @@ class Server:
         self._log = None
         # True: the server (and whatever it starts) gets its own session / process group.
         self.start_new_session = False
+        self._interrupted = False
 
     def start(self, timeout: float = 90.0) -> Server:
         if self.log_path is None:
@@ -115,6 +128,7 @@ class Server:
 
             self.log_path = Path(tempfile.mkstemp(prefix="ds4mlx-serve-", suffix=".log")[1])
         self._log = open(self.log_path, "wb")  # noqa: SIM115
+        self._interrupted = False
         self.proc = subprocess.Popen(
             self.cmd,
             stdout=self._log,
@@ -128,7 +142,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                if HTTP.get(self.url + "/health", timeout=1).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
@@ -158,12 +172,20 @@ class Server:
                 raise TimeoutError(f"no request line {n} in the log:\n{self.log()[-2000:]}")
             time.sleep(0.05)
 
+    def interrupt(self) -> None:
+        """Send SIGINT (graceful shutdown) once, without waiting: `stop` then waits. A
+        second SIGINT would be the user's "force quit", so this never sends two."""
+        if self.proc is not None and not self._interrupted and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            self._interrupted = True
+
     def stop(self, timeout: float = 30.0) -> int:
-        """SIGINT (graceful shutdown) and wait; returns the exit code."""
+        """SIGINT (graceful shutdown, unless `interrupt` sent it) and wait; returns the
+        exit code."""
         if self.proc is None:
             return 0
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            self.interrupt()
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -182,11 +204,11 @@ class Server:
 
     def script(self, *texts: str) -> None:
         """Queue scripted continuations: the next jobs decode these texts, in order."""
-        r = httpx.post(self.url + "/debug/script", json={"texts": list(texts)}, timeout=10)
+        r = HTTP.post(self.url + "/debug/script", json={"texts": list(texts)}, timeout=10)
         r.raise_for_status()
 
     def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=5).json()
+        return HTTP.get(self.url + "/health", timeout=5).json()
 
     def wait_idle(self, timeout: float = 30.0) -> dict:
         deadline = time.monotonic() + timeout
@@ -240,6 +262,10 @@ class ServerPool:
 
     def close(self) -> None:
         bad = []
+        # Every server shuts down at once (each saves its state, flushes and exits on its
+        # own), then each is waited for and checked as `Server.stop` does.
+        for s in self._servers.values():
+            s.interrupt()
         for s in self._servers.values():
             try:
                 rc = s.stop()

@@ -16,11 +16,9 @@ import shutil
 import socket
 import subprocess
 
-import anthropic
 import httpx
-import openai
 import pytest
-from server_util import Server, ws_upgrade
+from server_util import HTTP, Server, ws_upgrade
 
 from ds4mlx.origins import host_name, json_content_type, origin_key
 from ds4mlx.server.app import access_rows
@@ -79,7 +77,7 @@ def call(server, method, path, body=None, headers=None, key=None) -> httpx.Respo
     if key:
         h["x-api-key"] = key
     content = json.dumps(body) if body is not None else None
-    return httpx.request(method, server.url + path, content=content, headers=h, timeout=120)
+    return HTTP.request(method, server.url + path, content=content, headers=h, timeout=120)
 
 
 def assert_shaped(r: httpx.Response, path: str, status: int, code: str | None = None) -> dict:
@@ -201,6 +199,10 @@ def test_requests_without_origin_are_parsed_as_before(server):
 
 
 def test_the_official_sdks_still_work(server):
+    # Imported here: the SDKs take seconds to import, a cost every worker's collection paid.
+    import anthropic
+    import openai
+
     oai = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
     r = oai.chat.completions.create(**CHAT)
     assert r.choices[0].finish_reason in ("length", "stop")

@@ -6,7 +6,6 @@ first prompt each tool round prefills only its tool-result suffix.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -100,9 +99,7 @@ def test_every_tool_in_a_workspace_with_suffix_only_prefill(engine, workspace):
     ]
     agent = Agent(engine, workspace, ui=ui, script=script, tool_output_tokens=128)
     try:
-        t0 = time.monotonic()
         res = agent.send("Create notes.txt, change beta to BETA, and try every tool.")
-        elapsed = time.monotonic() - t0
     finally:
         agent.close()
     assert res.status == "done" and res.turns == 6, (res, ui.notices)
@@ -125,6 +122,8 @@ def test_every_tool_in_a_workspace_with_suffix_only_prefill(engine, workspace):
     assert any(str(n) in outs[7].text for n in range(40, 500))  # the cut middle
     assert outs[8].job == "job_1" and "job_1" in outs[8].text
     assert "running" in outs[9].text and "started" in outs[9].text
+    # bash_stop ended the 30 s sleep (nothing waited for it).
+    assert "job_1 stopped by bash_stop" in outs[10].text
     assert not agent.toolbox.jobs.get("job_1").running
     # Permissions were asked through the UI; "always" for bash was remembered.
     assert [t for t, _ in ui.asked] == ["write", "edit", "bash"]
@@ -145,7 +144,6 @@ def test_every_tool_in_a_workspace_with_suffix_only_prefill(engine, workspace):
     assert len(calls) == 11
     for c in calls:
         assert agent.tool_memory.get(c.id) == c.dsml and c.dsml in live
-    assert elapsed < 60
 
 
 def test_errors_come_back_as_results_and_the_loop_continues(engine, workspace):

@@ -4,6 +4,7 @@ allow/deny, called through the Toolbox (asked like bash, validated, redacted).""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import socket
 import subprocess
@@ -13,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("mcp")
+# Skip when the SDK is missing, without importing it here (seconds, paid by every
+# collection): the fixture servers and the client import it when they run.
+if importlib.util.find_spec("mcp") is None:
+    pytest.skip("the mcp package is not installed", allow_module_level=True)
 
 from ds4mlx.agent.child_env import EnvPolicy  # noqa: E402
 from ds4mlx.agent.mcp import McpClient, McpConfigError, load_config, parse_config  # noqa: E402

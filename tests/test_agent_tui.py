@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pexpect
 import pytest
-from server_util import pid_alive
+from server_util import DEMO_ENV, pid_alive
 
 from tests.agent_script import agent_args, agent_env, invoke, turn
 
@@ -27,6 +27,7 @@ pytestmark = pytest.mark.slow
 
 TIMEOUT = 60
 _ANSI = r"(?:\x1b\[[0-9;?]*[A-Za-z])*"
+NOTICE = re.escape("(Ctrl+C: /quit or Ctrl+D to exit)")  # Ctrl+C at the idle prompt
 
 
 def loose(text: str) -> str:
@@ -145,7 +146,7 @@ def test_print_mode_transcript_and_exit_codes(tiny, tmp_path):
     assert (tmp_path / "ws" / "out.txt").read_text() == "done\n"
 
     # Without --yes and without a terminal the write is denied; the model is told and
-    # answers; a turn cut by --max-tokens exits 1.
+    # answers; a turn cut by --max-tokens is a normal end: exit 0, a note on stderr.
     script = [
         turn("Write.", "", invoke("write", path="no.txt", content="x")),
         turn("Denied.", "I was not allowed to write."),
@@ -173,7 +174,9 @@ def test_print_mode_transcript_and_exit_codes(tiny, tmp_path):
         text=True,
         timeout=TIMEOUT,
     )
-    assert r.returncode == 1 and "length" in r.stderr, (r.stdout, r.stderr)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert "note: the answer was cut at the per-turn token limit (length)" in r.stderr, r.stderr
+    assert "stopped:" not in r.stderr, r.stderr
 
 
 def test_demo_print_mode_ends_at_the_cap_like_the_server(tiny, tmp_path):
@@ -190,7 +193,7 @@ def test_demo_print_mode_ends_at_the_cap_like_the_server(tiny, tmp_path):
         "-m", "ds4mlx.cli", "agent", "--demo", "--ctx", "4096", "--workspace", str(ws),
         "--kv-disk-dir", str(tmp_path / "kv"), "--script-file", str(sf), "-p", "say words",
     ]  # fmt: skip
-    env = {**_env(), "XDG_CACHE_HOME": str(cache)}
+    env = {**_env(), **DEMO_ENV, "XDG_CACHE_HOME": str(cache)}
     r = subprocess.run(
         [sys.executable, *args], env=env, capture_output=True, text=True, timeout=TIMEOUT
     )
@@ -198,7 +201,7 @@ def test_demo_print_mode_ends_at_the_cap_like_the_server(tiny, tmp_path):
     assert r.stdout.startswith("word word") and r.stdout.endswith("\n"), r.stdout[:300]
     assert "ds4mlx agent ·" not in r.stdout and "› say words" not in r.stdout
     assert "ds4mlx agent ·" in r.stderr and "› say words" in r.stderr
-    # The user's own limit still ends with "length" (exit 1).
+    # The user's own limit ends with "length": a normal end (exit 0) with a note.
     r = subprocess.run(
         [sys.executable, *args, "--max-tokens", "20"],
         env=env,
@@ -206,7 +209,7 @@ def test_demo_print_mode_ends_at_the_cap_like_the_server(tiny, tmp_path):
         text=True,
         timeout=TIMEOUT,
     )
-    assert r.returncode == 1 and "length" in r.stderr, (r.stdout, r.stderr[-2000:])
+    assert r.returncode == 0 and "(length)" in r.stderr, (r.stdout, r.stderr[-2000:])
 
 
 def _spawn(tiny: Path, tmp: Path, script: list[str], *extra: str) -> pexpect.spawn:
@@ -222,6 +225,29 @@ def _spawn(tiny: Path, tmp: Path, script: list[str], *extra: str) -> pexpect.spa
     return child
 
 
+@contextlib.contextmanager
+def _at_the_prompt(tiny: Path, tmp: Path, script: list[str] | None = None, *extra: str):
+    """An agent at its idle prompt, whose script's last turn answers "Still here." (the
+    default script has only that one). After the block a line still gets that answer
+    (none was lost to a late interrupt), and ``/quit`` exits 0 with no traceback (late
+    copies must not raise in the exit handlers either)."""
+    child = _spawn(tiny, tmp, script or [turn("Ok.", "Still here.")], *extra)
+    try:
+        child.expect("type a message")
+        child.expect("› ")
+        yield child
+        child.sendline("hello?")
+        child.expect("Still here.")
+        child.expect("› ")
+        child.sendline("/quit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    log = (tmp / "terminal.log").read_text()
+    assert child.exitstatus == 0, log[-3000:]
+    assert "Traceback" not in log and "SystemError" not in log, log[-3000:]
+
+
 def test_ctrl_c_at_prompt_with_background_job(tiny, tmp_path):
     """Ctrl+C at the prompt while a background job runs: a notice, not a crash."""
     script = [
@@ -230,47 +256,25 @@ def test_ctrl_c_at_prompt_with_background_job(tiny, tmp_path):
         turn("Done.", "All done."),
         turn("Ok.", "Still here."),
     ]  # fmt: skip
-    child = _spawn(tiny, tmp_path, script, "--yes")
-    try:
-        child.expect("type a message")
-        child.expect("› ")
+    with _at_the_prompt(tiny, tmp_path, script, "--yes") as child:
         child.sendline("start a background job")
         child.expect("All done.")
         child.expect("› ")
         child.sendintr()
-        child.expect(re.escape("(Ctrl+C: /quit or Ctrl+D to exit)"))
+        child.expect(NOTICE)
         child.expect("› ")
         # A burst: the terminal's SIGINT plus forwarded copies (as `timeout CMD` sends
         # its child and its process group); a copy may land while the notice prints.
+        # No notice is awaited: the terminal's Ctrl+C flushes the pty's pending output
+        # (ISIG without NOFLSH), so the burst tears what was printed meanwhile (a torn
+        # "›" was seen); surviving it is the check, with the line answered after it.
         for i in range(40):
             child.sendintr()
             time.sleep(0.001 * (i % 7))
             os.kill(child.pid, signal.SIGINT)
             time.sleep(0.002 * (i % 5))
             os.kill(child.pid, signal.SIGINT)
-        child.expect(re.escape("(Ctrl+C: /quit or Ctrl+D to exit)"))
-        # A late copy may still cancel the next line being typed (that is Ctrl+C's job at
-        # the prompt): wait for quiet output, and retype if a line got lost.
-        for _ in range(5):
-            time.sleep(1)
-            with contextlib.suppress(pexpect.TIMEOUT):
-                child.read_nonblocking(1 << 20, timeout=0.5)
-            child.sendline("/ctx")
-            if child.expect(["live state", pexpect.TIMEOUT], timeout=5) == 0:
-                break
-        else:
-            raise AssertionError("the agent stopped answering after the Ctrl+C burst")
-        child.expect("› ")
-        child.sendline("still alive?")
-        child.expect("Still here.")
-        child.expect("› ")
-        child.sendline("/quit")
-        child.expect(pexpect.EOF)
-    finally:
-        child.close()
-    log = (tmp_path / "terminal.log").read_text()
-    assert child.exitstatus == 0, log[-3000:]
-    assert "Traceback" not in log, log[-3000:]
+        _quiet(child, 1.0)  # every copy answered: none is left to cancel the next line
 
 
 def _quiet(child: pexpect.spawn, seconds: float) -> None:
@@ -286,33 +290,32 @@ def test_double_interrupt_at_the_prompt_20_times(tiny, tmp_path):
     """Issue 13 item 13: two SIGINTs back to back at the idle prompt, 20 times: a notice
     each time, never a crash (the second used to raise inside the first's
     ``KeyboardInterrupt()``: ``SystemError … returned a result with an exception set``)."""
-    script = [turn("Ok.", "Still here.")]
-    child = _spawn(tiny, tmp_path, script)
-    notice = re.escape("(Ctrl+C: /quit or Ctrl+D to exit)")
-    try:
-        child.expect("type a message")
-        child.expect("› ")
+    with _at_the_prompt(tiny, tmp_path) as child:
         for i in range(20):
             child.sendintr()  # the terminal's Ctrl+C …
             if i % 2:
                 time.sleep(0.0005 * (i % 4))
             os.kill(child.pid, signal.SIGINT)  # … and a forwarded copy
-            child.expect(notice)
+            child.expect(NOTICE)
             child.expect("› ")
             _quiet(child, 0.2)  # a second notice, maybe
             assert child.isalive(), (tmp_path / "terminal.log").read_text()[-3000:]
         _quiet(child, 1.0)
-        child.sendline("hello?")
-        child.expect("Still here.")
-        child.expect("› ")
-        child.sendline("/quit")
-        child.expect(pexpect.EOF)
-        # Late copies while the agent exits must not raise in its exit handlers either.
-    finally:
-        child.close()
+
+
+def test_ctrl_c_taken_by_another_thread_interrupts_the_prompt(tiny, tmp_path):
+    """A SIGINT the kernel hands to a thread other than the main one is answered at once
+    and never cancels the line typed after it. It used to stay tripped while the main
+    thread slept in the prompt's ``select``, then raised when the next line arrived: the
+    user's line was lost behind a late notice (seen in CI under a SIGINT burst)."""
+    with _at_the_prompt(tiny, tmp_path) as child:
+        for _ in range(3):
+            _signal_other_thread(child.pid, signal.SIGINT)
+            child.expect(NOTICE)  # before any input: the read was interrupted
+            child.expect("› ")
+        _quiet(child, 0.5)
     log = (tmp_path / "terminal.log").read_text()
-    assert child.exitstatus == 0, log[-3000:]
-    assert "Traceback" not in log and "SystemError" not in log, log[-3000:]
+    assert log.count("(Ctrl+C: /quit") == 3, log[-3000:]
 
 
 def test_sigint_burst_while_exiting_is_ignored(tiny, tmp_path):
@@ -423,7 +426,7 @@ def test_stdin_prompt_reaches_the_user(tiny, tmp_path):
         child.sendline("y")
         child.expect("got=y")
         child.expect("the command waits for input")
-        child.expect("input › ")  # readline reads now: a ^D sent earlier may be lost
+        child.expect("input › ")  # the answer is open once the prompt shows
         child.sendeof()
         child.expect("Both ran.")
         child.expect("› ")

@@ -68,13 +68,20 @@ BAD = [
     (["bench", "--demo", "--frontiers", "1,x"], 2, "--frontiers"),
     (["bench", "--demo", "--frontiers", "64,32"], 2, "increasing"),
     (["bench", "--shape", "flash", "--demo"], 2, "builds its own model"),
+    (["bench", "--demo", "--compare"], 2, "--compare needs --distributed"),
+    (["bench", "--demo", "--prefill-repeats", "0"], 2, "--prefill-repeats"),
     (["agent", "--ctx", "0", "--demo"], 2, "--ctx: 0 must be at least 1"),
     (["make-tiny", "EXISTING"], 1, "--overwrite"),
     (["convert", "MISSING", "OUT"], 1, "does not exist"),
     (["convert", "TINY", "OUT", "--override", "oops"], 2, "PART=SPEC"),
     (["tokenize", "-m", "MISSING", "hi"], 1, "is not a directory"),
-    # A load that fails on the worker thread exits cleanly (it aborted the process once).
+    # A load that fails on the worker thread exits cleanly: the thread clears its MLX
+    # streams however it ends (left to interpreter exit they aborted the process, 134).
     (["serve", "-m", "TINY", "--speculative", "mtp", "--port", "PORT"], 2, "has no MTP drafter"),
+    # --draft-tokens alone turns nothing on: refused before any model loads.
+    (["serve", "-m", "MISSING", "--draft-tokens", "8"], 2, "--draft-tokens needs --speculative"),
+    (["generate", "--demo", "-p", "hi", "--draft-t", "2"], 2, "--draft-tokens needs"),
+    (["agent", "--demo", "--draft-tokens", "2", "--speculative", "off"], 2, "needs --speculative"),
     # `--api-key "$KEY"` with KEY unset must not serve without authentication.
     (["serve", "-m", "TINY", "--api-key", "", "--port", "PORT"], 2, "--api-key: an empty key"),
 ]
@@ -91,6 +98,16 @@ def test_bad_values_are_one_line(env, places, argv, status, phrase):
     assert len(lines) == 1 and phrase in lines[0], r.stderr
     assert "reading headers" not in r.stderr  # no progress bar before the failure
     assert not (places["OUT"] / "config.json").exists()
+
+
+def test_failed_load_after_making_the_demo_model_exits_2(env, tmp_path):
+    """``serve --demo`` makes the demo model in process (MLX on the main thread), then the
+    load fails on the worker thread: exit 2 with one line, no abort at interpreter exit."""
+    fresh = {**env, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    r = _run(fresh, "serve", "--demo", "--speculative", "mtp", "--port", free_port())
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "terminate called" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "making the tiny demo model" in r.stderr and "has no MTP drafter" in r.stderr
 
 
 def test_make_tiny_overwrite_replaces_and_keeps_refusing_without_it(env, places, tmp_path):
@@ -129,6 +146,9 @@ def test_serve_help_shows_the_defaults(env):
     assert "--ctx CTX context size in tokens (default: the model's limit, at most 65536" in flat
     assert "--demo: 65536" in flat
     assert "--keepalive SECONDS keepalive interval" in flat and "(default: 10.0)" not in flat
+    # Off loopback a missing key is warned about in the banner, not refused (the help
+    # once said "Required").
+    assert "Set one when --host is not loopback" in flat and "(the banner warns)" in flat
 
 
 def test_demo_serves_claude_codes_context(env):

@@ -20,9 +20,11 @@ import httpx
 import pytest
 from server_util import Server
 
-from ds4mlx.server.connections import LOG_INTERVAL_S
-
 IDLE = 1100
+# The servers' log interval (``$DS4MLX_LOG_INTERVAL_S``; 10 s by default), shortened so
+# that waiting one interval out costs seconds. Log lines carry whole seconds: two lines
+# one interval apart are at least ``LOG_INTERVAL_S - 1`` apart in the log.
+LOG_INTERVAL_S = 3
 
 pytestmark = pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs util-linux prlimit")
 
@@ -40,7 +42,13 @@ def _enough_descriptors():
 
 
 def limited(model_dir, nofile: str, extra=()) -> Server:
-    s = Server(model_dir, ctx=1024, extra=["--kv-disk-dir", "none", *extra], scripted=False)
+    s = Server(
+        model_dir,
+        ctx=1024,
+        extra=["--kv-disk-dir", "none", *extra],
+        env={"DS4MLX_LOG_INTERVAL_S": str(LOG_INTERVAL_S)},
+        scripted=False,
+    )
     s.cmd = ["prlimit", f"--nofile={nofile}", *s.cmd]
     return s
 

@@ -7,9 +7,8 @@ from __future__ import annotations
 import shutil
 
 from kv_server_util import Trace, post, script
-from server_util import Server
-
-from ds4mlx.model.demo import DEMO_MAX_TOKENS as CAP
+from server_util import DEMO_CAP as CAP
+from server_util import DEMO_ENV, Server
 
 
 def test_demo_cap_binds_the_whole_turn(tiny_model_dir, tmp_path):
@@ -17,7 +16,7 @@ def test_demo_cap_binds_the_whole_turn(tiny_model_dir, tmp_path):
     shutil.copytree(tiny_model_dir, cache / "ds4mlx" / "demo")
     trace = tmp_path / "trace.jsonl"
     extra = ["--demo", "--trace", str(trace)]
-    with Server(None, extra=extra, env={"XDG_CACHE_HOME": str(cache)}) as s:
+    with Server(None, extra=extra, env={**DEMO_ENV, "XDG_CACHE_HOME": str(cache)}) as s:
         t = Trace(trace)
         first = [{"role": "user", "content": "hi"}]
         script(s, "Hello there my good friend, how are you today? " * 40)

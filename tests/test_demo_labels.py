@@ -11,12 +11,17 @@ import sys
 import httpx
 import pexpect
 import pytest
-from server_util import REPO, Server
+from server_util import DEMO_ENV, REPO, Server
 
 
 @pytest.mark.slow
 def test_demo_labels_agree_everywhere(tmp_path):
-    env = {"XDG_CACHE_HOME": str(tmp_path / "xdg"), "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+    env = {
+        **DEMO_ENV,
+        "XDG_CACHE_HOME": str(tmp_path / "xdg"),
+        "PYTHONPATH": str(REPO),
+        "COLUMNS": "200",
+    }
     # 1. The server: banner and /v1/models.
     with Server(None, extra=["--demo"], env=env, scripted=False) as srv:
         models = httpx.get(srv.url + "/v1/models").json()["data"]

@@ -54,9 +54,8 @@ def test_disconnect_during_prefill_cancels_between_chunks(tiny_model_dir, stream
             "messages": [{"role": "user", "content": "word " * PROMPT_WORDS}],
         }
         _leave_mid_prefill(s, body)
-        t_gone = time.monotonic()
-        s.wait_idle(timeout=20)
-        freed = time.monotonic() - t_gone
+        # However slow the machine: the prefill it logs stopped short of the prompt.
+        s.wait_idle(timeout=120)
         deadline = time.monotonic() + 10
         while not s.request_lines() and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -64,7 +63,6 @@ def test_disconnect_during_prefill_cancels_between_chunks(tiny_model_dir, stream
         assert "finish=cancelled" in line and "prefill=cancelled after" in line, line
         done, total = line.split("cancelled after ")[1].split(" ")[0].split("/")
         assert int(done) < int(total), line
-        assert freed < 10, f"worker busy {freed:.1f}s after the client left"
         # The server still answers.
         r = httpx.post(
             s.url + "/v1/chat/completions",
@@ -118,12 +116,13 @@ def test_pipelining_stream_client_that_leaves_is_noticed_between_chunks(
         while not s.health()["busy"] and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(1.0)  # well inside the prefill
-    t_gone = time.monotonic()
-    deadline = t_gone + 60
+    # Not a wall-time bound (a loaded machine slows each chunk): the logged prefill stopped
+    # short of the prompt, where before it ran to the end (no write noticed the close).
+    deadline = time.monotonic() + 120
     while len(s.request_lines()) == n0 and time.monotonic() < deadline:
         time.sleep(0.05)
-    ended = time.monotonic() - t_gone
     line = s.request_lines()[-1]
     assert "finish=cancelled" in line and "prefill=cancelled after" in line, line
-    assert ended < 6, f"the job ended {ended:.1f}s after the client left: {line}"
-    s.wait_idle(timeout=20)
+    done, total = line.split("cancelled after ")[1].split(" ")[0].split("/")
+    assert int(done) < int(total), line
+    s.wait_idle(timeout=120)

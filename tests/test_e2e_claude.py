@@ -30,8 +30,11 @@ def server(tiny_model_dir, tmp_path_factory):
 
 
 def _claude(
-    server: Server, tmp_path, *args: str, timeout: float = 240
+    server: Server, tmp_path, *args: str, timeout: float = 600
 ) -> subprocess.CompletedProcess:
+    """Run ``claude -p`` through ``examples/claude-code.sh``. ``timeout`` only catches a
+    hang (stacks dumped by pytest-timeout past it): a ~20k-token prompt per request on a
+    loaded 2-core box took 240 s for the compaction test's five requests."""
     exe = require_cli("claude")
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)

@@ -7,6 +7,8 @@ call; Codex runs it and sends the ``function_call_output`` back (with the reason
 item's ``encrypted_content``); the server completes the turn. Both transports Codex
 speaks are exercised: HTTP SSE, and the Responses WebSocket (``supports_websockets``),
 which must be served at once rather than costing seconds of failed upgrade attempts.
+Issue 24: with ``examples/codex-model-catalog.json`` Codex sends ``apply_patch`` as a
+custom tool with its Lark grammar; the scripted patch is generated under it and applied.
 Fails (not skips) under CI when the CLI is missing.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 import tomllib
@@ -48,7 +51,20 @@ def server(tiny_model_dir, tmp_path_factory):
         yield s
 
 
-def _codex(server: Server, tmp_path, prompt: str, *, websockets: bool, timeout: float = 240):
+def _codex(
+    server: Server,
+    tmp_path,
+    prompt: str,
+    *,
+    websockets: bool,
+    timeout: float = 240,
+    catalog: dict | None = None,
+    args: tuple[str, ...] = (),
+    model: str | None = None,
+):
+    """Run ``codex exec`` in ``tmp_path/work``; ``catalog``: a ``model_catalog_json``
+    document to configure; ``args``: extra ``codex exec`` flags; ``model``: the model
+    name instead of the example's."""
     exe = require_cli("codex")
     home = tmp_path / "home"
     codex_home = tmp_path / "codex"
@@ -64,6 +80,11 @@ def _codex(server: Server, tmp_path, prompt: str, *, websockets: bool, timeout: 
         request_max_retries=0,
         stream_max_retries=0,
     )
+    if model is not None:
+        config["model"] = model
+    if catalog is not None:
+        (codex_home / "catalog.json").write_text(json.dumps(catalog))
+        config["model_catalog_json"] = str(codex_home / "catalog.json")
     (codex_home / "config.toml").write_text(_toml(config))
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
@@ -75,7 +96,7 @@ def _codex(server: Server, tmp_path, prompt: str, *, websockets: bool, timeout: 
     work.mkdir(exist_ok=True)
     t0 = time.monotonic()
     r = subprocess.run(
-        [exe, "exec", "--skip-git-repo-check", prompt],
+        [exe, "exec", "--skip-git-repo-check", *args, prompt],
         cwd=work,
         env=env,
         capture_output=True,
@@ -108,3 +129,72 @@ def test_codex_exec_function_call_round_trip(server, tmp_path, websockets):
         # Served over the WebSocket: no fallback (five failed upgrades cost seconds each).
         assert "falling back" not in out.lower() and "reconnecting" not in out.lower(), out[-2000:]
         assert took < 120
+
+
+# Codex offers ``apply_patch`` as a freeform (custom) tool with a Lark grammar only to a
+# model whose catalog entry says ``apply_patch_tool_type: freeform``; a model unknown to
+# its built-in catalog gets fallback metadata without it. ``model_catalog_json`` names
+# a catalog file: the example's, as examples/codex-config.toml suggests.
+CATALOG = json.loads((REPO / "examples" / "codex-model-catalog.json").read_text())
+
+
+def test_codex_exec_applies_a_grammar_true_apply_patch(server, tmp_path):
+    """Codex sends ``apply_patch`` as a custom tool with its Lark grammar; the scripted
+    call is generated under that grammar (the constraint holds to its end), arrives as a
+    ``custom_tool_call`` with the exact patch, and Codex applies it to the workspace."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("alpha\nbeta\n")
+    patch = (
+        "*** Begin Patch\n*** Update File: notes.txt\n@@\n alpha\n-beta\n+gamma\n"
+        "*** Add File: new.txt\n+fresh line\n*** End Patch\n"
+    )
+    server.script(
+        "Patch it.</think>" + tool_call_dsml("apply_patch", input=patch),
+        "Done.</think>Patched both files." + EOS,
+    )
+    n0 = len(server.trace.jobs())
+    r, _ = _codex(
+        server,
+        tmp_path,
+        "edit notes.txt",
+        websockets=False,
+        catalog=CATALOG,
+        args=("--dangerously-bypass-approvals-and-sandbox",),
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Patched both files." in r.stdout
+    assert (work / "notes.txt").read_text() == "alpha\ngamma\n"
+    assert (work / "new.txt").read_text() == "fresh line\n"
+    jobs = [j for j in server.trace.jobs()[n0:] if j["path"].endswith("/v1/responses")]
+    assert len(jobs) == 2, server.log()[-3000:]
+    assert jobs[1]["decision"] == "live-responses", jobs
+    # The call was generated under the turn grammar (the custom tool's Lark grammar
+    # inside the DSML block), and the grammar held to its end.
+    first = [ln for ln in server.request_lines() if re.search(rf" job={jobs[0]['job']}\b", ln)]
+    assert first and "grammar=complete" in first[0], server.request_lines()[-3:]
+
+
+@pytest.mark.parametrize("websockets", [False, True], ids=["sse", "websocket"])
+def test_codex_with_a_responses_lite_model_gets_its_tools(server, tmp_path, websockets):
+    """A model of Codex's built-in catalog marked ``use_responses_lite`` (``gpt-5.6-sol``)
+    makes Codex send ``tools: []`` and its tools in a leading ``additional_tools`` input
+    item: a ``functions`` namespace holding the freeform (custom) ``exec`` tool, which
+    runs JavaScript, and a ``collaboration`` namespace. The model is offered them (they
+    were dropped: no tools at all), a call to ``exec`` is a ``custom_tool_call`` Codex
+    runs, and its output continues the live state."""
+    server.script(
+        "Run it.</think>" + tool_call_dsml("exec", input='text("lite-" + "hello")'),
+        "Done.</think>The script printed lite-hello." + EOS,
+    )
+    n0 = len(server.trace.jobs())
+    p0 = len(server.trace.prompts())
+    r, _ = _codex(server, tmp_path, "run the script", websockets=websockets, model="gpt-5.6-sol")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "The script printed lite-hello." in r.stdout, r.stdout + r.stderr
+    prompts = server.trace.prompts()[p0:]
+    assert '"name": "exec"' in prompts[0]["text"] and '"name": "spawn_agent"' in prompts[0]["text"]
+    # Codex ran the script: its output came back as the call's result.
+    assert "lite-hello" in prompts[1]["text"].split("<tool_result>", 1)[1]
+    jobs = [j for j in server.trace.jobs()[n0:] if j["path"].endswith("/v1/responses")]
+    assert len(jobs) == 2 and jobs[1]["decision"] == "live-responses", jobs

@@ -16,7 +16,7 @@ import tomllib
 
 import httpx
 import pytest
-from server_util import REPO, Server, require_cli
+from server_util import DEMO_ENV, REPO, Server, require_cli
 
 CTX = 65536  # Claude Code: a ~19k-token prompt plus ~33k kept free
 
@@ -27,7 +27,8 @@ def demo(tiny_model_dir, tmp_path_factory):
     (cache / "ds4mlx").mkdir()
     # The session's tiny checkpoint is the demo model (same maker, same arguments).
     (cache / "ds4mlx" / "demo").symlink_to(tiny_model_dir)
-    s = Server(None, ctx=CTX, extra=["--demo"], scripted=False, env={"XDG_CACHE_HOME": str(cache)})
+    env = {**DEMO_ENV, "XDG_CACHE_HOME": str(cache)}
+    s = Server(None, ctx=CTX, extra=["--demo"], scripted=False, env=env)
     with s:
         yield s
 

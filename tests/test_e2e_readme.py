@@ -19,7 +19,7 @@ import sys
 
 import httpx
 import pytest
-from server_util import REPO, Server, free_port
+from server_util import DEMO_CAP, DEMO_ENV, REPO, Server, free_port
 
 DOCS = [REPO / "README.md", REPO / "examples" / "README.md"]
 
@@ -65,7 +65,7 @@ def demo(tmp_path_factory):
         None,
         ctx=4096,
         scripted=False,
-        env={"HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache")},
+        env={**DEMO_ENV, "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache")},
     )
     # README's command, on a free port (and a small context: this is a 2-core CI box).
     s.cmd = (
@@ -99,10 +99,9 @@ def test_readme_curl_examples_work_against_the_demo_server(demo):
 
 def test_demo_caps_every_request_output(demo):
     """The demo model never samples EOS: Claude Code's max_tokens=32000 (or a request
-    with no limit) must still end quickly, at the cap the banner shows."""
-    from ds4mlx.model.demo import DEMO_MAX_TOKENS
-
-    assert f"at most {DEMO_MAX_TOKENS} tokens per request" in demo.log()
+    with no limit) must still end quickly, at the cap the banner shows (``DEMO_CAP``
+    here, from ``$DS4MLX_DEMO_MAX_TOKENS``; 256 by default)."""
+    assert f"at most {DEMO_CAP} tokens per request" in demo.log()
     # The demo runs every request without thinking, and says so everywhere it is asked.
     models = httpx.get(f"{demo.url}/v1/models", timeout=10).json()["data"]
     assert models and not any(m["thinking"] for m in models), models
@@ -112,7 +111,7 @@ def test_demo_caps_every_request_output(demo):
         timeout=120,
     )
     body = r.json()
-    assert r.status_code == 200 and body["usage"]["output_tokens"] <= DEMO_MAX_TOKENS, body
+    assert r.status_code == 200 and body["usage"]["output_tokens"] <= DEMO_CAP, body
     # The cap stands in for the noise model's EOS: a natural end of turn, never
     # max_tokens (Claude Code retries those and then exits 1).
     assert body["stop_reason"] in ("end_turn", "tool_use"), body
@@ -122,7 +121,7 @@ def test_demo_caps_every_request_output(demo):
         timeout=120,
     )
     body = r.json()
-    assert body["usage"]["completion_tokens"] <= DEMO_MAX_TOKENS
+    assert body["usage"]["completion_tokens"] <= DEMO_CAP
     assert body["choices"][0]["finish_reason"] in ("stop", "tool_calls"), body
     r = httpx.post(
         f"{demo.url}/v1/responses",
@@ -146,7 +145,9 @@ def test_demo_caps_every_request_output(demo):
     assert "natural end of turn" in " ".join(demo.log().split())  # the banner says so
 
 
-@pytest.mark.parametrize("script", ["openai_sdk.py", "anthropic_sdk.py"])
+# examples/openai_sdk.py runs against a demo server in tests/test_e2e_demo.py
+# (test_item10_sdk_example_responses_call_shows_text: exit 0 and more).
+@pytest.mark.parametrize("script", ["anthropic_sdk.py"])
 def test_sdk_example_scripts_run(demo, script):
     env = {**os.environ, "DS4MLX_URL": demo.url}
     r = subprocess.run(

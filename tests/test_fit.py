@@ -48,7 +48,8 @@ def test_report_counts_the_weights_as_stored(tiny_q):
     assert rep.weights == on_disk  # own layout at float32: loading adds nothing
     assert rep.fits and rep.source == "memory limit override"
     assert rep.kv_per_session > 0 and rep.working > 0
-    assert "ctx 4096 × 1 session" in rep.describe()
+    kv = fit.format_bytes(rep.kv_per_session)
+    assert f"KV {kv} (1 session × {kv} at ctx 4096)" in rep.describe()
 
 
 def test_kv_estimate_bounds_the_real_cache(tiny_q):
@@ -89,7 +90,7 @@ def test_refuses_before_reading_any_weight(tiny_q, monkeypatch):
     assert 8192 <= ok < 1_000_000
     assert fit.check_fit(tiny_q, ctx_size=ok, memory_limit=room, dtype_bytes=4, gpu=False).fits
     # Several resident sessions multiply the KV.
-    with pytest.raises(FitError, match="× 4 sessions"):
+    with pytest.raises(FitError, match="4 sessions ×"):
         load_model(tiny_q, ctx_size=ok, sessions=4, memory_limit=room)
 
 
@@ -147,10 +148,13 @@ def test_serve_refuses_sessions_memory_cannot_hold_with_the_numbers(tiny_q, caps
     limit = ["--memory-limit", str(room), "--ctx", "4096", "--port", str(free_port())]
     assert main(["serve", "-m", tiny_q, "--sessions", "4", *limit]) == 2
     err = capsys.readouterr().err
-    assert "--sessions 4 does not fit" in err and "× 4 sessions" in err, err
+    assert "--sessions 4 does not fit" in err and "(4 sessions × " in err, err
     assert "Memory holds 3" in err and "--sessions 3" in err, err
     assert main(["serve", "-m", tiny_q, "--sessions", "0", *limit]) == 2
     err = capsys.readouterr().err
     assert "--sessions 0: at least one resident state is needed; memory holds 3" in err, err
-    assert "× 3 sessions" in err and "(memory limit override)" in err, err
+    # The KV term is the three states' total, not one state's (issue: it read as a total).
+    per = fit.format_bytes(kv)
+    assert f"KV {fit.format_bytes(3 * kv)} (3 sessions × {per} at ctx 4096)" in err, err
+    assert "(memory limit override)" in err, err
     os.environ.pop(fit.MEMORY_ENV, None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import Future
 
 import jsonschema
 import llguidance
@@ -18,12 +19,20 @@ import pytest
 
 from ds4mlx.dsml import ToolSpec
 from ds4mlx.engine import Engine, SamplingParams, TurnSpec, run_turn
+from ds4mlx.engine import grammar as grammar_mod
 from ds4mlx.engine.grammar import (
     GrammarError,
     ToolRule,
     json_grammar,
     ll_tokenizer,
     turn_grammar,
+)
+from ds4mlx.jobs import (
+    COMPILE_THREADS,
+    ConstraintError,
+    OutputConstraint,
+    compile_constraint,
+    start_compile,
 )
 from tests.grammar_cases import SCHEMAS, bounded
 
@@ -125,8 +134,45 @@ def test_exactness_scripted_output_inside_grammar(engine, llt):
     a, toks_a, logits_a = _run(engine, CHAT, _spec(0, g), script=script)
     b, toks_b, logits_b = _run(engine, CHAT, _spec(0, None), script=script)
     assert a.finish == b.finish == "stop"
+    assert (a.grammar, b.grammar) == ("complete", "")
     assert toks_a == toks_b and a.raw == b.raw
     assert np.array_equal(np.array(logits_a), np.array(logits_b))
+
+
+class _Inline:
+    """An executor that runs each task at once on the caller's thread."""
+
+    def submit(self, fn, *args):
+        f = Future()
+        f.set_result(fn(*args))
+        return f
+
+
+def test_mask_on_a_thread_samples_what_a_synchronous_mask_does(engine, llt, monkeypatch):
+    """The fill runs on `grammar._FILL` beside the loop; the same seeded turns with the
+    fill run inline (synchronously) give the same tokens: the thread changes when the
+    mask is computed, never which."""
+    g = json_grammar(bounded(SCHEMAS[3]), llt)
+    threaded = [_run(engine, CHAT, _spec(seed, g, max_tokens=40))[0].raw for seed in (1, 2)]
+    monkeypatch.setattr(grammar_mod, "_FILL", _Inline())
+    inline = [_run(engine, CHAT, _spec(seed, g, max_tokens=40))[0].raw for seed in (1, 2)]
+    assert threaded == inline
+
+
+def test_turn_reports_how_its_grammar_went(engine, llt):
+    """`TurnResult.grammar`: a scripted token outside the grammar is ``violated`` (the
+    constraint stops there, the script goes on), a reply cut by ``max_tokens`` is
+    ``incomplete``, a thinking turn whose reasoning never ends is ``unstarted``."""
+    g = json_grammar(SCHEMAS[1], llt)
+    tok = engine.tokenizer
+    bad = tok.encode('{"name":"Ada","oops":1}') + [tok.eos_id]
+    r, _, _ = _run(engine, CHAT, _spec(0, g), script=bad)
+    assert (r.grammar, r.text) == ("violated", '{"name":"Ada","oops":1}')
+    cut = tok.encode('{"name":"Ada"')
+    r, _, _ = _run(engine, CHAT, _spec(0, g, max_tokens=len(cut)), script=cut)
+    assert (r.finish, r.grammar) == ("length", "incomplete")
+    r, _, _ = _run(engine, THINK, _spec(0, g, max_tokens=5, thinking=True))
+    assert r.grammar == "unstarted"
 
 
 def test_mask_forbids_what_the_grammar_rejects(engine, llt):
@@ -184,6 +230,29 @@ def test_strict_tool_calls_validate(engine, llt):
         if r.finish == "stop":
             assert r.tool_calls
     assert calls >= 3
+
+
+def test_demo_cap_stands_in_for_eos_only_where_the_grammar_ends(engine, llt):
+    """``cap_is_eos`` (``serve --demo``): the cap ends a turn as an EOS would only where
+    the grammar would let an EOS through. Cut inside a strict tool call, the turn ends
+    ``length`` with the grammar ``incomplete`` (a natural ``stop`` would pass a cut call
+    off as whole); cut in free text beside the tools, it is still a natural ``stop``."""
+    rules = {t.name: ToolRule(strict=True) for t in TOOLS}
+    g = turn_grammar(TOOLS, rules, required=False, tokenizer=llt)
+    tok = engine.tokenizer
+    call = tok.encode(
+        'Running it.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="Bash">\n'
+        '<｜DSML｜parameter name="command" string="true">ls -l'
+    )
+    cut = _spec(0, g, max_tokens=len(call), tools=TOOLS, cap_is_eos=True)
+    r, tokens, _ = _run(engine, CHAT, cut, script=call)
+    assert (r.finish, r.grammar, r.tool_calls) == ("length", "incomplete", [])
+    assert tokens[-1] == call[-2]  # a length cut samples its last token without feeding it
+    text = tok.encode("Just an answer")
+    free = _spec(0, g, max_tokens=len(text), tools=TOOLS, cap_is_eos=True)
+    r, tokens, _ = _run(engine, CHAT, free, script=text)
+    assert (r.finish, r.grammar, r.text) == ("stop", "complete", "Just an answer")
+    assert tokens[-1] == text[-1]  # the cap stood in for EOS: its token is fed
 
 
 def test_parallel_false_one_call(engine, llt):
@@ -257,6 +326,26 @@ def test_ref_cycle_is_refused_with_its_path(llt, schema, path):
     json_grammar(tree, llt)
 
 
+def test_null_values_in_a_schema_compile(llt):
+    """JSON ``null`` anywhere in a schema (``default``, ``const``, ``enum``, as pydantic
+    and the Anthropic SDK write them) is a value like any other: the ``$ref`` cycle walk
+    once took a ``null`` node for its own "start at the root" sentinel and recursed
+    until RecursionError (a 500 on the wire)."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": ["string", "null"], "default": None},
+            "b": {"enum": ["x", None]},
+            "c": {"const": {"d": [1, {"e": None}]}},
+        },
+        "required": ["b", "c"],
+    }
+    json_grammar(schema, llt)
+    with pytest.raises(GrammarError) as e:
+        json_grammar({**schema, "$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, llt)
+    assert "$ref cycle" in e.value.message
+
+
 def test_custom_tool_grammar_errors(llt):
     tool = ToolSpec(
         "apply_patch", "", {"type": "object", "properties": {"input": {"type": "string"}}}
@@ -273,6 +362,64 @@ def test_custom_tool_grammar_errors(llt):
             {"apply_patch": ToolRule(custom=True, syntax="lark", definition="start: (")},
             tokenizer=llt,
         )
+    # A grammar that spells a prompt-format marker: the DSML parameter closer ended the
+    # call after "a" (reported as a complete call the grammar does not accept), the EOS
+    # spelling ended the turn with no call under a required tool choice.
+    for syntax, definition in [
+        ("lark", 'start: "a</｜DSML｜parameter>b"'),
+        ("regex", "x<｜end▁of▁sentence｜>"),
+    ]:
+        with pytest.raises(GrammarError, match="marker"):
+            turn_grammar(
+                [tool],
+                {"apply_patch": ToolRule(custom=True, syntax=syntax, definition=definition)},
+                tokenizer=llt,
+            )
+
+
+# A schema that takes llguidance a while to compile (2000 patterned properties: about a
+# third of a second here), for the clock bound.
+SLOW_SCHEMA = {
+    "type": "object",
+    "properties": {
+        f"p{i}": {"type": "string", "pattern": "^[a-z]{3,60}[0-9]{1,40}$"} for i in range(2000)
+    },
+}
+
+
+def test_compile_is_bounded_by_the_clock(engine):
+    """Past ``limit_ms`` a compile is refused naming the part being compiled (the
+    compile is left to finish on its own thread); a small schema compiles under the
+    default limit and carries its compiled matcher for the turns."""
+    c = OutputConstraint(schema=SLOW_SCHEMA, schema_param="response_format.json_schema.schema")
+    kw = dict(tools=[], calls=True, required=False, tool_name=None, tokenizer=engine.tokenizer)
+    with pytest.raises(ConstraintError) as e:
+        compile_constraint(c, limit_ms=1, **kw)
+    assert e.value.param == "response_format.json_schema.schema"
+    assert "longer than the 1 ms limit" in e.value.message
+    g = compile_constraint(OutputConstraint(schema=SCHEMAS[1]), **kw)
+    assert g is not None and g.matcher is not None and g.vocab == 129280
+
+
+def test_compiles_share_bounded_threads_and_wait_their_turn(engine):
+    """Compiles run on `COMPILE_THREADS` shared threads: with all of them taken, a new
+    compile waits its turn within its own limit (and compiles once one is free); one
+    whose limit passes while it waits is refused ``busy`` (never tried, never run)."""
+    kw = dict(tools=[], calls=True, required=False, tool_name=None, tokenizer=engine.tokenizer)
+    slow = OutputConstraint(schema=SLOW_SCHEMA)
+    held = [start_compile(slow, limit_ms=600_000, **kw) for _ in range(COMPILE_THREADS)]
+    small = OutputConstraint(schema=SCHEMAS[1], schema_param="text.format.schema")
+    refused = start_compile(small, limit_ms=1, **kw)
+    with pytest.raises(ConstraintError) as e:
+        refused.wait()
+    assert e.value.busy and e.value.param == "text.format.schema"
+    assert "busy for the whole 1 ms limit" in e.value.message
+    assert refused.future.cancelled()  # dropped from the queue, not run later
+    waiting = start_compile(small, limit_ms=600_000, **kw)
+    assert not waiting.future.done()  # queued behind the held compiles
+    assert waiting.wait() is not None
+    assert any(t.future.done() for t in held)  # it ran only once a thread came free
+    assert all(t.wait() is not None for t in held)
 
 
 def test_agent_tools_are_strict(engine, llt, tmp_path):

@@ -27,7 +27,14 @@ from server_util import REPO, require_cli
 
 from ds4mlx.dsml import ToolSpec
 from ds4mlx.engine import Engine, SamplingParams, TurnSpec, run_turn
-from ds4mlx.engine.grammar import GrammarError, ToolRule, json_grammar, ll_tokenizer, turn_grammar
+from ds4mlx.engine.grammar import (
+    GrammarError,
+    ToolRule,
+    custom_grammar,
+    json_grammar,
+    ll_tokenizer,
+    turn_grammar,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -88,17 +95,25 @@ def _capture() -> tuple[list[dict], list[dict]]:
 
 
 @pytest.fixture(scope="module")
-def client_tools(tmp_path_factory) -> list[ToolSpec]:
+def captured(tmp_path_factory) -> tuple[list[ToolSpec], list[dict]]:
+    """``(function tools, custom tools)`` the CLIs send; Codex with the example model
+    catalog, so that its freeform ``apply_patch`` (a Lark grammar) is among them."""
     claude, codex = _capture()
     c = claude(tmp_path_factory.mktemp("claude"))["main"]["tools"]
-    x = codex(tmp_path_factory.mktemp("codex"))["main"]["tools"]
+    catalog = REPO / "examples" / "codex-model-catalog.json"
+    x = codex(tmp_path_factory.mktemp("codex"), catalog)["main"]["tools"]
     specs = [ToolSpec(t["name"], "", t["input_schema"]) for t in c if "input_schema" in t]
     specs += [
         ToolSpec(t["name"], "", t["parameters"])
         for t in x
         if t.get("type") == "function" and t.get("parameters")
     ]
-    return specs
+    return specs, [t for t in x if t.get("type") == "custom"]
+
+
+@pytest.fixture(scope="module")
+def client_tools(captured) -> list[ToolSpec]:
+    return captured[0]
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +167,34 @@ def test_fifty_schemas(engine, client_tools):
     print(f"\nschemas={total} finished={finished} calls={calls} uncompilable={uncompilable}")
     assert total >= 50
     assert finished >= 0.9 * total
+
+
+def test_codex_apply_patch_grammar(engine, captured):
+    """Codex's captured ``apply_patch`` Lark grammar compiles, and calls sampled under it
+    (``tool_choice`` required) carry an input its grammar accepts: whole when the call
+    closed, a prefix when ``max_tokens`` cut it."""
+    (patch,) = [t for t in captured[1] if t["name"] == "apply_patch"]
+    fmt = patch["format"]
+    assert (fmt["type"], fmt["syntax"]) == ("grammar", "lark") and "Begin Patch" in fmt[
+        "definition"
+    ]
+    llt = ll_tokenizer(engine.tokenizer, 129280)
+    alone = custom_grammar("lark", fmt["definition"], llt)
+    tool = ToolSpec(
+        "apply_patch", "", {"type": "object", "properties": {"input": {"type": "string"}}}
+    )
+    rule = ToolRule(custom=True, syntax="lark", definition=fmt["definition"])
+    g = turn_grammar([tool], {"apply_patch": rule}, required=True, tokenizer=llt)
+    closed = 0
+    for seed in range(3):
+        r = _sample(engine, g, 2000 + seed, tools=[tool], tool_required=True)
+        assert r.grammar in ("complete", "incomplete"), r.raw
+        m = llguidance.LLMatcher(llt, alone.source, log_level=0)
+        if r.tool_calls:
+            (call,) = r.tool_calls
+            text = call.arguments["input"]
+            assert m.consume_tokens(engine.tokenizer.encode(text)) and m.is_accepting(), text
+            closed += 1
+        else:
+            assert r.finish == "length" and r.grammar == "incomplete"
+    print(f"\napply_patch: {closed}/3 calls closed")

@@ -42,12 +42,10 @@ def test_busy_port_is_found_before_the_model_loads(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        t0 = time.monotonic()
         r = _run("serve", "-m", tmp_path / "no-such-model", "--port", port)
     assert r.returncode == 1, (r.returncode, r.stderr)
     assert f"127.0.0.1:{port}" in r.stderr and "--port" in r.stderr, r.stderr
-    assert "cannot load" not in r.stderr
-    assert time.monotonic() - t0 < 60
+    assert "cannot load" not in r.stderr  # the model was never read: no wall-time bound
 
 
 def test_banner_suggests_openblas_and_rejected_requests_are_logged(tiny_model_dir):

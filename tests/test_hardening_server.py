@@ -260,6 +260,22 @@ def test_item8_context_errors_carry_the_counts_as_fields(client):
             assert err["code"] == "context_length_exceeded"
 
 
+def test_count_tokens_counts_a_prompt_over_the_context(client):
+    """``/v1/messages/count_tokens`` answers a prompt the context cannot hold with its
+    count, as Anthropic's API does: a client counts precisely to learn that the
+    conversation no longer fits (Claude Code compacts on it), and a 400 there hides the
+    number it asked for. ``/v1/messages`` still refuses the same prompt. Long enough
+    that the route's early bound counts it (over 4 characters a token)."""
+    long = "w " * (3 * CTX)
+    body = {"model": "deepseek-chat", "messages": [{"role": "user", "content": long}]}
+    r = client.post("/v1/messages/count_tokens", json=body)
+    assert r.status_code == 200, r.text
+    n = r.json()["input_tokens"]
+    refused = client.post("/v1/messages", json={**body, "max_tokens": 4})
+    assert refused.status_code == 400
+    assert n > 3 * CTX
+
+
 # ----------------------------------------------------------------- item 15
 
 

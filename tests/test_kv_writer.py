@@ -46,7 +46,7 @@ def test_queue_is_bounded_in_bytes_and_drops_the_oldest_pending():
     write, gate, started, done = gated()
     w = SnapshotWriter(write, max_bytes=100)
     w.submit(Item("busy", 80))  # being written: never dropped
-    assert started.wait(5)
+    assert started.wait(60)
     for name in ("a", "b", "c"):
         w.submit(Item(name, 40))
     # a+b+c = 120 > 100: the oldest pending (a) went; the one in flight stays.
@@ -83,12 +83,12 @@ def test_wait_for_a_queued_prefix():
     write, gate, started, done = gated()
     w = SnapshotWriter(write)
     w.submit(Item("p", 10, b"<sys>hello"))
-    assert started.wait(5)
+    assert started.wait(60)
     # Not a prefix of this prompt: no wait. A prefix: waits for it (times out here).
     assert w.wait_for(lambda p: p.prefix_of(b"<sys>other"), timeout=0.01)
     assert not w.wait_for(lambda p: p.prefix_of(b"<sys>hello world"), timeout=0.05)
     gate.set()
-    assert w.wait_for(lambda p: p.prefix_of(b"<sys>hello world"), timeout=5)
+    assert w.wait_for(lambda p: p.prefix_of(b"<sys>hello world"), timeout=60)
     w.close(5)
 
 

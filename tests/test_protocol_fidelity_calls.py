@@ -480,3 +480,76 @@ def test_no_parallel_calls_flag_must_be_a_boolean(server, path, field, body):
     r = httpx.post(server.url + path, json={"model": "deepseek-v4-flash", **body}, timeout=30)
     assert r.status_code == 400, r.text
     assert field in r.text
+
+
+def test_codex_additional_tools_item_offers_its_tools(server):
+    """Codex with a catalog model name sends ``tools: []`` and its tools as a leading
+    ``additional_tools`` input item (``{type, role: "developer", tools}``); those tools
+    are offered exactly as top-level ``tools`` would be (same rendered prompt), a call to
+    one is reported as its kind (a namespaced function keeps its namespace), and a tool
+    declared in both places is offered once. The item was dropped: no tools at all."""
+    user = [
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Find Acme."}]},
+    ]  # fmt: skip
+    tools = [TOOL[RESP], CRM]
+    base = {"model": "gpt-5.5", "reasoning": {"effort": "none"}, "store": False}
+    texts = []
+    for body in (
+        {**base, "tools": tools, "input": user},
+        {**base, "tools": [], "input": [{"type": "additional_tools", "role": "developer", "tools": tools}, *user]},
+        {**base, "tools": [TOOL[RESP]], "input": [{"type": "additional_tools", "role": "developer", "tools": tools}, *user]},
+    ):  # fmt: skip
+        _unrelated(server)
+        script(server, tool_calls(invoke("lookup", ("query", "Acme", None))))
+        out = post(server, RESP, body)["output"]
+        (fc,) = out
+        assert (fc["type"], fc["name"], fc.get("namespace")) == (
+            "function_call",
+            "lookup",
+            "mcp__crm__",
+        ), out
+        texts.append(server.trace.prompts()[-1]["text"])
+    assert '"name": "read"' in texts[0] and '"name": "lookup"' in texts[0]
+    assert texts[1] == texts[0] and texts[2] == texts[0]
+    # Codex's responses-lite tools: a custom (freeform) tool inside a namespace is offered
+    # (one string parameter, its grammar) and its call is a namespaced custom_tool_call.
+    grammar = 'start: "echo " WORD\nWORD: /[a-z]+/'
+    functions = {
+        "type": "namespace",
+        "name": "functions",
+        "description": "",
+        "tools": [
+            {"type": "custom", "name": "exec", "description": "Run JavaScript.",
+             "format": {"type": "grammar", "syntax": "lark", "definition": grammar}},
+        ],
+    }  # fmt: skip
+    body = {
+        **base,
+        "tools": [],
+        "input": [{"type": "additional_tools", "tools": [functions]}, *user],
+    }
+    _unrelated(server)
+    script(server, tool_calls(invoke("exec", ("input", "echo hi", None))))
+    (call,) = post(server, RESP, body)["output"]
+    assert (call["type"], call["name"], call["namespace"], call["input"]) == (
+        "custom_tool_call",
+        "exec",
+        "functions",
+        "echo hi",
+    ), call
+    assert "Run JavaScript." in server.trace.prompts()[-1]["text"]
+    # A malformed tool in the item is a 400 naming its path.
+    bad = {**base, "input": [{"type": "additional_tools", "tools": [{"name": "x"}]}, *user]}
+    r = httpx.post(server.url + RESP, json=bad, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input.0.tools.0.type", r.text
+    # So is a malformed custom tool inside a namespace (it was a 500).
+    for sub, param in [
+        ({"type": "custom", "name": 5}, "name"),
+        ({"type": "custom", "name": "x", "format": "lark"}, "format"),
+    ]:
+        bad = {**base, "tools": [{**functions, "tools": [sub]}], "input": user}
+        r = httpx.post(server.url + RESP, json=bad, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == f"tools.0.tools.0.{param}", (
+            r.text
+        )

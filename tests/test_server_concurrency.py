@@ -28,10 +28,15 @@ def server(server_factory, tiny_model_dir):
     return server_factory(tiny_model_dir, ctx=4096)
 
 
+# Client 0's prompt: its prefill holds the worker while the other clients arrive, so
+# they queue behind it however slowly a loaded machine runs this process.
+LONG_PROMPT = " ".join(f"line {k} of a long first prompt." for k in range(300))
+
+
 def _chat_stream(url: str, i: int, out: dict) -> None:
     body = {
         "model": "deepseek-chat",
-        "messages": [{"role": "user", "content": f"client {i}"}],
+        "messages": [{"role": "user", "content": LONG_PROMPT if i == 0 else f"client {i}"}],
         "max_tokens": 64,
         "stream": True,
     }
@@ -70,6 +75,7 @@ def test_twenty_concurrent_streams_are_served_in_fifo_order(server):
     base = server.health()["submitted"]
     out: dict[int, tuple[str, str]] = {}
     threads = []
+    peak_queued = 0  # the deepest queue seen while the clients arrive
     for i in range(N_CLIENTS):
         fn = _chat_stream if i % 2 == 0 else _messages_stream
         t = threading.Thread(target=fn, args=(server.url, i, out))
@@ -77,10 +83,11 @@ def test_twenty_concurrent_streams_are_served_in_fifo_order(server):
         threads.append(t)
         # Arrival order is submission order: wait until this client's job is queued.
         deadline = time.monotonic() + 30
-        while server.health()["submitted"] < base + i + 1:
+        while (h := server.health())["submitted"] < base + i + 1:
             assert time.monotonic() < deadline
             time.sleep(0.005)
-    assert server.health()["queued"] > 1, "clients should have overlapped"
+        peak_queued = max(peak_queued, h["queued"])
+    assert peak_queued > 1, "clients should have overlapped"
     for t in threads:
         t.join(120)
     assert sorted(out) == list(range(N_CLIENTS))
@@ -114,18 +121,17 @@ def test_killed_client_frees_worker_within_a_token_and_state_stays_consistent(se
                 break
         closed_at = time.monotonic()
     # The connection is closed: the job must be cancelled at the next token.
-    deadline = closed_at + 10
+    deadline = closed_at + 60  # a hang guard only: the check is the tokens counted below
     while server.health()["busy"]:
         assert time.monotonic() < deadline, "worker still busy after the client left"
         time.sleep(0.01)
-    freed_after = time.monotonic() - closed_at
     # The log line is written right after the final event: allow it a moment.
     while not (cancelled := [ln for ln in _job_lines(server) if "finish=cancelled" in ln]):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     (line,) = cancelled
     generated = int(re.search(r"generated=(\d+)", line).group(1))
-    assert generated < 3000 and freed_after < 3.0
+    assert generated < 3000
     # Tokens sampled after the client left: at most a couple (disconnect notice + one).
     assert generated - received <= 4, (generated, received)
     after = httpx.post(server.url + "/v1/completions", json=REFERENCE, timeout=60).json()[
@@ -164,13 +170,10 @@ def test_graceful_shutdown_cancels_running_and_queued_jobs(tiny_model_dir):
             assert time.monotonic() < deadline
             time.sleep(0.02)
         time.sleep(0.3)
-        t0 = time.monotonic()
         s.proc.send_signal(signal.SIGTERM)
-        rc = s.proc.wait(20)
-        took = time.monotonic() - t0
+        rc = s.proc.wait(20)  # bounded: it cancels the job, never decodes to its end
         t.join(20)
         assert rc == 0, s.log()[-2000:]
-        assert took < 10, took
         assert 0 < results["chunks"] < 1500
         assert "Traceback" not in s.log(), s.log()[-3000:]
     finally:

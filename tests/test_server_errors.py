@@ -261,6 +261,35 @@ def test_error_params_point_at_the_real_field(client):
     assert r.json()["error"]["message"] == "request body must be a JSON object, got null"
 
 
+@pytest.mark.parametrize("path", [CHAT, COMP])
+def test_logit_bias_out_of_range_is_a_400_naming_the_entry(client, path):
+    """Token ids outside the vocabulary (129280 ids) or negative, and biases outside
+    OpenAI's [-100, 100], are refused with the entry's path (they were accepted)."""
+    base = {"messages": [{"role": "user", "content": "hi"}]} if path == CHAT else {"prompt": "hi"}
+    for bias, param in [
+        ({"129280": 1}, "logit_bias.129280"),
+        ({"10": 1, "999999999": -5}, "logit_bias.999999999"),
+        ({"-1": 1}, "logit_bias.-1"),
+        ({"5": 100.5}, "logit_bias.5"),
+        ({"5": -101}, "logit_bias.5"),
+        ({"x": 1}, "logit_bias.x"),
+    ]:
+        r = client.post(path, json={**base, "max_tokens": 1, "logit_bias": bias})
+        assert r.status_code == 400, (bias, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and err["message"].startswith(param), (bias, err)
+    r = client.post(path, json={**base, "max_tokens": 1, "logit_bias": {"129279": -100, "0": 1}})
+    assert r.status_code == 200, r.text
+    # The bias is applied: +100 on one id makes a greedy turn sample only that id.
+    body = {**base, "model": "deepseek-chat", "max_tokens": 3, "temperature": 0}
+    r = client.post(path, json={**body, "logit_bias": {"1000": 100}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    text = choice["message"]["content"] if path == CHAT else choice["text"]
+    want = client.post("/v1/detokenize", json={"tokens": [1000] * 3}).json()["text"]
+    assert text == want and r.json()["usage"]["completion_tokens"] == 3, (text, want)
+
+
 def test_context_length_exceeded_names_the_counts(client):
     r = client.post(CHAT, json={"messages": [{"role": "user", "content": "w " * 3000}]})
     err = r.json()["error"]

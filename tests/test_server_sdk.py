@@ -284,8 +284,81 @@ def test_chat_logprobs_top_n_streaming_and_not(oai):
     assert [(e.token, round(e.logprob, 4)) for e in streamed] == [
         (e.token, round(e.logprob, 4)) for e in content
     ]
-    r = oai.chat.completions.create(**{**kw, "logprobs": False})
+    r = oai.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": None})
     assert r.choices[0].logprobs is None
+
+
+def test_chat_top_logprobs_needs_logprobs_and_a_range(oai):
+    """OpenAI's answer: ``top_logprobs`` without ``logprobs: true`` (or out of 0..20) is a
+    400 naming ``top_logprobs``, not a wish silently dropped."""
+    import openai
+
+    kw = {"model": "deepseek-chat", "messages": [{"role": "user", "content": "Hi"}]}
+    for extra in (
+        {"top_logprobs": 2},
+        {"top_logprobs": 0, "logprobs": False},
+        {"logprobs": True, "top_logprobs": 21},
+    ):
+        with pytest.raises(openai.BadRequestError) as ei:
+            oai.chat.completions.create(**kw, **extra, max_tokens=2)
+        assert ei.value.param == "top_logprobs", (extra, ei.value.body)
+        assert "top_logprobs" in ei.value.message
+
+
+def test_responses_logprobs_on_deltas_done_event_and_output_text(oai):
+    """``include: ["message.output_text.logprobs"]`` + ``top_logprobs``: each
+    ``output_text.delta`` carries its tokens' entries, ``output_text.done`` and the final
+    ``output_text`` part all of them (the SDK's ``Logprob`` types); without the include,
+    none."""
+    import openai
+
+    kw = {
+        "model": "deepseek-chat",
+        "input": "Count.",
+        "max_output_tokens": 6,
+        "temperature": 0,
+        "include": ["message.output_text.logprobs"],
+        "top_logprobs": 3,
+    }
+    r = oai.responses.create(**kw)
+    part = r.output[-1].content[0]
+    assert part.type == "output_text" and part.text and part.logprobs
+    for e in part.logprobs:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        lps = [t.logprob for t in e.top_logprobs]
+        assert lps == sorted(lps, reverse=True)
+        assert e.token == e.top_logprobs[0].token  # greedy picks the most likely token
+        assert bytes(e.bytes).decode("utf-8", "replace") == e.token or "\ufffd" in e.token
+    assert "".join(e.token for e in part.logprobs) == part.text
+    events = list(oai.responses.create(**kw, stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    streamed = [(lp.token, round(lp.logprob, 4)) for d in deltas for lp in d.logprobs]
+    assert streamed == [(e.token, round(e.logprob, 4)) for e in part.logprobs]
+    assert all(len(lp.top_logprobs) == 3 for d in deltas for lp in d.logprobs)
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [lp.token for lp in done.logprobs] == [e.token for e in part.logprobs]
+    final = events[-1].response.output[-1].content[0]
+    assert [lp.token for lp in final.logprobs] == [e.token for e in part.logprobs]
+    # Without the include nothing is asked of the engine, and every list stays empty.
+    plain = {k: v for k, v in kw.items() if k != "include"}
+    assert oai.responses.create(**plain).output[-1].content[0].logprobs == []
+    events = list(oai.responses.create(**plain, stream=True))
+    assert all(not e.logprobs for e in events if e.type.startswith("response.output_text."))
+    with pytest.raises(openai.BadRequestError) as ei:
+        oai.responses.create(**{**kw, "top_logprobs": 21})
+    assert ei.value.param == "top_logprobs" and "top_logprobs" in ei.value.message
+    # The WebSocket speaks the same events.
+    with oai.beta.responses.connect() as conn:
+        conn.response.create(**kw)
+        events = []
+        for ev in conn:
+            events.append(ev)
+            if ev.type in ("response.completed", "response.incomplete", "response.failed"):
+                break
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert [lp.token for d in deltas for lp in d.logprobs] == [e.token for e in part.logprobs]
+    final = events[-1].response.output[-1].content[0]
+    assert [lp.token for lp in final.logprobs] == [e.token for e in part.logprobs]
 
 
 # --------------------------------------------------------------------------- OpenAI completions
@@ -520,10 +593,22 @@ def test_responses_previous_response_id_rejected_clearly(oai):
     assert "previous_response_id" in str(e.value) and "store" in str(e.value)
 
 
-def test_responses_max_output_tokens_incomplete(oai):
+def test_responses_max_output_tokens_incomplete(oai, server):
     r = oai.responses.create(model="deepseek-chat", input="hi", max_output_tokens=3)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 3
+    # Cut inside its reasoning, the reasoning item is incomplete too (as a cut message is);
+    # a whole one is completed.
+    think = {"effort": "high"}
+    server.script("Weighing the options at some length.</think>Done." + EOS)
+    r = oai.responses.create(model=MODEL, input="hi", max_output_tokens=3, reasoning=think)
+    assert [(it.type, it.status) for it in r.output] == [("reasoning", "incomplete")]
+    server.script("Brief.</think>Done." + EOS)
+    r = oai.responses.create(model=MODEL, input="hi again", reasoning=think)
+    assert [(it.type, it.status) for it in r.output] == [
+        ("reasoning", "completed"),
+        ("message", "completed"),
+    ]
 
 
 def test_trace_records_prompts_decisions_output_and_parser_events(oai, server, trace_file):

@@ -180,6 +180,18 @@ def test_validation_errors_name_the_real_field():
     )
 
 
+def test_a_long_token_id_prompt_validates_as_ids():
+    """A legacy completion's ``prompt`` of token ids longer than the validation slice is
+    a list of ids (the first list arm of its union, ``list[str]``, would refuse it)."""
+    from ds4mlx.routes.body import SLICE, validate
+    from ds4mlx.routes.completions import CompletionRequest
+
+    ids = list(range(1, SLICE * 3))
+    assert validate(CompletionRequest, {"prompt": ids}).prompt == ids
+    words = ["a"] * (SLICE * 3)
+    assert validate(CompletionRequest, {"prompt": words}).prompt == words
+
+
 def _message(model, data) -> str:
     from ds4mlx.routes.body import validate
 
@@ -442,3 +454,152 @@ def test_helper_agents_are_told_by_their_labelled_agent_id():
     for other in ("a7e7bae38e0463195", "worker@team", "acompact-xyz", "a\nb-0123456789abcdef"):
         assert not helper_agent(h(other)), other
     assert not helper_agent({"x-claude-code-session-id": "s"}) and not helper_agent(None)
+
+
+def test_env_positive_reads_a_setting_and_names_a_bad_one(monkeypatch, capsys):
+    """The server's own periods (`VET_IDLE_S`, `LOG_INTERVAL_S`) and the demo cap
+    (`DEMO_MAX_TOKENS`) read their variable: unset or blank keeps the default, a number
+    > 0 of the default's type replaces it, anything else is named in one stderr line and
+    the default kept (it is read at import: a raise would be a traceback on every command)."""
+    from ds4mlx.argtypes import env_positive
+
+    var = "DS4MLX_TEST_SETTING"
+    monkeypatch.delenv(var, raising=False)
+    assert env_positive(var, 30.0) == 30.0 and env_positive(var, 256) == 256
+    monkeypatch.setenv(var, " ")
+    assert env_positive(var, 30.0) == 30.0
+    monkeypatch.setenv(var, "2.5")
+    assert env_positive(var, 30.0) == 2.5
+    monkeypatch.setenv(var, "64")
+    assert env_positive(var, 256) == 64 and isinstance(env_positive(var, 256), int)
+    for bad, default in [
+        ("0", 1.0),
+        ("-1", 1.0),
+        ("soon", 1.0),
+        ("inf", 1.0),
+        ("nan", 1.0),
+        ("2.5", 256),
+        ("0", 256),
+    ]:
+        monkeypatch.setenv(var, bad)
+        assert env_positive(var, default) == default
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"ignoring ${var}={bad!r}" in err, err
+
+
+def test_a_bad_setting_variable_does_not_stop_a_command():
+    """The variables are read at import: ``serve`` still says why it cannot start, after
+    one line naming the bad value (it was a traceback)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DS4MLX_DEMO_MAX_TOKENS": "abc", "DS4MLX_VET_IDLE_S": "-1"}
+    r = subprocess.run(
+        [sys.executable, "-m", "ds4mlx.cli", "serve", "-m", "/nonexistent-ds4mlx-model"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 2 and "cannot load model" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert "ignoring $DS4MLX_DEMO_MAX_TOKENS='abc'" in r.stderr, r.stderr
+
+
+# ----------------------------------------------------------------- worker shutdown race
+
+
+def test_a_job_taken_as_the_server_stops_never_runs(tiny_model_dir):
+    """``Worker.stop`` cancels the running job and refuses the queued ones. A job the
+    worker had just taken off the queue was neither while the worker had not yet recorded
+    it: the worker thread, preempted there, ran it to its end after the stop. The test
+    pauses the worker thread at that point, stops the worker, then lets it go on."""
+    import asyncio
+    import threading
+
+    from ds4mlx.dsml import ToolMemory
+    from ds4mlx.engine import Engine
+    from ds4mlx.jobs import JobDone, JobStarted
+    from ds4mlx.server.worker import Worker
+
+    taken, looked, go = threading.Event(), threading.Event(), threading.Event()
+
+    class Preempted(Worker):
+        """Pauses its thread the first time it records a job, until ``go``; a read of the
+        running job from another thread meanwhile (``stop``'s) sets ``looked``."""
+
+        @property
+        def current(self):
+            if taken.is_set() and threading.current_thread().name != "ds4mlx-worker":
+                looked.set()
+            return self.__dict__.get("_running")
+
+        @current.setter
+        def current(self, job) -> None:
+            if job is not None and not taken.is_set():
+                taken.set()
+                go.wait()
+            self.__dict__["_running"] = job
+
+    worker = Preempted(tool_memory=ToolMemory())
+    worker.start(lambda: Engine.load(str(tiny_model_dir), ctx_size=256))
+
+    async def main() -> list:
+        job = worker.submit(_gen())
+        await asyncio.to_thread(taken.wait)
+        stopper = threading.Thread(target=worker.stop, kwargs={"timeout": 120})
+        stopper.start()
+        await asyncio.to_thread(looked.wait)  # stop() looked for a running job
+        go.set()
+        await asyncio.to_thread(stopper.join)
+        await asyncio.sleep(0)  # the events the worker posted to this loop
+        return [job.queue.get_nowait() for _ in range(job.queue.qsize())]
+
+    events = asyncio.run(main())
+    assert not any(isinstance(e, JobStarted) for e in events), events
+    assert [e.finish for e in events if isinstance(e, JobDone)] == ["cancelled"]
+
+
+def test_a_job_submitted_as_the_server_stops_is_answered(tiny_model_dir, monkeypatch):
+    """``submit`` checked "not stopping", then queued the job; a ``stop`` in between
+    drained the queue first, so the job was queued after the drain: nothing ran or
+    refused it, and its client waited for ever. The test runs ``stop`` there (the whole
+    of it, unless it has to wait for the submit)."""
+    import asyncio
+    import threading
+
+    from ds4mlx.dsml import ToolMemory
+    from ds4mlx.engine import Engine
+    from ds4mlx.jobs import Failure, JobDone, JobFailed
+    from ds4mlx.server.worker import Worker
+
+    worker = Worker(tool_memory=ToolMemory())
+    worker.start(lambda: Engine.load(str(tiny_model_dir), ctx_size=256))
+    stopper = threading.Thread(target=worker.stop, kwargs={"timeout": 120})
+    put = worker._queue.put
+
+    def put_after_a_stop(item, *args, **kwargs) -> None:
+        if item is not None and stopper.ident is None:
+            stopper.start()
+            stopper.join(2)  # times out only while stop waits for this submit
+        put(item, *args, **kwargs)
+
+    monkeypatch.setattr(worker._queue, "put", put_after_a_stop)
+
+    async def main() -> list:
+        job = worker.submit(_gen())
+        await asyncio.to_thread(stopper.join)
+        await asyncio.sleep(0)  # the events the worker posted to this loop
+        return [job.queue.get_nowait() for _ in range(job.queue.qsize())]
+
+    events = asyncio.run(main())
+    # Either answer is right: refused by the drain, or (when the worker thread took the
+    # job between the submit's put and stop's flag) started and then cancelled by stop.
+    # What was wrong is no answer at all.
+    assert events, "the job was never answered"
+    if isinstance(events[0], JobFailed):
+        assert events == [JobFailed(Failure.SHUTTING_DOWN)]
+    else:
+        assert [type(e) for e in events if isinstance(e, (JobDone, JobFailed))] == [JobDone]
+        assert events[-1].finish == "cancelled", events

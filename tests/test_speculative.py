@@ -1,7 +1,7 @@
 """Speculative decoding (``ds4mlx.engine.speculative``) on the real tiny model.
 
 Exactness: with any drafter — one that is mostly right, one that is always wrong, the
-prompt-lookup drafter — greedy output equals plain greedy output token for token, and
+prompt-lookup drafter, a random tiny MTP head — greedy output equals plain greedy output token for token, and
 the session ends with the same tokens, and logits and every cache tensor within the
 chunked-vs-full prefill tolerance, whatever ends the turn. Sampling: the acceptance
 rule against hand-computed cases, and a chi-square test of the first drafted token's
@@ -10,14 +10,25 @@ distribution at temperature 1.
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from ds4mlx.dsml import ToolMemory, ToolSpec
 from ds4mlx.engine import Engine, SamplingParams, TurnHooks, TurnSpec, run_turn
+from ds4mlx.engine.grammar import json_grammar, ll_tokenizer
+from ds4mlx.engine.mtp import drafted_continuation
 from ds4mlx.engine.session import VerifyStep
-from ds4mlx.engine.speculative import BackOff, PromptLookup, Speculation, accept_draft
+from ds4mlx.engine.speculative import (
+    BackOff,
+    PromptLookup,
+    Speculation,
+    accept_draft,
+    speculation_for,
+)
 
 GREEDY = SamplingParams(temperature=0)
 ATOL = 1e-4  # the chunked-vs-full prefill tolerance (tests/test_engine.py)
@@ -34,6 +45,23 @@ def engine(tiny_f32_dir):
     e = Engine.load(tiny_f32_dir, ctx_size=512)
     yield e
     e.speculation = Speculation()
+
+
+@pytest.fixture(scope="module")
+def mtp_engine(tiny_checkpoint):
+    """The tiny model with one random MTP block (``make-tiny --mtp 1``), drafter loaded."""
+    path = tiny_checkpoint(expert_bits=None, other_bits=None, mtp=1)
+    e = Engine.load(path, ctx_size=512, speculative="mtp")
+    yield e
+    e.speculation = Speculation()
+
+
+@pytest.fixture(scope="module")
+def plain_turns():
+    """The plain (non-drafting) reference turns, each run once per module by whichever
+    drafter's case asks first: a plain turn here is greedy or scripted, so the same
+    engine, prompt and spec give the same result and state every time."""
+    return {}
 
 
 class Oracle(TurnHooks):
@@ -55,7 +83,7 @@ class Oracle(TurnHooks):
 
 
 def _run(engine, spec, prompt, *, hooks=None, script=None, cancel_after=None, mode="off"):
-    engine.speculation = Speculation(mode, 4)
+    engine.speculation = speculation_for(engine, mode, 4)
     s = engine.new_session()
     polls, seen = [0], [0]
 
@@ -189,7 +217,7 @@ def _long_prompt(engine, n: int) -> list[int]:
 
 @pytest.mark.parametrize("drafter", ["oracle", "wrong"])
 @pytest.mark.parametrize("where", ["window_and_ratio4", "ratio128"])
-def test_greedy_output_and_state_equal_plain(engine, drafter, where):
+def test_greedy_output_and_state_equal_plain(engine, plain_turns, drafter, where):
     """Unscripted greedy decoding: the verify's rows cross the 16-row window wrap and
     ratio-4 blocks (from a short prompt), or the first ratio-128 block's end. (The
     lookup drafter runs in the scripted cases below: what the random model writes
@@ -199,7 +227,9 @@ def test_greedy_output_and_state_equal_plain(engine, drafter, where):
     else:
         prompt, n = engine.tokenizer.encode(PROMPT), 30
     spec = TurnSpec(GREEDY, n, parse=False, ignore_eos=True, pipeline=False)
-    plain = _run(engine, spec, prompt)
+    if ("greedy", where) not in plain_turns:
+        plain_turns["greedy", where] = _run(engine, spec, prompt)
+    plain = plain_turns["greedy", where]
     ref = plain[1].tokens[len(prompt) :]
     got = _run(engine, spec, prompt, hooks=Oracle(ref, 1 if drafter == "wrong" else 3))
     _assert_same_state(plain, got)
@@ -209,6 +239,29 @@ def test_greedy_output_and_state_equal_plain(engine, drafter, where):
         assert r.accepted == 0
     else:
         assert r.accepted > 0 and r.fed / r.forwards > 1
+
+
+@pytest.mark.parametrize("scripted", [True, False])
+@pytest.mark.parametrize("where", ["window_and_ratio4", "ratio128"])
+def test_mtp_greedy_output_and_state_equal_plain(mtp_engine, where, scripted):
+    """The random tiny MTP head drafting: unscripted greedy decoding (its drafts are
+    almost always wrong), and a target scripted to follow the head's own first drafts
+    (each verify accepts one, rejects the chained ones), across the window wrap and
+    ratio-4 blocks or the first ratio-128 block's end."""
+    engine = mtp_engine
+    if where == "ratio128":
+        prompt, n = _long_prompt(engine, 120), 14
+    else:
+        prompt, n = engine.tokenizer.encode(PROMPT), 30
+    script = drafted_continuation(engine, prompt, n) if scripted else None
+    spec = TurnSpec(GREEDY, n, parse=False, ignore_eos=True, pipeline=False)
+    plain = _run(engine, spec, prompt, script=script)
+    got = _run(engine, spec, prompt, script=script, mode="mtp")
+    _assert_same_state(plain, got)
+    r = got[0]
+    assert r.drafted > 0
+    if scripted:
+        assert r.accepted >= n // 3 and r.fed / r.forwards > 1
 
 
 def _scripted_case(engine, case):
@@ -232,7 +285,7 @@ def _scripted_case(engine, case):
     elif case == "cancel":
         cancel_after = 5
     elif case == "full_context":
-        eng = Engine.load(engine.path, ctx_size=len(prompt) + 7)
+        eng = Engine.load(engine.path, ctx_size=len(prompt) + 7, speculative="mtp")
     elif case == "tool_call":
         call = '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n<｜DSML｜parameter name="command" string="true">ls -la</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
         script = tok.encode("Let me look." + call) + [tok.eos_id]
@@ -241,22 +294,31 @@ def _scripted_case(engine, case):
     return eng, prompt, script, cancel_after, TurnSpec(GREEDY, pipeline=False, **kw)
 
 
-@pytest.mark.parametrize("drafter", ["oracle", "lookup"])
+@pytest.mark.parametrize("drafter", ["oracle", "lookup", "mtp"])
 @pytest.mark.parametrize(
     "case",
     ["eos", "stop_straddles", "max_tokens_in_run", "cancel", "full_context", "tool_call"],
 )
-def test_every_way_a_turn_ends_leaves_the_plain_state(engine, case, drafter):
+def test_every_way_a_turn_ends_leaves_the_plain_state(
+    engine, mtp_engine, plain_turns, case, drafter
+):
     """Scripted turns (the script is the target's choice, the oracle drafts it, every
     third verify with one wrong draft): each ending — EOS, a stop string across accepted
     tokens, ``max_tokens`` inside an accepted run, cancel, a full context, a DSML tool
-    call (tool memory too) — gives the plain loop's result and state."""
-    eng, prompt, script, cancel_after, spec = _scripted_case(engine, case)
-    plain = _run(eng, spec, prompt, script=script, cancel_after=cancel_after)
-    hooks, mode = (Oracle(script, 3), "off") if drafter == "oracle" else (None, "lookup")
+    call (tool memory too) — gives the plain loop's result and state. (The oracle and
+    lookup cases of one ending share their engine and plain turn.)"""
+    base = mtp_engine if drafter == "mtp" else engine
+    key = ("scripted", case, drafter == "mtp")
+    if key not in plain_turns:
+        eng, prompt, script, cancel_after, spec = _scripted_case(base, case)
+        plain = _run(eng, spec, prompt, script=script, cancel_after=cancel_after)
+        plain_turns[key] = (eng, prompt, script, cancel_after, spec), plain
+    (eng, prompt, script, cancel_after, spec), plain = plain_turns[key]
+    hooks, mode = (Oracle(script, 3), "off") if drafter == "oracle" else (None, drafter)
     got = _run(eng, spec, prompt, script=script, cancel_after=cancel_after, hooks=hooks, mode=mode)
     _assert_same_state(plain, got)
-    assert got[0].drafted > 0 and got[0].accepted > 0
+    # The random MTP head seldom drafts the scripted words: drafted, maybe not accepted.
+    assert got[0].drafted > 0 and (got[0].accepted > 0 or drafter == "mtp")
     if case == "tool_call":
         (call,) = got[0].tool_calls
         assert call.arguments == {"command": "ls -la"} and got[0].call_errors == {}
@@ -270,6 +332,74 @@ def test_every_way_a_turn_ends_leaves_the_plain_state(engine, case, drafter):
         "tool_call": "stop",
     }
     assert got[0].finish == expected[case]
+
+
+# A bounded schema (tests/grammar_cases.py) the random model can finish greedily.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("drafter", ["oracle", "lookup"])
+def test_constrained_turn_drafts_and_equals_plain(engine, drafter):
+    """A turn under a JSON-schema grammar drafts: each verify row is masked by the
+    matcher advanced through the accepted tokens before it, so a draft the grammar
+    forbids is never accepted (the oracle's corrupted drafts), and greedy output and
+    state equal the plain constrained turn's. Oracle: unscripted greedy under the mask;
+    lookup: a scripted reply inside the grammar that the prompt quotes."""
+    tok = engine.tokenizer
+    g = json_grammar(PERSON, ll_tokenizer(tok, 129280))
+    spec = TurnSpec(GREEDY, 60, grammar=g, pipeline=False)
+    reply = '{"name":"Ada","age":36}'
+    if drafter == "oracle":
+        prompt, script = tok.encode(PROMPT), None
+        plain = _run(engine, spec, prompt)
+        ref = plain[1].tokens[len(prompt) :] + [tok.eos_id]
+        got = _run(engine, spec, prompt, hooks=Oracle(ref, 3))
+    else:
+        prompt = tok.encode(PROMPT.replace("hello there", f"say {reply} {reply}"))
+        script = tok.encode(reply) + [tok.eos_id]
+        plain = _run(engine, spec, prompt, script=script)
+        got = _run(engine, spec, prompt, script=script, mode="lookup")
+    _assert_same_state(plain, got)
+    r = got[0]
+    assert plain[0].drafted == 0 and r.drafted > 0 and r.accepted > 0
+    assert r.grammar == plain[0].grammar == "complete", r.raw
+    jsonschema.validate(json.loads(r.text), PERSON)
+    if drafter == "lookup":
+        assert r.text == reply
+
+
+class Forbidden(TurnHooks):
+    """Drafts a token no JSON reply allows (the BOS special token), ``k`` times."""
+
+    def __init__(self, token: int, k: int = 4):
+        self.token, self.k = token, k
+
+    def draft(self, turn):
+        return [self.token] * self.k
+
+
+def test_drafts_the_grammar_forbids_are_not_verified(engine):
+    """Drafts are cut before the first token the grammar forbids (`TurnHooks.admit`):
+    a drafter proposing only forbidden tokens costs no verify row and no second
+    forward (one forward per fed token), and the turn equals the plain one."""
+    tok = engine.tokenizer
+    g = json_grammar(PERSON, ll_tokenizer(tok, 129280))
+    spec = TurnSpec(GREEDY, 30, grammar=g, pipeline=False)
+    prompt = tok.encode(PROMPT)
+    plain = _run(engine, spec, prompt)
+    got = _run(engine, spec, prompt, hooks=Forbidden(tok.bos_id))
+    _assert_same_state(plain, got)
+    r = got[0]
+    assert (r.drafted, r.accepted) == (0, 0)
+    assert r.forwards == r.fed
 
 
 # --------------------------------------------------------------------------- sampling
@@ -361,7 +491,8 @@ def test_server_reports_drafts_and_a_live_continuation_prefills_only_the_suffix(
     """``serve --speculative lookup``: a tool-call turn whose reasoning repeats itself
     is drafted (the per-request log line and ``/health`` count drafted / accepted and
     tokens per target forward); the tool-result continuation afterwards is live and
-    prefills exactly the results suffix (the state holds only verified rows)."""
+    prefills exactly the results suffix (the state holds only verified rows). The tool
+    is strict: the call is generated under its grammar, which held (issue 24)."""
     from kv_server_util import (
         ASSISTANT,
         EOS,
@@ -383,6 +514,7 @@ def test_server_reports_drafts_and_a_live_continuation_prefills_only_the_suffix(
             "properties": {"path": {"type": "string"}},
             "required": ["path"],
         },
+        "strict": True,
     }
     extra = ["--kv-disk-dir", "none", "--speculative", "lookup", "--draft-tokens", "4"]
     with traced_server(tiny_model_dir, tmp_path_factory, ctx=4096, extra=extra) as server:
@@ -399,6 +531,7 @@ def test_server_reports_drafts_and_a_live_continuation_prefills_only_the_suffix(
         (use,) = [b for b in r1["content"] if b["type"] == "tool_use"]
         line = server.request_line(0)
         assert "drafted=" in line and "tokens/forward=" in line, line
+        assert "grammar=complete" in line, line
         health = server.health()["speculative"]
         assert health["mode"] == "lookup" and health["draft_tokens"] == 4
         assert health["accepted"] > 0 and health["tokens_per_forward"] > 1.2, health

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import json
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import jsonschema
 import pytest
 from grammar_cases import SCHEMAS, bounded
-from server_util import EOS, Server, sse_events, tool_call_dsml
+from server_util import DEMO_ENV, EOS, Server, sse_events, tool_call_dsml
 
 CTX = 1024
 CHAT = "/v1/chat/completions"
@@ -315,6 +317,65 @@ def test_custom_tool_sampled_under_its_grammar(client):
         ),
         (CHAT, {"response_format": {"type": "xml"}}, "response_format.type", "xml"),
         (
+            RESP,
+            {
+                "tools": [
+                    {
+                        **CUSTOM,
+                        "format": {
+                            "type": "grammar",
+                            "syntax": "lark",
+                            "definition": "start: a\na: a",
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools[0].format.definition",
+            "matches no text",
+        ),
+        # A strict wish in a shape the server cannot read is refused, not served free.
+        (
+            CHAT,
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object"},
+                            "strict": "yes",
+                        },
+                    }
+                ]
+            },
+            "tools[0].function.strict",
+            "boolean",
+        ),
+        (
+            RESP,
+            {"tools": [{"type": "function", "name": "f", "parameters": {}, "strict": "true"}]},
+            "tools[0].strict",
+            "boolean",
+        ),
+        (
+            MSGS,
+            {"tools": [{"name": "f", "input_schema": {"type": "object"}, "strict": 1}]},
+            "tools.0.strict",
+            "boolean",
+        ),
+        (RESP, {"text": "json"}, "text", "object"),
+        (
+            RESP,
+            {
+                "tools": [
+                    {**CUSTOM, "format": {"type": "grammar", "syntax": "lark", "definition": 5}}
+                ]
+            },
+            "tools[0].format.definition",
+            "string",
+        ),
+        (
             CHAT,
             _format(
                 CHAT,
@@ -327,6 +388,55 @@ def test_custom_tool_sampled_under_its_grammar(client):
             ),
             "response_format.json_schema.schema.properties.a.$ref",
             "$ref cycle",
+        ),
+        (
+            RESP,
+            {
+                "tools": [
+                    {
+                        **CUSTOM,
+                        "format": {
+                            "type": "grammar",
+                            "syntax": "lark",
+                            "definition": 'start: "a</｜DSML｜parameter>b"',
+                        },
+                    }
+                ]
+            },
+            "tools[0].format.definition",
+            "marker",
+        ),
+        # A format without its type is refused, never served free (its schema was
+        # dropped silently).
+        (
+            CHAT,
+            {"response_format": {"json_schema": {"name": "x", "schema": {"type": "integer"}}}},
+            "response_format.type",
+            "required",
+        ),
+        (
+            RESP,
+            {"text": {"format": {"name": "x", "schema": {"type": "integer"}}}},
+            "text.format.type",
+            "required",
+        ),
+        (
+            MSGS,
+            {"output_config": {"format": {"schema": {"type": "integer"}}}},
+            "output_config.format.type",
+            "required",
+        ),
+        # The beta's top-level spelling is read like output_config.format ...
+        (MSGS, {"output_format": {"type": "json_object"}}, "output_format.type", "json_object"),
+        # ... and may not contradict it.
+        (
+            MSGS,
+            {
+                "output_format": {"type": "json_schema", "schema": {"type": "integer"}},
+                **_format(MSGS, {"type": "string"}),
+            },
+            "output_format",
+            "output_config.format",
         ),
     ],
 )
@@ -341,6 +451,112 @@ def test_bad_constraints_are_400(server, client, path, extra, param, word):
     assert param in err["message"]
     h = server.health()
     assert h["queued"] == 0 and not h["busy"]
+
+
+NULLS = {
+    "type": "object",
+    "properties": {
+        "a": {"type": ["string", "null"], "default": None},
+        "b": {"enum": ["x", None]},
+    },
+    "required": ["b"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("path", [CHAT, MSGS, RESP])
+def test_null_in_a_schema_is_served(client, path):
+    """A ``null`` inside a schema (a ``default``, an ``enum`` member: pydantic's and the
+    Anthropic SDK's Optional fields) is served like any schema, as a response format and
+    in a strict tool; it was a 500 (RecursionError) before the reply was queued."""
+    r = client.post(path, json=_body(path, thinking=False, schema=NULLS, max_tokens=8))
+    assert r.status_code == 200, r.text
+    r = client.post(
+        path, json={**_body(path, thinking=False, max_tokens=8), **_strict_tools(path, NULLS)}
+    )
+    assert r.status_code == 200, r.text
+
+
+def test_anthropic_beta_output_format_is_enforced(client):
+    """``output_format`` at the top level (the structured-outputs beta's spelling, which
+    older SDKs and other clients still send) constrains the reply like
+    ``output_config.format``; it used to be dropped as an unknown field."""
+    schema = SCHEMAS[0]
+    body = _body(MSGS, thinking=False, seed=11)
+    body["output_format"] = {"type": "json_schema", "schema": bounded(schema)}
+    text, finish, _ = _result(client, MSGS, body, False)
+    assert finish in STOPPED, (finish, text)
+    jsonschema.validate(json.loads(text), schema)
+
+
+def _slow_schema(n: int = 3000) -> dict[str, Any]:
+    """A schema whose grammar takes about a second to compile (n properties, each with a
+    pattern), under the 256 KiB grammar cap."""
+    pattern = {"type": "string", "pattern": "^[a-z]{3,60}[0-9]{1,40}$"}
+    return {"type": "object", "properties": {f"p{i}": pattern for i in range(n)}}
+
+
+def test_slow_compile_is_400_and_the_server_goes_on(tiny_model_dir):
+    """``--grammar-compile-ms``: a schema whose grammar takes longer to compile than the
+    limit (1 ms here) is a 400 naming its
+    path, nothing queued; while abandoned compiles hold both compile threads a new one is
+    a 429; the next request is served."""
+    slow = _slow_schema()
+    with (
+        Server(tiny_model_dir, ctx=CTX, extra=["--grammar-compile-ms", "1"]) as s,
+        httpx.Client(base_url=s.url, headers=HEADERS, timeout=300) as c,
+    ):
+        r = c.post(CHAT, json=_body(CHAT, thinking=False, schema=slow))
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "response_format.json_schema.schema"
+        assert "longer than the 1 ms limit" in err["message"], err
+        # Abandoned compiles keep their (bounded) threads until they end: with both taken,
+        # a new compile never gets one within its limit, a 429 to retry.
+        r = c.post(CHAT, json=_body(CHAT, thinking=False, schema=slow))
+        assert r.status_code == 400, r.text
+        r = c.post(CHAT, json=_body(CHAT, thinking=False, schema=SCHEMAS[1]))
+        assert s.log().count("grammar compile end") == 0  # both were still compiling
+        assert r.status_code == 429, r.text
+        err = r.json()["error"]
+        assert err["code"] == "grammar_compilers_busy" and "busy" in err["message"], err
+        assert err["param"] == "response_format.json_schema.schema"
+        h = s.health()
+        assert h["queued"] == 0 and not h["busy"]
+        r = c.post(CHAT, json=_body(CHAT, thinking=False, max_tokens=4))
+        assert r.status_code == 200, r.text
+
+
+def test_slow_compiles_never_hold_up_a_plain_request(tiny_model_dir):
+    """Grammar compiles run on their own bounded threads, never on the request-parsing
+    pool: with more slow compiles in flight than there are parsing threads (two) or
+    compile threads (two; the third waits its turn), a plain chat request is answered
+    before any compile ends (the server's log lines give the order), and then every
+    slow one is answered too."""
+    slow = _slow_schema()
+    body = json.dumps(_body(CHAT, thinking=False, schema=slow, max_tokens=1), separators=(",", ":"))
+    assert len(body) < 1 << 20  # parsed in process, not vetted in the child
+    hdrs = {**HEADERS, "content-type": "application/json"}
+    with (
+        Server(tiny_model_dir, ctx=CTX, extra=["--grammar-compile-ms", "600000"]) as s,
+        httpx.Client(base_url=s.url, headers=hdrs, timeout=600) as c,
+        ThreadPoolExecutor(3) as ex,
+    ):
+        slow_runs = [ex.submit(c.post, CHAT, content=body) for _ in range(3)]
+        # Both compile threads are busy (the server says so) before the plain request.
+        give_up = time.monotonic() + 300  # a hang guard, not a measurement
+        while s.log().count("grammar compile start") < 2:
+            assert not any(f.done() for f in slow_runs), [f.result().text for f in slow_runs]
+            assert time.monotonic() < give_up, s.log()[-3000:]
+            time.sleep(0.05)
+        r = c.post(CHAT, json=_body(CHAT, thinking=False, max_tokens=1))
+        assert r.status_code == 200, r.text
+        # Answered while the first compiles were still running (none had ended).
+        assert s.log().count("grammar compile end") == 0, s.log()[-3000:]
+        assert not any(f.done() for f in slow_runs)
+        for f in slow_runs:
+            assert f.result().status_code == 200, f.result().text
+        assert s.log().count("grammar compile end") >= 3
 
 
 def test_live_continuation_after_strict_call(server, client):
@@ -385,23 +601,92 @@ def test_live_continuation_after_strict_call(server, client):
     assert "live" in server.request_line(n0 + 1)
 
 
-def test_demo_cap_cut_json_is_incomplete(tiny_model_dir, tmp_path):
-    """``serve --demo``: its output cap stands in for EOS, except for a constrained reply:
-    JSON cut by the cap ends as ``length``, never as a valid-looking ``stop``."""
+@pytest.fixture(scope="module")
+def demo(tiny_model_dir, tmp_path_factory):
+    """``serve --demo`` (its cached model: the tiny one), shared by the demo-cap tests."""
     import shutil
 
-    cache = tmp_path / "cache"
+    cache = tmp_path_factory.mktemp("demo") / "cache"
     shutil.copytree(tiny_model_dir, cache / "ds4mlx" / "demo")
+    with Server(None, extra=["--demo"], env={**DEMO_ENV, "XDG_CACHE_HOME": str(cache)}) as s:
+        yield s
+
+
+def test_demo_cap_cut_json_is_incomplete(demo):
+    """``serve --demo``: its output cap stands in for EOS, except for a constrained reply:
+    JSON cut by the cap ends as ``length``, never as a valid-looking ``stop``."""
     schema = {"type": "array", "items": {"type": "integer"}}
-    with Server(None, extra=["--demo"], env={"XDG_CACHE_HOME": str(cache)}) as s:
-        s.script("[1,2,3")  # then sampled under the mask until the cap
-        body = {"model": "m", "messages": [{"role": "user", "content": "go"}]}
-        r = httpx.post(s.url + CHAT, json={**body, **_format(CHAT, schema)}, timeout=300)
-        assert r.status_code == 200, r.text
-        choice = r.json()["choices"][0]
-        text = choice["message"]["content"]
-        try:
-            jsonschema.validate(json.loads(text), schema)
-            assert choice["finish_reason"] == "stop"
-        except ValueError:
-            assert choice["finish_reason"] == "length", text
+    demo.script("[1,2,3")  # then sampled under the mask until the cap
+    body = {"model": "m", "messages": [{"role": "user", "content": "go"}]}
+    r = httpx.post(demo.url + CHAT, json={**body, **_format(CHAT, schema)}, timeout=300)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    text = choice["message"]["content"]
+    _assert_cut_json_is_length(choice["finish_reason"], text, schema)
+    # The raw completion's rule is the same (no reasoning there: the grammar decides).
+    demo.script("[4,5,6")
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    body = {"model": "m", "prompt": "go", "max_tokens": 100000, "response_format": rf}
+    r = httpx.post(demo.url + "/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    _assert_cut_json_is_length(choice["finish_reason"], choice["text"], schema)
+
+
+def _assert_cut_json_is_length(finish: str, text: str, schema: dict) -> None:
+    try:
+        jsonschema.validate(json.loads(text), schema)
+        assert finish == "stop"
+    except ValueError:
+        assert finish == "length", text
+
+
+def test_responses_echo_the_requested_text_format_and_tools(client):
+    """The response object repeats the request's ``text.format`` and its tools as sent
+    (``async``, never the Python name ``async_``; no nulls for fields not sent)."""
+    fmt = {"type": "json_schema", "name": "x", "schema": {"type": "object"}}
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}, "async": True}
+    body = {**_body(RESP, thinking=False, max_tokens=4), "text": {"format": fmt}, "tools": [tool]}
+    r = client.post(RESP, json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["text"]["format"] == fmt
+    assert out["tools"] == [tool]
+
+
+def test_legacy_completions_enforce_response_format(client):
+    """``/v1/completions`` takes ``response_format`` as chat does (vLLM's extension): the
+    raw continuation is generated under the schema, and a schema it cannot enforce is a
+    400 naming its path, never ignored."""
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    body = {"prompt": "hi", "max_tokens": 40, "temperature": 0, "response_format": rf}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(choice["text"]), schema)
+    bad = {
+        **body,
+        "response_format": {"type": "json_schema", "json_schema": {"schema": {"not": {}}}},
+    }
+    r = client.post("/v1/completions", json=bad)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "response_format.json_schema.schema.not"
+
+
+def test_demo_cap_ends_a_free_reply_beside_a_grammar_tool(demo):
+    """``serve --demo`` with a custom grammar tool offered (Codex's ``apply_patch``): a
+    free-text reply cut by the cap ends as a natural end (``completed``), as it does
+    without the tool; Codex treats an ``incomplete`` response as an error."""
+    demo.script("just text, no call")  # then sampled (free text or a call) until the cap
+    body = {"model": "m", "input": "go", "tools": [CUSTOM], "reasoning": {"effort": "none"}}
+    r = httpx.post(demo.url + RESP, json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["status"] == "completed", out.get("incomplete_details")

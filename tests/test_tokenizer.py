@@ -135,3 +135,70 @@ def test_special_token_spellings_are_found_leftmost_longest(tok):
         for _ in range(2000):
             s = "".join(rng.choice(pieces) for _ in range(12))
             assert [m.span() for m in trie.finditer(s)] == [m.span() for m in ref.finditer(s)], s
+
+
+def _random_text(rng, n: int) -> str:
+    """``n`` pieces of text drawn to hit every pre-tokenizer rule: words, digits, CJK,
+    punctuation, runs of spaces and newlines, tabs, no-break spaces, emoji, markers."""
+    pieces = [
+        *"abcXYZ 019.,;:!?()[]{}<>-_=+*/\\\"'\n\r\t\u00a0\u3000éü😀",
+        *TEXTS,
+        "  ", "\n\n", " \n ", "123", "def ", "->", "'s", " '", "中文", "カタカナ", USER, THINK,
+    ]  # fmt: skip
+    return "".join(rng.choice(pieces) for _ in range(n))
+
+
+def test_split_points_are_pre_tokenizer_boundaries(tok):
+    """Cutting at `split_points` changes no token: the pieces' counts add up to the whole
+    text's (so `Tokenizer.count` is exact), on texts that exercise every splitting rule."""
+    import random
+
+    from ds4mlx.tokenizer import split_points
+
+    rng = random.Random(0)
+    whole = lambda s: len(tok._tok.encode(s, add_special_tokens=False).ids)  # noqa: E731
+    for _ in range(300):
+        text = _random_text(rng, rng.randint(1, 400))
+        cuts = split_points(text, 64)
+        assert cuts == sorted(set(cuts)) and all(0 < c < len(text) for c in cuts)
+        bounds = [0, *cuts, len(text)]
+        pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+        assert sum(whole(p) for p in pieces) == whole(text), (text, cuts)
+    # A stretch with no such place is not cut; pieces are at least half the size asked.
+    assert split_points("x" * 1000, 64) == []
+    cuts = split_points("ab " * 500, 64)
+    assert cuts and all(b - a >= 32 for a, b in zip([0, *cuts], cuts, strict=False))
+
+
+def test_count_stops_past_the_limit_and_encode_frees_the_gil(tok):
+    """`Tokenizer.count` is the token count (special spellings as their ids), or, given a
+    limit, stops soon after passing it; a long `encode` releases the GIL (another thread
+    runs meanwhile) and gives the same ids as the library's own single-text call."""
+    import random
+    import threading
+
+    rng = random.Random(1)
+    text = "\n".join(_random_text(rng, 40) for _ in range(1500))
+    ids = tok._tok.encode(text, add_special_tokens=False).ids
+    assert tok.count(text) == len(ids)
+    limit = len(ids) // 20
+    n = tok.count(text, limit)
+    assert limit < n < len(ids) // 2, (limit, n, len(ids))
+    big = text + "\n" + text
+    want = tok._tok.encode(big, add_special_tokens=False).ids
+    ticks, stop = [0], threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks[0] += 1
+            stop.wait(0.001)
+
+    t = threading.Thread(target=tick)
+    t.start()
+    try:
+        got = tok.encode(big)
+    finally:
+        stop.set()
+        t.join()
+    assert got == want
+    assert ticks[0] > 10, ticks  # held for the whole call, the thread could not tick

@@ -509,3 +509,56 @@ def test_tool_search_call_arguments_of_any_json_shape_map_without_error(argument
     call = conv.messages[-1].tool_calls[0]
     assert call.id == "ts_1" and isinstance(call.arguments, dict)
     render_prompt(conv)
+
+
+def _fn(name: str) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+
+
+def test_allowed_tools_offers_only_the_allowed_subset():
+    """``tool_choice: {"type": "allowed_tools", …}`` limits the calls to its list: only
+    those tools are offered (its list used to be ignored, and the model could call any
+    tool the request carried)."""
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    chat = {
+        **base,
+        "tools": [_fn("a"), _fn("b")],
+        "tool_choice": {
+            "type": "allowed_tools",
+            "allowed_tools": {
+                "mode": "required",
+                "tools": [{"type": "function", "function": {"name": "b"}}],
+            },
+        },
+    }
+    conv = chat_conv(chat)
+    assert [t.name for t in conv.tools] == ["b"] and conv.tool_required
+    resp = {
+        "model": "m",
+        "input": "hi",
+        "tools": [
+            {"type": "function", "name": "fn", "parameters": {"type": "object"}},
+            {"type": "custom", "name": "ap"},
+        ],
+        "tool_choice": {
+            "type": "allowed_tools",
+            "mode": "auto",
+            "tools": [{"type": "custom", "name": "ap"}],
+        },
+    }
+    conv = responses_conv(resp)
+    assert [t.name for t in conv.tools] == ["ap"] and not conv.tool_required
+    # A name that is not offered, or no list, is a 400 naming tool_choice.
+    bad = {
+        **resp,
+        "tool_choice": {
+            "type": "allowed_tools",
+            "mode": "auto",
+            "tools": [{"type": "function", "name": "zz"}],
+        },
+    }
+    with pytest.raises(WireError, match="zz") as e:
+        responses_conv(bad)
+    assert e.value.param.startswith("tool_choice")
+    with pytest.raises(WireError, match="tools"):
+        responses_conv({**resp, "tool_choice": {"type": "allowed_tools", "mode": "auto"}})

@@ -3,10 +3,11 @@
 Interactive mode reads messages and ``/commands`` at a prompt; ``-p TEXT`` sends one
 message, shows the transcript (banner, the message, thinking, tool calls) on stderr,
 prints only the final answer on stdout, and exits with 0 when the model gave a final
-answer (1 when it was interrupted, ran out of context or of tool rounds, or failed; 2
-for usage and load errors). With ``--demo`` the per-turn cap stands in for the EOS the
-noise model never samples (as ``serve --demo``'s cap does): a turn it ends is a final
-answer, unless ``--max-tokens`` set the limit.
+answer, also one cut at the per-turn token limit (``length``, a normal end: a note on
+stderr says so); 1 when it was interrupted, ran out of context or of tool rounds, or
+failed; 2 for usage and load errors. With ``--demo`` the per-turn cap stands in for the
+EOS the noise model never samples (as ``serve --demo``'s cap does): a turn it ends is a
+final answer without the note, unless ``--max-tokens`` set the limit.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import contextlib
 import json
 import os
+import select
 import signal
 import sys
 import threading
@@ -281,10 +283,8 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"ds4mlx agent: {e}")
         return 2
     try:
-        engine = Engine.load(model, ctx_size=args.ctx)
-        engine.speculation = speculation_for(
-            engine, getattr(args, "speculative", "off"), getattr(args, "draft_tokens", 4)
-        )
+        engine = Engine.load(model, ctx_size=args.ctx, speculative=args.speculative)
+        engine.speculation = speculation_for(engine, args.speculative, args.draft_tokens)
     except (LoadError, OSError, ValueError, RuntimeError) as e:
         err.print(f"ds4mlx agent: cannot load model {model}: {e}")
         return 2
@@ -376,7 +376,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_mode(agent: Agent, ui: RichUI, banner: str, args: argparse.Namespace) -> int:
-    """``-p``: send one message; the answer on stdout, the transcript on stderr."""
+    """``-p``: send one message; the answer on stdout, the transcript on stderr.
+
+    Exit status: 0 when the answer ended, also when ``--max-tokens`` (or the demo cap)
+    cut a turn (``length``: a normal end, with a note on stderr); 1 when it stopped
+    otherwise (the context full, ``--max-steps``, an interruption, an engine error);
+    128 + N after signal N.
+    """
     from ds4mlx.agent.sanitize import escape_controls
 
     err = ui.console
@@ -395,6 +401,9 @@ def _print_mode(agent: Agent, ui: RichUI, banner: str, args: argparse.Namespace)
     if answer:
         sys.stdout.write(answer if answer.endswith("\n") else answer + "\n")
         sys.stdout.flush()
+    if result.status == "length":
+        err.print("ds4mlx agent: note: the answer was cut at the per-turn token limit (length)")
+        return 0
     if not ok:
         err.print(f"ds4mlx agent: stopped: {result.status} {result.message}".rstrip())
     return 0 if ok else 1
@@ -417,6 +426,8 @@ class SignalState:
         prompting: the prompt is being shown (a SIGINT then is kept in ``pending`` and
             raised when the read starts, so every Ctrl+C at the prompt is answered).
         pending: a SIGINT arrived while prompting.
+        interrupts: how many times the SIGINT handler ran while prompting (the watcher of
+            :func:`_redeliver_until_handled` compares it to know a SIGINT was seen).
         terminating: SIGTERM or SIGHUP arrived (its number); 0 if not.
     """
 
@@ -424,6 +435,7 @@ class SignalState:
         self.reading = False
         self.prompting = False
         self.pending = False
+        self.interrupts = 0
         self.terminating = 0
 
     @contextlib.contextmanager
@@ -470,6 +482,8 @@ def _signals(*, interactive: bool, exiting: bool = False):
         return
 
     def on_int(signum, frame):
+        if state.prompting:
+            state.interrupts += 1
         if state.reading:
             state.reading = False  # first: a nested call (see above) must not raise
             raise KeyboardInterrupt
@@ -496,7 +510,7 @@ def _signals(*, interactive: bool, exiting: bool = False):
     signal.signal(signal.SIGHUP, on_term)
     try:
         # Inside the handlers' lifetime: the watcher re-sends only while on_term is installed.
-        with _redeliver_until_handled(state, (signal.SIGTERM, signal.SIGHUP)):
+        with _redeliver_until_handled(state, interactive=interactive):
             yield state
     finally:
         for s, h in prev.items():
@@ -509,29 +523,73 @@ _REDELIVER_S = 0.05
 
 
 @contextlib.contextmanager
-def _redeliver_until_handled(state: SignalState, signals: tuple[int, ...]):
-    """Re-send a terminating signal to the main thread until its Python handler has run.
+def _redeliver_until_handled(state: SignalState, *, interactive: bool):
+    """Re-send a signal to the main thread until its Python handler has run.
 
     CPython runs a Python signal handler only in the main thread, when the interpreter
     next checks; a main thread blocked in C learns of a signal only from ``EINTR``. The
-    prompt's ``input()`` blocks in readline's ``select`` with no timeout, so SIGTERM was
-    lost (the agent stayed at the prompt) when it arrived after the interpreter's last
-    check but before ``select`` started, or when the kernel handed it to another thread
-    (it may pick any thread that does not block the signal). Python's wakeup fd records
-    every signal whichever thread took it: a watcher thread reading it re-sends the
-    signal to the main thread (``pthread_kill``, interrupting the ``select``) every
-    ``_REDELIVER_S`` s until ``state.terminating`` shows the handler ran. Must be entered
-    on the main thread, while the handlers are installed.
+    prompt's ``input()`` blocks in readline's ``select`` with no timeout, so a signal was
+    lost when it arrived after the interpreter's last check but before ``select``
+    started, or when the kernel handed it to another thread (it may pick any thread that
+    does not block the signal, e.g. when the main thread already has one pending). For
+    SIGTERM the agent stayed at the prompt; for SIGINT the handler ran only when the
+    next line arrived, and cancelled that line. Python's wakeup fd records every signal
+    whichever thread took it: a watcher thread reading it re-sends the signal to the
+    main thread (``pthread_kill``, interrupting the ``select``):
+
+    - SIGTERM/SIGHUP every ``_REDELIVER_S`` s until ``state.terminating`` shows the
+      handler ran;
+    - SIGINT (``interactive`` only) that came while prompting once, after
+      ``_REDELIVER_S`` s, if the read still blocks and the handler has not run since.
+      The watcher drains the fd and decides once per batch (a burst is one decision,
+      made on fresh state). The re-sent copies write the fd too; the watcher skips as
+      many SIGINT bytes as it sent, so a re-send never triggers another.
+
+    Must be entered on the main thread, while the handlers are installed.
     """
     r, w = os.pipe()
     os.set_blocking(w, False)  # set_wakeup_fd requires it
+    os.set_blocking(r, False)  # the watcher drains what is there, then waits in select
     prev_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
     done = threading.Event()
     main = threading.main_thread().ident
+    terminating = (signal.SIGTERM, signal.SIGHUP)
+
+    def interrupt_read() -> int:
+        """One SIGINT at the prompt: re-send it if the main thread never saw it."""
+        if not (state.prompting or state.reading):
+            return 0  # a turn's handler or nobody's: not the prompt's to answer
+        seen = state.interrupts
+        if done.wait(_REDELIVER_S) or not state.reading or state.interrupts != seen:
+            return 0
+        signal.pthread_kill(main, signal.SIGINT)
+        return 1
+
+    def batch() -> bytes | None:
+        """Every byte written so far (waits for the first one); None at EOF."""
+        select.select([r], [], [])
+        out = b""
+        while True:
+            try:
+                chunk = os.read(r, 4096)
+            except BlockingIOError:
+                return out
+            if not chunk:
+                return out or None
+            out += chunk
 
     def watch() -> None:
-        while data := os.read(r, 64):
-            sig = next((s for s in data if s in signals), None)
+        owed = 0  # SIGINT bytes this watcher caused itself
+        while (data := batch()) is not None:
+            # One decision per batch, on fresh state: a burst's bytes judged one by one,
+            # each after the last one's wait, were judged seconds late, against a read
+            # that began after them, and the re-send cancelled a line typed meanwhile.
+            ints = data.count(signal.SIGINT) if interactive else 0
+            paid = min(owed, ints)
+            owed -= paid
+            if ints > paid:
+                owed += interrupt_read()
+            sig = next((s for s in data if s in terminating), None)
             # Each re-send writes the wakeup fd again; the loop below already covers it.
             while sig is not None and not state.terminating and not done.wait(_REDELIVER_S):
                 if not state.terminating:

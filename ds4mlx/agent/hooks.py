@@ -39,6 +39,7 @@ DEFAULT_TIMEOUT = 10.0
 MIN_TIMEOUT, MAX_TIMEOUT = 1.0, 3600.0
 BEFORE, AFTER = "before_response", "after_response"
 _STDERR_TAIL = 300  # characters of a failing hook's stderr quoted in the warning
+_DRAIN_S = 2.0  # after the kill, how long its stderr may stay open before we stop reading
 
 
 def _stderr_warning(text: str) -> None:
@@ -102,7 +103,14 @@ class Hooks:
             _, err = proc.communicate(data, timeout=self.timeout)
         except subprocess.TimeoutExpired:
             _kill_group(proc.pid)
-            proc.communicate()
+            try:
+                proc.communicate(timeout=_DRAIN_S)
+            except subprocess.TimeoutExpired:
+                # A process the hook started in a session of its own escaped the kill and
+                # holds stderr open: stop reading (the hook itself is dead) rather than
+                # wait for it forever.
+                proc.stderr.close()  # type: ignore[union-attr]
+                proc.wait()
             self.warn(f"{event} hook killed after {self.timeout:g} s (--hook-timeout)")
             return
         if proc.returncode != 0:

@@ -7,7 +7,11 @@ that a terminal may act on instead of drawing — the C0 controls except ``\\n``
 ``\\t``, DEL and the C1 controls U+0080–U+009F (``\\x9b`` is CSI, ``\\x9d`` OSC on a
 terminal that honours 8-bit controls) — is replaced by its escape in one form,
 ``\\xNN`` (two lowercase hex digits): ``ESC`` shows as ``\\x1b``, BEL as ``\\x07``,
-CSI as ``\\x9b``. The escape is plain printable text, so sanitizing is idempotent.
+CSI as ``\\x9b``. So are the Unicode bidi embeddings, overrides and isolates
+(U+202A–U+202E, U+2066–U+2069), as ``\\uNNNN``: a bidi-aware terminal (macOS Terminal,
+iTerm2, Konsole) reorders the text around them, so a command could read as something
+else than what runs (Trojan Source, CVE-2021-42574). Right-to-left letters and the plain
+direction marks stay. The escape is plain printable text, so sanitizing is idempotent.
 
 The terminal UI (:mod:`ds4mlx.agent.ui`) applies it to everything it prints, and the
 shell tool applies it to the command output the model reads
@@ -18,23 +22,27 @@ from __future__ import annotations
 
 import re
 
-# C0 without \t (0x09) and \n (0x0a), DEL (0x7f) and C1 (0x80-0x9f).
-CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# C0 without \t (0x09) and \n (0x0a), DEL (0x7f), C1 (0x80-0x9f), and the bidi
+# embeddings/overrides (U+202A-U+202E) and isolates (U+2066-U+2069).
+CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
 def _escape(m: re.Match[str]) -> str:
-    return f"\\x{ord(m.group()):02x}"
+    code = ord(m.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 def escape_controls(text: str) -> str:
-    """``text`` with every control character except ``\\n``/``\\t`` written as ``\\xNN``.
+    """``text`` with every control character except ``\\n``/``\\t`` written as ``\\xNN``
+    (a bidi control as ``\\uNNNN``).
 
     Args:
         text: any string (Python ``str``, so a C1 control is one code point).
 
     Returns:
         The same string when it holds no such character (the common case costs one
-        regex search), else a copy where each one is its four-character escape.
+        regex search), else a copy where each one is its escape (four characters,
+        six for a bidi control).
     """
     if CONTROL_RE.search(text) is None:
         return text

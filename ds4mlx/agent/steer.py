@@ -101,8 +101,10 @@ class KeyReader:
             self._raw.__exit__(None, None, None)
         self._input.close()
 
-    def read_line(self) -> str:
-        """The next line typed (a prompt is on screen): echoed as typed.
+    def read_line(self, show_prompt: Callable[[], None] = lambda: None) -> str:
+        """The next line typed after ``show_prompt()`` put the question on screen: echoed
+        as typed. The reader answers before the prompt is shown: a key typed once the
+        prompt is visible (a Ctrl+D at once) is never taken for one typed before it.
 
         Raises:
             EOFError: Ctrl+D.
@@ -112,6 +114,7 @@ class KeyReader:
         kept, self.partial = self.partial, ""
         self._answers = answers
         try:
+            show_prompt()
             while True:
                 with contextlib.suppress(queue.Empty):
                     got = answers.get(timeout=0.1)  # short waits: a signal gets through

@@ -68,7 +68,9 @@ _ANSWERS = {
 
 
 ESCAPE_STYLE = "reverse"
-CONTROL_WARNING = "⚠ contains control characters (shown as \\xNN escapes, in reverse video)"
+CONTROL_WARNING = (
+    "⚠ contains control characters (shown as \\xNN / \\uNNNN escapes, in reverse video)"
+)
 
 
 def _text(text: str, style: str | None = None) -> Text:
@@ -209,9 +211,12 @@ class RichUI(AgentUI):
         turn runs (the next line typed, never one queued before), else ``input()``."""
         if self.keys is None:
             return self.console.input(Text(prompt), markup=False)
-        self.console.print(Text(prompt), end="")
-        self.console.file.flush()
-        return self.keys.read_line()
+
+        def show() -> None:
+            self.console.print(Text(prompt), end="")
+            self.console.file.flush()
+
+        return self.keys.read_line(show)
 
     def prefill_progress(self, done: int, total: int) -> None:
         if total < PROGRESS_MIN_TOKENS or not self.console.is_interactive:

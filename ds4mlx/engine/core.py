@@ -56,6 +56,8 @@ def describe_quant(model) -> QuantInfo:
     of quantized layers, else the dtype of the weights), so it describes what runs."""
     buckets: dict[str, set[str]] = {"experts": set(), "other": set()}
     for name, mod in model.named_modules():
+        if name.startswith("mtp."):
+            continue  # the drafter: not part of what the target state depends on
         routed = ".experts" in f".{name}" and "shared" not in name
         bucket = "experts" if routed else "other"
         bits = getattr(mod, "bits", None)
@@ -154,7 +156,13 @@ class Engine:
 
     @classmethod
     def load(
-        cls, path: str | os.PathLike, *, ctx_size: int | None = None, dtype=None, sessions: int = 1
+        cls,
+        path: str | os.PathLike,
+        *,
+        ctx_size: int | None = None,
+        dtype=None,
+        sessions: int = 1,
+        speculative: str = "off",
     ) -> Engine:
         """Load the checkpoint directory ``path`` (config.json, *.safetensors, tokenizer).
 
@@ -166,6 +174,11 @@ class Engine:
                 float32 on the CPU, where MLX has no fast half-precision arithmetic.
             sessions: resident session states the caller keeps (``serve --sessions``),
                 counted by the fit check.
+            speculative: the ``--speculative`` mode; ``mtp`` and ``auto`` also load the
+                checkpoint's MTP drafter when it has one (counted by the fit check);
+                ``dspark`` and ``auto`` count its DSpark drafter (loaded by
+                ``speculation_for``); the other modes never read them. Set
+                ``speculation`` afterwards (``ds4mlx.engine.speculative.speculation_for``).
         Raises:
             ds4mlx.model.loading.LoadError: unreadable or unsupported checkpoint.
             ds4mlx.tokenizer.TokenizerError: unusable tokenizer.
@@ -178,7 +191,14 @@ class Engine:
             dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
         # The fit check (weights + KV at this context vs device memory) runs before any
         # weight is read.
-        model, args = load_model(str(path), dtype=dtype, ctx_size=ctx_size, sessions=sessions)
+        model, args = load_model(
+            str(path),
+            dtype=dtype,
+            ctx_size=ctx_size,
+            sessions=sessions,
+            mtp=speculative in ("mtp", "auto"),
+            dspark=speculative in ("dspark", "auto"),
+        )
         with open(path / "config.json") as f:
             config = json.load(f)
         return cls(model, args, Tokenizer.load(path), path=path, config=config, ctx_size=ctx_size)

@@ -5,18 +5,25 @@ turn generates after ``</think>`` in thinking mode, from its first token in chat
 Reasoning is never constrained. The turn loop installs `Grammar.hooks` around its own
 `TurnHooks` when ``TurnSpec.grammar`` is set (`GrammarHooks`):
 
-- every generated token (sampled, scripted or force-fed) after the reasoning is
-  consumed by the matcher, so the mask always describes the state the session holds;
-- before each sampling step the next-token bitmask is filled (llguidance's numpy API,
-  into a preallocated ``int32`` buffer) and applied: ``mx.where`` over the unpacked
-  bits, on every device (llguidance's MLX helper is a Metal-only kernel; on Metal it
-  could replace the unpacking, unmeasured here);
-- the mask for step t+1 is computed as soon as the loop asks for it, which in the
-  pipelined loop is after the forward of token t was launched (``mx.async_eval``): on
-  a GPU the matcher runs on the CPU while the forward runs on the device;
+- every token handed to the loop after the reasoning (sampled, scripted, force-fed, a
+  verified draft: `TurnHooks.on_token`) is consumed by the matcher, so the mask always
+  describes the tokens before the step it masks;
+- the next-token bitmask is filled (llguidance's numpy API, into a preallocated
+  ``int32`` buffer) on a thread (`_FILL`) as soon as token t is known, while the loop
+  streams t and the forward of t runs; the sampling step for t+1 waits for that fill
+  and applies it: ``mx.where`` over the unpacked bits, on every device (llguidance's
+  MLX helper is a Metal-only kernel; on Metal it could replace the unpacking,
+  unmeasured here). The same consume / fill sequence as a synchronous mask, so the
+  output is the same;
+- speculative decoding: drafts are cut before the first one the grammar forbids
+  (`GrammarHooks.admit`: llguidance checks them without advancing the matcher), and
+  each verify row is masked by the matcher advanced through the accepted tokens before
+  it. The matcher only ever consumes tokens the loop keeps, so nothing needs rolling
+  back;
 - a token the grammar rejects (a script that leaves it, a forced feed it does not
   expect) ends the constraint for the turn (`GrammarHooks.violated`): nothing is
-  masked afterwards and the output claims no validity.
+  masked afterwards and the output claims no validity; `TurnResult.grammar` says how
+  the constraint went.
 
 Grammars are built from what callers have already checked (`json_grammar`, `turn_grammar`
 take JSON-schema dicts, the engine's `ToolSpec` schemas; no wire format): a schema or
@@ -34,6 +41,7 @@ import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,11 +120,16 @@ class Grammar:
     """A validated llguidance grammar for a turn's reply (opaque to callers).
 
     ``source``: llguidance's grammar text (a Lark grammar or its JSON form);
-    ``what``: a short description for logs (``json_schema``, ``tools``).
+    ``what``: a short description for logs (``json_schema``, ``tools``);
+    ``matcher``: the grammar compiled against a tokenizer of ``vocab`` ids when it was
+    validated with one (`validate`), or None: each turn starts from a copy of it, so
+    the inference thread never compiles a grammar the request thread already did.
     """
 
     source: str
     what: str = "grammar"
+    matcher: Any = field(default=None, compare=False, repr=False)
+    vocab: int = 0
 
     def hooks(self, inner: TurnHooks) -> GrammarHooks:
         """The turn's hooks with this grammar's mask around ``inner``'s."""
@@ -199,12 +212,34 @@ def validate(source: str, tokenizer=None, *, schema: Any = None, what: str = "gr
         raise GrammarError(
             f"the grammar is {len(source)} characters; the limit is {MAX_SOURCE_CHARS}"
         )
+    if tokenizer is not None:  # the full compile, kept for the turns (`Grammar.matcher`)
+        m = llguidance.LLMatcher(tokenizer, source, log_level=0, limits=_limits())
+        if m.is_error():
+            raise _explain(m.get_error() or "the grammar does not compile", schema)
+        return Grammar(source, what, m, int(tokenizer.vocab_size))
     is_error, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(
-        source, tokenizer, limits=_limits()
+        source, None, limits=_limits()
     )
     if is_error:
         raise _explain(msgs[0] if msgs else "the grammar does not compile", schema)
     return Grammar(source, what)
+
+
+# DS4's prompt-format markers as a grammar could spell them: special tokens
+# (``<｜end▁of▁sentence｜>``, ``<｜User｜>``) and DSML tags (``</｜DSML｜parameter>``).
+_MARKER_RE = re.compile(r"<｜[^｜<>]*｜>|｜DSML｜")
+
+
+def _check_markers(definition: str, where: str = "") -> None:
+    """Raise GrammarError when a custom tool grammar spells a prompt-format marker: the
+    DSML decoder would end the call (a parameter closer) or the turn (EOS) at that text,
+    whatever the grammar says comes next, so its input could never be generated."""
+    marker = _MARKER_RE.search(definition)
+    if marker is not None:
+        raise GrammarError(
+            f"{where}the grammar spells the prompt-format marker {marker.group()!r}: the "
+            "model cannot write it as a tool's input"
+        )
 
 
 def custom_grammar(syntax: str | None, definition: str | None, tokenizer=None) -> Grammar:
@@ -212,14 +247,30 @@ def custom_grammar(syntax: str | None, definition: str | None, tokenizer=None) -
     ``"regex"``).
 
     Raises:
-        GrammarError: an unknown syntax, or a definition that does not compile.
+        GrammarError: an unknown syntax, a definition that spells a prompt-format marker
+            (`_MARKER_RE`), or one that does not compile.
     """
     if syntax not in ("lark", "regex"):
         raise GrammarError(f"unknown grammar syntax {syntax!r} (supported: lark, regex)")
     if not isinstance(definition, str) or not definition.strip():
         raise GrammarError("the grammar definition is empty")
+    _check_markers(definition)
     lark = definition if syntax == "lark" else f"start: /{_regex_body(definition)}/"
-    return validate(json.dumps({"grammars": [{"lark_grammar": lark}]}), tokenizer, what=syntax)
+    gram = validate(json.dumps({"grammars": [{"lark_grammar": lark}]}), tokenizer, what=syntax)
+    if gram.matcher is not None and _matches_nothing(gram.matcher, gram.vocab):
+        # Embedded in the tool-call grammar, such a rule lets no input start: the call
+        # would end empty and be dropped, and a required tool choice silently unmet.
+        raise GrammarError("the grammar matches no text (no rule derives a finite string)")
+    return gram
+
+
+def _matches_nothing(matcher: Any, vocab: int) -> bool:
+    """Whether a compiled grammar refuses every first token and the empty input (a copy
+    of ``matcher`` is probed; ``matcher`` stays at its start)."""
+    probe = matcher.deep_copy()
+    mask = llnp.allocate_token_bitmask(1, vocab)
+    llnp.fill_next_token_bitmask(probe, mask)
+    return probe.is_error() or (not probe.is_accepting() and not mask.any())
 
 
 def _json_lark(schema: dict[str, Any]) -> str:
@@ -250,12 +301,13 @@ def _pointer(root: Any, ref: Any) -> Any:
     return node
 
 
-def _ref_cycle(root: Any, node: Any = None, path: tuple[str, ...] = ()) -> str | None:
-    """The path of a ``$ref`` that leads only through ``$ref``s back to one it passed
-    (``$defs.a: {"$ref": "#/$defs/a"}``), else None. llguidance accepts such a schema,
-    but nothing satisfies it: it must be refused like any schema that cannot be served.
-    A recursive schema that defines structure on the way (a tree) is not a cycle."""
-    node = root if node is None else node
+def _ref_cycle(root: Any, node: Any, path: tuple[str, ...] = ()) -> str | None:
+    """The path of a ``$ref`` under ``node`` (a part of the schema ``root``) that leads
+    only through ``$ref``s back to one it passed (``$defs.a: {"$ref": "#/$defs/a"}``),
+    else None. llguidance accepts such a schema, but nothing satisfies it: it must be
+    refused like any schema that cannot be served. A recursive schema that defines
+    structure on the way (a tree) is not a cycle. ``node`` may be any JSON value,
+    ``null`` included (a ``default``, a ``const``)."""
     if isinstance(node, dict):
         seen: set[int] = set()
         cur = node
@@ -278,7 +330,7 @@ def _ref_cycle(root: Any, node: Any = None, path: tuple[str, ...] = ()) -> str |
 
 def _check_refs(schema: Any, where: str = "") -> None:
     """Raise GrammarError when ``schema`` holds a `_ref_cycle`."""
-    found = _ref_cycle(schema)
+    found = _ref_cycle(schema, schema)
     if found is not None:
         raise GrammarError(f"{where}$ref cycle: it defines no value", found)
 
@@ -423,6 +475,7 @@ def _custom_params(b: _Builder, tool: ToolSpec, rule: ToolRule) -> str:
     head = _lit(f'{PARAM_OPEN} name="{props[0]}" string="true">')
     if rule.syntax is None:
         return f"{head} RAWC {_lit(chr(10))}"
+    _check_markers(rule.definition or "", f"tool {tool.name!r}: ")
     if rule.syntax == "lark":
         value = b.sub({"lark_grammar": rule.definition})
     elif rule.syntax == "regex":
@@ -542,18 +595,32 @@ class MaskStats:
     waits: list[float] = field(default_factory=list)
 
 
+# The thread that advances matchers and fills bitmasks beside the inference thread: one,
+# so that a turn's fills run in order (each turn waits on its own futures only).
+_FILL = ThreadPoolExecutor(1, thread_name_prefix="ds4mlx-mask")
+
+
 class GrammarHooks(TurnHooks):
     """`TurnHooks` that mask each sampling step by a `Grammar` (see the module doc); every
     other hook is ``inner``'s. ``violated``: a generated token left the grammar (the
-    constraint stopped there); ``stats``: `MaskStats`."""
+    constraint stopped there); ``stats``: `MaskStats`.
+
+    Threading: `on_token` (inference thread) hands the token to `_FILL`, which consumes
+    it and fills the bitmask for the next step while the loop goes on (streaming the
+    token, the forward pass); `mask` waits for that fill, then applies it. The matcher
+    and bitmask are only touched by one thread at a time: the inference thread reads
+    them after waiting on the last future.
+    """
 
     def __init__(self, grammar: Grammar, inner: TurnHooks):
         self.grammar, self.inner = grammar, inner
         self.matcher: llguidance.LLMatcher | None = None
         self.bitmask: np.ndarray | None = None
-        self.seen = -1  # absolute session position of the next token to consume
-        self.started = False
+        self.started = False  # the reply began: after </think> in thinking mode
         self.violated = False
+        self.fresh = False  # the bitmask describes the matcher's current state
+        self.pending: Future | None = None  # the last token's consume-and-fill
+        self.queued = 0  # tokens handed over (a fill a later token supersedes is skipped)
         self.stats = MaskStats()
 
     def after_prefill(self, turn: Turn) -> None:
@@ -565,53 +632,100 @@ class GrammarHooks(TurnHooks):
     def draft(self, turn: Turn) -> Sequence[int]:
         return self.inner.draft(turn)
 
+    def admit(self, turn: Turn, drafts: Sequence[int]) -> int:
+        """The drafts the grammar allows after the tokens so far (llguidance checks
+        them without advancing the matcher), within what ``inner`` admits."""
+        n = self.inner.admit(turn, drafts)
+        self._wait()
+        if self.violated or not self.started or self.matcher is None:
+            return n
+        return min(n, self.matcher.validate_tokens(list(drafts[:n])))
+
+    def may_end(self, turn: Turn) -> bool:
+        """Where the grammar lets an EOS through: its matcher accepts (or stopped), or
+        it has not started (reasoning is free) or was left (a violating script)."""
+        self._wait()
+        free = self.violated or not self.started or self.matcher is None
+        return (free or self._accepts()) and self.inner.may_end(turn)
+
+    def _accepts(self) -> bool:
+        """The output so far is a sentence of the grammar (or the grammar ended)."""
+        return self.matcher.is_stopped() or self.matcher.is_accepting()
+
     def at_end(self, turn: Turn) -> None:
+        self._wait()
+        if not (self.started or not turn.spec.thinking):
+            turn.result.grammar = "unstarted"
+        elif self.violated:
+            turn.result.grammar = "violated"
+        else:
+            self._start(turn)
+            turn.result.grammar = "complete" if self._accepts() else "incomplete"
         self.inner.at_end(turn)
 
-    def _start(self, turn: Turn, vocab: int) -> None:
-        tok = ll_tokenizer(turn.tok, vocab)
-        self.matcher = llguidance.LLMatcher(tok, self.grammar.source, log_level=0, limits=_limits())
+    def _start(self, turn: Turn) -> None:
+        """Compile the matcher (once), for the model's logits width."""
+        if self.matcher is not None:
+            return
+        vocab, g = int(turn.s.logits.shape[-1]), self.grammar
+        if g.matcher is not None and g.vocab == vocab:
+            self.matcher = g.matcher.deep_copy()
+        else:
+            tok = ll_tokenizer(turn.tok, vocab)
+            self.matcher = llguidance.LLMatcher(tok, g.source, log_level=0, limits=_limits())
         self.bitmask = llnp.allocate_token_bitmask(1, vocab)
         if self.matcher.is_error():  # validated at the route: a fault, not bad input
             raise RuntimeError(f"grammar failed to start: {self.matcher.get_error()}")
+        self.started = self.started or not turn.spec.thinking
 
-    def _catch_up(self, turn: Turn) -> bool:
-        """Consume the generated tokens the matcher has not seen; False while the
-        constraint has not started (reasoning) or after a violation."""
-        tokens = turn.s.tokens
-        if self.seen < 0:  # first call: where this turn's generated tokens begin
-            self.seen = len(tokens) - turn.result.fed
-        new = tokens[self.seen :]
-        self.seen = len(tokens)
-        if not self.started:
-            if turn.spec.thinking:
-                if turn.tok.think_end_id not in new:
-                    return False
-                new = new[len(new) - new[::-1].index(turn.tok.think_end_id) :]
-            self.started = True
-        if new and not self.matcher.consume_tokens(new):
+    def _fill(self) -> None:
+        t0 = time.perf_counter()
+        llnp.fill_next_token_bitmask(self.matcher, self.bitmask)
+        self.stats.fill_s += time.perf_counter() - t0
+        self.fresh = True
+
+    def _advance(self, token: int, n: int) -> None:
+        """On `_FILL`: consume ``token``; fill the next step's bitmask unless a later
+        token was handed over meanwhile (its own task fills)."""
+        if self.violated:
+            return
+        if not self.matcher.consume_token(token):
             self.violated = True
-        return not self.violated
+        elif n == self.queued:
+            self._fill()
+
+    def _wait(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()  # re-raises what failed on the fill thread
+
+    def on_token(self, turn: Turn, token: int) -> None:
+        self.inner.on_token(turn, token)
+        if self.violated:
+            return
+        self._start(turn)
+        if not self.started:  # reasoning: free until its </think> (not consumed)
+            self.started = token == turn.tok.think_end_id
+            return
+        self.fresh = False
+        self.queued += 1
+        self.pending = _FILL.submit(self._advance, token, self.queued)
 
     def mask(self, turn: Turn, logits: mx.array) -> mx.array | None:
         inner = self.inner.mask(turn, logits)
-        if self.violated:
-            return inner
-        base = logits if inner is None else inner
-        vocab = base.shape[-1]
-        if self.matcher is None:
-            self._start(turn, vocab)
         t_in = time.perf_counter()
-        if not self._catch_up(turn):
+        self._start(turn)
+        self._wait()
+        if self.violated or not self.started:
             return inner
-        t0 = time.perf_counter()
-        llnp.fill_next_token_bitmask(self.matcher, self.bitmask)
+        if not self.fresh:  # the reply's first step: nothing consumed yet
+            self._fill()
+        base = logits if inner is None else inner
         t1 = time.perf_counter()
-        allowed = mx.array(_bits_to_bool(self.bitmask[0], vocab))
+        allowed = mx.array(_bits_to_bool(self.bitmask[0], base.shape[-1]))
         out = mx.where(allowed, base, mx.array(-mx.inf, dtype=base.dtype))
-        self.stats.steps += 1
-        self.stats.fill_s += t1 - t0
         t2 = time.perf_counter()
+        self.stats.steps += 1
         self.stats.apply_s += t2 - t1
         self.stats.waits.append(t2 - t_in)
         return out

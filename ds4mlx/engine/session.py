@@ -16,7 +16,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from ds4mlx.engine.sampling import SamplingParams, sample_token
+from ds4mlx.engine.drafts import DraftView
+from ds4mlx.engine.sampling import SamplingParams, sample_token, sampling_logprobs
 
 # Prefill chunk (tokens per forward). Large enough to keep GEMMs efficient, small enough
 # that the per-chunk activations stay modest and cancellation/progress stay responsive.
@@ -116,20 +117,37 @@ def _caches_from(caches: list, arrays: dict[str, mx.array]) -> list:
     return caches
 
 
-def _pipeline_part(engine, cache, state: SessionState, restore: bool = False) -> None:
+def _pipeline_part(
+    engine, cache, state: SessionState, restore: bool = False, disk_key: str | None = None
+) -> None:
     """A model split across ranks (`ds4mlx.engine.pipeline`): the other ranks keep (or
-    restore) their layers' part of ``state`` in their memory. Raises SnapshotError for a
-    state whose part is not there (one read from disk)."""
+    restore) their layers' part of ``state``, in their memory and, under ``disk_key``, on
+    their disks. Raises SnapshotError for a state whose part is not there on every rank."""
     model = engine.model
     if getattr(model, "snapshots", True) is True:
         return
     if not restore:
-        model.snapshot_part(cache, state)
+        model.snapshot_part(cache, state, disk_key)
         return
     try:
         model.restore_part(cache, state)
     except ValueError as e:
         raise SnapshotError(str(e)) from e
+
+
+def _eval_settled(engine, *arrays) -> None:
+    """Evaluate ``arrays`` (None entries skipped), which cover everything launched, then
+    `_settled`."""
+    mx.eval(*(a for a in arrays if a is not None))
+    _settled(engine)
+
+
+def _settled(engine) -> None:
+    """Everything launched is evaluated (or dropped, on reset): a model split across ranks
+    stops bounding its wait on them (``--rank-timeout``, `ds4mlx.engine.deadline`)."""
+    settled = getattr(engine.model, "settled", None)
+    if settled is not None:
+        settled()
 
 
 @dataclass
@@ -139,6 +157,7 @@ class PendingStep:
 
     logits: mx.array
     saved: list[Any]
+    tapped: dict = field(default_factory=dict)  # the drafters' rows (`DraftView`)
 
 
 # --------------------------------------------------------------------------- session
@@ -151,6 +170,19 @@ def split_key(session: Session, params: SamplingParams) -> mx.array:
         session.seed(params.seed)
     session._key, sub = mx.random.split(session._key)
     return sub
+
+
+def draft_token(
+    session: Session, logits: mx.array, params: SamplingParams
+) -> tuple[mx.array, mx.array | None]:
+    """One draft from a drafter's logits ``(vocab,)`` (lazy int32 scalar): the argmax for
+    a greedy request, else a draw from the request's sampling distribution on
+    ``session``'s generator, whose probabilities ``(vocab,)`` float32 come with it (the
+    acceptance rule's q; None when greedy: all mass on the draft)."""
+    if params.greedy:
+        return mx.argmax(logits), None
+    lp = sampling_logprobs(logits, params)
+    return mx.random.categorical(lp, key=split_key(session, params)), mx.exp(lp)
 
 
 class VerifyStep:
@@ -184,6 +216,7 @@ class VerifyStep:
         except BaseException:
             session.reset()
             raise
+        self.tapped = dict(getattr(session.engine.model, "tapped", {}))
         session.tentative = self
 
     def settle(self, kept: Sequence[int]) -> None:
@@ -194,6 +227,7 @@ class VerifyStep:
         s, kept = self.s, [int(t) for t in kept]
         s.tentative = None
         if kept == self.tokens:
+            s.draft.add(len(s.tokens), self.tapped)
             s.tokens.extend(kept)
             s.logits = self.logits[-1]
             return
@@ -221,6 +255,7 @@ class Session:
         self._script: deque[int] | None = None
         self._key: mx.array | None = None
         self.tentative: VerifyStep | None = None  # unverified rows in the caches
+        self.draft = DraftView(engine.model)  # what drafters keep (`ds4mlx.engine.drafts`)
 
     # ---- bookkeeping
 
@@ -250,6 +285,8 @@ class Session:
         self._cache = self.engine.model.make_cache()
         self._script = None
         self._key = None
+        self.draft.clear()
+        _settled(self.engine)  # nothing launched before is waited for any more
 
     def _check_room(self, n: int) -> None:
         if len(self.tokens) + n > self.ctx_size:
@@ -268,12 +305,13 @@ class Session:
             logits = self.engine._last_logits(x, self._cache)
             # Evaluate the cache too: its frontier state is not always on the logits'
             # graph, and a lazy graph would otherwise grow across calls.
-            mx.eval(logits, self._cache_arrays())
+            _eval_settled(self.engine, logits, self._cache_arrays())
         except BaseException:
             # The caches may hold part of this chunk: the only consistent state left is
             # the empty one. (KeyboardInterrupt included: callers keep the session.)
             self.reset()
             raise
+        self.draft.add(len(self.tokens))
         self.tokens.extend(tokens)
         self.logits = logits
         return logits
@@ -419,11 +457,12 @@ class Session:
         except BaseException:
             self.reset()
             raise
-        return PendingStep(logits, saved)
+        return PendingStep(logits, saved, dict(getattr(self.engine.model, "tapped", {})))
 
     def commit(self, step: PendingStep, token: int) -> None:
         """Feed the built step: ``token`` joins the session and its forward pass (logits
         and every cache array) starts evaluating (``mx.async_eval``)."""
+        self.draft.add(len(self.tokens), step.tapped)
         self.tokens.append(int(token))
         self.logits = step.logits
         mx.async_eval(step.logits, *self._cache_arrays())
@@ -435,14 +474,14 @@ class Session:
 
     def sync(self) -> None:
         """Wait for every launched evaluation (logits and caches)."""
-        mx.eval(*([self.logits] if self.logits is not None else []), *self._cache_arrays())
+        _eval_settled(self.engine, self.logits, *self._cache_arrays())
 
     # ---- snapshots
 
-    def snapshot(self) -> SessionState:
-        """A detached copy of the full state (tokens, logits, every cache tensor): later
-        feeding does not affect it (arrays are copied and evaluated). Raises RuntimeError
-        while a `VerifyStep` is unsettled."""
+    def snapshot(self, disk_key: str | None = None) -> SessionState:
+        """A detached, evaluated copy of tokens, logits and every cache tensor. ``disk_key``:
+        the disk key it is saved under (a pipeline split's ranks save their parts there).
+        Raises RuntimeError while a `VerifyStep` is unsettled."""
         if self.tentative is not None:
             raise RuntimeError("snapshot while unverified draft rows are in the caches")
         arrays: dict[str, mx.array] = {}
@@ -461,7 +500,7 @@ class Session:
             "n_layers": str(len(self._cache)),
         }
         state = SessionState(tokens=list(self.tokens), arrays=arrays, meta=meta)
-        _pipeline_part(self.engine, self._cache, state)
+        _pipeline_part(self.engine, self._cache, state, disk_key=disk_key)
         return state
 
     def restore(self, state: SessionState) -> None:
@@ -494,6 +533,7 @@ class Session:
         if logits is not None and tuple(logits.shape) != (vocab,):
             raise SnapshotError(f"snapshot logits have shape {logits.shape}, expected ({vocab},)")
         _pipeline_part(self.engine, caches, state, restore=True)
+        self.draft.clear()
         self._cache = caches
         self.tokens = list(state.tokens)
         self.logits = None if logits is None else mx.array(logits)

@@ -4,7 +4,8 @@ One draft→verify step of the turn loop (`ds4mlx.engine.turn`), after the loop 
 and accepted a token ``t0`` that is to be fed:
 
 1. a drafter proposes up to ``k`` tokens ``d1 … dk`` to follow ``t0`` (`TurnHooks.draft`
-   first, then the engine's own: `PromptLookup`, the checkpoint's MTP head);
+   first, then the engine's own: the checkpoint's MTP head or DSpark drafter
+   (`ds4mlx.engine.dspark`), `PromptLookup`);
 2. one forward pass over the ``k + 1`` rows ``t0, d1 … dk`` from the live state
    (`ds4mlx.engine.session.VerifyStep`) gives the target's logits after each row;
 3. token by token, exactly as the plain loop would: poll (cancel, hooks, length), pick
@@ -36,7 +37,9 @@ from typing import Any
 
 import mlx.core as mx
 
+from ds4mlx.engine.dspark import dspark_drafter
 from ds4mlx.engine.hooks import ChainedHooks, TurnHooks
+from ds4mlx.engine.mtp import MTPDrafter
 from ds4mlx.engine.sampling import sampling_logprobs
 from ds4mlx.engine.session import Session, VerifyStep, split_key
 from ds4mlx.sampling import DEFAULT_DRAFT_TOKENS as DEFAULT_DRAFT
@@ -58,7 +61,8 @@ class Speculation:
         drafted / accepted / fed / forwards: totals over the engine's turns (tokens
             checked, tokens accepted, tokens fed while drafting was on, target forward
             passes of those decodes).
-        mtp: the loaded MTP drafter (``ds4mlx.model.mtp``), or None.
+        mtp: the MTP drafter (``ds4mlx.engine.mtp.MTPDrafter``), or None.
+        dspark: the DSpark drafter (``ds4mlx.engine.dspark.DSparkDrafter``), or None.
     """
 
     mode: str = "off"
@@ -68,6 +72,7 @@ class Speculation:
     fed: int = 0
     forwards: int = 0
     mtp: Any = field(default=None, repr=False)
+    dspark: Any = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -98,27 +103,34 @@ class Speculation:
 def speculation_for(engine, mode: str, k: int = DEFAULT_DRAFT) -> Speculation:
     """The `Speculation` to set on ``engine`` for ``--speculative mode --draft-tokens k``.
 
-    ``auto``: the checkpoint's MTP drafter when it has one, plus prompt lookup.
-    Raises ValueError (a message for the user): ``mtp`` on a checkpoint without an
-    ``mtp.*`` drafter; ``dspark`` (not implemented yet: docs/KERNELS.md "Speculative
-    decoding"); a bad mode or ``k``; any drafting on a model split across ranks.
+    ``auto``: the checkpoint's drafter (MTP or DSpark) when it has one, plus prompt
+    lookup. The MTP drafter exists when the engine was loaded with it
+    (``Engine.load(speculative=…)``); the DSpark drafter is loaded here. Raises
+    ValueError (a message for the user): ``mtp`` on a checkpoint without an ``mtp.*``
+    drafter; ``dspark`` on one without a DSpark drafter, or a malformed one; a bad mode
+    or ``k``; any drafting on a model split across ranks.
     """
     if mode != "off" and getattr(engine, "layout", ""):
         # A verify writes rejected rows into every rank's caches; the followers cannot
         # rewind them yet (docs/DISTRIBUTED.md).
         raise ValueError(f"--speculative {mode} is not supported with --distributed yet")
-    mtp = getattr(engine.model, "mtp", None)
-    if mode == "mtp" and mtp is None:
-        n = getattr(engine.args, "num_nextn_predict_layers", 0)
+    blocks = getattr(engine.model, "mtp", None)
+    if mode == "mtp" and not blocks:
+        if getattr(engine.args, "drafter", None) == "dspark":
+            # Flash 0731: its mtp.* tensors are DSpark stages, the drafter the user meant.
+            raise ValueError(
+                f"--speculative mtp: {engine.path} has no MTP drafter: its mtp.* tensors "
+                "are a DSpark drafter (dspark_block_size in config.json); use "
+                "--speculative dspark (or auto)"
+            )
+        n = getattr(engine.args, "n_mtp_layers", 0)
         raise ValueError(
             f"--speculative mtp: {engine.path} has no MTP drafter "
             f"(num_nextn_predict_layers {n}, no mtp.* tensors loaded); use lookup or off"
         )
-    if mode == "dspark":
-        raise ValueError(
-            "--speculative dspark: the DSpark drafter is not implemented yet; use lookup or auto"
-        )
-    return Speculation(mode, k, mtp=mtp if mode in ("auto", "mtp") else None)
+    mtp = MTPDrafter(engine.model) if blocks and mode in ("auto", "mtp") else None
+    dspark = dspark_drafter(engine, mode)
+    return Speculation(mode, k, mtp=mtp, dspark=dspark)
 
 
 def draft_words(result) -> str:
@@ -264,6 +276,7 @@ class Drafting:
         mode = spec.mode if spec is not None else "off"
         self.lookup = PromptLookup() if mode in ("auto", "lookup") else None
         self.mtp = spec.mtp if spec is not None and mode in ("auto", "mtp") else None
+        self.dspark = spec.dspark if spec is not None and mode in ("auto", "dspark") else None
         self.backoff = BackOff()
 
     @classmethod
@@ -282,18 +295,21 @@ class Drafting:
 
     def propose(self, turn: Turn, t0: int) -> list[int]:
         """Drafts to follow ``t0``: the hooks', else the engine's drafters'; cut so that
-        every row fits the context and no draft lies past ``max_tokens``."""
+        every row fits the context and no draft lies past ``max_tokens``, and to the
+        prefix the hooks admit (`TurnHooks.admit`: a grammar's allowed tokens)."""
         s, r = turn.s, turn.result
         limit = min(self.k, s.room() - 1, turn.spec.max_tokens - r.completion_tokens)
         if limit < 1:
             return []
         drafts = list(self.hooks.draft(turn))
         self.qs: list[mx.array | None] = []
-        if not drafts and self.mtp is not None:
-            drafts, self.qs = self.mtp.propose(s, t0, limit, turn.spec.sampling)
+        for drafter in (self.mtp, self.dspark):
+            if not drafts and drafter is not None:
+                drafts, self.qs = drafter.propose(s, t0, limit, turn.spec.sampling)
         if not drafts and self.lookup is not None:
             drafts = self.lookup.propose([*s.tokens, t0], limit)
-        return [int(d) for d in drafts[:limit]]
+        drafts = [int(d) for d in drafts[:limit]]
+        return drafts[: self.hooks.admit(turn, drafts)] if drafts else drafts
 
     def feed(self, turn: Turn, t0: int, end: str | None, after: Callable[[Session], Any]):
         """Feed ``t0`` (handled, to be fed) and whatever drafted tokens the target

@@ -96,11 +96,17 @@ class Steering(TurnHooks):
             return None  # a tool boundary comes at the block's close
         return FINISH_STEERED
 
+    def on_token(self, turn: Turn, token: int) -> None:
+        self.inner.on_token(turn, token)
+
     def mask(self, turn: Turn, logits: mx.array) -> mx.array | None:
         return self.inner.mask(turn, logits)
 
     def draft(self, turn: Turn):
         return self.inner.draft(turn)
+
+    def admit(self, turn: Turn, drafts) -> int:
+        return self.inner.admit(turn, drafts)
 
     def at_end(self, turn: Turn) -> None:
         self.inner.at_end(turn)

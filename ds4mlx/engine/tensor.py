@@ -34,21 +34,26 @@ abandoned (pipelined decode) runs none of them.
 
 from __future__ import annotations
 
-import itertools
-import threading
-
 import mlx.core as mx
 import mlx.nn as nn
 
+from .deadline import RANK_TIMEOUT_S, StepDeadline, ring_sockets, wait_for_bytes
 from .pipeline import (
     HEADER_LEN,
     OP_FORWARD,
+    OP_HOP,
+    OP_LOAD,
     OP_RESTORE,
     OP_SHUTDOWN,
     OP_SNAPSHOT,
     PipelineError,
     PipelineModel,
     _Peers,
+    forget_freed,
+    keep_part,
+    load_part,
+    read_header,
+    relay,
 )
 
 # The arrays of a (quantized) linear that carry its output rows / input columns.
@@ -76,7 +81,10 @@ def _slice(m: nn.Module, axis: int, rank: int, world: int, what: str) -> None:
         step = a.shape[axis] // world
         index = [slice(None)] * a.ndim
         index[axis] = slice(rank * step, (rank + 1) * step)
-        m[name] = a[tuple(index)]
+        # A slice is a view of the whole tensor's buffer: copied out, the whole tensor
+        # is freed once read (a view kept every rank holding the full weights) and the
+        # input-column slices are contiguous for the matmuls.
+        m[name] = mx.contiguous(a[tuple(index)])
 
 
 class _SummedLinear(nn.Module):
@@ -156,22 +164,18 @@ class TensorModel(PipelineModel):
             holds every layer).
     """
 
-    snapshots = "memory"
+    # Every follower holds the whole KV: it keeps its copy of a snapshot in memory and,
+    # for a disk save, writes it to its own disk under the same key (`ds4mlx.kv.parts`).
+    snapshots = "parts"
 
-    def __init__(self, model, group):
+    def __init__(self, model, group, rank_timeout: float = RANK_TIMEOUT_S):
         self.model = model
         self.args = model.args
         self.ranges = [range(model.args.n_layers)]
-        self._peers = _Peers(group, self.ranges * group.size())
-        self._ids = itertools.count(1)
-        self._freed: list[int] = []
-        self._freed_snaps: list[int] = []
-        self._snap_ids = itertools.count(1)
-        self._lock = threading.Lock()
-        self.lost: str | None = None
+        self._control_plane(group, self.ranges * group.size(), rank_timeout)
 
     def _control(self, header: mx.array) -> None:
-        mx.eval(mx.distributed.all_sum(header, group=self._peers.group))
+        self._order(mx.distributed.all_sum(header, group=self._peers.group))
 
     def __call__(self, tokens: mx.array, cache, *, last_only: bool = False):
         """Float32 logits ``(1, L, vocab)`` (``(1, 1, vocab)`` with ``last_only``) for int32
@@ -189,19 +193,39 @@ class TensorModel(PipelineModel):
         tokens = mx.distributed.all_sum(mx.depends(tokens.astype(mx.int32), [header]), group=g)
         return m(tokens, list(cache), last_only=last_only)
 
-    def snapshot_part(self, cache, state) -> None:
+    def snapshot_part(self, cache, state, disk_key: str | None = None) -> None:
         """Have every follower keep a copy of its caches of ``cache``'s state (a full
-        copy: each rank holds the whole KV), named in ``state.meta["pipeline_part"]``."""
+        copy: each rank holds the whole KV), named in ``state.meta["pipeline_part"]``;
+        with ``disk_key`` each also writes it to its own disk under that key."""
         import weakref
 
         snap_id = next(self._snap_ids)
-        self._control(self._header(OP_SNAPSHOT, 0, cache.state_id, snap_id))
+        n = len(state.tokens)
+        self._control(self._header(OP_SNAPSHOT, n, cache.state_id, snap_id, disk_key))
         state.meta["pipeline_part"] = str(snap_id)
         weakref.finalize(state, self._free_snap, snap_id)
 
     def restore_part(self, cache, state) -> None:
-        """Have every follower set its caches of ``cache``'s state from its copy kept for
-        ``state``. Raises ValueError when ``state`` has none (read from disk)."""
+        """Have every follower set its caches of ``cache``'s state from its copy of
+        ``state``: read from its disk when ``state.meta["disk_key"]`` names the file it
+        came from (one more ``all_sum`` counts the ranks without a usable copy; then no
+        rank uses its copy), else the in-memory copy.
+
+        Raises:
+            ValueError: ``state`` has no copy on some rank.
+        """
+        key = state.meta.get("disk_key")
+        if key is not None:
+            g = self._peers.group
+            header = self._header(OP_LOAD, len(state.tokens), cache.state_id, 0, key)
+            header = mx.distributed.all_sum(header, group=g)
+            missing = mx.distributed.all_sum(
+                mx.depends(mx.zeros((1,), mx.int32), [header]), group=g
+            )
+            self._order(missing)
+            if int(missing.item()):
+                raise ValueError(f"a tensor rank has no usable copy of snapshot {key[:12]}")
+            return
         part = state.meta.get("pipeline_part")
         if part is None or not part.isdigit():
             raise ValueError("this snapshot has no part on the other tensor ranks")
@@ -212,56 +236,112 @@ class TensorModel(PipelineModel):
         if self.lost is not None:
             return
         try:
-            self._control(mx.array([OP_SHUTDOWN, 0, 0, -1, 0, -1], dtype=mx.int32))
+            self._control(self._header(OP_SHUTDOWN, 0, 0, 0))
         except RuntimeError as e:
             self.lost_peer(e)
 
 
-def follow(model, group) -> None:
+def follow(model, group, rank_timeout: float = RANK_TIMEOUT_S, parts=None) -> None:
     """The loop of a rank > 0: the same forward as rank 0 on this rank's slices for every
-    call, and copies of its caches for rank 0's in-memory snapshots, until rank 0 sends
-    the shutdown header. A lost peer raises MLX's ``RuntimeError``."""
-    states: dict[int, list] = {}
-    snaps: dict[int, list[dict]] = {}
-    while True:
-        header = mx.distributed.all_sum(mx.zeros((HEADER_LEN,), mx.int32), group=group)
-        op, n, state_id, freed, arg, freed_snap = (int(v) for v in header.tolist())
+    call, and copies of its caches for rank 0's snapshots (in memory, and on disk through
+    ``parts``, a ``ds4mlx.kv.parts.PartStore`` or None), until rank 0 sends the shutdown
+    header. A lost peer raises `PeerLost` (``rank 0 lost: …``), also when a call's
+    collectives stop for ``rank_timeout`` seconds (`ds4mlx.engine.deadline`; waiting for the next
+    call is not bounded)."""
+    follower = _Follower(model, group, parts)
+    deadline = StepDeadline(rank_timeout, "rank 0" if group.size() == 2 else "a peer rank")
+    fds = ring_sockets()
+    try:
+        with deadline.naming_the_lost_peer():
+            while True:
+                # Between calls: no spinning while rank 0 works. A call has begun once its
+                # first bytes came (the header's all_sum needs rank 0 more than once).
+                if wait_for_bytes(fds):
+                    deadline.arm()
+                header = mx.distributed.all_sum(mx.zeros((HEADER_LEN,), mx.int32), group=group)
+                words = [int(v) for v in header.tolist()]
+                deadline.arm()
+                if not follower.call(words):
+                    return
+                deadline.settle()
+    finally:
+        if parts is not None:
+            parts.close()
+
+
+class _Follower:
+    """A rank > 0 of a tensor split: its caches per rank-0 session state and its copies of
+    rank 0's snapshots."""
+
+    def __init__(self, model, group, parts):
+        self.model, self.group, self.parts = model, group, parts
+        self.layers = range(model.args.n_layers)
+        self.states: dict[int, list] = {}
+        self.snaps: dict[int, list[dict]] = {}
+
+    def call(self, words: list[int]) -> bool:
+        """Run the call a header (``words``) orders; False for the shutdown."""
+        op, n, state_id, freed, arg, freed_snap, key, dropped = read_header(words)
+        forget_freed(self, freed, freed_snap, dropped)
         if op == OP_SHUTDOWN:
-            return
-        states.pop(freed, None)
-        snaps.pop(freed_snap, None)
+            return False
         if op == OP_SNAPSHOT:
-            snaps[arg] = [{k: mx.array(v) for k, v in c.state.items()} for c in states[state_id]]
-            mx.eval(snaps[arg])
+            # A state never fed (rank 0 snapshots a fresh session too) has fresh caches.
+            cache = self.states.setdefault(state_id, self.model.make_cache())
+            self.snaps[arg] = keep_part(cache, self.layers, self.parts, key, n)
+        elif op == OP_LOAD:
+            self._load(state_id, key, n)
         elif op == OP_RESTORE:
-            cache = model.make_cache()
-            for c, st in zip(cache, snaps[arg], strict=True):
+            cache = self.model.make_cache()
+            for c, st in zip(cache, self.snaps[arg], strict=True):
                 c.state = {k: mx.array(v) for k, v in st.items()}
             mx.eval([a for c in cache for a in c.arrays()])
-            states[state_id] = cache
+            self.states[state_id] = cache
         elif op == OP_FORWARD:
-            tokens = mx.distributed.all_sum(mx.zeros((n,), mx.int32), group=group)
-            cache = states.setdefault(state_id, model.make_cache())
-            ctx = model.step_for(cache[0].offset, n)
-            x = model.embed_streams(tokens)
-            for layer, c in zip(model.layers, cache, strict=True):
-                x = layer(x, tokens, c, ctx)
-            mx.eval(x, [a for c in cache for a in c.arrays()])
+            self._forward(state_id, n)
+        elif op == OP_HOP:  # the hop is timed with the pipeline's send/recv
+            shape = (1, self.model.args.hc_mult, arg)
+            relay(_Peers(self.group, []), n, shape, self.model.compute_dtype)
+        return True
+
+    def _load(self, state_id: int, key: str | None, n: int) -> None:
+        """Load this rank's copy of disk snapshot ``key`` (``n`` tokens) as the caches of
+        ``state_id``, used only when no rank misses its copy (counted by one ``all_sum``),
+        so every rank falls back alike."""
+        cache = self.model.make_cache()
+        ok = load_part(cache, self.layers, self.parts, key, n)
+        flag = mx.array([0 if ok else 1], dtype=mx.int32)
+        if not int(mx.distributed.all_sum(flag, group=self.group).item()):  # ok everywhere
+            self.states[state_id] = cache
+
+    def _forward(self, state_id: int, n: int) -> None:
+        model = self.model
+        tokens = mx.distributed.all_sum(mx.zeros((n,), mx.int32), group=self.group)
+        cache = self.states.setdefault(state_id, model.make_cache())
+        ctx = model.step_for(cache[0].offset, n)
+        x = model.embed_streams(tokens)
+        for layer, c in zip(model.layers, cache, strict=True):
+            x = layer(x, tokens, c, ctx)
+        mx.eval(x, [a for c in cache for a in c.arrays()])
 
 
-def start(model, args, group, path, ctx_size=None):
+def start(
+    model, args, group, path, ctx_size=None, rank_timeout: float = RANK_TIMEOUT_S, parts=None
+):
     """Shard ``model`` for this rank; rank 0 gets its `Engine` (layout ``tensor:W`` in the
-    model identity), any other rank follows until shutdown and gets None."""
+    model identity), any other rank follows until shutdown and gets None.
+    ``rank_timeout``: ``--rank-timeout`` seconds; ``parts``: for a rank > 0, ``parts(rank)``
+    makes its store of snapshot copies, or None when the disk cache is off."""
     from ds4mlx.engine.core import Engine
     from ds4mlx.model.loading import read_config
     from ds4mlx.tokenizer import Tokenizer
 
     shard_model(model, group)
     if group.rank() > 0:
-        follow(model, group)
+        follow(model, group, rank_timeout, None if parts is None else parts(group.rank()))
         return None
     return Engine(
-        TensorModel(model, group),
+        TensorModel(model, group, rank_timeout),
         args,
         Tokenizer.load(path),
         path=path,

@@ -104,8 +104,8 @@ class TurnSpec:
             (`Session.begin_decode`); False feeds token by token, synchronously. Both
             leave exactly the same state.
         grammar: an ``ds4mlx.engine.grammar.Grammar`` the reply (after ``</think>``) must
-            follow: its mask wraps the turn's hooks (`Grammar.hooks`), or None. A
-            constrained turn does not draft (no per-position matcher for verify rows).
+            follow: its mask wraps the turn's hooks (`Grammar.hooks`), or None; it masks
+            drafted positions too (each verify row after the accepted tokens before it).
     """
 
     sampling: SamplingParams
@@ -196,6 +196,10 @@ class TurnResult:
         accepted: drafted tokens that matched the sampled ones.
         forwards: target forward passes of the decode (verifies and re-feeds
             included): ``fed / forwards`` is the tokens per target forward.
+        grammar: how ``TurnSpec.grammar`` went (``ds4mlx.engine.grammar``): ``""`` (no
+            grammar), ``unstarted`` (the reasoning never ended), ``complete`` (the
+            reply is a sentence of the grammar), ``incomplete`` (a prefix of one: cut),
+            ``violated`` (a scripted or forced token left it; no validity claimed).
     """
 
     finish: str
@@ -217,6 +221,7 @@ class TurnResult:
     drafted: int = 0
     accepted: int = 0
     forwards: int = 0
+    grammar: str = ""
 
 
 _NO_HOOKS = TurnHooks()
@@ -255,7 +260,7 @@ class Turn:
     ):
         self.s, self.tok, self.spec = session, tokenizer, spec
         self.hooks: TurnHooks = hooks or _NO_HOOKS
-        self.drafting = None if spec.grammar else Drafting.for_turn(session, self.hooks)
+        self.drafting = Drafting.for_turn(session, self.hooks)
         self.ended = False
         self.emit = emit
         self.cancel = cancel or (lambda: False)
@@ -418,11 +423,14 @@ class Turn:
         """The finish reason if the ``n``-th sampled token ends the turn, else None.
 
         Only ``FINISH_STOP`` (a ``cap_is_eos`` cap) ends a turn with its token fed: the
-        cap stands in for an EOS, so the state must end as after a natural end of turn.
+        cap stands in for an EOS, so the state must end as after a natural end of turn;
+        and only where an EOS could come (`TurnHooks.may_end`: a cap inside a strict
+        tool call is a cut, not an end).
         """
         spec = self.spec
         if n >= spec.max_tokens:
-            return FINISH_STOP if spec.cap_is_eos and self.s.room() >= 1 else FINISH_LENGTH
+            eos = spec.cap_is_eos and self.s.room() >= 1 and self.hooks.may_end(self)
+            return FINISH_STOP if eos else FINISH_LENGTH
         if self.s.room() < 1:
             return FINISH_CONTEXT
         return None
@@ -441,6 +449,7 @@ class Turn:
         """Account for the next sampled token ``t`` (events, stops, DSML state):
         ``(finish reason or None, feed it?)``. The caller feeds it."""
         spec, r = self.spec, self.result
+        self.hooks.on_token(self, t)
         r.completion_tokens += 1
         if self.in_thinking:
             r.reasoning_tokens += 1

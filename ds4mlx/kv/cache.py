@@ -422,12 +422,13 @@ class PromptCache:
         r.live_keys = ()
         return n
 
-    def shutdown(self) -> None:
-        """Clean exit: save every state (``shutdown``) when worth it, then write every
-        queued save (the writer thread is stopped)."""
+    def shutdown(self, save: bool = True) -> None:
+        """Clean exit: save every state (``shutdown``) when worth it (unless ``save`` is
+        False: a split model that lost a rank has no whole state to save), then write
+        every queued save (the writer thread is stopped)."""
         if self.tier is None:
             return
-        for r in self.states.states:
+        for r in self.states.states if save else ():
             if self.disk.worth_saving(len(r.session.tokens), r.tracker):
                 self.tier.save(r, "shutdown", self.planner.keys_of(r, r.bindings.thinking))
         self.disk.close()

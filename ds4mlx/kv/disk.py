@@ -81,6 +81,9 @@ class DiskCache:
             expert_bits=engine.quant.expert_bits,
             reject_different_quant=settings.reject_different_quant,
         )
+        # A pipeline split (``ds4mlx.engine.pipeline``): the other ranks remove their
+        # parts of every snapshot this store removes (they never evict on their own).
+        self.store.on_remove = getattr(engine.model, "drop_part", None)
         self.writer = (
             SnapshotWriter(self.store.write, max_bytes=settings.write_queue_bytes)
             if background
@@ -232,7 +235,8 @@ class DiskCache:
                     tools[tid] = dsml
         t0 = time.perf_counter()
         try:
-            state = session.snapshot()
+            # A pipeline split's other ranks save their parts under the same key.
+            state = session.snapshot(disk_key=self.store.key_of(text, salt))
             prepared = self.store.prepare_save(
                 text=text,
                 tokens=state.tokens,

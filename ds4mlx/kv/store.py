@@ -126,6 +126,9 @@ TOOLS_KEY = "ds4mlx.tool_memory"
 SESSION_PREFIX = "session."
 
 _FILE_RE = re.compile(r"^([0-9a-f]{40})\.safetensors$")
+# A pipeline rank's part of a snapshot (``ds4mlx.kv.parts``): never scanned or evicted
+# here, only removed with the rest by `clear_dir`.
+_PART_RE = re.compile(r"^[0-9a-f]{40}\.rank[0-9]+\.safetensors$")
 _REQUIRED_META = (
     "format",
     "version",
@@ -566,13 +569,13 @@ def match_keys(dir: str | os.PathLike, prefix: str) -> list[Path]:
 
 
 def clear_dir(dir: str | os.PathLike) -> int:
-    """Remove every snapshot file, the hit index and dead writers' temp files from
-    ``dir``; returns the number of snapshot files removed. Files of other names are
-    left alone."""
+    """Remove every snapshot file, every pipeline rank's part file, the hit index and
+    dead writers' temp files from ``dir``; returns the number of snapshot files removed
+    (parts not counted). Files of other names are left alone."""
     n = 0
     for de in _list_dir(Path(dir)):
         snap = _FILE_RE.match(de.name) is not None
-        if snap or stale_temp(de.name):
+        if snap or _PART_RE.match(de.name) or stale_temp(de.name):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(de.path)
                 n += snap
@@ -727,6 +730,9 @@ class DiskKVStore:
         self.reject_different_quant = reject_different_quant
         self.read_only = read_only
         self._clock = clock
+        # Called with the key of every snapshot file this store removes (from the thread
+        # that removes it: a pipeline split's rank 0 passes it on to the other ranks).
+        self.on_remove: Callable[[str], None] | None = None
         self._lock = threading.RLock()
         self._write_lock = threading.Lock()
         # name -> (stat signature, Entry | BadFile); re-read only when a file changes.
@@ -1371,6 +1377,9 @@ class DiskKVStore:
         except FileNotFoundError:
             return False
         self._cache.pop(path.name, None)
+        m = _FILE_RE.match(path.name)
+        if m is not None and self.on_remove is not None:
+            self.on_remove(m.group(1))
         return True
 
     def _evict(self, target_bytes: int, *, protect: str | None) -> list[Entry | BadFile]:

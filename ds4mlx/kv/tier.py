@@ -141,7 +141,7 @@ class DiskTier:
             return None
         end = len(loaded.text)
         self.evict(r)
-        state = SessionState(tokens=loaded.tokens, arrays=loaded.arrays, meta=loaded.meta)
+        state = SessionState(loaded.tokens, loaded.arrays, _from_disk(loaded))
         try:
             r.session.restore(state)
         except (SnapshotError, ValueError) as e:
@@ -174,7 +174,7 @@ class DiskTier:
         if loaded is None:
             return None
         try:
-            r.session.restore(SessionState(loaded.tokens, loaded.arrays, loaded.meta))
+            r.session.restore(SessionState(loaded.tokens, loaded.arrays, _from_disk(loaded)))
         except (SnapshotError, ValueError) as e:
             log.warning("kv cache: cannot restore %s: %s", key[:12], e)
             return None
@@ -187,3 +187,9 @@ class DiskTier:
         if self.tool_memory is not None and loaded.tool_memory:
             self.tool_memory.load(loaded.tool_memory.items())
         r.live_tool_ids.update(dict.fromkeys(loaded.tool_memory))
+
+
+def _from_disk(loaded) -> dict[str, str]:
+    """A loaded snapshot's session meta plus ``disk_key``, its file's key: a pipeline
+    split's other ranks load their parts of it by that key (``ds4mlx.kv.parts``)."""
+    return {**loaded.meta, "disk_key": loaded.entry.key}

@@ -36,7 +36,11 @@ class ModelArgs:
     Attributes:
         compress_ratios: per layer, 0 (sliding window only), ``csa_ratio`` (CSA: overlapping
             compressor + Lightning Indexer) or any other positive ratio (HCA). Length
-            ``n_layers``; MTP entries of official configs are dropped.
+            ``n_layers``; the MTP entries of official configs go to ``mtp_compress_ratios``.
+        n_mtp_layers: MTP blocks the checkpoint declares (``num_nextn_predict_layers``).
+        mtp_compress_ratios: the attention schedule of the MTP blocks (the official
+            ``compress_ratios`` entries past ``n_layers``; Flash: ``(0,)``); empty when the
+            config has none (then 0: window-only).
         hash_layers: per layer, True when the MoE is hash-routed (``tid2eid``).
         original_seq_len: YaRN's original context; 0 disables YaRN. YaRN applies only to
             compressed layers (docs/ARCHITECTURE.md §2, "Attention and window").
@@ -83,6 +87,7 @@ class ModelArgs:
     max_position_embeddings: int = 1048576
     tie_word_embeddings: bool = False
     n_mtp_layers: int = 0
+    mtp_compress_ratios: tuple[int, ...] = ()
     quantization: dict[str, Any] | None = None
     model_type: str = "deepseek_v4"
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -90,6 +95,7 @@ class ModelArgs:
     def __post_init__(self) -> None:
         self.compress_ratios = tuple(int(r) for r in self.compress_ratios)
         self.hash_layers = tuple(bool(h) for h in self.hash_layers)
+        self.mtp_compress_ratios = tuple(int(r) for r in self.mtp_compress_ratios)
         if len(self.compress_ratios) != self.n_layers:
             raise ValueError(
                 f"compress_ratios has {len(self.compress_ratios)} entries for {self.n_layers} layers"
@@ -106,6 +112,16 @@ class ModelArgs:
             raise ValueError(f"rope_head_dim={self.rope_head_dim} must be even and fit every head")
 
     # -- per-layer helpers -------------------------------------------------
+    @property
+    def drafter(self) -> str | None:
+        """What the checkpoint's ``mtp.*`` tensors are: ``"dspark"`` when the config
+        declares ``dspark_block_size`` (Flash 0731: ``num_nextn_predict_layers`` then
+        counts DSpark stages, not MTP blocks), ``"mtp"`` when it declares MTP blocks,
+        else None."""
+        if self.extra.get("dspark_block_size"):
+            return "dspark"
+        return "mtp" if self.n_mtp_layers > 0 else None
+
     def layer_kind(self, i: int) -> str:
         """``"window"``, ``"csa"`` or ``"hca"`` for layer ``i`` (from ``compress_ratios``)."""
         r = self.compress_ratios[i]
@@ -119,6 +135,7 @@ class ModelArgs:
         d.pop("extra")
         d["compress_ratios"] = list(self.compress_ratios)
         d["hash_layers"] = list(self.hash_layers)
+        d["mtp_compress_ratios"] = list(self.mtp_compress_ratios)
         if d["quantization"] is None:
             d.pop("quantization")
         return d
@@ -153,7 +170,10 @@ class ModelArgs:
         rope_head_dim = int(rope_head_dim)
         rope = _rope(cfg)
 
-        mtp = get("n_mtp_layers", "num_nextn_predict_layers", default=0)
+        mtp = int(get("n_mtp_layers", "num_nextn_predict_layers", default=0))
+        mtp_ratios = cfg.get("mtp_compress_ratios")
+        if mtp_ratios is None and cfg.get("layer_types") is None:
+            mtp_ratios = (cfg.get("compress_ratios") or [])[n_layers : n_layers + mtp]
         known = {f for f in cls.__dataclass_fields__}
         return cls(
             vocab_size=int(get("vocab_size", default=129280)),
@@ -190,7 +210,8 @@ class ModelArgs:
                 get("max_position_embeddings", "max_seq_len", default=1048576)
             ),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            n_mtp_layers=int(mtp),
+            n_mtp_layers=mtp,
+            mtp_compress_ratios=tuple(int(r) for r in mtp_ratios or ()),
             quantization=cfg.get("quantization"),
             model_type=str(cfg.get("model_type", "deepseek_v4")),
             extra={k: v for k, v in cfg.items() if k not in known},

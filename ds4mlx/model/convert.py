@@ -53,7 +53,7 @@ from .formats import (
     parse_spec,
 )
 from .identity import weights_metadata
-from .names import KEEP_F32, LAYER, PER_EXPERT, WO_A_SPLIT, official_name, part_of
+from .names import KEEP_F32, LAYER, MTP, PER_EXPERT, WO_A_SPLIT, official_name, part_of
 from .network import Model
 from .units import format_bytes
 
@@ -228,24 +228,25 @@ def _place(items: dict[str, _Item], name: str, info: TensorInfo) -> None:
         items.setdefault(name, _Item(name)).pieces[None]["value"] = _Ref(info)
 
 
-def plan(tensors: dict[str, TensorInfo]) -> tuple[list[list[_Item]], int]:
-    """Group the checkpoint's tensors by module, modules by layer (top-level ones first).
+def plan(tensors: dict[str, TensorInfo], mtp: bool = False) -> tuple[list[list[_Item]], int]:
+    """Group the checkpoint's tensors by module, modules by layer (top-level ones first,
+    then the layers, then the MTP blocks).
 
     Returns ``(groups, dropped)``: each group is converted and written before the next is
-    read; ``dropped`` counts tensors the network does not use (MTP).
+    read; ``dropped`` counts tensors left out (``mtp.*`` unless ``mtp``).
     """
     items: dict[str, _Item] = {}
     dropped = 0
     for raw, info in sorted(tensors.items()):
-        name = official_name(raw)
+        name = official_name(raw, mtp)
         if name is None:
             dropped += 1
             continue
         _place(items, name, info)
     by_layer: dict[int, list[_Item]] = defaultdict(list)
     for it in items.values():
-        m = LAYER.match(it.path)
-        by_layer[int(m.group(1)) if m else -1].append(it)
+        m, b = LAYER.match(it.path), MTP.match(it.path)
+        by_layer[int(m.group(1)) if m else (1 << 20) + int(b.group(1)) if b else -1].append(it)
     return [by_layer[k] for k in sorted(by_layer)], dropped
 
 
@@ -383,11 +384,35 @@ def _join(join: str | None, pieces: list[dict[str, mx.array]]) -> dict[str, mx.a
 class _Converter:
     """Converts one module at a time; knows the network's expected shapes."""
 
-    def __init__(self, args: ModelArgs, chooser: _Chooser, dtype):
+    def __init__(self, args: ModelArgs, chooser: _Chooser, dtype, mtp: str | None = None):
+        """``mtp``: the drafter whose ``mtp.*`` tensors are converted (``"mtp"`` blocks or
+        ``"dspark"`` stages, `ModelArgs.drafter`), or None."""
         skeleton = Model(args)  # lazy parameters: shapes only, nothing is allocated
+        if mtp == "dspark":
+            from .dspark import DSpark, DSparkConfig
+
+            cfg = DSparkConfig.from_config(args.extra, args, args.n_mtp_layers)
+            skeleton.mtp = DSpark(args, cfg).mtp  # the stages, named mtp.S.* as stored
+        elif mtp:
+            from .mtp import attach_mtp
+
+            attach_mtp(skeleton)
         self.expected = dict(tree_flatten(skeleton.parameters()))
         self.quantizable = {p for p, m in skeleton.named_modules() if hasattr(m, "to_quantized")}
         self.args, self.chooser, self.dtype = args, chooser, dtype
+
+    def mtp_problems(self, groups: list[list[_Item]]) -> list[str]:
+        """What is wrong with the planned MTP tensors (``mtp.*``) against the config's MTP
+        blocks: modules missing or not in the network (empty when they match)."""
+        want = {
+            k[: -len(".weight")] if k.endswith(".weight") else k
+            for k in self.expected
+            if k.startswith("mtp.")
+        }
+        have = {it.path for g in groups for it in g if it.path.startswith("mtp.")}
+        return [f"{p} missing" for p in sorted(want - have)] + [
+            f"{p} unexpected" for p in sorted(have - want)
+        ]
 
     def module(self, item: _Item, files) -> tuple[dict[str, mx.array], QuantSpec | None, int]:
         """``(output tensors by parameter name, spec written, logical params)``."""
@@ -617,11 +642,36 @@ def convert(
     if not tensors:
         raise ConvertError(f"{src}: no *.safetensors files")
     dtype = _DTYPES[opts.dtype or default_dtype()]
-    groups, dropped = plan(tensors)
+    # The drafter's ``mtp.*`` (MTP blocks, or Flash 0731's DSpark stages) are kept and
+    # quantized like the layers when the config declares it; stray ``mtp.*`` tensors of a
+    # config without one are left out, and so are the DSpark tensors nothing reads.
+    drafter = args.drafter
+    keep_mtp = drafter is not None
+    unused = _unused_drafter_tensors(tensors) if drafter == "dspark" else []
+    tensors = {n: t for n, t in tensors.items() if n not in unused}
+    groups, dropped = plan(tensors, keep_mtp)
     source_quantized = (
         any(n.endswith((".scale", ".scales")) for n in tensors) or "quantization" in cfg
     )
-    conv = _Converter(args, _Chooser(opts, source_quantized), dtype)
+    try:
+        conv = _Converter(args, _Chooser(opts, source_quantized), dtype, drafter)
+    except LoadError as e:  # a bad dspark_* field
+        raise ConvertError(f"{src}: {e}") from e
+    notes = [f"left out {len(unused)} DSpark tensors the drafter does not use"] if unused else []
+    bad_mtp = conv.mtp_problems(groups) if keep_mtp else []
+    if bad_mtp:
+        # A malformed drafter is left out (the target converts; --speculative mtp then
+        # says there is none), as the loader would refuse it.
+        mtp_items = [it for g in groups for it in g if it.path.startswith("mtp.")]
+        dropped += sum(len(c) for it in mtp_items for c in it.pieces.values())
+        groups = [
+            g for g in ([it for it in g if not it.path.startswith("mtp.")] for g in groups) if g
+        ]
+        notes.append(
+            f"dropped the MTP tensors: malformed {'DSpark' if drafter == 'dspark' else 'MTP'}"
+            f" drafter ({', '.join(bad_mtp[:4])}"
+            f"{' …' if len(bad_mtp) > 4 else ''})"
+        )
     _prepare_dst(src, dst, opts.overwrite)
     # Freed buffers go back to the system at once instead of into MLX's cache, so what the
     # process holds is what the current shard and tensor need.
@@ -631,14 +681,16 @@ def convert(
     finally:
         mx.set_cache_limit(cache_limit)
         mx.clear_cache()
-    notes = []
     if conv.chooser.kept_float:
         kept = conv.chooser.kept_float
         notes.append(
             f"kept float {len(kept)} modules: {', '.join(kept[:4])}{' …' if len(kept) > 4 else ''}"
         )
-    if dropped:
-        notes.append(f"dropped {dropped} MTP tensors (the network has no MTP head)")
+    if dropped and not bad_mtp:
+        notes.append(
+            f"dropped {dropped} MTP tensors (the config declares no MTP block: "
+            "num_nextn_predict_layers 0)"
+        )
     note = {
         "source": os.path.abspath(src),
         "expert": opts.expert or "default",
@@ -651,6 +703,13 @@ def convert(
         json.dump(out_cfg, f, indent=2)
     _copy_tokenizer(src, dst, notes)
     return ConvertSummary(dst, parts, shards, time.perf_counter() - t0, notes, q)
+
+
+def _unused_drafter_tensors(tensors: dict[str, TensorInfo]) -> list[str]:
+    """Stored names of the DSpark tensors the proposal never reads (``dspark_loading.UNUSED``)."""
+    from .dspark_loading import UNUSED
+
+    return [n for n in tensors if UNUSED.match(official_name(n, mtp=True) or "")]
 
 
 def _dtype_label(outs: dict[str, mx.array]) -> str:

@@ -6,10 +6,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ds4mlx.argtypes import env_positive
+
 # Output tokens per turn of the demo model (serve --demo, agent --demo) unless a limit is
 # given: its text is noise and it practically never samples EOS, so the cap stands in for
-# the end of a turn.
-DEMO_MAX_TOKENS = 256
+# the end of a turn. 256, or ``$DS4MLX_DEMO_MAX_TOKENS`` (tests shorten it: every demo
+# reply decodes the whole cap, ~4 CPU-seconds at 256 on a 2-core CI machine).
+DEMO_MAX_TOKENS = env_positive("DS4MLX_DEMO_MAX_TOKENS", 256)
 
 # Context of ``serve --demo`` unless --ctx is given: the smallest window Claude Code works
 # in (its own prompt is ~19k tokens and it compacts at the window less 33k; see

@@ -20,6 +20,7 @@ resident without paging), else physical RAM (or a lower cgroup limit). ``memory_
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, replace
 
 from .checkpoint import TensorInfo, scan
@@ -34,6 +35,46 @@ SCORE_BUDGET = 1 << 25  # elements of one transient attention-score block (netwo
 # The default context when none is asked for: the model's limit capped per device.
 DEFAULT_CTX_GPU = 65536
 DEFAULT_CTX_CPU = 32768
+
+
+# Tensors a tensor split (``--distributed tensor``) slices across the ranks.
+_TENSOR_SPLIT = re.compile(
+    r"^layers\.\d+\.(attn\.(wq_b|wo_a|wo_b|attn_sink)|ffn\.(experts|shared_experts)\.)"
+)
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """What one rank of a split model holds (``--distributed``), for its own fit check.
+
+    Attributes:
+        rank: the rank; ``world``: the number of ranks.
+        layers: the layers it holds (a pipeline rank's range, every layer in tensor mode).
+        ends: whether it holds the embedding, the head and the final norms (rank 0 of a
+            pipeline split; every rank of a tensor split).
+        split: the share of every head- and expert-split tensor it holds is ``1/split``
+            (the rank count in tensor mode, else 1).
+    """
+
+    rank: int
+    world: int
+    layers: range
+    ends: bool
+    split: int = 1
+
+    def share(self, name: str) -> float:
+        """The fraction of tensor ``name`` (official naming) this rank holds."""
+        m = _LAYER.match(name)
+        if m is None:
+            return 1.0 if self.ends else 0.0
+        if int(m.group(1)) not in self.layers:
+            return 0.0
+        return 1 / self.split if _TENSOR_SPLIT.match(name) else 1.0
+
+    def describe(self) -> str:
+        first, last = self.layers.start, self.layers.stop - 1
+        return f"rank {self.rank} of {self.world} (layers {first}-{last})"
 
 
 @dataclass
@@ -70,10 +111,14 @@ class FitReport:
         return self.total <= self.available
 
     def describe(self) -> str:
-        """One line: ``weights … + KV … (ctx N × S) + working … = total of available (source)``."""
+        """One line: ``weights … + KV … (S sessions × … at ctx N) + working … = total of
+        available (source)``: the KV term is the total of every resident state, so the
+        terms add up to the total."""
+        many = "s" if self.sessions != 1 else ""
         return (
-            f"weights {format_bytes(self.weights)} + KV {format_bytes(self.kv_per_session)} "
-            f"(ctx {self.ctx_size} × {self.sessions} session{'s' if self.sessions > 1 else ''}) "
+            f"weights {format_bytes(self.weights)} + "
+            f"KV {format_bytes(self.kv_per_session * self.sessions)} ({self.sessions} "
+            f"session{many} × {format_bytes(self.kv_per_session)} at ctx {self.ctx_size}) "
             f"+ working {format_bytes(self.working)} = {format_bytes(self.total)} of "
             f"{format_bytes(self.available)} ({self.source})"
         )
@@ -123,13 +168,14 @@ def default_ctx(args: ModelArgs, gpu: bool) -> int:
     return min(args.max_position_embeddings, cap) if args.max_position_embeddings else cap
 
 
-def kv_bytes(args: ModelArgs, ctx: int, dtype_bytes: int) -> int:
-    """KV cache bytes of one session at ``ctx`` tokens (allocated capacity, compute dtype).
+def kv_bytes(args: ModelArgs, ctx: int, dtype_bytes: int, layers: range | None = None) -> int:
+    """KV cache bytes of one session at ``ctx`` tokens (allocated capacity, compute dtype),
+    of ``layers`` only when given (a pipeline rank's).
 
     Compressed-row buffers grow by half their size, so up to 1.5× the rows are allocated.
     """
     total = 0
-    for i in range(args.n_layers):
+    for i in range(args.n_layers) if layers is None else layers:
         total += args.window_size * args.head_dim  # raw window ring
         r = args.compress_ratios[i]
         if not r:
@@ -165,22 +211,31 @@ def working_bytes(args: ModelArgs, dtype_bytes: int, chunk: int = PREFILL_CHUNK)
     return streams + queries + scores + experts + logits
 
 
-def loaded_weight_bytes(tensors: dict[str, TensorInfo], dtype_bytes: int) -> tuple[int, int]:
-    """``(bytes held after loading, extra bytes while stacking one per-expert tensor)``.
+def loaded_weight_bytes(
+    tensors: dict[str, TensorInfo],
+    dtype_bytes: int,
+    mtp: bool = False,
+    part: RankPart | None = None,
+) -> tuple[int, int]:
+    """``(bytes held after loading, extra bytes while stacking one per-expert tensor)``,
+    of what ``part`` holds when given (one rank of a split model).
 
     Float tensors take the compute dtype (float32 for the precision-critical small ones);
-    packed and integer tensors keep their size. MTP tensors are dropped by the loader.
+    packed and integer tensors keep their size. ``mtp.*`` tensors count only with ``mtp``
+    (the drafter, MTP or DSpark, is loaded).
     """
     held = 0
     stacks: dict[tuple[str, str], int] = {}
     for t in tensors.values():
-        name = official_name(t.name)
-        if name is None:
+        name = official_name(t.name, mtp)
+        share = 1.0 if name is None or part is None else part.share(name)
+        if name is None or not share:
             continue
         if t.is_float:
             size = t.numel * (4 if KEEP_F32.search(name) else dtype_bytes)
         else:
             size = t.nbytes
+        size = int(size * share)
         held += size
         if m := PER_EXPERT.match(name):
             key = (m.group(1), m.group(3) + m.group(4))
@@ -246,6 +301,8 @@ def check_fit(
     *,
     dtype_bytes: int | None = None,
     gpu: bool | None = None,
+    mtp: bool = False,
+    part: RankPart | None = None,
 ) -> FitReport:
     """Estimate the memory of running ``path`` and refuse when it exceeds the budget.
 
@@ -260,6 +317,10 @@ def check_fit(
         dtype_bytes: bytes per element of the compute dtype (default: 2 on a GPU, 4 on the
             CPU, as the engine chooses).
         gpu: whether MLX runs on a GPU (default: ``mx.default_device()``).
+        mtp: the drafter's ``mtp.*`` weights (MTP blocks or DSpark stages,
+            ``ModelArgs.drafter``) are loaded too (counted).
+        part: what this rank holds of a split model (its weights and its layers' KV are
+            counted, against this machine's budget), or None for the whole model.
 
     Returns:
         the ``FitReport`` (when it fits).
@@ -279,17 +340,19 @@ def check_fit(
     args = ModelArgs.from_dict(read_config(path))
     ctx = int(ctx_size) if ctx_size else default_ctx(args, gpu)
     tensors = scan(path)
-    held, stacking = loaded_weight_bytes(tensors, dtype_bytes)
+    held, stacking = loaded_weight_bytes(tensors, dtype_bytes, mtp, part)
     available, source = memory_budget(memory_limit)
     report = FitReport(
         weights=held,
-        kv_per_session=kv_bytes(args, ctx, dtype_bytes),
+        kv_per_session=kv_bytes(args, ctx, dtype_bytes, None if part is None else part.layers),
         sessions=max(1, int(sessions)),
         working=working_bytes(args, dtype_bytes) + stacking,
         available=available,
         source=source,
         ctx_size=ctx,
     )
+    if not report.fits and part is not None:
+        raise FitError(f"{part.describe()} of {path} does not fit: {report.describe()}", report)
     if not report.fits:
         report.suggestions = _suggestions(report, args, tensors, dtype_bytes)
         hint = "; ".join(report.suggestions)
@@ -356,16 +419,18 @@ def sessions_that_fit(
     cap: int = DEFAULT_SESSIONS,
     dtype_bytes: int | None = None,
     gpu: bool | None = None,
+    mtp: bool = False,
 ) -> tuple[int, FitReport]:
     """``ds4mlx serve``'s default ``--sessions``: how many resident states (each with its
     KV at ``ctx_size``) the memory budget holds after the weights and working memory,
-    at most ``cap`` and at least 1; with the report of that many.
+    at most ``cap`` and at least 1; with the report of that many. ``mtp``: the
+    drafter's ``mtp.*`` weights are loaded too (``check_fit``).
 
     Raises:
         FitError: not even one state fits (the message has the numbers).
         ValueError: a bad config or memory limit.
     """
-    one = check_fit(path, ctx_size, 1, memory_limit, dtype_bytes=dtype_bytes, gpu=gpu)
+    one = check_fit(path, ctx_size, 1, memory_limit, dtype_bytes=dtype_bytes, gpu=gpu, mtp=mtp)
     spare = one.available - one.total
     n = max(1, min(cap, 1 + spare // max(1, one.kv_per_session)))
     return n, replace(one, sessions=n)

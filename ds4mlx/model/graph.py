@@ -111,6 +111,36 @@ def time_decode(model, cache, tokens: Sequence[int]) -> dict:
     return out
 
 
+def time_verify(model, cache, tokens: Sequence[int], rows: int, warmup: int = 2) -> dict:
+    """Interleaved decode steps and speculative verifies, synchronously; wall times in ms.
+
+    Step ``i`` decodes ``tokens[i]`` (the cache advances one token), then runs one forward
+    over the ``rows`` tokens ``tokens[i : i + rows]`` from that decode state (a verify of
+    ``rows - 1`` drafts) and rewinds it (``capture`` / ``rewind``), so both kinds of step
+    see the same states. The first ``warmup`` pairs are not reported.
+
+    Returns:
+        ``{"decode_ms": [...], "verify_ms": [...]}`` (one entry per reported pair;
+        ``len(tokens) - rows + 1 - warmup`` of them).
+    """
+    out: dict[str, list[float]] = {"decode_ms": [], "verify_ms": []}
+    for i in range(len(tokens) - rows + 1):
+        t0 = time.perf_counter()
+        mx.eval(model(mx.array([[int(tokens[i])]], dtype=mx.int32), cache), cache_buffers(cache))
+        t1 = time.perf_counter()
+        saved = [c.capture() for c in cache]
+        x = mx.array([[int(t) for t in tokens[i : i + rows]]], dtype=mx.int32)
+        t2 = time.perf_counter()
+        mx.eval(model(x, cache), cache_buffers(cache))
+        t3 = time.perf_counter()
+        for c, sv in zip(cache, saved, strict=True):
+            c.rewind(sv)
+        if i >= warmup:
+            out["decode_ms"].append(1e3 * (t1 - t0))
+            out["verify_ms"].append(1e3 * (t3 - t2))
+    return out
+
+
 def decode_step_primitives(model, cache, token: int | Sequence[int] = 0) -> dict:
     """Primitives of one decode step of ``model`` on ``cache`` (left unchanged); with a
     list of ids, of one forward over those rows (a speculative verify).

@@ -39,7 +39,7 @@ from .checkpoint import TensorInfo, safetensors_files, scan
 from .config import ModelArgs
 from .errors import FitError, LoadError
 from .fit import check_fit
-from .names import KEEP_F32, PER_EXPERT, WO_A_SPLIT, official_name
+from .names import KEEP_F32, PER_EXPERT, WO_A_SPLIT, is_mtp, official_name
 from .network import Model
 from .units import format_bytes
 
@@ -60,8 +60,12 @@ def is_raw_release(cfg: dict, tensors: dict[str, TensorInfo]) -> bool:
     return any(n.endswith(".scale") and n[: -len(".scale")] + ".weight" in tensors for n in tensors)
 
 
-def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
+def sanitize(
+    weights: dict[str, mx.array], args: ModelArgs, mtp: bool = False
+) -> dict[str, mx.array]:
     """Turn checkpoint tensors (any supported layout) into ``Model`` parameter names.
+
+    ``mtp``: keep the MTP blocks' ``mtp.*`` tensors (else they are dropped).
 
     Renames transformers names, splits ``experts.gate_up_proj`` into ``w1``/``w3``, stacks
     per-expert tensors into ``(E, …)`` arrays, joins a per-group split ``wo_a`` and casts
@@ -74,7 +78,7 @@ def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.arra
     experts: dict[tuple[str, str, str], dict[int, mx.array]] = defaultdict(dict)
     wo_a: dict[tuple[str, str], dict[int, mx.array]] = defaultdict(dict)
     for raw, arr in weights.items():
-        name = official_name(raw)
+        name = official_name(raw, mtp)
         if name is None:
             continue
         if m := PER_EXPERT.match(name):
@@ -109,7 +113,7 @@ def _quant_predicate(qcfg: dict, weights: dict[str, mx.array]):
     # Per-module entries may use checkpoint spellings ("model." prefix, transformers
     # names) or name single experts, which the network holds stacked.
     def module_path(key: str) -> str:
-        name = official_name(key + ".weight") or key + ".weight"
+        name = official_name(key + ".weight", mtp=True) or key + ".weight"
         if m := PER_EXPERT.match(name):
             return f"{m.group(1)}.{m.group(3)}"
         return name[: -len(".weight")]
@@ -169,13 +173,13 @@ def _scan(path: str) -> dict[str, TensorInfo]:
         raise LoadError(f"{path}: cannot read the safetensors headers: {e}") from e
 
 
-def _announce(path: str, tensors: dict[str, TensorInfo], dtype) -> None:
+def _announce(path: str, tensors: dict[str, TensorInfo], dtype, mtp: bool) -> None:
     """Say once per load what will cost a copy: restacking per-expert tensors, casting floats."""
     per_expert = restack = 0
     cast = 0
     want = {mx.float32: "F32", mx.bfloat16: "BF16", mx.float16: "F16"}.get(dtype)
     for t in tensors.values():
-        name = official_name(t.name)
+        name = official_name(t.name, mtp)
         if name is None:
             continue
         if PER_EXPERT.match(name):
@@ -231,6 +235,20 @@ def _check_names_and_shapes(path: str, model: Model, weights: dict[str, mx.array
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(weights))
     extra = sorted(set(weights) - set(expected))
+    bad = [n for n in missing + extra if n.startswith("mtp.")]
+    bad += [
+        f"{k} has shape {tuple(v.shape)}, expected {tuple(expected[k].shape)}"
+        for k, v in weights.items()
+        if k.startswith("mtp.") and k in expected and v.shape != expected[k].shape
+    ]
+    if bad:
+        what = [f"{n} missing" if n in missing else n for n in bad]
+        what = [f"{n} unexpected" if n in extra else n for n in what]
+        kind = "DSpark" if model.args.drafter == "dspark" else "MTP"
+        raise LoadError(
+            f"{path}: malformed {kind} drafter (mtp.*, num_nextn_predict_layers "
+            f"{model.args.n_mtp_layers}): {', '.join(what[:6])}{' …' if len(what) > 6 else ''}"
+        )
     if missing or extra:
         raise LoadError(
             f"{path}: checkpoint does not match the config: missing {missing[:6]}"
@@ -251,6 +269,8 @@ def load_model(
     sessions: int = 1,
     memory_limit: int | str | None = None,
     check_memory: bool = True,
+    mtp: bool = False,
+    dspark: bool = False,
 ) -> tuple[Model, ModelArgs]:
     """Load ``path`` (directory with ``config.json`` + ``*.safetensors``).
 
@@ -263,6 +283,12 @@ def load_model(
         memory_limit: bytes or a size string overriding the device memory in the fit
             check (else ``$DS4MLX_MEMORY_LIMIT``).
         check_memory: run the fit check (tools that only inspect weights may skip it).
+        mtp: also load the checkpoint's MTP drafter (``model.mtp``, `ds4mlx.model.mtp`)
+            when it has one (``num_nextn_predict_layers`` > 0 and ``mtp.*`` tensors);
+            otherwise those tensors are neither read nor counted. Never on a checkpoint
+            whose ``mtp.*`` is a DSpark drafter (``ModelArgs.drafter``).
+        dspark: count the checkpoint's DSpark drafter (``mtp.*`` of a config with
+            ``dspark_block_size``) in the fit check: ``ds4mlx.engine.dspark`` loads it.
 
     Returns:
         ``(model, args)``; weights stay lazy (read from the files on first use).
@@ -271,7 +297,7 @@ def load_model(
         FitError: weights + KV + working memory exceed the device (before any weight is read).
         LoadError: missing files, unsupported ``model_type``, DeepSeek's raw FP8/FP4 release
             (needs ``ds4mlx convert``), or tensors that do not match the config (names in
-            the message).
+            the message; a malformed ``mtp.*`` set when ``mtp``).
     """
     path = str(path)
     cfg = read_config(path)
@@ -283,6 +309,9 @@ def load_model(
             f"directly; convert it once: ds4mlx convert {path} DST  (lossless with "
             "--expert-mode mxfp4 --bits mxfp8, smaller with --expert-bits 2|3|4)"
         )
+    kind = args.drafter if any(is_mtp(n) for n in tensors) else None
+    mtp = mtp and kind == "mtp"  # a DSpark checkpoint's mtp.* are no MTP blocks
+    drafter = mtp or (dspark and kind == "dspark")
     if check_memory:
         try:
             check_fit(
@@ -292,12 +321,17 @@ def load_model(
                 memory_limit,
                 dtype_bytes=dtype.size,
                 gpu=mx.default_device() == mx.gpu,
+                mtp=drafter,
             )
         except ValueError as e:
             raise LoadError(f"{path}: {e}") from e
-    _announce(path, tensors, dtype)
-    weights = sanitize(_read_weights(path, tensors), args)
+    _announce(path, tensors, dtype, drafter)
+    weights = sanitize(_read_weights(path, tensors), args, mtp)
     model = Model(args)
+    if mtp:
+        from .mtp import attach_mtp
+
+        attach_mtp(model)
     if any(k.endswith(".scales") for k in weights):
         _quantize_model(path, model, args, cfg, weights)
     # Float parameters go to the compute dtype; packed weights and int tables stay. The

@@ -295,6 +295,9 @@ class MoE(nn.Module):
             object.__setattr__(self, "_plan", fn)
             object.__setattr__(self, "_plan_key", key)
         fn = self.__dict__["_plan"]
+        log = self.__dict__.get("routing_log")
+        if log is not None:  # ``ds4mlx bench --shape flash``: which experts a call reads
+            log.append(self.gate(x, tokens)[1])
         if fn is None:
             w, idx = self.gate(x, tokens)
             return self.experts(x, idx, w), (None if sh is None else sh(x))

@@ -53,24 +53,37 @@ _RENAMES = [(re.compile(a), b) for a, b in _RENAMES]
 KEEP_F32 = re.compile(
     r"(norm\.weight|\.attn_sink|\.ape|\.gate\.(weight|bias)|hc_(attn|ffn|head)_(fn|base|scale))$"
 )
-# Per-expert tensors (``layers.N.ffn.experts.E.w1.weight``; official ``.scale`` included).
+# Per-expert tensors (``layers.N.ffn.experts.E.w1.weight``, the MTP blocks' ``mtp.N.…``;
+# official ``.scale`` included).
 PER_EXPERT = re.compile(
-    r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scales|biases|scale)$"
+    r"^((?:layers|mtp)\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scales|biases|scale)$"
 )
 # ``wo_a`` stored one output group per tensor (some MLX conversions).
-WO_A_SPLIT = re.compile(r"^(layers\.\d+\.attn\.wo_a)\.(\d+)\.(weight|scales|biases)$")
+WO_A_SPLIT = re.compile(r"^((?:layers|mtp)\.\d+\.attn\.wo_a)\.(\d+)\.(weight|scales|biases)$")
 LAYER = re.compile(r"^layers\.(\d+)\.")
+MTP = re.compile(r"^mtp\.(\d+)\.")
 
 
-def official_name(name: str) -> str | None:
+def is_mtp(name: str) -> bool:
+    """Whether checkpoint tensor ``name`` belongs to an MTP block (``[model.]mtp.I.*``)."""
+    return MTP.match(name.removeprefix("model.")) is not None
+
+
+def official_name(name: str, mtp: bool = False) -> str | None:
     """Map one checkpoint tensor name to the official naming; None means "drop it".
 
-    MTP tensors (``mtp.*``) are dropped: the network has no MTP head yet.
+    MTP tensors (``mtp.I.*``, also under ``model.``) are dropped unless ``mtp`` (the
+    drafter is wanted: ``ds4mlx.model.mtp``); a block's decoder-layer names map like a
+    layer's (``mtp.0.self_attn.q_a_proj`` -> ``mtp.0.attn.wq_a``).
     """
     if name.startswith("model."):
         name = name[len("model.") :]
-    if name.startswith("mtp."):
-        return None
+    if m := MTP.match(name):
+        if not mtp:
+            return None
+        # Rename as a layer, then put the MTP prefix back.
+        inner = official_name(f"layers.{m.group(1)}.{name[m.end() :]}")
+        return f"mtp.{inner[len('layers.') :]}"
     for pat, rep in _RENAMES:
         name = pat.sub(rep, name)
     return name

@@ -120,6 +120,18 @@ class Model(nn.Module):
             a.beta_slow,
         )
         self.compute_dtype = mx.float32
+        # Drafters' taps (plain attributes, not parameters): see `add_taps`.
+        object.__setattr__(self, "taps", ())
+        object.__setattr__(self, "tap_rows", 0)
+        object.__setattr__(self, "tapped", {})
+
+    def add_taps(self, layers, rows: int) -> None:
+        """Keep layer outputs for drafters: after every call, ``tapped[i]`` holds the output
+        streams ``(L, hc, dim)`` of layer ``i`` for each ``i`` in ``taps`` (the MTP head
+        taps the last layer: the final hidden state of every fed row). ``rows``: how many
+        of the latest fed rows a session keeps of them (``ds4mlx.engine.session``)."""
+        object.__setattr__(self, "taps", tuple(sorted({*self.taps, *map(int, layers)})))
+        object.__setattr__(self, "tap_rows", max(self.tap_rows, int(rows)))
 
     def make_cache(self) -> list[LayerCache]:
         """One empty ``LayerCache`` per layer (see ``cache.py`` for the state keys)."""
@@ -151,10 +163,14 @@ class Model(nn.Module):
             raise ValueError(f"cache has {len(cache)} layers, model has {len(self.layers)}")
         ctx = self.step_for(cache[0].offset, tokens.shape[0])
         x = self.embed_streams(tokens)
+        tapped = {}
         for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
             x = layer(x, tokens, c, ctx)
+            if i in self.taps:
+                tapped[i] = x
             if probe is not None:
                 probe(i, x, c)
+        object.__setattr__(self, "tapped", tapped)
         return self.head_logits(x, last_only=last_only)
 
     # The three parts of a forward call, public so a pipeline split
@@ -172,14 +188,15 @@ class Model(nn.Module):
         h = self.embed(tokens).astype(self.compute_dtype)
         return mx.broadcast_to(h[:, None, :], (tokens.shape[0], self.args.hc_mult, h.shape[-1]))
 
-    def head_logits(self, x: mx.array, *, last_only: bool = False) -> mx.array:
+    def head_logits(self, x: mx.array, *, last_only: bool = False, stage=None) -> mx.array:
         """Streams ``(L, hc, dim)`` after the last layer -> float32 logits ``(1, L, vocab)``
-        (``(1, 1, vocab)`` with ``last_only``)."""
+        (``(1, 1, vocab)`` with ``last_only``). ``stage``: the module whose
+        ``hc_head_{fn,scale,base}`` and ``norm`` collapse the streams before this model's
+        ``head`` (default: this model; an MTP block has its own)."""
         a = self.args
+        st = self if stage is None else stage
         if last_only:
             x = x[-1:]
-        y = hc_head_fn(a.hc_eps, a.norm_eps)(
-            x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base
-        )
-        logits = self.head(self.norm(y.astype(x.dtype)))
+        y = hc_head_fn(a.hc_eps, a.norm_eps)(x, st.hc_head_fn, st.hc_head_scale, st.hc_head_base)
+        logits = self.head(st.norm(y.astype(x.dtype)))
         return logits.astype(mx.float32)[None]

@@ -41,14 +41,18 @@ def flash_args(n_layers: int, *, first: int = 0, sinkhorn_iters: int = 20) -> Mo
     )
 
 
-def _random_quantized(shape: tuple[int, ...], bits: int) -> tuple[mx.array, mx.array, mx.array]:
+def _random_quantized(
+    shape: tuple[int, ...], bits: int, key=None
+) -> tuple[mx.array, mx.array, mx.array]:
     """Random affine-quantized ``(weight, scales, biases)`` whose dequantized values have
-    std ≈ ``1/sqrt(in_features)`` (``in_features`` = packed width · 32 / ``bits``)."""
+    std ≈ ``1/sqrt(in_features)`` (``in_features`` = packed width · 32 / ``bits``); drawn
+    from ``key`` (an ``mx.random.key``) when given, else from MLX's global generator."""
     in_features = shape[-1] * 32 // bits
     levels = (1 << bits) - 1
     scale = np.float32(2.0 / (levels * np.sqrt(in_features)))
     gshape = (*shape[:-1], in_features // GROUP_SIZE)
-    hi, lo = (mx.random.randint(0, 1 << 16, shape, dtype=mx.uint32) for _ in range(2))
+    keys = mx.random.split(key) if key is not None else (None, None)
+    hi, lo = (mx.random.randint(0, 1 << 16, shape, dtype=mx.uint32, key=k) for k in keys)
     words = (hi << 16) | lo  # uniform random 32-bit words
     scales = mx.full(gshape, scale, dtype=mx.float16)
     biases = mx.full(gshape, -scale * levels / 2, dtype=mx.float16)
@@ -98,7 +102,7 @@ def flash_model(
         other_bits: bits of every other linear layer, the embedding and the head; None
             keeps them float32.
         sinkhorn_iters: ``hc_sinkhorn_iters``.
-        seed: random seed.
+        seed: random seed (the same seed gives the same weights).
         progress: called as ``progress(done, total)`` in parameter bytes while the random
             weights are generated (a minute or more per layer at Flash size on a CPU).
     """
@@ -127,7 +131,7 @@ def flash_model(
             continue  # written with their weight
         if p.dtype == mx.uint32:
             bits = p.shape[-1] * 32 // params[f"{stem}.scales"].shape[-1] // GROUP_SIZE
-            w, s, b = _random_quantized(tuple(p.shape), bits)
+            w, s, b = _random_quantized(tuple(p.shape), bits, sub)
             new[name], new[f"{stem}.scales"], new[f"{stem}.biases"] = w, s, b
             mx.eval(w, s, b)
         elif name.endswith("gate.tid2eid"):
@@ -138,3 +142,36 @@ def flash_model(
     model.update(tree_unflatten(list(new.items())))
     mx.eval(model.parameters())
     return model
+
+
+def write_flash_checkpoint(
+    out_dir: str,
+    n_layers: int = 2,
+    *,
+    expert_bits: int = 2,
+    other_bits: int | None = 8,
+    seed: int = 0,
+    progress: Callable[[int, int], object] | None = None,
+) -> str:
+    """Write `flash_model`'s random model (Flash's first ``n_layers`` layers at Flash's
+    dimensions) as a loadable checkpoint in ``out_dir`` (`tiny.write_checkpoint`: official
+    names, mlx-lm ``quantization`` dict, the packaged tokenizer); returns ``out_dir``.
+
+    For benches that need a checkpoint whose layers are as wide as Flash's (a tensor
+    split at width 4096 halves real work; at the tiny width of 32 it halves nothing).
+    Size: about 2.2 GB per layer at ``expert_bits=2`` (1.8 GB of it routed experts) plus
+    1.1 GB of embedding and head at 8 bits; generating and writing it holds the whole
+    model in memory once.
+    """
+    from .tiny import write_checkpoint
+
+    model = flash_model(
+        n_layers, expert_bits=expert_bits, other_bits=other_bits, seed=seed, progress=progress
+    )
+    quant: dict = {"group_size": GROUP_SIZE, "bits": other_bits or 8, "mode": "affine"}
+    for i in range(n_layers):
+        for w in ("w1", "w2", "w3"):
+            quant[f"layers.{i}.ffn.experts.{w}"] = {"group_size": GROUP_SIZE, "bits": expert_bits}
+    cfg = {"architectures": ["DeepseekV4ForCausalLM"], **model.args.to_dict()}
+    cfg["quantization"] = cfg["quantization_config"] = quant
+    return write_checkpoint(out_dir, dict(tree_flatten(model.parameters())), cfg)

@@ -20,6 +20,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .config import ModelArgs
+from .dspark import DSpark, DSparkConfig
 from .identity import weights_metadata
 from .network import Model
 
@@ -86,13 +87,17 @@ def flash_layout(n_layers: int) -> tuple[list[int], int]:
     return ratios, min(3, n_layers)
 
 
-def tiny_config(layers: int | None = None, *, sinkhorn_iters: int | None = None) -> dict:
+def tiny_config(
+    layers: int | None = None, *, sinkhorn_iters: int | None = None, mtp: int = 0
+) -> dict:
     """The tiny config (DeepSeek HF-style keys); ``layers`` switches to Flash's layout.
 
     Args:
         layers: None keeps the 4-layer test layout ``[0, 4, 128, 4]`` (2 hash layers);
             N gives N layers in Flash's layout (``flash_layout``).
         sinkhorn_iters: overrides ``hc_sinkhorn_iters`` (20).
+        mtp: MTP blocks (``num_nextn_predict_layers``), window-only like Flash's: one
+            ``compress_ratios`` entry 0 each after the layers', as official configs have.
     """
     cfg = dict(TINY_CONFIG)
     if layers is not None:
@@ -100,12 +105,21 @@ def tiny_config(layers: int | None = None, *, sinkhorn_iters: int | None = None)
         cfg.update(num_hidden_layers=layers, compress_ratios=ratios, num_hash_layers=n_hash)
     if sinkhorn_iters is not None:
         cfg["hc_sinkhorn_iters"] = int(sinkhorn_iters)
+    if mtp:
+        cfg["num_nextn_predict_layers"] = int(mtp)
+        cfg["compress_ratios"] = list(cfg["compress_ratios"]) + [0] * int(mtp)
     return cfg
 
 
 def random_model(cfg: dict, seed: int = 0) -> Model:
-    """A float32 ``Model`` for ``cfg`` with the tiny checkpoint's seeded weights, in memory."""
+    """A float32 ``Model`` for ``cfg`` with the tiny checkpoint's seeded weights, in memory
+    (with its MTP blocks when ``cfg`` declares some: drawn after every other weight, so
+    the network's weights are the same with or without them)."""
     model = Model(ModelArgs.from_dict(cfg))
+    if model.args.n_mtp_layers:
+        from .mtp import attach_mtp
+
+        attach_mtp(model)
     model.load_weights(list(_random_params(model, seed).items()), strict=True)
     mx.eval(model.parameters())
     return model
@@ -161,6 +175,19 @@ def _random_params(model: Model, seed: int) -> dict[str, mx.array]:
     return out
 
 
+def tiny_dspark(cfg: dict, seed: int) -> DSpark:
+    """A seeded random DSpark drafter for the tiny ``cfg``, whose ``dspark_*`` fields it
+    sets: Flash 0731's block of 5 and noise token, three stages, the last three layers
+    as targets, Markov rank 32 (256 in 0731)."""
+    n = int(cfg["num_hidden_layers"])
+    dcfg = DSparkConfig(5, tuple(range(max(0, n - 3), n)), 32, 128799, 3)
+    cfg.update(dcfg.to_config())
+    net = DSpark(ModelArgs.from_dict(cfg), dcfg)
+    net.load_weights(list(_random_params(net, seed).items()), strict=True)
+    mx.eval(net.parameters())
+    return net
+
+
 def make_tiny(
     out_dir: str,
     *,
@@ -169,6 +196,8 @@ def make_tiny(
     other_bits: int | None = 8,
     expert_mode: str = "affine",
     layers: int | None = None,
+    mtp: int = 0,
+    dspark: bool = False,
 ) -> str:
     """Write a tiny DS4-architecture checkpoint to ``out_dir`` and return its path.
 
@@ -183,17 +212,24 @@ def make_tiny(
         layers: None writes the 4-layer test model; N writes N layers in Flash's layout
             (2 window-only layers, 3 hash-routed layers, then ratio 4 / ratio 128
             alternating; see ``flash_layout``).
+        mtp: random MTP blocks written under ``mtp.I.*`` (``tiny_config``), quantized
+            like the layers.
+        dspark: also write a random DSpark drafter (`tiny_dspark`: Flash 0731's tensor
+            names under ``mtp.*`` and its ``dspark_*`` config fields, at toy size).
 
     Sizes: ~35 MB fully float32, ~10 MB at 8-bit (the 129280-row embedding and head
     dominate).
 
     Raises:
-        ValueError: an unsupported bits / mode combination.
+        ValueError: an unsupported bits / mode combination, or both ``mtp`` and ``dspark``.
     """
     if expert_mode == "mxfp4" and expert_bits != 4:
         raise ValueError("mxfp4 experts need expert_bits=4")
-    cfg = tiny_config(layers)
+    if mtp and dspark:
+        raise ValueError("MTP blocks and a DSpark drafter both live under mtp.*: pick one")
+    cfg = tiny_config(layers, mtp=mtp)
     model = random_model(cfg, seed)
+    drafter = tiny_dspark(cfg, seed + 1) if dspark else None
 
     quant: dict | None = None
     if expert_bits is not None or other_bits is not None:
@@ -219,18 +255,28 @@ def make_tiny(
                 return False
             return True
 
-        nn.quantize(
-            model,
-            group_size=GROUP_SIZE,
-            bits=default_bits,
-            mode="affine",
-            class_predicate=predicate,
-        )
+        for m in (model, drafter) if drafter is not None else (model,):
+            nn.quantize(
+                m,
+                group_size=GROUP_SIZE,
+                bits=default_bits,
+                mode="affine",
+                class_predicate=predicate,
+            )
         cfg["quantization"] = quant
         cfg["quantization_config"] = quant  # mlx-lm writes both spellings
 
-    os.makedirs(out_dir, exist_ok=True)
     weights = dict(tree_flatten(model.parameters()))
+    if drafter is not None:
+        weights.update(tree_flatten(drafter.parameters()))
+    return write_checkpoint(out_dir, weights, cfg)
+
+
+def write_checkpoint(out_dir: str, weights: dict[str, mx.array], cfg: dict) -> str:
+    """Write ``weights`` (official names) as ``model.safetensors`` with ds4mlx's identity
+    metadata, ``cfg`` as ``config.json`` and the packaged DeepSeek V4 tokenizer files into
+    ``out_dir`` (created; files there are replaced); returns ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
     mx.save_safetensors(
         os.path.join(out_dir, "model.safetensors"), weights, metadata=weights_metadata(weights)
     )

@@ -678,7 +678,8 @@ def _count(raw: bytes, key: str | None, salt_of_key: str = "") -> int:
     No job is queued, so it answers while a generation runs. A live state the request
     continues counts as the next request's usage does: with the hidden reasoning it
     holds, which the rendering leaves out."""
-    return state().charged(_gen(parse(CountTokensRequest, raw), "/v1/messages", key, salt_of_key))
+    req = parse(CountTokensRequest, raw)
+    return state().charged(_gen(req, "/v1/messages", key, salt_of_key, count_only=True))
 
 
 def _job(
@@ -690,12 +691,18 @@ def _job(
 
 
 def _gen(
-    req: CountTokensRequest, path: str, key: str | None, salt_of_key: str, side: bool = False
+    req: CountTokensRequest,
+    path: str,
+    key: str | None,
+    salt_of_key: str,
+    side: bool = False,
+    count_only: bool = False,
 ) -> GenRequest:
     """The job of a validated request (a count request has no output limit nor stops);
     ``key``: its `state_key` (from the headers); the body's ``cache_salt`` and
     ``salt_of_key`` (the API key's `key_salt`) make its cache salt (`cache_salt`);
-    ``side``: a helper agent's request (`helper_agent`)."""
+    ``side``: a helper agent's request (`helper_agent`); ``count_only``: counted, never
+    run (`prepare`)."""
     conv = _conversation(req)
     return prepare(
         conv,
@@ -709,6 +716,7 @@ def _gen(
         salt=cache_salt((req.model_extra or {}).get("cache_salt"), salt_of_key),
         side=side,
         constraint=constraints.read(constraints.anthropic_constraint, req),
+        count_only=count_only,
     )
 
 

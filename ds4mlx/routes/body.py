@@ -16,7 +16,8 @@ Where that work runs:
   long list in slices of `SLICE` items, and bodies that could hold such calls for long
   do not come here first:
 - A larger body is first *vetted* in a child process (one, started lazily, `spawn`ed so
-  no thread state is forked, gone after `VET_IDLE_S` seconds without a large body): the
+  no thread state is forked, gone after `VET_IDLE_S` seconds without a large body, 30 or
+  ``$DS4MLX_VET_IDLE_S``): the
   child runs the same function on the same bytes, with a snapshot of the state a body
   needs (the context size, the configuration, the reasoning carrier's key; no tool
   memory, no tokenizer). If the function raises `APIError` there (malformed, invalid,
@@ -36,9 +37,10 @@ import logging
 import multiprocessing
 import signal
 import typing
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -46,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from quart import current_app, request
 from werkzeug.exceptions import HTTPException
 
+from ds4mlx.argtypes import env_positive
 from ds4mlx.routes import carrier
 from ds4mlx.routes.common import state
 from ds4mlx.routes.errors import APIError, errors_to_api, http_exception_to_api
@@ -62,6 +65,12 @@ SLICE = 2000
 # here instead of multiplying memory and GIL contention.
 _WORKERS = 2
 _pool: ThreadPoolExecutor | None = None
+# Work a body function hands back to `offload` (`defer`): ``(step, cancel)`` pairs,
+# ``step()`` awaited on the event loop once the function returns (a grammar compile, so
+# no parsing thread waits on one), ``cancel()`` run if the function raises instead.
+_deferred: ContextVar[list[tuple[Callable[[], Awaitable[None]], Callable[[], Any]]] | None] = (
+    ContextVar("ds4mlx_deferred", default=None)
+)
 # Bodies larger than this (bytes) are vetted in the child process first. Below it the
 # in-process work holds the GIL for tens of milliseconds at most (a 1 MiB body: ~30 ms
 # of parsing), and the hop (spawn once, then a pickle of the bytes each way) is not paid.
@@ -70,7 +79,8 @@ VET_BYTES = 1 << 20
 _vet_pool: ProcessPoolExecutor | None = None
 # The child exits after this many seconds without a large body: it holds the route
 # modules' imports (~300 MB) and what the allocator kept of its largest body.
-VET_IDLE_S = 30.0
+# ``$DS4MLX_VET_IDLE_S`` sets it (the tests that watch the child exit shorten it).
+VET_IDLE_S = env_positive("DS4MLX_VET_IDLE_S", 30.0)
 # [bodies being vetted now, loop time the last one ended]
 _vetting: list[float] = [0, 0.0]
 
@@ -89,6 +99,9 @@ async def offload(fn: Callable[..., T], raw: bytes | str, *args: Any) -> T:
     """``fn(raw, *args)`` off the event loop: the request ``fn`` builds from the body
     ``raw``; its exception propagates.
 
+    Work ``fn`` hands back with `defer` (a grammar compile) is awaited here, after
+    ``fn`` returns: the pool's threads never wait on it.
+
     A body over `VET_BYTES` is first vetted in the child process (module doc): an
     `APIError` ``fn`` raises there is raised here without running ``fn`` in this
     process. Then (and for every smaller body) ``fn`` runs on the thread pool (at most
@@ -104,8 +117,38 @@ async def offload(fn: Callable[..., T], raw: bytes | str, *args: Any) -> T:
     if _pool is None:
         _pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="ds4mlx-body")
     ctx = contextvars.copy_context()
+    steps: list[tuple[Callable[[], Awaitable[None]], Callable[[], Any]]] = []
+    ctx.run(_deferred.set, steps)
     call = functools.partial(ctx.run, fn, raw, *args)
-    return await asyncio.get_running_loop().run_in_executor(_pool, call)
+    try:
+        result = await asyncio.get_running_loop().run_in_executor(_pool, call)
+    except BaseException:
+        for _, cancel in steps:
+            cancel()
+        raise
+    for i, (step, _) in enumerate(steps):
+        try:
+            await step()
+        except BaseException:
+            for _, cancel in steps[i + 1 :]:
+                cancel()
+            raise
+    return result
+
+
+def defer(step: Callable[[], Awaitable[None]], cancel: Callable[[], Any]) -> bool:
+    """Have `offload` await ``step()`` on the event loop once the body function that
+    calls this returns (before its result is used; an `APIError` it raises is the
+    request's), or run ``cancel()`` if that function raises instead.
+
+    Returns False outside `offload` (the body-vetting child, a direct call): the caller
+    then does the work itself.
+    """
+    steps = _deferred.get()
+    if steps is None:
+        return False
+    steps.append((step, cancel))
+    return True
 
 
 @dataclass
@@ -421,13 +464,13 @@ def _lone_surrogate_path(data: Any) -> str | None:
 
 def _list_item(annotation: Any) -> Any:
     """The item type of a field annotated ``list[X]`` (possibly in a union with None or
-    ``str``), else None."""
+    ``str``), else None: also for a union of several list types (a completion's
+    ``prompt``: ``list[str] | list[int] | …``), where no one item type can validate the
+    slices the way the whole union validates the list."""
     if typing.get_origin(annotation) is list:
         return typing.get_args(annotation)[0]
-    for arm in typing.get_args(annotation):
-        if typing.get_origin(arm) is list:
-            return typing.get_args(arm)[0]
-    return None
+    arms = [a for a in typing.get_args(annotation) if typing.get_origin(a) is list]
+    return typing.get_args(arms[0])[0] if len(arms) == 1 else None
 
 
 @functools.cache

@@ -17,12 +17,14 @@ from quart import Blueprint, request
 
 from ds4mlx.dsml.tokens import BOS
 from ds4mlx.jobs import GenRequest, JobDone, JobFailed, JobStarted, RawText, TurnSpec
+from ds4mlx.routes import constraints
 from ds4mlx.routes.body import offload, parse, read_body
 from ds4mlx.routes.common import json_response, model_thinking, new_id, now, state
 from ds4mlx.routes.errors import APIError, Wording, failed_to_api, openai_error
-from ds4mlx.routes.openai import SamplingFields, finish_of, stops_of, usage_of
+from ds4mlx.routes.openai import SamplingFields, finish_of, logit_bias_of, stops_of, usage_of
 from ds4mlx.routes.pipeline import (
     bound,
+    constrain,
     respond,
     sampling_params,
     stream,
@@ -207,6 +209,7 @@ def _job(raw: bytes, path: str) -> tuple[CompletionRequest, GenRequest, str, lis
     """The typed request, its job, the echo text and echoed ids (off the event loop).
     The raw prompt is tokenized here (echo needs its ids): the job carries them."""
     req = parse(CompletionRequest, raw)
+    bias = logit_bias_of(req)
     tok = state().tokenizer
     text, toks, echo_text, echo_ids = _prompt(req, tok)
     model_thinking(req.model)  # logs a model name the server does not list
@@ -221,7 +224,10 @@ def _job(raw: bytes, path: str) -> tuple[CompletionRequest, GenRequest, str, lis
         logprobs=req.logprobs,
         cap_is_eos=cap_is_eos,
     )
-    gen = GenRequest(path=path, turn=turn, prompt=text, prompt_tokens=toks)
+    gen = GenRequest(path=path, turn=turn, prompt=text, prompt_tokens=toks, logit_bias=bias)
+    # A constrained reply the demo cap cuts is incomplete, never a natural end: the cap
+    # stands in for EOS only where the grammar accepts one (no reasoning here).
+    constrain(None, constraints.read(constraints.completion_constraint, req), gen.set_grammar)
     return req, gen, echo_text, echo_ids
 
 

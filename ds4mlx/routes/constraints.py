@@ -6,8 +6,10 @@ job vocabulary's `OutputConstraint` (the pipeline compiles it; docs/STRUCTURED_O
 - Responses: ``text.format`` (``json_schema`` with ``schema``, ``json_object``); function
   tools with ``strict: true``; custom tools (always: their input under their
   ``format`` grammar, ``lark`` or ``regex``, or free text).
-- Anthropic Messages: ``output_config.format`` ``{"type": "json_schema", "schema"}``;
-  tools with ``strict: true``.
+- OpenAI legacy completions: ``response_format`` as in chat (the raw continuation is
+  the reply).
+- Anthropic Messages: ``output_config.format`` ``{"type": "json_schema", "schema"}`` (or
+  the beta's top-level ``output_format``); tools with ``strict: true``.
 
 ``parallel_tool_calls: false`` (OpenAI protocols) allows one call per turn. A shape this
 module cannot read is a `WireError` naming its field (400 in the protocol's shape).
@@ -31,10 +33,22 @@ def read(fn: Callable[[Any], OutputConstraint | None], req: Any) -> OutputConstr
         raise APIError(400, e.message, param=e.param) from None
 
 
-def _schema_of(fmt: dict[str, Any], param: str, key: str) -> tuple[dict[str, Any] | None, bool]:
-    """``(schema, json_object)`` of an OpenAI-style format object at ``param``."""
+def _schema_of(
+    fmt: dict[str, Any] | None, param: str, key: str
+) -> tuple[dict[str, Any] | None, bool]:
+    """``(schema, json_object)`` of an OpenAI-style format object at ``param`` (None:
+    the field is absent).
+
+    Raises:
+        WireError: no ``type`` (a format whose kind is unknown would be served free),
+            an unknown ``type``, or a ``json_schema`` without a schema object.
+    """
+    if fmt is None:
+        return None, False
     kind = fmt.get("type")
-    if kind in (None, "text"):
+    if kind is None:
+        raise WireError(f"{param}.type: required (text, json_object, json_schema)", f"{param}.type")
+    if kind == "text":
         return None, False
     if kind == "json_object":
         return None, True
@@ -60,6 +74,19 @@ def _finish(
     return c
 
 
+def _strict(tool: Any, where: str) -> bool:
+    """Whether ``tool`` (a wire model whose extras may hold ``strict``) is strict.
+
+    Raises:
+        WireError: ``strict`` is neither a JSON boolean nor null: a client asking for a
+            strict tool in a shape this server cannot read must not get a free one.
+    """
+    value = (tool.model_extra or {}).get("strict")
+    if value is not None and not isinstance(value, bool):
+        raise WireError(f"{where}.strict: must be a boolean", f"{where}.strict")
+    return value is True
+
+
 def _parallel(req: Any) -> bool:
     value = getattr(req, "parallel_tool_calls", None)
     if value is None:
@@ -73,14 +100,53 @@ def chat_constraint(req: Any) -> OutputConstraint | None:
     c = OutputConstraint(parallel=_parallel(req))
     for i, t in enumerate(req.tools or []):
         f = t.function
-        if t.type == "function" and (f.model_extra or {}).get("strict") is True:
+        if t.type == "function" and _strict(f, f"tools[{i}].function"):
             c.tools[f.name] = ToolRule(strict=True)
             c.tool_params[f.name] = f"tools[{i}].function.parameters"
+    return _response_format(c, extra)
+
+
+def _response_format(c: OutputConstraint, extra: dict[str, Any]) -> OutputConstraint | None:
+    """``c`` with the OpenAI ``response_format`` of a body's extra fields, or None."""
     rf = extra.get("response_format")
     if rf is not None and not isinstance(rf, dict):
         raise WireError("response_format: must be an object", "response_format")
-    schema, obj = _schema_of(rf or {}, "response_format", "json_schema")
+    schema, obj = _schema_of(rf, "response_format", "json_schema")
     return _finish(c, schema, obj, "response_format.json_schema.schema")
+
+
+def completion_constraint(req: Any) -> OutputConstraint | None:
+    """The constraint of a legacy completion (``CompletionRequest``: ``response_format``
+    as in chat, no tools), or None."""
+    return _response_format(OutputConstraint(), req.model_extra or {})
+
+
+def _custom_rule(c: OutputConstraint, name: str, fmt: Any, where: str) -> None:
+    """``c`` with the rule of the custom tool ``name`` (its input under its ``format``'s
+    grammar, or free text); ``where``: its wire path.
+
+    Raises:
+        WireError: a format that is not an object of type text or grammar.
+    """
+    fmt = fmt or {}
+    if not isinstance(fmt, dict) or fmt.get("type") not in (None, "text", "grammar"):
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise WireError(
+            f"{where}.format.type: {kind!r} is not supported (text, grammar)",
+            f"{where}.format.type",
+        )
+    grammar = fmt.get("type") == "grammar"
+    if grammar and not isinstance(fmt.get("definition"), str):
+        raise WireError(
+            f"{where}.format.definition: the grammar definition must be a string",
+            f"{where}.format.definition",
+        )
+    c.tools[name] = ToolRule(
+        custom=True,
+        syntax=fmt.get("syntax") if grammar else None,
+        definition=fmt.get("definition") if grammar else None,
+    )
+    c.tool_params[name] = f"{where}.format" + (".definition" if grammar else "")
 
 
 def responses_constraint(req: Any) -> OutputConstraint | None:
@@ -88,28 +154,24 @@ def responses_constraint(req: Any) -> OutputConstraint | None:
     extra = req.model_extra or {}
     c = OutputConstraint(parallel=_parallel(req))
     for i, t in enumerate(req.tools or []):
-        if t.type == "function" and (t.model_extra or {}).get("strict") is True:
+        if t.type == "function" and _strict(t, f"tools[{i}]"):
             c.tools[t.name or ""] = ToolRule(strict=True)
             c.tool_params[t.name or ""] = f"tools[{i}].parameters"
         elif t.type == "custom":
-            fmt = t.format or {}
-            if fmt.get("type") not in (None, "text", "grammar"):
-                raise WireError(
-                    f"tools[{i}].format.type: {fmt.get('type')!r} is not supported (text, grammar)",
-                    f"tools[{i}].format.type",
-                )
-            grammar = fmt.get("type") == "grammar"
-            c.tools[t.name or ""] = ToolRule(
-                custom=True,
-                syntax=fmt.get("syntax") if grammar else None,
-                definition=fmt.get("definition") if grammar else None,
-            )
-            c.tool_params[t.name or ""] = f"tools[{i}].format" + (".definition" if grammar else "")
+            _custom_rule(c, t.name or "", t.format, f"tools[{i}]")
+        elif t.type == "namespace":  # Codex puts its freeform ``exec`` in one
+            for j, sub in enumerate(t.tools or []):
+                if isinstance(sub, dict) and sub.get("type") == "custom":
+                    _custom_rule(
+                        c, sub.get("name") or "", sub.get("format"), f"tools[{i}].tools[{j}]"
+                    )
     text = extra.get("text")
-    fmt = text.get("format") if isinstance(text, dict) else None
+    if text is not None and not isinstance(text, dict):
+        raise WireError("text: must be an object", "text")
+    fmt = (text or {}).get("format")
     if fmt is not None and not isinstance(fmt, dict):
         raise WireError("text.format: must be an object", "text.format")
-    schema, obj = _schema_of(fmt or {}, "text.format", "")
+    schema, obj = _schema_of(fmt, "text.format", "")
     return _finish(c, schema, obj, "text.format.schema")
 
 
@@ -117,17 +179,35 @@ def anthropic_constraint(req: Any) -> OutputConstraint | None:
     """The constraint of a Messages request (``MessagesRequest``), or None."""
     c = OutputConstraint()
     for i, t in enumerate(req.tools or []):
-        if (t.model_extra or {}).get("strict") is True:
+        if _strict(t, f"tools.{i}"):
             c.tools[t.name] = ToolRule(strict=True)
             c.tool_params[t.name] = f"tools.{i}.input_schema"
-    fmt = (req.output_config or {}).get("format")
+    fmt, where = _anthropic_format(req)
     if fmt is not None and not isinstance(fmt, dict):
-        raise WireError("output_config.format: must be an object", "output_config.format")
-    kind = (fmt or {}).get("type")
-    if kind not in (None, "json_schema"):
+        raise WireError(f"{where}: must be an object", where)
+    kind = (fmt or {}).get("type", "json_schema")
+    if kind != "json_schema":
+        raise WireError(f"{where}.type: {kind!r} is not supported (json_schema)", f"{where}.type")
+    schema, obj = _schema_of(fmt, where, "")
+    return _finish(c, schema, obj, f"{where}.schema")
+
+
+def _anthropic_format(req: Any) -> tuple[Any, str]:
+    """``(format, its wire path)`` of a Messages request: ``output_config.format``, or the
+    structured-outputs beta's top-level ``output_format`` (still sent by older SDKs and
+    other clients; dropping it as an unknown field would serve the reply free).
+
+    Raises:
+        WireError: both are given.
+    """
+    fmt = (req.output_config or {}).get("format")
+    legacy = (req.model_extra or {}).get("output_format")
+    if legacy is None:
+        return fmt, "output_config.format"
+    if fmt is not None:
         raise WireError(
-            f"output_config.format.type: {kind!r} is not supported (json_schema)",
-            "output_config.format.type",
+            "output_format: give the format once, as output_config.format "
+            "(output_format is the beta's older spelling of it)",
+            "output_format",
         )
-    schema, obj = _schema_of(fmt or {}, "output_config.format", "")
-    return _finish(c, schema, obj, "output_config.format.schema")
+    return legacy, "output_format"

@@ -13,9 +13,12 @@ rule exists once:
 - an "effort" word maps onto DeepSeek's thinking switch and Think-Max;
 - a forced ``tool_choice`` needs a callable tool, and a named one must be offered;
 - the OpenAI ``tool_choice`` shapes (chat and Responses differ only in where the name
-  and the ``allowed_tools`` mode live).
+  and the ``allowed_tools`` mode live);
+- OpenAI's per-token logprob entries (chat ``logprobs.content``, Responses
+  ``output_text.logprobs``: the same shape).
 
-Nothing here knows HTTP, tokens or the engine.
+Nothing here knows HTTP or the engine (token text comes from the tokenizer a caller
+passes in).
 """
 
 from __future__ import annotations
@@ -221,6 +224,38 @@ def checked_choice(
     return required, name
 
 
+def allowed_tools(
+    choice: str | dict[str, Any] | None, tools: list[ToolSpec], entries_of
+) -> list[ToolSpec]:
+    """The tools to offer under an OpenAI ``tool_choice``: ``tools``, or for
+    ``{"type": "allowed_tools", …}`` only those its list names (``entries_of(choice)``
+    reads the list where the protocol keeps it; an entry names its tool at ``name`` or
+    ``function.name``), in the order of ``tools``. Offering only them keeps the model
+    from calling the others, which the client has ruled out.
+
+    Raises:
+        WireError: the list is missing or not a list, or names a tool not in ``tools``
+            (param ``tool_choice``).
+    """
+    if not isinstance(choice, dict) or choice.get("type") != "allowed_tools":
+        return tools
+    entries = entries_of(choice)
+    if not isinstance(entries, list):
+        raise WireError("tool_choice: allowed_tools needs its list of tools", "tool_choice")
+    names = set()
+    for e in entries:
+        e = e if isinstance(e, dict) else {}
+        fn = e.get("function")
+        name = e.get("name") or (fn.get("name") if isinstance(fn, dict) else None)
+        if not isinstance(name, str) or name not in {t.name for t in tools}:
+            raise WireError(
+                f"tool_choice: allowed_tools names {name!r}, which is not in tools",
+                "tool_choice",
+            )
+        names.add(name)
+    return [t for t in tools if t.name in names]
+
+
 def openai_tool_choice(
     choice: str | dict[str, Any] | None,
     tools: list[ToolSpec],
@@ -271,3 +306,25 @@ def openai_tool_choice(
         "(use auto, none, required or a named function)",
         "tool_choice",
     )
+
+
+def logprob_entries(lps: Iterable[Any], tok: Any) -> list[dict[str, Any]]:
+    """OpenAI's per-token logprob entries, ``[{token, logprob, bytes, top_logprobs:
+    [{token, logprob, bytes}]}]`` (chat ``logprobs.content``, Responses
+    ``output_text.logprobs``).
+
+    ``lps``: the engine's ``TokenLogprob``s (``.token`` an id, ``.logprob`` a natural-log
+    float ≤ 0, ``.top`` ``(id, logprob)`` pairs, most likely first); ``tok``: the
+    tokenizer giving each id's text (U+FFFD for part of a UTF-8 character) and raw bytes.
+    """
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        return {
+            "token": tok.decode([token]),
+            "logprob": logprob,
+            "bytes": list(tok.token_bytes(token)),
+        }
+
+    return [
+        {**entry(e.token, e.logprob), "top_logprobs": [entry(i, v) for i, v in e.top]} for e in lps
+    ]

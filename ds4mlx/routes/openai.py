@@ -21,7 +21,7 @@ reasoning; tool-call arguments that are not a JSON object are kept under
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, StrictBool
 from quart import Blueprint, request
@@ -54,11 +54,13 @@ from ds4mlx.routes.common import (
 from ds4mlx.routes.errors import APIError, Wording, failed_to_api, openai_error
 from ds4mlx.routes.mapping import (
     WireError,
+    allowed_tools,
     effort_to_reasoning,
     empty_schema,
     hoisted_system,
     json_object,
     late_system,
+    logprob_entries,
     openai_tool_choice,
     parts_text,
     system_in_conversation,
@@ -140,6 +142,31 @@ class SamplingFields(OpenModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1, le=1)
+    # OpenAI's ``logit_bias``: token id (a JSON object key) → a bias in [-100, 100] added
+    # to that token's logit; the ids' upper bound (the vocabulary) is `logit_bias_of`'s.
+    logit_bias: (
+        dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100, le=100)]] | None
+    ) = None
+
+
+def logit_bias_of(req: SamplingFields) -> tuple[tuple[int, float], ...]:
+    """``req.logit_bias`` as ``(token id, bias)`` pairs in id order (chat, completions).
+
+    Raises:
+        APIError: 400 naming ``logit_bias.ID`` for an id outside the vocabulary (the
+            schema already refused negative ids and biases outside [-100, 100]).
+    """
+    bias = req.logit_bias or {}
+    tok = state().tokenizer  # None in the body-vetting child: the parent checks the ids
+    if tok is not None:
+        for t in bias:
+            if t >= tok.vocab_size:
+                raise APIError(
+                    400,
+                    f"logit_bias.{t}: token id outside the vocabulary (0..{tok.vocab_size - 1})",
+                    param=f"logit_bias.{t}",
+                )
+    return tuple(sorted(bias.items()))
 
 
 class ChatRequest(SamplingFields):
@@ -256,9 +283,11 @@ def _tools(req: ChatRequest) -> list[ToolSpec]:
     ]
 
 
-def _allowed_mode(choice: dict[str, Any]) -> Any:
+def _allowed(choice: dict[str, Any], key: str) -> Any:
+    """Chat's ``allowed_tools`` field ``key`` (``mode``, ``tools``): inside its
+    ``allowed_tools`` object, else at the top of the choice."""
     inner = choice.get("allowed_tools")
-    return inner.get("mode", choice.get("mode")) if isinstance(inner, dict) else choice.get("mode")
+    return inner.get(key, choice.get(key)) if isinstance(inner, dict) else choice.get(key)
 
 
 def to_conversation(req: ChatRequest, *, default_thinking: bool = True) -> Conversation:
@@ -283,14 +312,14 @@ def to_conversation(req: ChatRequest, *, default_thinking: bool = True) -> Conve
         else:  # tool, function
             tool_id = m.tool_call_id or m.name
             msgs.append(Message(role="tool", tool_call_id=tool_id, content=parts_text(m.content)))
-    tools = _tools(req)
+    tools = allowed_tools(req.tool_choice, _tools(req), lambda c: _allowed(c, "tools"))
     thinking, effort = chat_thinking(req, default_thinking)
     required, name = openai_tool_choice(
         req.tool_choice,
         tools,
         named_types=("function",),
         name_field="function.name",
-        mode_of=_allowed_mode,
+        mode_of=lambda c: _allowed(c, "mode"),
     )
     return Conversation(
         messages=hoisted_system(msgs, system_parts),
@@ -318,24 +347,8 @@ def conversation(req: ChatRequest) -> Conversation:
 
 
 def _chat_logprobs(lps: list[TokenLogprob], tok) -> dict[str, Any]:
-    """OpenAI chat ``logprobs`` object of the visible reply's tokens (``lps``: the
-    engine's, token ids; ``tok``: the tokenizer giving each id's text and raw bytes, the
-    text U+FFFD for part of a UTF-8 character)."""
-
-    def entry(token: int, logprob: float) -> dict[str, Any]:
-        return {
-            "token": tok.decode([token]),
-            "logprob": logprob,
-            "bytes": list(tok.token_bytes(token)),
-        }
-
-    return {
-        "content": [
-            {**entry(e.token, e.logprob), "top_logprobs": [entry(i, v) for i, v in e.top]}
-            for e in lps
-        ],
-        "refusal": None,
-    }
+    """OpenAI chat ``logprobs`` object of the visible reply's tokens (`logprob_entries`)."""
+    return {"content": logprob_entries(lps, tok), "refusal": None}
 
 
 @dataclass(frozen=True)
@@ -510,7 +523,11 @@ def _job(
     its resident state (`state_key`); the body's ``cache_salt`` and ``key`` (the API
     key's `key_salt`) its cache salt (`cache_salt`)."""
     req = parse(ChatRequest, raw)
+    if req.top_logprobs is not None and not req.logprobs:
+        # OpenAI's answer too: alternatives are only ever sent with ``logprobs: true``.
+        raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
     extra = req.model_extra or {}
+    bias = logit_bias_of(req)
     conv = conversation(req)
     gen = prepare(
         conv,
@@ -525,6 +542,7 @@ def _job(
         salt=cache_salt(extra.get("cache_salt"), key),
         constraint=constraints.read(constraints.chat_constraint, req),
     )
+    gen.logit_bias = bias
     return req, conv, gen
 
 

@@ -5,14 +5,17 @@ neutral ``Conversation`` and hands it to `prepare`; all of that runs off the eve
 (``body.offload``). `prepare`:
 
 1. renders (`render`: ``dsml.render``, content spans marked; 400 on a render error);
-2. applies the cheap context bound (`bound`): a rendering longer than ``ctx ×``
-   `MAX_TOKEN_CHARS` characters cannot fit and is refused before any tokenizing;
+2. applies the early context bound (`bound`): a rendering longer than ``ctx ×``
+   `MAX_TOKEN_CHARS` characters cannot fit and is refused before any tokenizing; a
+   rendering longer than ``ctx × 4`` characters has its tokens counted up to ``ctx``
+   (in pieces, the GIL released) and is refused once they reach it;
 3. builds the `GenRequest`: the engine's ``TurnSpec`` (sampling, the output limit and
    the demo cap, stops, tools, forced tool choice, the id prefix), the rendering, the
    conversation and the protocol's live labels.
 
-The prompt is not tokenized here: the worker tokenizes what the plan needs (a live
-continuation only its suffix) and makes the one exact context check, and the unknown
+The prompt's ids are not made here (a long one is only counted, up to the context): the
+worker tokenizes what the plan needs (a live continuation only its suffix) and makes the
+exact context check on the planned prompt, and the unknown
 tool-id check is the prompt cache's. Their neutral failures come back as the job's
 first event: `start` waits for it briefly, so a stream still answers them with the
 protocol's 4xx before its first byte.
@@ -25,9 +28,10 @@ implementation.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, TypeVar
 
 from quart import Response
@@ -37,6 +41,7 @@ from ds4mlx.dsml import render as render_conv
 from ds4mlx.jobs import (
     ConstraintError,
     GenRequest,
+    Grammar,
     Job,
     JobDone,
     JobFailed,
@@ -44,8 +49,9 @@ from ds4mlx.jobs import (
     OutputConstraint,
     PrefillProgress,
     TurnSpec,
-    compile_constraint,
+    start_compile,
 )
+from ds4mlx.routes.body import defer
 from ds4mlx.routes.common import state
 from ds4mlx.routes.errors import APIError, Wording, context_error, failed_to_api
 from ds4mlx.routes.mapping import placeholder_text, take_unsupported
@@ -58,6 +64,12 @@ T = TypeVar("T")
 # of 128 "." — measured by decoding every id of the package tokenizer). A text of more
 # than ctx × 128 characters is more than ctx tokens, whatever it holds.
 MAX_TOKEN_CHARS = 128
+# `bound` counts the tokens of a rendering longer than ctx × this many characters. Below
+# it a prompt that does not fit costs the worker the tokenizing of at most that many
+# characters (the GIL released), and a live continuation never tokenizes what it keeps:
+# counting every long prompt here would tokenize a long conversation's whole prompt again
+# at each turn (Claude Code's are ~100k characters).
+COUNT_ABOVE_CHARS_PER_TOKEN = 4
 
 # --------------------------------------------------------------------------- the pipeline
 
@@ -90,6 +102,7 @@ def prepare(
     salt: str = "",
     side: bool = False,
     constraint: OutputConstraint | None = None,
+    count_only: bool = False,
 ) -> GenRequest:
     """Render and bound ``conv``; return the job to submit (call off the event loop).
 
@@ -102,19 +115,22 @@ def prepare(
         sampling: from `sampling_params`.
         id_prefix: prefix of new tool-call ids (``toolu_``, ``call_``).
         stops: stop strings.
-        top_logprobs: chat ``logprobs``: None (off) or alternatives per token.
+        top_logprobs: chat ``logprobs`` / Responses' logprobs include: None (off) or
+            alternatives per token.
         state_key: the client's conversation name (`ds4mlx.routes.common.state_key`).
         salt: the prompt cache salt (`ds4mlx.routes.common.cache_salt`).
         side: the client marked it a side request (`ds4mlx.routes.common.helper_agent`).
         constraint: structured output / strict or custom tools to enforce (`grammar`).
+        count_only: the job is only counted (``count_tokens``), never run: a prompt the
+            context cannot hold is counted, not refused (a client counts to learn that).
     Raises:
         APIError: 400 for a conversation that cannot be rendered, a rendering the
             context cannot hold (`bound`), a constraint that cannot be enforced.
     """
     _log_unsupported(path)
     rendered = render(conv)
-    bound(rendered.text, wording.param)
-    gram = constrain(conv, constraint)
+    if not count_only:
+        bound(rendered.text, wording.param)
     limit, cap_is_eos = turn_limit(max_tokens)
     turn = TurnSpec(
         sampling=sampling,
@@ -129,11 +145,11 @@ def prepare(
         calls=not conv.tool_none,
         parallel_calls=not conv.single_call,
         top_logprobs=top_logprobs,
-        # A constrained reply cut by the demo cap is incomplete, never a natural end.
-        cap_is_eos=cap_is_eos and gram is None,
-        grammar=gram,
+        # A JSON reply cut by the demo cap is incomplete, never a natural end; a free
+        # reply beside strict or custom tools (Codex's apply_patch) ends as without them.
+        cap_is_eos=cap_is_eos and not (constraint and constraint.shapes_reply()),
     )
-    return GenRequest(
+    gen = GenRequest(
         path=path,
         turn=turn,
         prompt=rendered,
@@ -143,44 +159,97 @@ def prepare(
         salt=salt,
         side=side,
     )
+    if not count_only:  # a count needs no grammar: the prompt is the same without it
+        constrain(conv, constraint, gen.set_grammar)
+    return gen
 
 
 # --------------------------------------------------------------------------- steps
 
 
-def constrain(conv: Conversation, constraint: OutputConstraint | None):
-    """The engine grammar enforcing ``constraint`` on ``conv``'s reply, or None.
+def constrain(
+    conv: Conversation | None,
+    constraint: OutputConstraint | None,
+    put: Callable[[Grammar | None], None],
+) -> None:
+    """Compile the engine grammar enforcing ``constraint`` on ``conv``'s reply (None: a
+    raw completion, no tools) and hand it to ``put`` (nothing for no constraint).
+
+    The compile runs on the bounded compile threads (``ds4mlx.jobs.COMPILE_THREADS``),
+    never on the request-parsing pool: under `offload` it is awaited on the event loop
+    after the body function returns (`defer`), so a plain request's parsing never waits
+    on a client's slow schema; elsewhere it is waited for here. A compile that finds
+    every compile thread busy waits its turn within its own ``--grammar-compile-ms``.
 
     Raises:
-        APIError: 400 naming what cannot be enforced and its field path (nothing is
-            queued; the check runs here, off the event loop, within llguidance's limits).
+        APIError: 400 ``unsupported_constraint`` naming what cannot be enforced (or took
+            longer than ``--grammar-compile-ms`` to compile) and its field path; 429
+            ``grammar_compilers_busy`` when no compile thread came free within the
+            limit (retry). Nothing is queued either way.
     """
+    if constraint is None:
+        return
+    st = state()
+    ticket = start_compile(
+        constraint,
+        tools=list(conv.tools) if conv else [],
+        calls=conv is not None and not conv.tool_none,
+        required=conv is not None and conv.tool_required,
+        tool_name=conv.tool_name if conv else None,
+        tokenizer=st.tokenizer,
+        param="tools",
+        limit_ms=st.config.grammar_compile_ms,
+    )
+
+    async def finish() -> None:
+        left = max(0.0, ticket.deadline - time.monotonic())
+        try:
+            gram = await asyncio.wait_for(asyncio.wrap_future(ticket.future), left)
+        except TimeoutError:
+            raise _constraint_api_error(ticket.expired()) from None
+        except ConstraintError as e:
+            raise _constraint_api_error(e) from e
+        put(gram)
+
+    if defer(finish, ticket.future.cancel):
+        return
     try:
-        return compile_constraint(
-            constraint,
-            tools=list(conv.tools),
-            calls=not conv.tool_none,
-            required=conv.tool_required,
-            tool_name=conv.tool_name,
-            tokenizer=state().tokenizer,
-            param="tools",
-        )
+        put(ticket.wait())
     except ConstraintError as e:
-        text = f"{e.param}: {e.message}" if e.param else e.message
-        raise APIError(400, text, param=e.param or None, code="unsupported_constraint") from e
+        raise _constraint_api_error(e) from e
+
+
+def _constraint_api_error(e: ConstraintError) -> APIError:
+    text = f"{e.param}: {e.message}" if e.param else e.message
+    if e.busy:
+        return APIError(429, text, param=e.param or None, code="grammar_compilers_busy")
+    return APIError(400, text, param=e.param or None, code="unsupported_constraint")
 
 
 def bound(text: str, param: str) -> None:
-    """Refuse a prompt text that cannot fit the context, without tokenizing it: more
-    than ``ctx ×`` `MAX_TOKEN_CHARS` characters is more than ``ctx`` tokens.
+    """Refuse a prompt text that cannot fit the context, before it is queued.
+
+    First without tokenizing: more than ``ctx ×`` `MAX_TOKEN_CHARS` characters is more
+    than ``ctx`` tokens. Then, for a text longer than ``ctx ×``
+    `COUNT_ABOVE_CHARS_PER_TOKEN` characters (the worker's exact check catches the
+    rest), its tokens are counted up to the context (``Tokenizer.count``: in pieces, the GIL released, so the
+    event loop answers meanwhile; it stops once past ``ctx``, so a prompt of millions of
+    tokens costs the tokenizing of ``ctx`` of them). Not in the body-vetting child, which
+    has no tokenizer: there only the character bound applies.
 
     Raises:
         APIError: 400 ``context_length_exceeded`` naming a lower bound of its tokens.
     """
-    ctx = state().ctx_size
+    st = state()
+    ctx = st.ctx_size
     if len(text) > ctx * MAX_TOKEN_CHARS:
         at_least = -(-len(text) // MAX_TOKEN_CHARS)
         raise context_error(at_least, ctx, param, at_least=True)
+    tok = st.tokenizer
+    if tok is not None and len(text) > ctx * COUNT_ABOVE_CHARS_PER_TOKEN:
+        n = tok.count(text, ctx)
+        if n >= ctx:  # no room left for one token (the worker's own rule)
+            raise context_error(n, ctx, param, at_least=True)
 
 
 def turn_limit(requested: int | None) -> tuple[int, bool]:

@@ -20,6 +20,11 @@ Reasoning items carry ``encrypted_content``: the server's integrity-protected ca
 of the sampled reasoning (``ds4mlx.routes.common.ReasoningCarrier``), so a stateless
 client replaying it renders the exact prefix the model sampled.
 
+``include: ["message.output_text.logprobs"]`` with ``top_logprobs`` (0..20) asks for the
+message text's per-token logprobs (`_TextLogprobs`): each ``output_text.delta`` carries its
+tokens' entries, ``output_text.done`` and the ``output_text`` part all of the message's.
+Without the include none are computed and every ``logprobs`` is ``[]``.
+
 ``previous_response_id`` and ``conversation`` need a response store: over HTTP they
 are rejected with a clear 400. On the WebSocket transport (`ds4mlx.routes.responses_ws`:
 ``GET /v1/responses`` upgrade, steering and cancel frames) the connection keeps its own
@@ -39,6 +44,7 @@ accepted and not offered.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -58,7 +64,7 @@ from ds4mlx.dsml import (
     ToolSpec,
 )
 from ds4mlx.dsml.render import to_json, tool_schema_dict
-from ds4mlx.jobs import GenRequest, JobDone, JobFailed, JobStarted, LiveLabels
+from ds4mlx.jobs import GenRequest, JobDone, JobFailed, JobStarted, LiveLabels, TokenLogprob
 from ds4mlx.routes import constraints
 from ds4mlx.routes.access import key_salt
 from ds4mlx.routes.body import OpenModel, offload, parse_json, read_body, validate
@@ -76,12 +82,14 @@ from ds4mlx.routes.common import (
 from ds4mlx.routes.errors import APIError, Wording, failed_to_api
 from ds4mlx.routes.mapping import (
     WireError,
+    allowed_tools,
     effort_to_reasoning,
     empty_schema,
     hoisted_system,
     join_blank,
     json_object,
     late_system,
+    logprob_entries,
     openai_tool_choice,
     parts_text,
     placeholder,
@@ -105,6 +113,9 @@ def _unknown_id(tool_id: str) -> str:
 
 # This protocol's names: its jobs' live decision ``live-responses`` with the log detail
 # ``match=call-ids ids=N``, and the 400 for a ``call_id`` nothing explains.
+# The ``include`` value asking for the message text's per-token logprobs.
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
 NAMES = Wording(
     param="input",
     unknown_id=_unknown_id,
@@ -182,6 +193,17 @@ class ToolSearchOutputItem(OpenModel):
     status: str | None = None
 
 
+class AdditionalToolsItem(OpenModel):
+    """Tools declared in the input (Codex with a catalog model name sends its tools as
+    one leading ``{"type": "additional_tools", "role": "developer", "tools": [...]}``
+    item, the top-level ``tools`` empty): tool definitions as in ``tools``, offered for
+    this request (`hoist_tools`)."""
+
+    type: Literal["additional_tools"]
+    role: str | None = None
+    tools: list[ResponsesTool] = Field(default_factory=list)
+
+
 class OtherItem(OpenModel):
     """Hosted-tool call records, compaction items, item references…"""
 
@@ -197,6 +219,7 @@ _ITEMS = {
     "reasoning",
     "tool_search_call",
     "tool_search_output",
+    "additional_tools",
 }
 
 
@@ -217,6 +240,7 @@ Item = Annotated[
     | Annotated[ReasoningItem, Tag("reasoning")]
     | Annotated[ToolSearchCallItem, Tag("tool_search_call")]
     | Annotated[ToolSearchOutputItem, Tag("tool_search_output")]
+    | Annotated[AdditionalToolsItem, Tag("additional_tools")]
     | Annotated[OtherItem, Tag("other")],
     Discriminator(_item_tag),
 ]
@@ -255,6 +279,7 @@ class ResponsesRequest(OpenModel):
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
     include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
@@ -319,8 +344,9 @@ def tool_kinds(tools: list[ResponsesTool] | None) -> dict[str, ToolKind]:
             out[t.name or ""] = ToolKind(t.type)
         elif t.type == "namespace":
             for sub in t.tools or []:
-                if sub.get("type", "function") == "function":
-                    out[sub.get("name") or ""] = ToolKind("function", t.name)
+                kind = sub.get("type", "function")
+                if kind in ("function", "custom"):
+                    out[sub.get("name") or ""] = ToolKind(kind, t.name)
     if _search_tool(tools) is not None:
         out[TOOL_SEARCH] = ToolKind("tool_search")
     return out
@@ -336,20 +362,43 @@ def _custom_spec(t: ResponsesTool) -> ToolSpec:
     return ToolSpec(name=t.name or "", description=desc, parameters=CUSTOM_INPUT_SCHEMA)
 
 
-def _namespace_specs(t: ResponsesTool, deferring: bool) -> list[ToolSpec]:
+def _namespace_specs(t: ResponsesTool, deferring: bool, where: str) -> list[ToolSpec]:
+    """The function and custom tools of a ``namespace`` group (Codex puts its freeform
+    ``exec`` in one), each described with the group's description; ``where``: the
+    group's wire path.
+
+    Raises:
+        WireError: a custom tool that is not a tool definition (its path named).
+    """
     ns_desc = t.description or ""
     specs = []
-    for sub in t.tools or []:
-        if sub.get("type", "function") != "function" or (deferring and sub.get("defer_loading")):
+    for j, sub in enumerate(t.tools or []):
+        kind = sub.get("type", "function")
+        if kind not in ("function", "custom") or (deferring and sub.get("defer_loading")):
             continue
-        desc = sub.get("description") or ""
-        specs.append(
-            ToolSpec(
+        if kind == "custom":
+            try:
+                custom = ResponsesTool.model_validate(sub)
+            except ValidationError as e:
+                loc = ".".join(str(p) for p in e.errors()[0]["loc"])
+                path = f"{where}.tools.{j}.{loc}"
+                raise WireError(f"{path}: {e.errors()[0]['msg']}", path) from None
+            if not custom.name:
+                raise WireError(
+                    f"{where}.tools.{j}.name: required for a custom tool", f"{where}.tools.{j}.name"
+                )
+            spec = _custom_spec(custom)
+        else:
+            spec = ToolSpec(
                 name=sub.get("name") or "",
-                description=f"{desc}\n({t.name}: {ns_desc})" if ns_desc else desc,
+                description=sub.get("description") or "",
                 parameters=sub.get("parameters") or empty_schema(),
             )
-        )
+        if ns_desc:
+            spec = dataclasses.replace(
+                spec, description=f"{spec.description}\n({t.name}: {ns_desc})"
+            )
+        specs.append(spec)
     return specs
 
 
@@ -385,7 +434,7 @@ def tool_specs(tools: list[ResponsesTool] | None, *, loaded: bool = False) -> li
         elif t.type == "custom":
             specs.append(_custom_spec(t))
         elif t.type == "namespace":
-            specs.extend(_namespace_specs(t, search is not None))
+            specs.extend(_namespace_specs(t, search is not None, f"tools.{i}"))
         elif t is search:
             specs.append(
                 ToolSpec(
@@ -562,6 +611,7 @@ def to_conversation(
     if forced is not None:
         thinking = forced
     tools = [] if req.tool_choice == "none" else tool_specs(req.tools)
+    tools = allowed_tools(req.tool_choice, tools, lambda c: c.get("tools"))
     required, name = openai_tool_choice(
         req.tool_choice,
         tools,
@@ -609,6 +659,25 @@ class _Prepared:
     data: dict[str, Any]
 
 
+def hoist_tools(req: ResponsesRequest) -> ResponsesRequest:
+    """``req`` with the tools of its ``additional_tools`` input items (`AdditionalToolsItem`,
+    a replayed history's too) added to ``tools`` and those items taken out of ``input``.
+    A tool already offered (same type and name) is kept once, the first declaration."""
+    if isinstance(req.input, str) or not any(
+        isinstance(it, AdditionalToolsItem) for it in req.input
+    ):
+        return req
+    tools = list(req.tools or [])
+    seen = {(t.type, t.name) for t in tools}
+    for it in req.input:
+        for t in it.tools if isinstance(it, AdditionalToolsItem) else ():
+            if (t.type, t.name) not in seen:
+                seen.add((t.type, t.name))
+                tools.append(t)
+    rest = [it for it in req.input if not isinstance(it, AdditionalToolsItem)]
+    return req.model_copy(update={"tools": tools, "input": rest})
+
+
 def _raw_items(inp: Any) -> list[Any]:
     return (
         [{"type": "message", "role": "user", "content": inp}] if isinstance(inp, str) else list(inp)
@@ -623,6 +692,14 @@ def _resolve_previous(data: dict[str, Any], req: ResponsesRequest, store) -> dic
         APIError: 400 ``previous_response_not_found`` when no such response is stored.
     """
     prev = store.get(req.previous_response_id) if store is not None else None
+    if prev is None and store is not None:
+        raise APIError(
+            400,
+            f"previous_response_id {req.previous_response_id!r} is not this connection's "
+            "latest response, the only one it keeps; send the full history in input",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
     if prev is None:
         raise APIError(
             400,
@@ -663,6 +740,7 @@ def _prepare(
     if req.previous_response_id is not None:
         data = _resolve_previous(data, req, store)
         req = validate(ResponsesRequest, data)
+    req = hoist_tools(req)
     if not req.input:
         raise APIError(400, "input: must not be empty", param="input")
     try:
@@ -676,6 +754,8 @@ def _prepare(
     if not any(m.role in ("user", "tool") for m in conv.messages):
         raise APIError(400, "input: needs at least one user message or tool output", param="input")
     sampling = sampling_params(conv.thinking, req)
+    # Logprobs cost a top-k per token: computed only when the include asks for them.
+    want_lps = LOGPROBS_INCLUDE in (req.include or [])
     gen = prepare(
         conv,
         NAMES,
@@ -683,6 +763,7 @@ def _prepare(
         max_tokens=req.max_output_tokens,
         sampling=sampling,
         id_prefix="call_",
+        top_logprobs=(req.top_logprobs or 0) if want_lps else None,
         state_key=state_key(headers, (req.model_extra or {}).get("prompt_cache_key")),
         salt=cache_salt((req.model_extra or {}).get("cache_salt"), key),
         constraint=constraints.read(constraints.responses_constraint, req),
@@ -703,8 +784,53 @@ def _usage(d: JobDone) -> dict[str, Any]:
     }
 
 
-def _output_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _output_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+class _TextLogprobs:
+    """The logprob entries (`logprob_entries`) of the message text being streamed: the
+    engine sends a token's `TokenLogprob` before the text it completes (its text may be
+    held back across tokens), so entries wait for the next text delta; the message's
+    whole list goes on its ``output_text.done`` and its content part. ``tokenizer``: ids
+    → texts and bytes (needed only when logprobs were asked for)."""
+
+    def __init__(self, tokenizer=None):
+        self.tokenizer = tokenizer
+        self.pending: list[TokenLogprob] = []
+        self.part: list[dict[str, Any]] = []
+
+    def add(self, e: TokenLogprob) -> list[dict[str, Any]]:
+        self.pending.append(e)
+        return []  # no event of its own
+
+    def delta(self) -> list[dict[str, Any]]:
+        """The entries the next ``output_text.delta`` carries."""
+        out = logprob_entries(self.pending, self.tokenizer) if self.pending else []
+        self.pending = []
+        self.part += out
+        return out
+
+    def close(self) -> list[dict[str, Any]]:
+        """All the ended message's entries (those still held back included)."""
+        self.delta()
+        out, self.part = self.part, []
+        return out
+
+
+def _echo_text(req: ResponsesRequest) -> dict[str, Any]:
+    """The response's ``text`` field: the request's ``text`` (its ``format`` included,
+    as the Responses API echoes it), else the plain-text default."""
+    text = (req.model_extra or {}).get("text")
+    if isinstance(text, dict) and isinstance(text.get("format"), dict):
+        return text
+    return {"format": {"type": "text"}}
+
+
+def _echo_tools(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The response's ``tools``: as the client spelled them (``async``, not the Python
+    name ``async_``), without nulls for fields it did not send."""
+    return [t.model_dump(by_alias=True, exclude_none=True) for t in req.tools or []]
 
 
 class ResponseEncoder:
@@ -716,8 +842,9 @@ class ResponseEncoder:
     from the final response; a custom tool call is reported once it ends, whole.
     """
 
-    def __init__(self, req: ResponsesRequest, model: str, carrier):
+    def __init__(self, req: ResponsesRequest, model: str, carrier, tokenizer=None):
         self.carrier = carrier
+        self.lps = _TextLogprobs(tokenizer)
         self.include_encrypted = "reasoning.encrypted_content" in (req.include or [])
         self.kinds = {**_loaded_kinds(req), **tool_kinds(req.tools)}
         self.seq = 0
@@ -747,9 +874,9 @@ class ResponseEncoder:
             },
             "store": bool(req.store),
             "temperature": req.temperature if req.temperature is not None else 1.0,
-            "text": {"format": {"type": "text"}},
+            "text": _echo_text(req),
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
-            "tools": [t.model_dump() for t in req.tools or []],
+            "tools": _echo_tools(req),
             "top_p": req.top_p if req.top_p is not None else 1.0,
             "truncation": "disabled",
             "usage": None,
@@ -761,6 +888,7 @@ class ResponseEncoder:
             ToolCallStart: self._tool_start,
             ToolCallArgsDelta: self._tool_args,
             ToolCallEnd: self._tool_end,
+            TokenLogprob: self.lps.add,
         }
 
     def _ev(self, typ: str, **fields: Any) -> dict[str, Any]:
@@ -795,7 +923,9 @@ class ResponseEncoder:
         self.open = item
         return [self._ev("response.output_item.added", output_index=self._index(), item=dict(item))]
 
-    def _close(self) -> list[dict[str, Any]]:
+    def _close(self, status: str = "completed") -> list[dict[str, Any]]:
+        """End the open item: its ``.done`` events. ``status``: a message's or reasoning
+        item's (``incomplete`` when the end of the response cut it)."""
         item, self.open = self.open, None
         if item is None:
             return []
@@ -806,14 +936,16 @@ class ResponseEncoder:
         out: list[dict[str, Any]] = []
         if item["type"] == "reasoning":
             item["content"] = [{"type": "reasoning_text", "text": text}]
+            item["status"] = status
             if self.include_encrypted:
                 item["encrypted_content"] = self.carrier.seal(text)
             out.append(self._ev("response.reasoning_text.done", **ids, text=text))
         elif item["type"] == "message":
-            part = _output_part(text)
+            lps = self.lps.close()
+            part = _output_part(text, lps)
             item["content"] = [part]
-            item["status"] = "completed"
-            out.append(self._ev("response.output_text.done", **ids, text=text, logprobs=[]))
+            item["status"] = status
+            out.append(self._ev("response.output_text.done", **ids, text=text, logprobs=lps))
             out.append(self._ev("response.content_part.done", **ids, part=part))
         out.append(self._ev("response.output_item.done", output_index=idx, item=dict(item)))
         return out
@@ -847,7 +979,8 @@ class ResponseEncoder:
             out.append(self._ev("response.content_part.added", **ids, part=_output_part("")))
         self.text.append(e.text)
         ids = {"item_id": self.open["id"], "output_index": self._index(), "content_index": 0}
-        out.append(self._ev("response.output_text.delta", **ids, delta=e.text, logprobs=[]))
+        lps = self.lps.delta()
+        out.append(self._ev("response.output_text.delta", **ids, delta=e.text, logprobs=lps))
         return out
 
     def _tool_start(self, e: ToolCallStart) -> list[dict[str, Any]]:
@@ -856,7 +989,12 @@ class ResponseEncoder:
         if kind.kind in ("custom", "tool_search"):
             # Free-form input is the "input" argument, a search's arguments an object:
             # both are known once the call ends.
-            self.custom[e.index] = {"name": e.name, "id": e.id, "kind": kind.kind}
+            self.custom[e.index] = {
+                "name": e.name,
+                "id": e.id,
+                "kind": kind.kind,
+                "namespace": kind.namespace,
+            }
             return out
         item = {
             "id": new_id("fc_"),
@@ -926,6 +1064,8 @@ class ResponseEncoder:
             "name": info["name"],
             "input": "",
         }
+        if info.get("namespace"):
+            item["namespace"] = info["namespace"]
         out = self._add(item)
         ids = {"item_id": item["id"], "output_index": self._index()}
         out.append(self._ev("response.custom_tool_call_input.delta", **ids, delta=text))
@@ -958,7 +1098,10 @@ class ResponseEncoder:
     # ---- the end
 
     def done(self, d: JobDone) -> list[dict[str, Any]]:
-        out = self._close()
+        # A message the end cut (a cancel, the output limit, a steer) is incomplete, as
+        # its response is; one that ended on its own (EOS, a stop, a call) is complete.
+        cut = d.finish in ("cancelled", "length", "context", "steered")
+        out = self._close("incomplete" if cut else "completed")
         self.output[:] = [
             it
             for it in self.output
@@ -996,7 +1139,9 @@ class ResponseEncoder:
 
 def _encoder(prep: _Prepared) -> ResponseEncoder:
     st = state()
-    return ResponseEncoder(prep.req, prep.req.model or st.config.model_name, carrier())
+    return ResponseEncoder(
+        prep.req, prep.req.model or st.config.model_name, carrier(), st.tokenizer
+    )
 
 
 @bp.post("/v1/responses")

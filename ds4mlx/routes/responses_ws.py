@@ -58,6 +58,8 @@ from ds4mlx.routes.responses import NAMES, ResponseEncoder, _encoder, _prepare, 
 
 bp = Blueprint("responses_ws", __name__)
 
+# The client events this transport reads (`_Connection.frame`).
+_TYPES = "response.create, response.steer, response.cancel, response.processed"
 # Client-run call items: a response that ends with one waits for the client's results.
 _CALL_ITEMS = {
     "function_call": "function_call_output",
@@ -216,8 +218,12 @@ class _Connection:
             )
         elif typ == "response.create":
             await self.create(raw)
+        elif not isinstance(typ, str):
+            await self.error(APIError(400, f"type: required, one of {_TYPES}", param="type"))
         else:
-            await self.error(APIError(400, f"unsupported event type {typ!r}", param="type"))
+            await self.error(
+                APIError(400, f"unsupported event type {typ!r}; one of {_TYPES}", param="type")
+            )
 
     # ---- client events
 
@@ -254,6 +260,9 @@ class _Connection:
     async def cancel(self, data: dict[str, Any]) -> None:
         run = self.running
         rid = data.get("response_id")
+        if not isinstance(rid, str):
+            await self.error(APIError(400, "response_id: required, a string", param="response_id"))
+            return
         if run is None or rid != run.id:
             await self.error(
                 APIError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-from dataclasses import replace
+import signal
 
 from ds4mlx.model.demo import (
     DEMO_CTX,
@@ -131,18 +131,19 @@ def run_serve(args, register) -> int:
         tool_memory_max_ids=args.tool_memory_max_ids,
         exact_dsml_replay=not args.disable_exact_dsml_tool_replay,
         tool_call_dispatch=args.enable_streaming_tool_dispatch,
+        grammar_compile_ms=args.grammar_compile_ms,
     )
 
     try:
         engine, worker = start_worker(_loader(args, model, kv.sessions, split), config)
     except Exception as e:  # LoadError, TokenizerError, OSError, ValueError…
         print(f"ds4mlx serve: cannot load model {model}: {e}", file=sys.stderr)
-        # Exit now: the inference thread's MLX state, left to interpreter exit after a
-        # failed load, intermittently aborts the process there ("terminate called
-        # without an active exception", mlx 0.32) and turns exit 2 into a SIGABRT.
-        sys.stderr.flush()
-        sys.stdout.flush()
-        os._exit(2)
+        if args.distributed:
+            # Our ring sockets close before this process has finished exiting, so the
+            # other ranks exit first and mlx.launch SIGTERMs us: the refusal's exit code
+            # (2) must not turn into a kill's (-15) under load.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return 2
     try:
         return serve(engine, config, worker, register)
     except OSError as e:
@@ -204,8 +205,17 @@ def _pipeline_role(args, model: str) -> tuple[list[int] | None, int | None]:
             raise PipelineError("--pipeline-split needs --distributed pipeline")
         split = parse_split(args.pipeline_split)
         if follower_rank():
-            # Ranks > 0 run their layers for rank 0 and never listen.
-            load_distributed(model, ctx_size=args.ctx, split=split, mode=args.distributed)
+            # Ranks > 0 run their layers for rank 0 and never listen; they keep their
+            # parts of rank 0's disk snapshots in the same --kv-disk-dir path.
+            parts = _part_store(args)
+            load_distributed(
+                model,
+                ctx_size=args.ctx,
+                split=split,
+                mode=args.distributed,
+                parts=parts,
+                rank_timeout=args.rank_timeout,
+            )
             return split, 0
     except (PipelineError, ValueError, OSError, RuntimeError) as e:
         print(f"ds4mlx serve: {e}", file=sys.stderr)
@@ -215,7 +225,7 @@ def _pipeline_role(args, model: str) -> tuple[list[int] | None, int | None]:
 
 def _kv_settings(args, model: str):
     """``(KVCacheSettings, sessions_why)`` from the flags: ``--sessions`` resolved
-    (`_default_sessions`), the disk tier off under ``--distributed``.
+    (`_default_sessions`).
 
     Raises:
         ValueError: a bad value, or more sessions than memory holds (the message).
@@ -226,18 +236,20 @@ def _kv_settings(args, model: str):
     if refused is not None:
         raise ValueError(refused)
     kv, sessions_why = _default_sessions(KVCacheSettings.from_args(args), args, model)
-    return _distributed_kv(args, kv), sessions_why
+    return kv, sessions_why
 
 
-def _distributed_kv(args, kv):
-    """The disk KV cache is off under ``--distributed``: a snapshot of a split model
-    would hold rank 0's layers only (docs/DISTRIBUTED.md)."""
-    import sys
+def _part_store(args):
+    """A rank > 0's maker of its store of snapshot parts (``ds4mlx.kv.parts``) in the
+    ``--kv-disk-dir``, or None when the disk cache is off."""
+    from ds4mlx.kv.policy import KVCacheSettings
 
-    if not args.distributed or kv.disk_dir is None:
-        return kv
-    print("ds4mlx serve: --distributed: the disk KV cache is off", file=sys.stderr)
-    return replace(kv, disk_dir=None)
+    kv = KVCacheSettings.from_args(args)
+    if not kv.enabled or kv.disk_dir is None:
+        return None
+    from ds4mlx.kv.parts import PartStore
+
+    return lambda rank: PartStore(kv.disk_dir, rank)
 
 
 def _loader(args, model: str, sessions: int, split: list[int] | None):
@@ -247,19 +259,27 @@ def _loader(args, model: str, sessions: int, split: list[int] | None):
 
     def load():
         if not args.distributed:
-            engine = Engine.load(model, ctx_size=args.ctx, sessions=sessions)
+            engine = Engine.load(
+                model,
+                ctx_size=args.ctx,
+                sessions=sessions,
+                speculative=args.speculative,
+            )
         else:
             from ds4mlx.engine.distributed import load_distributed
 
             engine = load_distributed(
-                model, ctx_size=args.ctx, sessions=sessions, split=split, mode=args.distributed
+                model,
+                ctx_size=args.ctx,
+                sessions=sessions,
+                split=split,
+                mode=args.distributed,
+                rank_timeout=args.rank_timeout,
             )
             # The followers exit when rank 0 says so, at exit: the worker has stopped then.
             atexit.register(engine.model.shutdown)
         # --speculative (ValueError for a drafter the checkpoint lacks: refused at start).
-        engine.speculation = speculation_for(
-            engine, getattr(args, "speculative", "off"), getattr(args, "draft_tokens", 4)
-        )
+        engine.speculation = speculation_for(engine, args.speculative, args.draft_tokens)
         return engine
 
     return load
@@ -305,7 +325,13 @@ def _default_sessions(kv, args, model: str):
     if args.sessions is not None:
         return kv, "--sessions"
     try:
-        n, report = sessions_that_fit(model, args.ctx)
+        # The drafter --speculative loads (MTP or DSpark, Engine.load) counts too.
+        from ds4mlx.model.checkpoint import read_config
+        from ds4mlx.model.config import ModelArgs
+
+        kind = ModelArgs.from_dict(read_config(model)).drafter
+        drafter = args.speculative in ("auto", kind)
+        n, report = sessions_that_fit(model, args.ctx, mtp=drafter)
     except Exception:  # FitError, a bad config: the load reports it with its numbers
         return kv, "default"
     kv = replace(kv, sessions=n)

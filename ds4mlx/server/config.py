@@ -64,6 +64,9 @@ class ServerConfig:
         tool_call_dispatch: every streamed chat completion sends ``event:
             tool_call_dispatch`` at each call's close (``--enable-streaming-tool-dispatch``;
             a request's ``tool_call_dispatch`` field does it for that request).
+        grammar_compile_ms: the clock bound on compiling a request's structured-output
+            or tool grammar (``--grammar-compile-ms``), waiting for a compile thread included;
+            past it, a 400 (a 429 if no compile thread came free).
     """
 
     model_name: str = DEFAULT_MODEL_NAME
@@ -89,6 +92,7 @@ class ServerConfig:
     tool_memory_max_ids: int = 100_000
     exact_dsml_replay: bool = True
     tool_call_dispatch: bool = False
+    grammar_compile_ms: int = 5000
 
     def model_ids(self) -> list[str]:
         """Every model id the server answers to, the served name first."""

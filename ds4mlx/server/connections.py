@@ -31,6 +31,8 @@ import time
 import weakref
 from collections import OrderedDict
 
+from ds4mlx.argtypes import env_positive
+
 log = logging.getLogger("ds4mlx.server")
 
 # Descriptors kept out of the connection cap: snapshot and index files, the trace, the
@@ -39,8 +41,9 @@ RESERVE = 64
 # At most this many evicted connections may be still closing; past it, new ones are
 # refused (an accept batch takes up to 100 connections at once).
 MAX_CLOSING = 16
-# Seconds between two log lines about the same condition (failed accepts, the cap).
-LOG_INTERVAL_S = 10.0
+# Seconds between two log lines about the same condition (failed accepts, the cap):
+# 10, or ``$DS4MLX_LOG_INTERVAL_S`` (the tests that wait an interval out shorten it).
+LOG_INTERVAL_S = env_positive("DS4MLX_LOG_INTERVAL_S", 10.0)
 # asyncio waits this long before accepting again after EMFILE
 # (asyncio.constants.ACCEPT_RETRY_DELAY).
 ACCEPT_PAUSE_S = 1.0

@@ -11,6 +11,7 @@ import queue
 import signal
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -101,60 +102,72 @@ class Worker:
         box: dict[str, Any] = {}
 
         def main() -> None:
-            try:
-                engine = load()
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                box["error"] = e
-                ready.set()
-                return
-            from ds4mlx.kv.cache import PromptCache
+            import mlx.core as mx
 
-            self.engine = engine
-            self.session = engine.session
-            self.tokenizer = engine.tokenizer
             try:
-                # On this thread: the disk cache's arrays belong to it.
-                self.cache = PromptCache.open(engine, self.kv_settings, self.tool_memory)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                box["error"] = e
-                ready.set()
-                return
-            ready.set()
-            try:
-                self._run()
+                if self._load(load, box):
+                    ready.set()
+                    self._run()
             finally:
-                import mlx.core as mx
-
-                # Destroy this thread's MLX streams while the thread is alive: left to
-                # process exit, their destruction intermittently aborts the process
-                # ("terminate called without an active exception", mlx 0.32).
+                # Destroy this thread's MLX streams while the thread is alive, however it
+                # ends (a failed load too): left to process exit, their destruction aborts
+                # the process ("terminate called without an active exception", mlx 0.32).
                 mx.clear_streams()
+                ready.set()
 
         self._thread = threading.Thread(target=main, name="ds4mlx-worker", daemon=True)
         self._thread.start()
         ready.wait()
         if "error" in box:
+            self._thread.join()  # its streams are cleared: nothing MLX is left to exit
             raise box["error"]
         return self.engine
+
+    def _load(self, load: Callable[[], Any], box: dict[str, Any]) -> bool:
+        """On the worker thread: build the engine and open the prompt cache; False with
+        ``box["error"]`` set when either raised. The error's frames are cleared here, so
+        the arrays they held (a half-built engine) are freed on this thread, before its
+        streams are."""
+        try:
+            engine = load()
+            from ds4mlx.kv.cache import PromptCache
+
+            self.engine = engine
+            self.session = engine.session
+            self.tokenizer = engine.tokenizer
+            # On this thread: the disk cache's arrays belong to it.
+            self.cache = PromptCache.open(engine, self.kv_settings, self.tool_memory)
+            return True
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            traceback.clear_frames(e.__traceback__)
+            self.engine = self.session = self.tokenizer = None
+            box["error"] = e
+            return False
 
     def submit(self, request: GenRequest) -> Job:
         """Queue ``request`` (FIFO) and return its `Job`. Call on the event loop."""
         job = Job(request, asyncio.get_running_loop())
-        if self._stopping.is_set():
+        # Checked and queued under stop()'s lock: a job queued after its drain is never run.
+        with self._lock:
+            refused = self._stopping.is_set()
+            if not refused:
+                self._pending += 1
+                self.jobs_submitted += 1
+                self._queue.put(job)
+        if refused:
             log.info("%s job %d refused: the server is shutting down", request.path, job.id)
             job.emit(JobFailed(Failure.SHUTTING_DOWN))
-            return job
-        with self._lock:
-            self._pending += 1
-            self.jobs_submitted += 1
-        self._queue.put(job)
         return job
 
     @property
     def queued(self) -> int:
-        """Jobs waiting or running."""
+        """Jobs waiting or running. A waiting job whose client went away (its cancel set:
+        it never runs, the worker drops it when it comes up) no longer counts."""
         with self._lock:
-            return self._pending
+            pending = self._pending
+        with self._queue.mutex:  # a snapshot of the waiting jobs (no call blocks here)
+            gone = sum(1 for j in self._queue.queue if j is not None and j.cancelled())
+        return max(0, pending - gone)
 
     @property
     def busy(self) -> bool:
@@ -166,7 +179,8 @@ class Worker:
         Idempotent. ``timeout`` (seconds) bounds the wait for the thread, which runs the
         ``on_shutdown`` hooks (e.g. a disk snapshot) before it exits.
         """
-        self._stopping.set()
+        with self._lock:  # see submit
+            self._stopping.set()
         cur = self.current
         if cur is not None:
             log.info("shutdown: %s job %d interrupted", cur.request.path, cur.id)
@@ -192,15 +206,12 @@ class Worker:
             job = self._queue.get()
             if job is None:
                 break
-            if job.cancelled() or self._stopping.is_set():
-                why = "the server is shutting down" if self._stopping.is_set() else "client gone"
-                log.info("%s job %d cancelled before it started: %s", job.request.path, job.id, why)
-                job.emit(JobDone("cancelled", None, 0, 0, 0))
-                self._finish(job)
-                continue
+            # Recorded before `_refused` looks: a stop() then cancels it or was seen. (After,
+            # a stop() in between found no job to cancel or refuse, and it ran to its end.)
             self.current = job
             try:
-                self._run_job(job)
+                if not _refused(self, job):
+                    self._run_job(job)
             except BaseException as e:  # noqa: BLE001 - the worker must survive anything
                 log.exception("job %d failed", job.id)
                 # A failure inside the model may leave half-fed caches: start clean.
@@ -216,7 +227,8 @@ class Worker:
                 self.current = None
                 self._finish(job)
         try:
-            self.cache.shutdown()
+            # After a lost rank nothing more is sent to the ranks: no shutdown snapshot.
+            self.cache.shutdown(save=self.exit_code == 0)
         except Exception:
             log.exception("shutdown save failed")
 
@@ -233,6 +245,7 @@ class Worker:
             Steering,
             run_turn,
         )
+        from ds4mlx.engine.bias import LogitBias
         from ds4mlx.kv.cache import ContextFull, UnknownToolId
 
         req = job.request
@@ -267,7 +280,8 @@ class Worker:
         spec = _fitted(req.turn, s.ctx_size - plan.prompt_tokens, script)
         # Steer and cancel arrive through the job's flags; a cancelled turn is closed at
         # a turn boundary too, so the next request can continue it.
-        hooks = Steering(job.steer.is_set, close_cancelled=True)
+        bias = LogitBias(req.logit_bias) if req.logit_bias else None
+        hooks = Steering(job.steer.is_set, inner=bias, close_cancelled=True)
         try:
             result = run_turn(
                 s,
@@ -342,6 +356,18 @@ def _outcome(result, plan, decision: str) -> JobDone:
     )
 
 
+def _refused(worker: Worker, job: Job) -> bool:
+    """Answer ``job`` ``cancelled`` without running it when its client is gone or the
+    server is stopping; True if so."""
+    stopping = worker._stopping.is_set()
+    if not (job.cancelled() or stopping):
+        return False
+    why = "the server is shutting down" if stopping else "client gone"
+    log.info("%s job %d cancelled before it started: %s", job.request.path, job.id, why)
+    job.emit(JobDone("cancelled", None, 0, 0, 0))
+    return True
+
+
 def _stop_if_fatal(worker: Worker, e: BaseException) -> None:
     """A failure no later job can avoid (a pipeline rank is gone: every forward call needs
     it) stops the server with exit code 1 instead of failing every request after it."""
@@ -356,13 +382,14 @@ def _stop_if_fatal(worker: Worker, e: BaseException) -> None:
 
 def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float, detail: str) -> None:
     """The one log line per job: path, decision, token counts, rates, finish, queue wait,
-    and for a drafting turn its drafted / accepted tokens and tokens per target forward."""
+    for a drafting turn its drafted / accepted tokens and tokens per target forward, and
+    for a constrained turn how its grammar went (``grammar=complete``, `TurnResult`)."""
     from ds4mlx.engine.speculative import draft_words
 
     n = outcome.completion_tokens
     log.info(
         "%s %s%s prompt=%d cached=%d generated=%d prefill=%s decode=%.1f tok/s finish=%s "
-        "wait=%.2fs job=%d%s",
+        "wait=%.2fs job=%d%s%s",
         job.request.path,
         outcome.decision,
         f" {detail}" if detail else "",
@@ -375,6 +402,7 @@ def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float, detail: s
         t_start - job.submitted,
         job.id,
         draft_words(result),
+        f" grammar={result.grammar}" if result.grammar else "",
     )
 
 

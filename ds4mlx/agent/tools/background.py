@@ -17,6 +17,7 @@ import codecs
 import itertools
 import os
 import platform
+import select
 import signal
 import subprocess
 import termios
@@ -78,9 +79,19 @@ def _group_pids(pgid: int) -> list[int]:
     return out
 
 
-# How long to wait for the pipe to close after the main process exited. A command
-# that leaves a background child holding stdout would otherwise block us forever.
+# How long to wait for the pipes to close after the main process exited while something
+# else of its group still lives: a command that leaves a background child holding stdout
+# would otherwise block us forever.
 _DRAIN_S = 0.5
+# How long once the group is empty and the pipes have bytes or an end of file unread:
+# they wait only for the reader threads to get the CPU (on a loaded machine a 0.5 s wait
+# lost a foreground command's output and called it "left running"). Polled every _POLL_S.
+_READERS_S = 10.0
+_POLL_S = 0.05
+# How long to wait for the exit after SIGKILL. It cannot be caught, so this is only the
+# kernel tearing the group down and our reaper thread getting the CPU: far longer than a
+# short kill grace on a loaded machine (a 0.3 s wait reported a killed job "still running").
+_KILLED_S = 10.0
 
 
 class _HeadTailBuffer:
@@ -143,6 +154,9 @@ class _Pipe:
         self._redactor = Redactor()
         self.eof = threading.Event()
         self._thread = threading.Thread(target=self._read, name=name, daemon=True)
+
+    def start(self) -> None:
+        """Start the reader thread (its ``on_bytes`` may run at once, on that thread)."""
         self._thread.start()
 
     def _read(self) -> None:
@@ -177,6 +191,16 @@ class _Pipe:
         sep = "" if not text or text.endswith("\n") else "\n"
         marker = f"{sep}[… {dropped} bytes of output dropped …]\n"
         return text + marker + self._decoder.decode(tail, final=final), final
+
+    def unread(self) -> bool:
+        """True if the pipe holds bytes or an end of file its reader has not taken yet, or
+        the reader closed it (it is just ending: ``eof`` is set)."""
+        try:
+            poller = select.poll()
+            poller.register(self._stream.fileno(), select.POLLIN)
+            return bool(poller.poll(0))  # POLLHUP too: every writer closed its end
+        except (OSError, ValueError):  # closed
+            return True
 
     def peek_tail(self, chars: int = 300) -> str:
         """The last ``chars`` characters of the unread output, not consumed (an input
@@ -286,6 +310,12 @@ class Job:
         if timeout is not None:
             self._timer = threading.Timer(timeout, self._on_timeout)
             self._timer.daemon = True
+        # Readers start last: the first read may cross ``output_limit`` and stop the job
+        # from another thread at once, and stop() needs the whole job built (a reader
+        # started early let that stop run before ``_timer`` and ``stderr`` existed).
+        self.stdout.start()
+        self.stderr.start()
+        if self._timer is not None:
             self._timer.start()
 
     def _reap(self) -> None:
@@ -384,16 +414,39 @@ class Job:
         """
         if not self._exited.wait(timeout):
             return None
-        deadline = time.monotonic() + _DRAIN_S
-        for pipe in (self.stdout, self.stderr):
-            pipe.eof.wait(max(0.0, deadline - time.monotonic()))
+        self._drain()
         return self.returncode
 
+    def _drain(self) -> None:
+        """After the exit, wait for both pipes' end of file: up to ``_DRAIN_S`` s while a
+        process of the job's group lives or a pipe is silent but open (a process may hold
+        it for ever), up to ``_READERS_S`` s while a pipe's bytes or end of file wait for
+        a reader that has not had the CPU yet."""
+        start = time.monotonic()
+        for pipe in (self.stdout, self.stderr):
+            while not pipe.eof.wait(_POLL_S):
+                waited = time.monotonic() - start
+                held = self._group_alive() or not pipe.unread()
+                if waited >= _READERS_S or (waited >= _DRAIN_S and held):
+                    return
+
+    def _group_alive(self) -> bool:
+        """True while any process of the job's group exists (signal 0 probes, portably)."""
+        try:
+            os.killpg(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # a member we may not signal still exists
+            return True
+        return True
+
     def stop(self, grace: float | None = None) -> int | None:
-        """Stop the job's whole process group: SIGTERM, then SIGKILL after ``grace`` s.
+        """Stop the job's whole process group: SIGTERM, then SIGKILL after ``grace`` s, then
+        up to ``_KILLED_S`` s for the killed leader to be reaped.
 
         Safe to call on a finished job (it still kills leftover children). Returns the
-        exit code (negative signal number when killed), None if the process survived.
+        exit code (negative signal number when killed), None if the process survived
+        even SIGKILL (uninterruptible sleep).
         """
         grace = self.kill_grace if grace is None else grace
         if self._timer is not None:
@@ -405,7 +458,7 @@ class Job:
         # Kill stragglers in the group even when the leader exited on SIGTERM.
         self._signal(signal.SIGKILL)
         if code is None:
-            code = self.wait(grace)
+            code = self.wait(max(grace, _KILLED_S))
         else:  # leftovers just died: let the readers see EOF
             self.wait(0)
         if self._master is not None and code is not None:

@@ -170,7 +170,9 @@ class ShellTools:
             if left <= 0:
                 return None, ""
             code = job.wait(min(left, 0.1))
-            if code is not None or not job.running:
+            if code is None and not job.running:  # it exited just after that wait gave up
+                code = job.wait(0)
+            if code is not None:
                 return code, ("[stdin: " + "; ".join(got) + "]") if got else ""
             # Blocked twice in a row: a read that just started may be answered by itself.
             blocked = blocked + 1 if job.reading_stdin() else 0
@@ -233,9 +235,14 @@ class ShellTools:
         job = self._job(a["handle"])
         if a["wait"] > 0 and job.running:
             job.wait(a["wait"])
+        # The state first, then the output: a job seen ended is drained before the read
+        # (read first, a job that ended meanwhile was reported, once, without its end).
+        ended = not job.running
+        if ended:
+            job.wait(0)
         out = job.read_new()
-        status, ok, err = _job_status(job)
-        job.end_seen = job.end_seen or not job.running
+        status, ok, err = _job_status(job, ended)
+        job.end_seen = job.end_seen or ended
         before = "" if ok else "\n".join(diagnose(out.stdout, out.stderr, self.cwd))
         return Result(
             out.text() or "(no new output)", ok=ok, error=err, before=before, after=status
@@ -279,11 +286,14 @@ class ShellTools:
             raise ToolError(NOT_FOUND, exc.args[0]) from None
 
 
-def _job_status(job: Job) -> tuple[str, bool, str | None]:
-    """``([status line], ok, error kind)`` of a background job."""
+def _job_status(job: Job, ended: bool | None = None) -> tuple[str, bool, str | None]:
+    """``([status line], ok, error kind)`` of a background job; ``ended``: its state as the
+    caller saw it (default: now)."""
     st = job.status
     h = job.handle
-    if job.running or st is None:
+    if ended is None:
+        ended = not job.running
+    if not ended or st is None:
         return f"[{h} still running after {job.elapsed:.0f} s]", True, None
     if job.output_limited:
         return (
