@@ -61,3 +61,27 @@ def test_filters_bound_the_draw():
     allowed = {i for i, v in enumerate(kept.tolist()) if v != float("-inf")}
     drawn = {int(sample_token(lp, params, mx.random.key(s))) for s in range(200)}
     assert drawn and drawn <= allowed
+
+
+def test_draws_follow_the_tempered_distribution_of_unnormalised_logits():
+    """`sample_token` draws from softmax(filtered logits / T) without normalising first:
+    a large common offset (no log-probabilities here) changes neither the kept set nor
+    the frequencies (chi-square), and top-p's mass stays finite."""
+    import numpy as np
+    from scipy.stats import chisquare
+
+    base = mx.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    params = SamplingParams(temperature=0.7, top_p=0.95)
+    lp = np.array(mx.softmax(base / 0.7).tolist(), dtype=np.float64)
+    kept = top_p_filter(base[None] - mx.logsumexp(base), 0.95)[0]
+    allowed = [i for i, v in enumerate(kept.tolist()) if v != float("-inf")]
+    assert len(allowed) < len(lp)  # the filter drops something at this mass
+    expected = np.zeros(len(lp))
+    expected[allowed] = lp[allowed] / lp[allowed].sum()
+    n = 4000
+    for offset in (0.0, 500.0):
+        keys = mx.random.split(mx.random.key(3), n)
+        draws = [int(sample_token(base + offset, params, keys[i])) for i in range(n)]
+        hits = np.bincount(draws, minlength=len(lp)).astype(np.float64)
+        assert set(np.nonzero(hits)[0]) <= set(allowed), offset
+        assert chisquare(hits[allowed], expected[allowed] * n).pvalue > 1e-4, offset

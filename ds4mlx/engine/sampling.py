@@ -79,26 +79,41 @@ def top_k_filter(logprobs: mx.array, top_k: int) -> mx.array:
     return mx.put_along_axis(logprobs, rest, mx.array(_NEG_INF, logprobs.dtype), axis=-1)
 
 
+def _filtered(logits: mx.array, params: SamplingParams) -> mx.array:
+    """``logits`` ``(..., vocab)`` through the request's filters (top-p, min-p, top-k),
+    filtered ids ``-inf``; shifted by a constant per row, not normalised. Every filter
+    is invariant to that shift (top-p divides by the mass it sums, min-p and top-k
+    compare within the row); the shift by the row's maximum keeps top-p's ``exp`` finite."""
+    vocab = logits.shape[-1]
+    if 0 < params.top_p < 1:
+        logits = top_p_filter(logits - logits.max(axis=-1, keepdims=True), params.top_p)
+    if params.min_p > 0:
+        logits = min_p_filter(logits, params.min_p)
+    if 0 < params.top_k < vocab:
+        logits = top_k_filter(logits, params.top_k)
+    return logits
+
+
 def sampling_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
     """The distribution `sample_token` draws from, as log-probabilities: float32
     ``logits`` ``(..., vocab)`` through the filters (top-p, min-p, top-k, on the
     untempered distribution) and the temperature, normalised over the last axis
     (filtered ids ``-inf``). Speculative sampling compares drafts against it."""
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    vocab = logprobs.shape[-1]
-    if 0 < params.top_p < 1:
-        logprobs = top_p_filter(logprobs, params.top_p)
-    if params.min_p > 0:
-        logprobs = min_p_filter(logprobs, params.min_p)
-    if 0 < params.top_k < vocab:
-        logprobs = top_k_filter(logprobs, params.top_k)
-    scaled = logprobs * (1.0 / params.temperature)
+    scaled = _filtered(logits, params) * (1.0 / params.temperature)
     return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
 
 
 def sample_token(logits: mx.array, params: SamplingParams, key: mx.array) -> mx.array:
     """Draw one token id (uint32 scalar array) from float32 ``logits`` of shape (vocab,)
-    under `sampling_logprobs`."""
+    under `sampling_logprobs`' distribution.
+
+    The draw is Gumbel-max (``mx.random.categorical``), which only needs the scaled
+    logits up to a constant: normalising first costs two passes of ``exp`` over the
+    vocabulary (129,280 ids; on the CPU the largest part of a tiny model's step) and
+    does not change the distribution."""
+    scaled = _filtered(logits[None], params)
+    if params.temperature != 1.0:
+        scaled = scaled * (1.0 / params.temperature)
     # An explicit key, not MLX's global generator: any other MLX user in the process
     # would perturb that one.
-    return mx.random.categorical(sampling_logprobs(logits[None], params), key=key)[0]
+    return mx.random.categorical(scaled, key=key)[0]
