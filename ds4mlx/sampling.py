@@ -45,8 +45,13 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when sampling reduces to argmax."""
-        return self.temperature == 0 or self.top_k == 1
+        """True when sampling reduces to argmax: temperature 0, ``top_k`` 1, or a
+        temperature so small that its reciprocal overflows float32 (below ~2.9e-39: the
+        scaled logits would be ±inf, and NaN where a logit is 0)."""
+        return self.temperature * _FLOAT32_MAX < 1 or self.top_k == 1
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 # DeepSeek's recommended sampling (docs/ARCHITECTURE.md §6): the defaults of a request

@@ -85,3 +85,17 @@ def test_draws_follow_the_tempered_distribution_of_unnormalised_logits():
         hits = np.bincount(draws, minlength=len(lp)).astype(np.float64)
         assert set(np.nonzero(hits)[0]) <= set(allowed), offset
         assert chisquare(hits[allowed], expected[allowed] * n).pvalue > 1e-4, offset
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 5e-324, 1e-30, 1e-6])
+def test_a_vanishing_temperature_draws_the_argmax(temperature):
+    """A temperature whose reciprocal overflows float32 (1e-40: valid JSON, inside every
+    route's range) scaled the logits to ±inf and drew among every positive logit; it
+    is greedy now (`Session.sample_async` takes the argmax), and a tiny one that still
+    scales finitely draws the argmax too."""
+    logits = mx.array([1.0, 3.0, 2.0, 0.0, -1.0])
+    params = SamplingParams(temperature=temperature)
+    assert params.greedy == (temperature < 1e-38)
+    if not params.greedy:
+        draws = {int(sample_token(logits, params, mx.random.key(s))) for s in range(50)}
+        assert draws == {1}
