@@ -99,3 +99,14 @@ def test_a_vanishing_temperature_draws_the_argmax(temperature):
     if not params.greedy:
         draws = {int(sample_token(logits, params, mx.random.key(s))) for s in range(50)}
         assert draws == {1}
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-45, 1e-10])
+def test_a_vanishing_top_p_keeps_the_top_token(top_p):
+    """A top_p whose product with the mass underflows float32 (1e-300: inside every
+    route's (0, 1]) indexed past the sorted row and drew noise; the top token stays."""
+    logits = mx.array([1.0, 3.0, 2.0, -1.0])
+    kept = top_p_filter(logits[None], top_p)[0].tolist()
+    assert kept == [float("-inf"), 3.0, float("-inf"), float("-inf")]
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+    assert {int(sample_token(logits, params, mx.random.key(s))) for s in range(20)} == {1}

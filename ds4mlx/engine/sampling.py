@@ -44,7 +44,12 @@ def top_p_filter(logprobs: mx.array, top_p: float) -> mx.array:
     # above it already hold top_p of the total.
     above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
     total = above[..., :1] + probs[..., :1]
-    dropped = (above >= top_p * total).sum(axis=-1, keepdims=True)
+    # At most vocab - 1: the top token always survives. A top_p whose product with the
+    # total underflows float32 (1e-300) would otherwise count every position, an index
+    # past the end (MLX does not check it: the draw was garbage).
+    dropped = mx.minimum(
+        (above >= top_p * total).sum(axis=-1, keepdims=True), ascending.shape[-1] - 1
+    )
     threshold = mx.take_along_axis(ascending, dropped, axis=-1)
     return mx.where(logprobs < threshold, _NEG_INF, logprobs)
 
