@@ -11,7 +11,8 @@ class SamplingParams:
     """How to pick the next token from the logits.
 
     Args:
-        temperature: softmax temperature (>= 0); 0 means greedy (argmax).
+        temperature: softmax temperature (>= 0); below `GREEDY_BELOW` (0 included)
+            greedy (argmax).
         top_p: nucleus mass in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; 0 disables it.
         min_p: drop tokens whose probability is below ``min_p`` × the top probability;
@@ -45,13 +46,14 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when sampling reduces to argmax: temperature 0, ``top_k`` 1, or a
-        temperature so small that its reciprocal overflows float32 (below ~2.9e-39: the
-        scaled logits would be ±inf, and NaN where a logit is 0)."""
-        return self.temperature * _FLOAT32_MAX < 1 or self.top_k == 1
+        """True when sampling reduces to argmax: ``top_k`` 1, or a temperature below
+        `GREEDY_BELOW` (0 included). Below it the draw is the argmax in all but
+        near-ties anyway, and far below it 1/T overflows float32 (~2.9e-39): the scaled
+        logits would be ±inf, NaN where a logit is 0."""
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
-_FLOAT32_MAX = 3.4028234663852886e38
+GREEDY_BELOW = 1e-4
 
 
 # DeepSeek's recommended sampling (docs/ARCHITECTURE.md §6): the defaults of a request

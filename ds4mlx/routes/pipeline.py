@@ -302,7 +302,8 @@ def sampling_params(thinking: bool, req: Any) -> SamplingParams:
     ``min_p`` and ``seed`` are read where the protocol declares them (else the default).
     Thinking mode ignores the client's knobs, as DeepSeek's API does: temperature 1,
     top_p 1, min_p 0.05. Otherwise the client's values with those defaults; top_k
-    ``-1`` (vLLM's "off") is 0; a temperature below 1e-4 is greedy. ``seed`` is any
+    ``-1`` (vLLM's "off") is 0; a temperature below 1e-4 is greedy
+    (`SamplingParams.greedy`). ``seed`` is any
     int (taken modulo 2**64).
     """
     # Declared (validated) fields only: tolerated unknown fields are never read.
@@ -315,8 +316,6 @@ def sampling_params(thinking: bool, req: Any) -> SamplingParams:
         seed = int(seed) % 2**64  # MLX keys take an unsigned 64-bit seed
     if thinking:
         return SamplingParams(DEFAULT_TEMPERATURE, DEFAULT_TOP_P, 0, DEFAULT_MIN_P, seed)
-    if temperature is not None and temperature < 1e-4:
-        temperature = 0.0  # 1/T would overflow the logits: this is greedy
     return SamplingParams(
         DEFAULT_TEMPERATURE if temperature is None else float(temperature),
         DEFAULT_TOP_P if top_p is None else float(top_p),
