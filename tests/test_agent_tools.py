@@ -265,12 +265,11 @@ def test_bash_runs_in_workspace_with_exit_codes(tb: Toolbox, ws: Path) -> None:
 
 
 def test_bash_timeout_kills_process_group(tb: Toolbox, ws: Path) -> None:
-    start = time.monotonic()
     out = tb.run(
         "bash",
-        {"command": "echo started; sleep 60 & echo $! > child.pid; wait", "timeout": 0.5},
+        {"command": "echo started; sleep 3600 & echo $! > child.pid; wait", "timeout": 0.5},
     )
-    assert time.monotonic() - start < 30  # never waited for the 60 s sleep
+    # Waiting for the hour-long sleep would hang here (pytest-timeout dumps the stacks).
     assert not out.ok and out.error == TIMEOUT
     assert out.text.startswith("error: timed out after 0.5 s; outcome unknown")
     assert "partial effects" in out.text and "not retried" in out.text
@@ -280,10 +279,9 @@ def test_bash_timeout_kills_process_group(tb: Toolbox, ws: Path) -> None:
 
 
 def test_bash_stops_leftover_processes(tb: Toolbox, ws: Path) -> None:
-    start = time.monotonic()
-    out = tb.run("bash", {"command": "sleep 60 & echo $! > child.pid; echo done"})
+    out = tb.run("bash", {"command": "sleep 3600 & echo $! > child.pid; echo done"})
+    # Waiting for the hour-long sleep would hang here (pytest-timeout dumps the stacks).
     assert out.ok and "done" in out.text and "left running were stopped" in out.text
-    assert time.monotonic() - start < 30  # never waited for the 60 s sleep
     assert _wait_dead(int((ws / "child.pid").read_text()))
 
 

@@ -114,7 +114,7 @@ def test_codex_exec_function_call_round_trip(server, tmp_path, websockets):
         f"Done.</think>The command printed {word}." + EOS,
     )
     n0 = len(server.trace.jobs())
-    r, took = _codex(server, tmp_path, "run the echo", websockets=websockets)
+    r, _ = _codex(server, tmp_path, "run the echo", websockets=websockets)
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout + r.stderr
     assert f"The command printed {word}." in r.stdout
@@ -128,7 +128,6 @@ def test_codex_exec_function_call_round_trip(server, tmp_path, websockets):
     if websockets:
         # Served over the WebSocket: no fallback (five failed upgrades cost seconds each).
         assert "falling back" not in out.lower() and "reconnecting" not in out.lower(), out[-2000:]
-        assert took < 120
 
 
 # Codex offers ``apply_patch`` as a freeform (custom) tool with a Lark grammar only to a
