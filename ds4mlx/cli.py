@@ -442,7 +442,7 @@ def _bench_refusal(args: argparse.Namespace) -> str | None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from ds4mlx.bench import DEFAULT_PREFILL_REPEATS, plot, run_bench, to_csv
+    from ds4mlx.bench import DEFAULT_PREFILL_REPEATS, plot, to_csv
     from ds4mlx.blas import blas_label
 
     if args.shape == "flash":
@@ -472,15 +472,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     try:
-        result = run_bench(
-            engine,
-            frontiers,
-            decode_tokens=args.decode_tokens,
-            chunk_size=args.chunk_size,
-            seed=args.seed,
-            prefill_repeats=args.prefill_repeats,
-            log=lambda s: print(s, file=sys.stderr),
-        )
+        result = _run_bench(args, engine, frontiers)
         if args.distributed:
             _bench_split(args, engine, result, model, ctx, frontiers)
     except ValueError as e:
@@ -502,25 +494,33 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_bench(args, engine, frontiers):
+    """`ds4mlx.bench.run_bench` of ``engine`` with the command's settings, its progress
+    on stderr."""
+    from ds4mlx.bench import run_bench
+
+    return run_bench(
+        engine,
+        frontiers,
+        decode_tokens=args.decode_tokens,
+        chunk_size=args.chunk_size,
+        seed=args.seed,
+        prefill_repeats=args.prefill_repeats,
+        log=lambda s: print(s, file=sys.stderr),
+    )
+
+
 def _bench_split(args, engine, result, model: str, ctx: int, frontiers) -> None:
     """Rank 0 of a split bench: the hop, the collectives per decode step and, with
     ``--compare``, the same bench of the unsplit checkpoint in this process with the goal
     check (`ds4mlx.bench.distributed_report`), printed after the split's table."""
-    from ds4mlx.bench import distributed_figures, distributed_report, run_bench
+    from ds4mlx.bench import distributed_figures, distributed_report
     from ds4mlx.engine import Engine
 
     figs = distributed_figures(engine)
     if args.compare:
         print("1 rank: the unsplit checkpoint in rank 0's process", file=sys.stderr)
-        figs.single = run_bench(
-            Engine.load(model, ctx_size=ctx),
-            frontiers,
-            decode_tokens=args.decode_tokens,
-            chunk_size=args.chunk_size,
-            seed=args.seed,
-            prefill_repeats=args.prefill_repeats,
-            log=lambda s: print(s, file=sys.stderr),
-        )
+        figs.single = _run_bench(args, Engine.load(model, ctx_size=ctx), frontiers)
     for line in distributed_report(result, figs):
         print(line, file=sys.stderr)
 
