@@ -513,10 +513,14 @@ def _signals(*, interactive: bool, exiting: bool = False):
         with _redeliver_until_handled(state, interactive=interactive):
             yield state
     finally:
-        for s, h in prev.items():
-            signal.signal(s, h)
+        # Exiting, SIGINT goes straight from ours to ignored: CPython runs the handler
+        # installed when it checks, so a SIGINT that arrived under ours but was checked
+        # after the default handler came back raised KeyboardInterrupt on the way out.
         if exiting:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for s, h in prev.items():
+            if not (exiting and s == signal.SIGINT):
+                signal.signal(s, h)
 
 
 _REDELIVER_S = 0.05
