@@ -65,7 +65,6 @@ __all__ = [
     "ToolRule",
     "CompileTicket",
     "TurnSpec",
-    "compile_constraint",
     "start_compile",
 ]
 
@@ -338,7 +337,7 @@ class Job:
 @dataclass
 class OutputConstraint:
     """What a request asks the reply to follow, from its protocol's fields (the route
-    builds it; `compile_constraint` turns it into the engine's ``Grammar``).
+    builds it; `start_compile` turns it into the engine's ``Grammar``).
 
     Attributes:
         schema: the visible text is one JSON value valid for this JSON schema, or None.
@@ -481,8 +480,28 @@ def start_compile(
     param: str = "",
     limit_ms: int = COMPILE_MS,
 ) -> CompileTicket:
-    """Hand ``c``'s compile (`compile_constraint`'s arguments) to the bounded compile
-    threads; return at once with its `CompileTicket`."""
+    """Hand the compile of the engine's ``Grammar`` for a request's `OutputConstraint`
+    ``c`` to the bounded compile threads; return at once with its `CompileTicket`
+    (a route awaits it; ``ticket.wait()`` blocks for it, up to ``limit_ms``).
+
+    Compiling is bounded by llguidance's limits (``ds4mlx.engine.grammar.LIMITS``) and
+    by the clock: it runs on the compile threads (`COMPILE_THREADS`), and past
+    ``limit_ms`` (waiting for a thread included) the request is refused (a compile
+    already running is left to finish within llguidance's fuel limits; llguidance
+    releases the GIL while it compiles).
+
+    Args:
+        tools: the tools offered to the model (``tool_choice: none`` offers none).
+        calls / required / tool_name: the request's tool choice (``TurnSpec`` fields).
+        tokenizer: the ``ds4mlx.tokenizer.Tokenizer`` for the full check (the compiled
+            matcher is then kept in the ``Grammar`` for the turn), or None.
+        param: the wire field to name when the combined grammar fails.
+        limit_ms: milliseconds the whole compile may take.
+
+    The ticket's wait raises ``ConstraintError``: a schema keyword, pattern or grammar
+    that cannot be enforced, or a compile past ``limit_ms`` (naming the part being
+    compiled then; ``busy`` when it never got a compile thread).
+    """
     stage = [param if c.tools else c.schema_param or param]  # named if it never starts
     llt = ll_tokenizer(tokenizer) if tokenizer is not None else None  # cached, not timed
     started = threading.Event()
@@ -500,55 +519,8 @@ def start_compile(
     return CompileTicket(_compile_pool().submit(run), limit_ms, stage, started)
 
 
-def compile_constraint(
-    c: OutputConstraint | None,
-    *,
-    tools: list[ToolSpec],
-    calls: bool,
-    required: bool,
-    tool_name: str | None,
-    tokenizer=None,
-    param: str = "",
-    limit_ms: int = COMPILE_MS,
-) -> Grammar | None:
-    """The engine's ``Grammar`` for a request's `OutputConstraint` (None: nothing to
-    enforce), waiting for it here (it blocks up to ``limit_ms``; a route awaits a
-    `start_compile` ticket instead, so no request thread waits on a compile).
-
-    Compiling is bounded by llguidance's limits (``ds4mlx.engine.grammar.LIMITS``) and
-    by the clock: it runs on the compile threads (`COMPILE_THREADS`), and past
-    ``limit_ms`` (waiting for a thread included) the request is refused (a compile
-    already running is left to finish within llguidance's fuel limits; llguidance
-    releases the GIL while it compiles).
-
-    Args:
-        tools: the tools offered to the model (``tool_choice: none`` offers none).
-        calls / required / tool_name: the request's tool choice (``TurnSpec`` fields).
-        tokenizer: the ``ds4mlx.tokenizer.Tokenizer`` for the full check (the compiled
-            matcher is then kept in the ``Grammar`` for the turn), or None.
-        param: the wire field to name when the combined grammar fails.
-        limit_ms: milliseconds the whole compile may take.
-    Raises:
-        ConstraintError: a schema keyword, pattern or grammar that cannot be enforced,
-            or a compile past ``limit_ms`` (naming the part being compiled then;
-            ``busy`` when it never got a compile thread).
-    """
-    if c is None:
-        return None
-    return start_compile(
-        c,
-        tools=tools,
-        calls=calls,
-        required=required,
-        tool_name=tool_name,
-        tokenizer=tokenizer,
-        param=param,
-        limit_ms=limit_ms,
-    ).wait()
-
-
 def _compile(c, tools, calls, required, tool_name, llt, param, stage) -> Grammar | None:
-    """`compile_constraint`'s work (on its thread; ``llt``: the llguidance tokenizer)."""
+    """`start_compile`'s work (on its thread; ``llt``: the llguidance tokenizer)."""
     by_name = {t.name: t for t in tools}
     _check_parts(c, by_name, stage, llt)
     stage[0] = param if c.tools else c.schema_param or param

@@ -31,7 +31,6 @@ from ds4mlx.jobs import (
     COMPILE_THREADS,
     ConstraintError,
     OutputConstraint,
-    compile_constraint,
     start_compile,
 )
 from tests.grammar_cases import SCHEMAS, bounded
@@ -79,10 +78,10 @@ def test_ll_tokenizer_without_transformers(engine):
     assert tok.vocab_size == 129280 and tok.eos_token == engine.tokenizer.eos_id
     code = (
         "import sys\n"
-        "from ds4mlx.jobs import OutputConstraint, compile_constraint\n"
+        "from ds4mlx.jobs import OutputConstraint, start_compile\n"
         "from ds4mlx.tokenizer import Tokenizer\n"
-        "g = compile_constraint(OutputConstraint(schema={'type': 'object'}), tools=[],"
-        " calls=True, required=False, tool_name=None, tokenizer=Tokenizer.load())\n"
+        "g = start_compile(OutputConstraint(schema={'type': 'object'}), tools=[],"
+        " calls=True, required=False, tool_name=None, tokenizer=Tokenizer.load()).wait()\n"
         "assert g is not None\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'torch')))\n"
     )
@@ -394,10 +393,10 @@ def test_compile_is_bounded_by_the_clock(engine):
     c = OutputConstraint(schema=SLOW_SCHEMA, schema_param="response_format.json_schema.schema")
     kw = dict(tools=[], calls=True, required=False, tool_name=None, tokenizer=engine.tokenizer)
     with pytest.raises(ConstraintError) as e:
-        compile_constraint(c, limit_ms=1, **kw)
+        start_compile(c, limit_ms=1, **kw).wait()
     assert e.value.param == "response_format.json_schema.schema"
     assert "longer than the 1 ms limit" in e.value.message
-    g = compile_constraint(OutputConstraint(schema=SCHEMAS[1]), **kw)
+    g = start_compile(OutputConstraint(schema=SCHEMAS[1]), **kw).wait()
     assert g is not None and g.matcher is not None and g.vocab == 129280
 
 
