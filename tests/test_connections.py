@@ -18,7 +18,7 @@ import time
 
 import httpx
 import pytest
-from server_util import Server
+from server_util import HTTP, Server
 
 IDLE = 1100
 # The servers' log interval (``$DS4MLX_LOG_INTERVAL_S``; 10 s by default), shortened so
@@ -67,7 +67,7 @@ def idle_connections(port: int, n: int):
 
 
 def health_answers(server) -> dict:
-    r = httpx.get(server.url + "/health", timeout=httpx.Timeout(60, connect=60))
+    r = HTTP.get(server.url + "/health", timeout=httpx.Timeout(60, connect=60))
     assert r.status_code == 200, r.text
     return r.json()
 

@@ -30,7 +30,10 @@ from kv_server_util import (
     tool_calls,
     traced_server,
 )
-from server_util import Server  # noqa: F401
+from server_util import (
+    HTTP,
+    Server,  # noqa: F401
+)
 
 READ = {
     "name": "read",
@@ -468,13 +471,12 @@ def test_openai_chat_tool_loop_by_tool_call_id(server):
 
 
 def test_debug_script_reset_alone_drops_the_queue(server):
-    import httpx
 
     url = server.url + "/debug/script"
     script(server, "a", "b")
-    r = httpx.post(url, json={"reset": True}, timeout=10)
+    r = HTTP.post(url, json={"reset": True}, timeout=10)
     assert r.status_code == 200 and r.json() == {"queued": 0}, r.text
-    r = httpx.post(url, json={}, timeout=10)
+    r = HTTP.post(url, json={}, timeout=10)
     assert r.status_code == 400 and "give texts or tokens" in r.json()["error"]["message"]
 
 

@@ -8,10 +8,9 @@ from __future__ import annotations
 import os
 import sys
 
-import httpx
 import pexpect
 import pytest
-from server_util import DEMO_ENV, REPO, Server
+from server_util import DEMO_ENV, HTTP, REPO, Server
 
 
 @pytest.mark.slow
@@ -24,7 +23,7 @@ def test_demo_labels_agree_everywhere(tmp_path):
     }
     # 1. The server: banner and /v1/models.
     with Server(None, extra=["--demo"], env=env, scripted=False) as srv:
-        models = httpx.get(srv.url + "/v1/models").json()["data"]
+        models = HTTP.get(srv.url + "/v1/models").json()["data"]
         banner = " ".join(srv.log_path.read_text().split())
     ids = [m["id"] for m in models]
     assert {"deepseek-v4-flash", "deepseek-chat", "deepseek-reasoner"} <= set(ids)

@@ -22,7 +22,7 @@ import time
 
 import httpx
 import pytest
-from server_util import Server
+from server_util import HTTP, Server
 
 PROMPT_WORDS = 24000  # ~24k tokens: tens of seconds of prefill on this CPU
 
@@ -30,7 +30,7 @@ PROMPT_WORDS = 24000  # ~24k tokens: tens of seconds of prefill on this CPU
 def _leave_mid_prefill(s: Server, body: dict) -> None:
     if not body["stream"]:
         try:
-            httpx.post(s.url + "/v1/chat/completions", json=body, timeout=3.0)
+            HTTP.post(s.url + "/v1/chat/completions", json=body, timeout=3.0)
         except httpx.TimeoutException:
             return  # the client gave up mid-prefill and closed its connection
         raise AssertionError("the prefill finished before the client left")
@@ -64,7 +64,7 @@ def test_disconnect_during_prefill_cancels_between_chunks(tiny_model_dir, stream
         done, total = line.split("cancelled after ")[1].split(" ")[0].split("/")
         assert int(done) < int(total), line
         # The server still answers.
-        r = httpx.post(
+        r = HTTP.post(
             s.url + "/v1/chat/completions",
             json={
                 "model": "deepseek-chat",

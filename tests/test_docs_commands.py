@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_util import REPO, free_port
+from server_util import HTTP, REPO, free_port
 
 DOCS = [REPO / "README.md", REPO / "examples" / "README.md"]
 
@@ -98,7 +98,7 @@ def _serve(argv: list[str], env) -> None:
         while True:
             assert proc.poll() is None, (argv, proc.stderr.read()[-2000:])
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                if HTTP.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -14,9 +14,8 @@ import subprocess
 import sys
 import tomllib
 
-import httpx
 import pytest
-from server_util import DEMO_ENV, REPO, Server, require_cli
+from server_util import DEMO_ENV, HTTP, REPO, Server, require_cli
 
 CTX = 65536  # Claude Code: a ~19k-token prompt plus ~33k kept free
 
@@ -128,6 +127,6 @@ def test_item10_demo_runs_without_thinking_by_default(demo):
         "thinking": {"type": "enabled", "budget_tokens": 30000},
         "messages": [{"role": "user", "content": "hi"}],
     }
-    msg = httpx.post(demo.url + "/v1/messages", json=body, timeout=120).json()
+    msg = HTTP.post(demo.url + "/v1/messages", json=body, timeout=120).json()
     assert msg["stop_reason"] in ("end_turn", "tool_use"), msg
     assert "thinking" not in [b["type"] for b in msg["content"]], msg["content"]

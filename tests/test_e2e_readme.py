@@ -17,9 +17,8 @@ import shutil
 import subprocess
 import sys
 
-import httpx
 import pytest
-from server_util import DEMO_CAP, DEMO_ENV, REPO, Server, free_port
+from server_util import DEMO_CAP, DEMO_ENV, HTTP, REPO, Server, free_port
 
 DOCS = [REPO / "README.md", REPO / "examples" / "README.md"]
 
@@ -103,9 +102,9 @@ def test_demo_caps_every_request_output(demo):
     here, from ``$DS4MLX_DEMO_MAX_TOKENS``; 256 by default)."""
     assert f"at most {DEMO_CAP} tokens per request" in demo.log()
     # The demo runs every request without thinking, and says so everywhere it is asked.
-    models = httpx.get(f"{demo.url}/v1/models", timeout=10).json()["data"]
+    models = HTTP.get(f"{demo.url}/v1/models", timeout=10).json()["data"]
     assert models and not any(m["thinking"] for m in models), models
-    r = httpx.post(
+    r = HTTP.post(
         f"{demo.url}/v1/messages",
         json={"model": "m", "max_tokens": 32000, "messages": [{"role": "user", "content": "hi"}]},
         timeout=120,
@@ -115,7 +114,7 @@ def test_demo_caps_every_request_output(demo):
     # The cap stands in for the noise model's EOS: a natural end of turn, never
     # max_tokens (Claude Code retries those and then exits 1).
     assert body["stop_reason"] in ("end_turn", "tool_use"), body
-    r = httpx.post(
+    r = HTTP.post(
         f"{demo.url}/v1/chat/completions",
         json={"model": "deepseek-chat", "messages": [{"role": "user", "content": "hi"}]},
         timeout=120,
@@ -123,14 +122,14 @@ def test_demo_caps_every_request_output(demo):
     body = r.json()
     assert body["usage"]["completion_tokens"] <= DEMO_CAP
     assert body["choices"][0]["finish_reason"] in ("stop", "tool_calls"), body
-    r = httpx.post(
+    r = HTTP.post(
         f"{demo.url}/v1/responses",
         json={"model": "deepseek-chat", "input": "hi", "max_output_tokens": 32000},
         timeout=120,
     )
     assert r.json()["status"] == "completed", r.json()
     # The client's own smaller limit is still reported as such.
-    r = httpx.post(
+    r = HTTP.post(
         f"{demo.url}/v1/chat/completions",
         json={
             "model": "deepseek-chat",
@@ -167,7 +166,7 @@ def test_opencode_example_names_models_the_server_serves(demo):
     base = provider["options"]["baseURL"]
     assert base.endswith("/v1")
     for model in provider["models"]:
-        r = httpx.get(f"{demo.url}/v1/models/{model}")
+        r = HTTP.get(f"{demo.url}/v1/models/{model}")
         assert r.status_code == 200, model
     assert cfg["model"].split("/", 1) == ["ds4mlx", next(iter(provider["models"]))]
     # The declared context is the demo/CPU server's (what GET /v1/models reports there),

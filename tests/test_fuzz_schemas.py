@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from server_util import EOS, Server
+from server_util import EOS, HTTP, Server
 
 pytestmark = pytest.mark.slow
 
@@ -219,7 +219,7 @@ def test_schema_fuzz_never_5xx_and_the_worker_survives(server):
     h = server.wait_idle(timeout=60)
     assert h["status"] == "ok" and h["submitted"] == h["done"], h
     server.script("OK" + EOS)
-    r = httpx.post(
+    r = HTTP.post(
         server.url + "/v1/chat/completions",
         json={"model": "deepseek-chat", "messages": [{"role": "user", "content": "hi"}]},
         timeout=60,
@@ -238,7 +238,7 @@ def test_item10_demo_tokens_is_a_real_output_limit(server):
         "thinking": {"type": "enabled", "budget_tokens": 30000},
         "messages": [{"role": "user", "content": "hi"}],
     }
-    msg = httpx.post(server.url + "/v1/messages", json=body, timeout=120).json()
+    msg = HTTP.post(server.url + "/v1/messages", json=body, timeout=120).json()
     assert msg["stop_reason"] == "max_tokens", msg
     assert msg["usage"]["output_tokens"] == 2
     assert [b["type"] for b in msg["content"]][:1] == ["thinking"], msg["content"]

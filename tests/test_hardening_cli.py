@@ -9,7 +9,7 @@ import sys
 import time
 
 import httpx
-from server_util import Server
+from server_util import HTTP, Server
 
 CMD = [sys.executable, "-m", "ds4mlx.cli"]
 
@@ -52,15 +52,15 @@ def test_banner_suggests_openblas_and_rejected_requests_are_logged(tiny_model_di
     env = {"DS4MLX_NO_OPENBLAS": "1", "LD_PRELOAD": ""}
     with Server(tiny_model_dir, ctx=1024, extra=["--api-key", "k"], env=env) as srv:
         auth = {"Authorization": "Bearer k"}
-        assert httpx.post(srv.url + "/v1/chat/completions", json={}).status_code == 401
-        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": 5}, headers=auth)
+        assert HTTP.post(srv.url + "/v1/chat/completions", json={}).status_code == 401
+        r = HTTP.post(srv.url + "/v1/chat/completions", json={"messages": 5}, headers=auth)
         assert r.status_code == 400
-        assert httpx.get(srv.url + "/v1/nothing", headers=auth).status_code == 404
+        assert HTTP.get(srv.url + "/v1/nothing", headers=auth).status_code == 404
         # The base URL answers (Claude Code probes it with HEAD at start), without a key.
         assert httpx.head(srv.url + "/").status_code == 200
-        assert httpx.get(srv.url + "/").json()["service"] == "ds4mlx"
+        assert HTTP.get(srv.url + "/").json()["service"] == "ds4mlx"
         big = b"x" * (33 * 1024 * 1024)
-        r = httpx.post(srv.url + "/v1/messages", content=big, headers=auth, timeout=60)
+        r = HTTP.post(srv.url + "/v1/messages", content=big, headers=auth, timeout=60)
         assert r.status_code == 413
         time.sleep(0.3)
         log = srv.log()

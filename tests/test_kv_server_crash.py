@@ -35,7 +35,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from kv_server_util import EOS, Trace, long_system, script
-from server_util import free_port, pid_alive
+from server_util import HTTP, free_port, pid_alive
 
 pytestmark = pytest.mark.slow
 
@@ -123,8 +123,8 @@ def _temps(d: Path) -> list[Path]:
 def _rendered(url: str, messages: list[dict]) -> str:
     """The server's rendered prompt text for chat ``messages`` (non-thinking)."""
     body = {"model": "deepseek-chat", "messages": messages, "thinking": {"type": "disabled"}}
-    toks = httpx.post(url + "/v1/tokenize", json=body, timeout=30).json()["tokens"]
-    return httpx.post(url + "/v1/detokenize", json={"tokens": toks}, timeout=30).json()["text"]
+    toks = HTTP.post(url + "/v1/tokenize", json=body, timeout=30).json()["tokens"]
+    return HTTP.post(url + "/v1/detokenize", json={"tokens": toks}, timeout=30).json()["text"]
 
 
 def _check_dir(d: Path) -> None:
@@ -170,7 +170,7 @@ def test_kill_9_during_snapshot_writes(tiny_model_dir, tmp_path):
             while True:
                 assert pid_alive(pid), (tmp_path / f"serve{i}.log").read_text()[-3000:]
                 try:
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    if HTTP.get(url + "/health", timeout=1).status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass
@@ -201,7 +201,7 @@ def test_kill_9_during_snapshot_writes(tiny_model_dir, tmp_path):
                 rendered = _rendered(url, body["messages"])
                 texts = [load_file(p).text for p in _snapshot_files(kv) if p.name != PLANTED]
                 expect = "disk" if any(rendered.startswith(t) for t in texts) else "cold"
-                r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+                r = HTTP.post(url + "/v1/chat/completions", json=body, timeout=120)
                 assert r.status_code == 200, r.text
                 assert trace.last()["decision"] == expect
                 print(f"final request: {expect}, cached {r.json()['usage']}")
@@ -211,7 +211,7 @@ def test_kill_9_during_snapshot_writes(tiny_model_dir, tmp_path):
 
             def send(body=body, url=url, done=done):
                 try:
-                    httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+                    HTTP.post(url + "/v1/chat/completions", json=body, timeout=120)
                 except httpx.HTTPError:
                     pass
                 done.set()

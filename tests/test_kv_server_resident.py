@@ -25,7 +25,10 @@ from kv_server_util import (
     tool_calls,
     traced_server,
 )
-from server_util import Server  # noqa: F401
+from server_util import (
+    HTTP,
+    Server,  # noqa: F401
+)
 
 from ds4mlx.kv.store import scan_dir
 
@@ -163,12 +166,11 @@ def test_claude_code_headers_keep_each_agent_on_its_own_state(server):
     agent's state. The main conversation (session id only) restarts compacted — it
     continues nothing — and goes to its own state, not the sub-agent's (the least
     valuable one), so the sub-agent's next turn still continues live."""
-    import httpx
 
     def send(headers, system, messages):
         script(server, "Sure." + EOS)
         body = {"model": "deepseek-chat", "max_tokens": 20, "system": system, "tools": [TOOL]}
-        r = httpx.post(
+        r = HTTP.post(
             server.url + "/v1/messages",
             json={**body, "messages": messages},
             headers=headers,
@@ -204,12 +206,11 @@ def test_a_helper_agent_never_takes_the_conversation_it_forks(server):
     request. That would continue the conversation's state live and leave it holding the
     fork; it is a side request instead: it runs on another state, and the conversation's
     next turn still continues its own state live."""
-    import httpx
 
     def send(headers, messages):
         script(server, "Sure." + EOS)
         body = {"model": "deepseek-chat", "max_tokens": 20, "system": main_sys, "tools": [TOOL]}
-        r = httpx.post(
+        r = HTTP.post(
             server.url + "/v1/messages",
             json={**body, "messages": messages},
             headers=headers,

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import json
 
-import httpx
 from kv_server_util import Trace, post, script
-from server_util import Server, sse_events
+from server_util import HTTP, Server, sse_events
 
 CTX = 1024
 
@@ -32,7 +31,7 @@ def test_live_thinking_that_would_overflow_is_rebuilt(tiny_model_dir, tmp_path):
         script(s, "</think>sure<｜end▁of▁sentence｜>")
         body = {"messages": nxt, "max_tokens": 16, "stream": True}
         events = []
-        with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        with HTTP.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=120) as r:
             assert r.status_code == 200
             for _, data in sse_events(r.iter_lines()):
                 if data and data != "[DONE]":

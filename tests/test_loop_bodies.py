@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_util import Server
+from server_util import HTTP, Server
 
 CTX = 4096
 # The vetting child's idle lifetime in these servers (``$DS4MLX_VET_IDLE_S``; 30 s by
@@ -136,7 +136,7 @@ class _Probe:
 
 def _assert_still_serves(server: Server) -> None:
     """A small chat request after the big ones is answered 200."""
-    r = httpx.post(
+    r = HTTP.post(
         server.url + "/v1/chat/completions",
         json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
         timeout=120,
@@ -203,14 +203,14 @@ def test_large_body_paths(server):
     whose function needs what the child lacks (the tokenizer) is answered here."""
     pad = "p" * 1_500_000  # an unknown field: tolerated, never rendered
     hi = [{"role": "user", "content": "hi"}]
-    r = httpx.post(
+    r = HTTP.post(
         server.url + "/v1/chat/completions",
         json={"messages": hi, "max_tokens": 2, "x_pad": pad},
         timeout=300,
     )
     assert r.status_code == 200, r.text[:300]
     assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
-    r = httpx.post(
+    r = HTTP.post(
         server.url + "/v1/messages",
         json={"max_tokens": 4, "messages": [{"role": "wizard", "content": "hi"}], "x_pad": pad},
         timeout=300,
@@ -218,7 +218,7 @@ def test_large_body_paths(server):
     assert r.status_code == 400, r.text[:300]
     assert r.json()["type"] == "error" and "messages.0.role" in r.json()["error"]["message"]
     counts = [
-        httpx.post(
+        HTTP.post(
             server.url + "/v1/messages/count_tokens",
             json={"messages": hi, **extra},
             timeout=300,
@@ -296,7 +296,7 @@ def test_a_queued_job_whose_client_left_never_runs(wide):
     n0 = len(wide.request_lines())
     wide.script(" ".join(f"w{i}" for i in range(3000)))
     hi = {"model": "deepseek-chat", "messages": [{"role": "user", "content": "hi"}]}
-    with httpx.stream(
+    with HTTP.stream(
         "POST",
         wide.url + "/v1/chat/completions",
         json={**hi, "max_tokens": 3000, "stream": True},
@@ -306,7 +306,7 @@ def test_a_queued_job_whose_client_left_never_runs(wide):
         assert next(ln for ln in lines if ln.startswith("data:"))  # it runs
         assert wide.health()["queued"] == 1
         with pytest.raises(httpx.ReadTimeout):  # queued behind it; the client leaves
-            httpx.post(wide.url + "/v1/chat/completions", json={**hi, "max_tokens": 2}, timeout=2)
+            HTTP.post(wide.url + "/v1/chat/completions", json={**hi, "max_tokens": 2}, timeout=2)
         deadline = time.monotonic() + 20
         while wide.health()["queued"] != 1 and time.monotonic() < deadline:
             time.sleep(0.2)

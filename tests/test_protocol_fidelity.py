@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_util import EOS, Server, sse_events, tool_call_dsml
+from server_util import EOS, HTTP, Server, sse_events, tool_call_dsml
 
 CTX = 1024
 CHAT = "/v1/chat/completions"
@@ -232,7 +232,7 @@ CHAT_BODY = json.dumps(
 )
 def test_compressed_bodies_are_decoded(server, coding, data):
     headers = {"Content-Encoding": coding, "Content-Type": "application/json"}
-    r = httpx.post(server.url + CHAT, content=data, headers=headers, timeout=60)
+    r = HTTP.post(server.url + CHAT, content=data, headers=headers, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] is not None
 
@@ -240,7 +240,7 @@ def test_compressed_bodies_are_decoded(server, coding, data):
 @pytest.mark.parametrize("path", [CHAT, MSGS, RESP])
 def test_unknown_content_encoding_is_415_naming_it(server, path):
     headers = {"Content-Encoding": "br", "Content-Type": "application/json", **ANT_HEADERS}
-    r = httpx.post(server.url + path, content=b"\x0b\x02\x80", headers=headers, timeout=30)
+    r = HTTP.post(server.url + path, content=b"\x0b\x02\x80", headers=headers, timeout=30)
     assert r.status_code == 415, r.text
     err = r.json()["error"]
     assert "'br'" in err["message"] and "gzip" in err["message"]
@@ -255,7 +255,7 @@ def test_zstd_is_decoded_only_with_zstandard(server):
         zstandard = None
     headers = {"Content-Encoding": "zstd", "Content-Type": "application/json"}
     data = zstandard.ZstdCompressor().compress(CHAT_BODY) if zstandard else b"(\xb5/\xfd"
-    r = httpx.post(server.url + CHAT, content=data, headers=headers, timeout=60)
+    r = HTTP.post(server.url + CHAT, content=data, headers=headers, timeout=60)
     assert r.status_code == (200 if zstandard else 415), r.text
 
 
@@ -265,12 +265,12 @@ def test_decoded_size_limit_holds_against_a_zip_bomb(server):
     bomb = gzip.compress(b"0" * (40 << 20), compresslevel=9)
     assert len(bomb) < 1 << 20
     headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
-    r = httpx.post(server.url + CHAT, content=bomb, headers=headers, timeout=60)
+    r = HTTP.post(server.url + CHAT, content=bomb, headers=headers, timeout=60)
     assert r.status_code == 413, r.text
     assert "decoded" in r.json()["error"]["message"]
-    r = httpx.post(server.url + CHAT, content=b"\x1f\x8bnot gzip", headers=headers, timeout=60)
+    r = HTTP.post(server.url + CHAT, content=b"\x1f\x8bnot gzip", headers=headers, timeout=60)
     assert r.status_code == 400 and "gzip" in r.json()["error"]["message"]
-    assert httpx.post(server.url + CHAT, content=CHAT_BODY, timeout=60).status_code == 200
+    assert HTTP.post(server.url + CHAT, content=CHAT_BODY, timeout=60).status_code == 200
 
 
 # --------------------------------------------------------------------------- item 4

@@ -23,7 +23,7 @@ from kv_server_util import (
     tool_calls,
     traced_server,
 )
-from server_util import sse_events
+from server_util import HTTP, sse_events
 
 CHAT = "/v1/chat/completions"
 MSGS = "/v1/messages"
@@ -447,7 +447,7 @@ def test_tool_search_output_that_is_not_tools_is_a_400(server):
             {"type": "tool_search_output", "call_id": "c1", "tools": [{"name": "no type"}]},
         ],
     }
-    r = httpx.post(server.url + RESP, json=body, timeout=60)
+    r = HTTP.post(server.url + RESP, json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "input.2.tools"
 
@@ -477,7 +477,7 @@ def test_no_parallel_calls_flag_must_be_a_boolean(server, path, field, body):
     """A string or number where a JSON boolean belongs is the protocol's 400 naming the
     field, not silently ignored (``"no"`` read as absent would allow parallel calls)."""
 
-    r = httpx.post(server.url + path, json={"model": "deepseek-v4-flash", **body}, timeout=30)
+    r = HTTP.post(server.url + path, json={"model": "deepseek-v4-flash", **body}, timeout=30)
     assert r.status_code == 400, r.text
     assert field in r.text
 
@@ -541,7 +541,7 @@ def test_codex_additional_tools_item_offers_its_tools(server):
     assert "Run JavaScript." in server.trace.prompts()[-1]["text"]
     # A malformed tool in the item is a 400 naming its path.
     bad = {**base, "input": [{"type": "additional_tools", "tools": [{"name": "x"}]}, *user]}
-    r = httpx.post(server.url + RESP, json=bad, timeout=60)
+    r = HTTP.post(server.url + RESP, json=bad, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "input.0.tools.0.type", r.text
     # So is a malformed custom tool inside a namespace (it was a 500).
     for sub, param in [
@@ -549,7 +549,7 @@ def test_codex_additional_tools_item_offers_its_tools(server):
         ({"type": "custom", "name": "x", "format": "lark"}, "format"),
     ]:
         bad = {**base, "tools": [{**functions, "tools": [sub]}], "input": user}
-        r = httpx.post(server.url + RESP, json=bad, timeout=60)
+        r = HTTP.post(server.url + RESP, json=bad, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == f"tools.0.tools.0.{param}", (
             r.text
         )

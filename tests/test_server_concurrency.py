@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from server_util import EOS, Server, sse_events
+from server_util import EOS, HTTP, Server, sse_events
 
 N_CLIENTS = 20
 REFERENCE = {
@@ -41,7 +41,7 @@ def _chat_stream(url: str, i: int, out: dict) -> None:
         "stream": True,
     }
     text, finish = [], None
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+    with HTTP.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
         for _, data in sse_events(r.iter_lines()):
             if not data or data == "[DONE]":
                 continue
@@ -59,7 +59,7 @@ def _messages_stream(url: str, i: int, out: dict) -> None:
         "messages": [{"role": "user", "content": f"client {i}"}],
     }
     text, stop = [], None
-    with httpx.stream("POST", url + "/v1/messages", json=body, timeout=120) as r:
+    with HTTP.stream("POST", url + "/v1/messages", json=body, timeout=120) as r:
         for ev, data in sse_events(r.iter_lines()):
             if ev == "content_block_delta":
                 text.append(json.loads(data)["delta"].get("text", ""))
@@ -102,7 +102,7 @@ def _job_lines(server: Server) -> list[str]:
 
 
 def test_killed_client_frees_worker_within_a_token_and_state_stays_consistent(server):
-    before = httpx.post(server.url + "/v1/completions", json=REFERENCE, timeout=60).json()[
+    before = HTTP.post(server.url + "/v1/completions", json=REFERENCE, timeout=60).json()[
         "choices"
     ][0]["text"]
     body = {
@@ -113,7 +113,7 @@ def test_killed_client_frees_worker_within_a_token_and_state_stays_consistent(se
         "stream": True,
     }
     received = 0
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+    with HTTP.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         for _, data in sse_events(r.iter_lines()):
             if data and data != "[DONE]":
                 received += 1
@@ -134,9 +134,9 @@ def test_killed_client_frees_worker_within_a_token_and_state_stays_consistent(se
     assert generated < 3000
     # Tokens sampled after the client left: at most a couple (disconnect notice + one).
     assert generated - received <= 4, (generated, received)
-    after = httpx.post(server.url + "/v1/completions", json=REFERENCE, timeout=60).json()[
-        "choices"
-    ][0]["text"]
+    after = HTTP.post(server.url + "/v1/completions", json=REFERENCE, timeout=60).json()["choices"][
+        0
+    ]["text"]
     assert after == before
 
 
@@ -155,7 +155,7 @@ def test_graceful_shutdown_cancels_running_and_queued_jobs(tiny_model_dir):
         def run() -> None:
             chunks = 0
             try:
-                with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+                with HTTP.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
                     for _, data in sse_events(r.iter_lines()):
                         if data and data != "[DONE]":
                             chunks += 1
@@ -191,7 +191,7 @@ def test_cancelled_prefill_logs_what_was_prefilled_not_a_rate(tiny_model_dir):
             "max_tokens": 4,
         }
         t = threading.Thread(
-            target=lambda: httpx.post(s.url + "/v1/chat/completions", json=body, timeout=60)
+            target=lambda: HTTP.post(s.url + "/v1/chat/completions", json=body, timeout=60)
         )
         t.start()
         deadline = time.monotonic() + 30

@@ -10,7 +10,7 @@ import json
 
 import httpx
 import pytest
-from server_util import ws_upgrade
+from server_util import HTTP, ws_upgrade
 
 KEY = "sekret"
 CTX = 1024
@@ -326,16 +326,16 @@ def test_max_tokens_beyond_context_clamps_and_stops_at_full_context(client):
 
 
 def test_api_key_required_except_health(server):
-    r = httpx.post(server.url + CHAT, json=NORMAL)
+    r = HTTP.post(server.url + CHAT, json=NORMAL)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    r = httpx.post(
+    r = HTTP.post(
         server.url + MSGS,
         json={"max_tokens": 1, "messages": OK_MSG},
         headers={"x-api-key": "wrong"},
     )
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-    assert httpx.get(server.url + "/health").status_code == 200
-    assert httpx.get(server.url + "/v1/models", headers={"x-api-key": KEY}).status_code == 200
+    assert HTTP.get(server.url + "/health").status_code == 200
+    assert HTTP.get(server.url + "/v1/models", headers={"x-api-key": KEY}).status_code == 200
 
 
 def test_unknown_routes_and_methods_are_shaped(client):
@@ -365,7 +365,7 @@ def test_cors_preflight_and_headers(server):
     )
     allowed = {h.strip().lower() for h in r.headers["access-control-allow-headers"].split(",")}
     assert r.status_code == 204 and {"x-stainless-os", "x-stainless-retry-count"} <= allowed
-    r = httpx.get(server.url + "/health", headers={"Origin": "http://x"})
+    r = HTTP.get(server.url + "/health", headers={"Origin": "http://x"})
     assert r.headers["access-control-allow-origin"] == "*"
 
 

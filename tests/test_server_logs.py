@@ -9,7 +9,7 @@ import threading
 import time
 
 import httpx
-from server_util import Server
+from server_util import HTTP, Server
 
 PNG = "data:image/png;base64,iVBORw0KGgo="
 
@@ -21,22 +21,22 @@ def test_unsupported_parts_are_logged_once_per_request(tiny_model_dir):
             {"type": "image_url", "image_url": {"url": PNG}},
             {"type": "image_url", "image_url": {"url": PNG}},
         ]}]}  # fmt: skip
-        assert httpx.post(srv.url + "/v1/chat/completions", json=chat, timeout=120).is_success
+        assert HTTP.post(srv.url + "/v1/chat/completions", json=chat, timeout=120).is_success
         ant = {"model": "deepseek-chat", "max_tokens": 2, "messages": [{"role": "user", "content": [
             {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}},
             {"type": "text", "text": "summarize"},
         ]}]}  # fmt: skip
-        assert httpx.post(srv.url + "/v1/messages", json=ant, timeout=120).is_success
+        assert HTTP.post(srv.url + "/v1/messages", json=ant, timeout=120).is_success
         resp = {"model": "deepseek-chat", "max_output_tokens": 2, "input": [{"role": "user", "content": [
             {"type": "input_text", "text": "see"}, {"type": "input_image", "image_url": PNG},
         ]}]}  # fmt: skip
-        assert httpx.post(srv.url + "/v1/responses", json=resp, timeout=120).is_success
+        assert HTTP.post(srv.url + "/v1/responses", json=resp, timeout=120).is_success
         plain = {
             "model": "deepseek-chat",
             "max_tokens": 2,
             "messages": [{"role": "user", "content": "hi"}],
         }
-        assert httpx.post(srv.url + "/v1/chat/completions", json=plain, timeout=120).is_success
+        assert HTTP.post(srv.url + "/v1/chat/completions", json=plain, timeout=120).is_success
         srv.request_line(3)
         lines = [ln for ln in srv.log().splitlines() if "unsupported content parts" in ln]
     assert len(lines) == 3, lines
@@ -52,7 +52,7 @@ def _stream(url: str, started: threading.Event, out: list) -> None:
     body = {"model": "deepseek-chat", "max_tokens": 6000, "stream": True,
             "messages": [{"role": "user", "content": "write forever"}]}  # fmt: skip
     try:
-        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as r:
+        with HTTP.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {") and '"content"' in line:
                     started.set()
@@ -68,7 +68,7 @@ def test_cancelled_and_shutdown_requests_are_logged_with_ids(tiny_model_dir):
         # A client that goes away mid-stream: its job's line says finish=cancelled job=N.
         body = {"model": "deepseek-chat", "max_tokens": 6000, "stream": True,
                 "messages": [{"role": "user", "content": "go"}]}  # fmt: skip
-        with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        with HTTP.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=120) as r:
             for line in r.iter_lines():
                 if '"content"' in line:
                     break
@@ -83,7 +83,7 @@ def test_cancelled_and_shutdown_requests_are_logged_with_ids(tiny_model_dir):
         t2 = threading.Thread(target=_stream, args=(srv.url, threading.Event(), out2))
         t2.start()
         deadline = time.monotonic() + 60
-        while httpx.get(srv.url + "/health").json().get("queued", 2) < 2:
+        while HTTP.get(srv.url + "/health").json().get("queued", 2) < 2:
             assert time.monotonic() < deadline
             time.sleep(0.1)
     finally:

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
-from server_util import EOS, Server, sse_events, tool_call_dsml
+from server_util import EOS, HTTP, Server, sse_events, tool_call_dsml
 
 MODEL = "deepseek-ai/DeepSeek-V4-Flash"  # a served id with a "/" in it
 
@@ -71,18 +70,18 @@ def test_models_list_and_retrieve_ids_with_slash(oai, ant, server):
     assert ant.models.retrieve("deepseek-chat").id == "deepseek-chat"
     # Issue 13 item 15 (was a 404): any name is served, so any id is found, with the
     # model that answers it.
-    r = httpx.get(server.url + "/v1/models/no/such-model")
+    r = HTTP.get(server.url + "/v1/models/no/such-model")
     assert r.status_code == 200 and r.json()["id"] == "no/such-model"
     assert r.json()["served_as"] == MODEL
 
 
 def test_tokenize_detokenize_roundtrip(server):
     text = "<｜begin▁of▁sentence｜>Hello, wörld</think>"
-    toks = httpx.post(server.url + "/v1/tokenize", json={"text": text}).json()
+    toks = HTTP.post(server.url + "/v1/tokenize", json={"text": text}).json()
     assert toks["count"] == len(toks["tokens"]) and 128822 in toks["tokens"]
-    back = httpx.post(server.url + "/v1/detokenize", json={"tokens": toks["tokens"]}).json()
+    back = HTTP.post(server.url + "/v1/detokenize", json={"tokens": toks["tokens"]}).json()
     assert back["text"] == text
-    chat = httpx.post(
+    chat = HTTP.post(
         server.url + "/v1/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}
     ).json()
     assert chat["count"] > 2
@@ -382,7 +381,7 @@ def test_completions_text_logprobs_echo(oai):
 
 
 def test_completions_token_ids_and_streaming(oai):
-    ids = httpx.post(
+    ids = HTTP.post(
         str(oai.base_url).rstrip("/").removesuffix("/v1") + "/v1/tokenize", json={"text": "Hello"}
     ).json()
     prompt = [0, *ids["tokens"]]
@@ -458,7 +457,7 @@ def test_messages_thinking_display_omitted_and_signature_replay(ant, server):
     assert m.content[0].type == "thinking" and m.content[0].thinking == ""
     tool = m.content[-1]
     # Replay on a session that lost the live state: the rendered prefix must be exact.
-    httpx.post(server.url + "/v1/completions", json={"prompt": "unrelated", "max_tokens": 1})
+    HTTP.post(server.url + "/v1/completions", json={"prompt": "unrelated", "max_tokens": 1})
     msgs += [
         {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
         {
@@ -468,12 +467,10 @@ def test_messages_thinking_display_omitted_and_signature_replay(ant, server):
     ]
     body = {"model": MODEL, "max_tokens": 10, "messages": msgs, "tools": [WEATHER_ANT]}
     server.script("</think>Done." + EOS)
-    rendered = httpx.post(server.url + "/v1/messages/count_tokens", json=body).json()[
-        "input_tokens"
-    ]
+    rendered = HTTP.post(server.url + "/v1/messages/count_tokens", json=body).json()["input_tokens"]
     unsigned = json.loads(json.dumps(body))
     unsigned["messages"][1]["content"][0]["signature"] = ""
-    without = httpx.post(server.url + "/v1/messages/count_tokens", json=unsigned).json()[
+    without = HTTP.post(server.url + "/v1/messages/count_tokens", json=unsigned).json()[
         "input_tokens"
     ]
     assert rendered - without == 3  # "Secret plan." came back through the signature
@@ -508,7 +505,7 @@ def test_anthropic_keepalive_pings_during_long_prefill(server):
         "stream": True,
         "messages": [{"role": "user", "content": long}],
     }
-    with httpx.stream("POST", server.url + "/v1/messages", json=body, timeout=120) as r:
+    with HTTP.stream("POST", server.url + "/v1/messages", json=body, timeout=120) as r:
         evs = [e for e, _ in sse_events(r.iter_lines())]
     first_block = (
         evs.index("content_block_start")
@@ -640,7 +637,7 @@ CUT = (
 
 def _cut_budget(server) -> int:
     """max_tokens that stops the scripted turn inside the city value."""
-    r = httpx.post(server.url + "/v1/tokenize", json={"text": CUT}, timeout=30)
+    r = HTTP.post(server.url + "/v1/tokenize", json={"text": CUT}, timeout=30)
     return r.json()["count"] - 4
 
 

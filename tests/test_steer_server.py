@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
-from server_util import sse_events
+from server_util import HTTP, sse_events
 
 from ds4mlx.dsml.tokens import EOS
 
@@ -334,7 +333,7 @@ def test_responses_sse_message_cut_by_the_limit_ends_incomplete(server):
     server.wait_idle()
     server.script("x</think>" + SHORT + EOS)
     body = {"model": MODEL, "input": "count", "max_output_tokens": 12, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=120) as r:
+    with HTTP.stream("POST", server.url + "/v1/responses", json=body, timeout=120) as r:
         evs = [json.loads(d) for e, d in sse_events(r.iter_lines()) if e]
     end = evs[-1]
     assert end["type"] == "response.incomplete", end
@@ -365,7 +364,7 @@ def test_steer_socket_close_cancels_the_response(server, client):
 
 
 def _chat_stream(server, body) -> list[tuple[str | None, str | None]]:
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+    with HTTP.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
         return [e for e in sse_events(r.iter_lines()) if e != (None, None)]
 
@@ -430,7 +429,7 @@ def test_dispatch_field_must_be_a_boolean(server, value):
         "stream": True,
         "tool_call_dispatch": value,
     }
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    r = HTTP.post(server.url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400 and "tool_call_dispatch" in json.dumps(r.json())
 
 
@@ -446,7 +445,7 @@ def test_dispatch_anthropic_and_responses_close_events_come_at_the_close(server)
         "tools": [ANT_TOOL],
         "stream": True,
     }
-    with httpx.stream("POST", server.url + "/v1/messages", json=body, timeout=120) as r:
+    with HTTP.stream("POST", server.url + "/v1/messages", json=body, timeout=120) as r:
         evs = [(e, json.loads(d)) for e, d in sse_events(r.iter_lines()) if e and e != "ping"]
     tool_blocks = [
         d["index"]
@@ -464,7 +463,7 @@ def test_dispatch_anthropic_and_responses_close_events_come_at_the_close(server)
     )
     assert stop_first < second_delta
     body = {"model": MODEL, "input": "look", "tools": [TOOL], "stream": True}
-    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=120) as r:
+    with HTTP.stream("POST", server.url + "/v1/responses", json=body, timeout=120) as r:
         evs = [json.loads(d) for e, d in sse_events(r.iter_lines()) if e]
     calls = [
         d["item"]["id"]

@@ -19,7 +19,7 @@ import httpx
 import jsonschema
 import pytest
 from grammar_cases import SCHEMAS, bounded
-from server_util import DEMO_ENV, EOS, Server, sse_events, tool_call_dsml
+from server_util import DEMO_ENV, EOS, HTTP, Server, sse_events, tool_call_dsml
 
 CTX = 1024
 CHAT = "/v1/chat/completions"
@@ -618,7 +618,7 @@ def test_demo_cap_cut_json_is_incomplete(demo):
     schema = {"type": "array", "items": {"type": "integer"}}
     demo.script("[1,2,3")  # then sampled under the mask until the cap
     body = {"model": "m", "messages": [{"role": "user", "content": "go"}]}
-    r = httpx.post(demo.url + CHAT, json={**body, **_format(CHAT, schema)}, timeout=300)
+    r = HTTP.post(demo.url + CHAT, json={**body, **_format(CHAT, schema)}, timeout=300)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     text = choice["message"]["content"]
@@ -627,7 +627,7 @@ def test_demo_cap_cut_json_is_incomplete(demo):
     demo.script("[4,5,6")
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
     body = {"model": "m", "prompt": "go", "max_tokens": 100000, "response_format": rf}
-    r = httpx.post(demo.url + "/v1/completions", json=body, timeout=300)
+    r = HTTP.post(demo.url + "/v1/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     _assert_cut_json_is_length(choice["finish_reason"], choice["text"], schema)
@@ -686,7 +686,7 @@ def test_demo_cap_ends_a_free_reply_beside_a_grammar_tool(demo):
     without the tool; Codex treats an ``incomplete`` response as an error."""
     demo.script("just text, no call")  # then sampled (free text or a call) until the cap
     body = {"model": "m", "input": "go", "tools": [CUSTOM], "reasoning": {"effort": "none"}}
-    r = httpx.post(demo.url + RESP, json=body, timeout=300)
+    r = HTTP.post(demo.url + RESP, json=body, timeout=300)
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["status"] == "completed", out.get("incomplete_details")

@@ -202,3 +202,19 @@ def test_count_stops_past_the_limit_and_encode_frees_the_gil(tok):
         t.join()
     assert got == want
     assert ticks[0] > 10, ticks  # held for the whole call, the thread could not tick
+
+
+def test_a_process_parses_each_tokenizer_file_version_once(tmp_path):
+    # Every Engine.load asks for the tokenizer; parsing it costs ~0.35 CPU-s each time.
+    shutil.copyfile(package_tokenizer_path(), tmp_path / "tokenizer.json")
+    first = Tokenizer.load(tmp_path)
+    assert Tokenizer.load(tmp_path) is first
+    assert Tokenizer.load(None) is Tokenizer.load(None) is not first  # another file
+    # A replaced file is parsed anew (a new inode; mtime and size may not move).
+    shutil.copyfile(package_tokenizer_path(), tmp_path / "new.json")
+    (tmp_path / "new.json").replace(tmp_path / "tokenizer.json")
+    assert Tokenizer.load(tmp_path) is not first
+
+
+def test_a_missing_model_tokenizer_falls_back_to_the_package_one(tmp_path):
+    assert Tokenizer.load(tmp_path).path == package_tokenizer_path()

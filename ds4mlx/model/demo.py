@@ -46,20 +46,34 @@ def ensure_demo_model(path: Path | None = None) -> Path:
     """Make the tiny demo checkpoint once (``ds4mlx.model.tiny.make_tiny``) and return it.
 
     Written to a temporary sibling directory and renamed, so an interrupted first run
-    never leaves a half-written model behind.
+    never leaves a half-written model behind. A cached demo whose ``config.json`` is not
+    today's tiny config (made by an older ds4mlx) is made anew: the demo is what this
+    version's tests and docs describe.
     """
+    import json
     import shutil
     import tempfile
 
-    from ds4mlx.model.tiny import make_tiny
+    from ds4mlx.model.tiny import make_tiny, tiny_config
 
     path = path or demo_model_dir()
-    if (path / "config.json").is_file():
-        return path
+    try:
+        if json.loads((path / "config.json").read_text()) == tiny_config():
+            return path
+    except (OSError, ValueError):
+        pass  # absent or unreadable: made below
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=path.parent))
     try:
         make_tiny(tmp, **DEMO_TINY_KWARGS)
+        if path.exists():
+            # Renamed aside first: os.replace cannot replace a non-empty directory.
+            old = Path(tempfile.mkdtemp(prefix=".demo-old-", dir=path.parent))
+            try:
+                os.replace(path, old / "demo")
+            except OSError:
+                pass  # another process moved it first
+            shutil.rmtree(old, ignore_errors=True)
         try:
             os.replace(tmp, path)
         except OSError:
