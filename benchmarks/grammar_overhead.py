@@ -1,6 +1,6 @@
 """Cost of grammar-constrained decoding (issue 24): mask ms/token and tok/s vs unconstrained.
 
-Model: the tiny config in Flash's layout at Flash depth (43 layers, as
+Model: the tiny config in Flash's layout at Flash depth (43 layers, 20 Sinkhorn iterations, as
 ``benchmarks/decode_graph.py`` builds it), seeded random float32 weights, the real
 DeepSeek V4 tokenizer (vocab 129280). The constrained turn samples a JSON array of
 small objects (``{"cmd": string ≤ 8 chars, "n": integer ≤ 999}``, no ``maxItems``), so
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    cfg = tiny_config(LAYERS)
+    cfg = tiny_config(LAYERS, sinkhorn_iters=20)  # Flash's count, as its decode step pays
     model = random_model(cfg)
     tok = Tokenizer.load()
     with tempfile.TemporaryDirectory() as d:
