@@ -59,6 +59,17 @@ def _ring(argv: list[str]) -> list[str]:
     ]
 
 
+def under_launcher(server):
+    """``server`` (a `server_util.Server`, not started) as two ring ranks under
+    ``mlx.launch``: in its own session, so the ranks are found and killed as one group,
+    and with an open stdin pipe nobody writes, as a terminal's would be (the launcher's
+    main loop spins on a stdin at end of file, such as ``/dev/null``)."""
+    server.cmd = _ring(server.cmd)
+    server.start_new_session = True
+    server.stdin = subprocess.PIPE
+    return server
+
+
 def _launch(
     model_dir: Path, out: Path, split: str | None, timeout: float = 600, extra: tuple = ()
 ) -> str:
@@ -73,18 +84,25 @@ def _launched(argv: list[str], timeout: float = 600) -> str:
     launcher's whole output. No rank may exit non-zero."""
     cmd = _ring(argv)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SCRIPT.parents[1]), *sys.path]))
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
+    # stdin: a pipe held open and never written (see `under_launcher`).
+    stdin, held = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+    finally:
+        os.close(stdin)
     try:
         log, _ = proc.communicate(timeout=timeout)
     finally:
         kill_group(proc)
+        os.close(held)
     assert "exited with code" not in log, log[-3000:]
     return log
 

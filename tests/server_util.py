@@ -120,6 +120,8 @@ class Server:
         self._log = None
         # True: the server (and whatever it starts) gets its own session / process group.
         self.start_new_session = False
+        # The server's stdin (None: this process's; `subprocess.PIPE`: a pipe left open).
+        self.stdin = None
         self._interrupted = False
 
     def start(self, timeout: float = 90.0) -> Server:
@@ -131,6 +133,7 @@ class Server:
         self._interrupted = False
         self.proc = subprocess.Popen(
             self.cmd,
+            stdin=self.stdin,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=self.env,
@@ -193,6 +196,8 @@ class Server:
                 raise
         if self._log:
             self._log.close()
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
         if self._tmp_kv is not None:
             shutil.rmtree(self._tmp_kv, ignore_errors=True)
         return self.proc.returncode

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from ds4mlx.engine.pipeline import PipelineError, split_layers
-from tests.dist_util import CHUNK, N_PROMPT, _launch, _launched, _ring, kill_group
+from tests.dist_util import CHUNK, N_PROMPT, _launch, _launched, kill_group, under_launcher
 
 
 def _reference(model_dir: Path) -> dict[str, np.ndarray]:
@@ -435,8 +435,7 @@ def test_a_rank_that_does_not_fit_its_memory_stops_every_rank(tiny_f32_dir):
     limit = (need[0] + need[1]) // 2
     extra = ["--distributed", "pipeline", "--pipeline-split", "1", "--sessions", str(sessions)]
     server = Server(tiny_f32_dir, ctx=ctx, extra=[*extra, "--memory-limit", str(limit)])
-    server.cmd = _ring(server.cmd)
-    server.start_new_session = True
+    under_launcher(server)
     try:
         with pytest.raises(RuntimeError, match="server exited") as e:
             server.start(timeout=300)
