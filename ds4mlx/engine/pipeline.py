@@ -570,7 +570,8 @@ def fill_launcher_stdin() -> None:
     ``mlx.launch`` gives each rank a stdin pipe and one I/O thread per rank that
     ``select()``s it for writing (to forward the launcher's own stdin). An empty pipe is
     always writable, so each thread loops without sleeping: on one 2-core host the
-    launcher took ~0.6 of a core from two co-located ranks. A full pipe is not writable,
+    launcher took a whole core beside two idle co-located ranks (0.6 of one during a
+    bench). A full pipe is not writable,
     and ranks never read stdin. ``/proc/self/fd/0`` opened for writing is a new write end
     of the same pipe (Linux only; on macOS ``/dev/fd/0`` duplicates the read end), with
     its own non-blocking flag. Remote ranks sit behind ``ssh``, which drains the
