@@ -476,6 +476,7 @@ def start_compile(
     calls: bool,
     required: bool,
     tool_name: str | None,
+    allowed: frozenset[str] | None = None,
     tokenizer=None,
     param: str = "",
     limit_ms: int = COMPILE_MS,
@@ -493,6 +494,8 @@ def start_compile(
     Args:
         tools: the tools offered to the model (``tool_choice: none`` offers none).
         calls / required / tool_name: the request's tool choice (``TurnSpec`` fields).
+        allowed: the names of the tools that may be called (OpenAI's ``allowed_tools``),
+            or None for any of ``tools``.
         tokenizer: the ``ds4mlx.tokenizer.Tokenizer`` for the full check (the compiled
             matcher is then kept in the ``Grammar`` for the turn), or None.
         param: the wire field to name when the combined grammar fails.
@@ -511,7 +514,7 @@ def start_compile(
         t0 = time.monotonic()
         log.info("grammar compile start param=%s", stage[0])
         try:
-            return _compile(c, tools, calls, required, tool_name, llt, param, stage)
+            return _compile(c, tools, (calls, required, tool_name, allowed), llt, param, stage)
         finally:
             ms = (time.monotonic() - t0) * 1000
             log.info("grammar compile end param=%s ms=%.0f", stage[0], ms)
@@ -519,8 +522,10 @@ def start_compile(
     return CompileTicket(_compile_pool().submit(run), limit_ms, stage, started)
 
 
-def _compile(c, tools, calls, required, tool_name, llt, param, stage) -> Grammar | None:
-    """`start_compile`'s work (on its thread; ``llt``: the llguidance tokenizer)."""
+def _compile(c, tools, choice, llt, param, stage) -> Grammar | None:
+    """`start_compile`'s work (on its thread; ``choice``: its ``(calls, required,
+    tool_name, allowed)``; ``llt``: the llguidance tokenizer)."""
+    calls, required, tool_name, allowed = choice
     by_name = {t.name: t for t in tools}
     _check_parts(c, by_name, stage, llt)
     stage[0] = param if c.tools else c.schema_param or param
@@ -533,6 +538,7 @@ def _compile(c, tools, calls, required, tool_name, llt, param, stage) -> Grammar
             calls=calls,
             required=required,
             tool_name=tool_name,
+            allowed=allowed,
             parallel=c.parallel,
             tokenizer=llt,
         )

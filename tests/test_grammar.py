@@ -270,6 +270,27 @@ def test_parallel_false_one_call(engine, llt):
     assert m.validate_tokens(close) == len(close)
 
 
+def test_allowed_tools_grammar_calls_only_the_listed_tools(engine, llt):
+    """``allowed``: plain (non-strict) tools, all rendered, only the listed ones callable
+    (OpenAI's ``allowed_tools``): the grammar accepts a call of ``Read`` and refuses
+    ``Bash``'s name; sampled under it with a call required, every call is ``Read``;
+    without a list and without strict tools there is nothing to constrain."""
+    assert turn_grammar(TOOLS, {}, required=True, tokenizer=llt) is None
+    g = turn_grammar(TOOLS, {}, required=True, allowed=frozenset({"Read"}), tokenizer=llt)
+    opener = '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="'
+    m = llguidance.LLMatcher(llt, g.source, log_level=0)
+    assert m.consume_tokens(engine.tokenizer.encode(opener))
+    for name, ok in (("Read", True), ("Bash", False)):
+        ids = engine.tokenizer.encode(f'{name}">')
+        assert (m.validate_tokens(ids) == len(ids)) is ok, name
+    names = []
+    for seed in range(3):
+        spec = _spec(seed, g, max_tokens=60, tools=TOOLS, tool_required=True)
+        r, _, _ = _run(engine, CHAT, spec)
+        names += [c.name for c in r.tool_calls]
+    assert names and set(names) == {"Read"}, names
+
+
 @pytest.mark.parametrize(
     "schema, path, word",
     [

@@ -205,6 +205,41 @@ def test_strict_tool_calls(client, path):
         jsonschema.validate(args, BASH)
 
 
+def _plain(name: str) -> dict[str, Any]:
+    schema = {"type": "object", "properties": {"q": {"type": "string", "maxLength": 4}}}
+    return {"type": "function", "function": {"name": name, "parameters": schema}}
+
+
+@pytest.mark.parametrize("path", [CHAT, RESP])
+def test_allowed_tools_keep_the_prompt_and_limit_the_calls(client, path):
+    """``tool_choice: {"type": "allowed_tools", "mode": "required", …}`` over plain
+    (non-strict) tools: the prompt is the one every tool renders (the same prompt
+    tokens as ``tool_choice: required``: the client changes the list and keeps its
+    prompt cache) and every sampled call names a listed tool."""
+    tools = [_plain(n) for n in ("alpha", "beta", "gamma")]
+    if path == RESP:
+        tools = [{"type": "function", **t["function"]} for t in tools]
+        listed = [{"type": "function", "name": "gamma"}]
+        choice = {"type": "allowed_tools", "mode": "required", "tools": listed}
+    else:
+        listed = [{"type": "function", "function": {"name": "gamma"}}]
+        choice = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": listed}}
+    prompt_key = "prompt_tokens" if path == CHAT else "input_tokens"
+    counts, names = [], []
+    for seed, tool_choice in ((1, "required"), (1, choice), (2, choice)):
+        body = _body(path, thinking=False, seed=seed, max_tokens=60, tools=tools)
+        r = client.post(path, json={**body, "tool_choice": tool_choice})
+        assert r.status_code == 200, r.text
+        d = r.json()
+        counts.append(d["usage"][prompt_key])
+        if tool_choice is choice and path == CHAT:
+            names += [c["function"]["name"] for c in d["choices"][0]["message"]["tool_calls"]]
+        elif tool_choice is choice:
+            names += [o["name"] for o in d["output"] if o["type"] == "function_call"]
+    assert counts[0] == counts[1] == counts[2], counts
+    assert names and set(names) == {"gamma"}, names
+
+
 PATCH_LARK = r"""
 start: begin_patch add_hunk end_patch
 begin_patch: "*** Begin Patch" LF

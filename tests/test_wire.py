@@ -515,10 +515,13 @@ def _fn(name: str) -> dict:
     return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
 
 
-def test_allowed_tools_offers_only_the_allowed_subset():
-    """``tool_choice: {"type": "allowed_tools", …}`` limits the calls to its list: only
-    those tools are offered (its list used to be ignored, and the model could call any
-    tool the request carried)."""
+def test_allowed_tools_keeps_every_tool_and_names_the_callable_ones():
+    """``tool_choice: {"type": "allowed_tools", …}`` limits the calls to its list (its
+    list used to be ignored, and the model could call any tool the request carried),
+    while every tool stays in the conversation: the rendered prompt is the same whatever
+    the list, so changing the list keeps the prompt cache (OpenAI's reason for the
+    field; offering only the listed tools made each change a cache miss). The reply's
+    grammar enforces the list (`test_structured_outputs.py`)."""
     base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     chat = {
         **base,
@@ -532,7 +535,11 @@ def test_allowed_tools_offers_only_the_allowed_subset():
         },
     }
     conv = chat_conv(chat)
-    assert [t.name for t in conv.tools] == ["b"] and conv.tool_required
+    assert [t.name for t in conv.tools] == ["a", "b"] and conv.tool_required
+    assert conv.allowed_tools == {"b"}
+    auto = chat_conv({**chat, "tool_choice": "required"})
+    assert auto.allowed_tools is None
+    assert render_prompt(conv) == render_prompt(auto)
     resp = {
         "model": "m",
         "input": "hi",
@@ -547,7 +554,8 @@ def test_allowed_tools_offers_only_the_allowed_subset():
         },
     }
     conv = responses_conv(resp)
-    assert [t.name for t in conv.tools] == ["ap"] and not conv.tool_required
+    assert [t.name for t in conv.tools] == ["fn", "ap"] and not conv.tool_required
+    assert conv.allowed_tools == {"ap"}
     # A name that is not offered, or no list, is a 400 naming tool_choice.
     bad = {
         **resp,
@@ -560,5 +568,7 @@ def test_allowed_tools_offers_only_the_allowed_subset():
     with pytest.raises(WireError, match="zz") as e:
         responses_conv(bad)
     assert e.value.param.startswith("tool_choice")
-    with pytest.raises(WireError, match="tools"):
-        responses_conv({**resp, "tool_choice": {"type": "allowed_tools", "mode": "auto"}})
+    for missing in ({}, {"tools": []}):
+        with pytest.raises(WireError, match="tools"):
+            choice = {"type": "allowed_tools", "mode": "auto", **missing}
+            responses_conv({**resp, "tool_choice": choice})

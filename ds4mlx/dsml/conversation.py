@@ -95,6 +95,10 @@ class Conversation:
     allows no parallel calls (``parallel_tool_calls: false``, Anthropic's
     ``disable_parallel_tool_use``): the turn ends after the first closed invoke (the
     generation loop closes the block itself); it does not change the rendered prompt.
+    ``allowed_tools``: the names of the tools the client lets the model call (OpenAI's
+    ``tool_choice: {"type": "allowed_tools"}``), or None for any; every tool still
+    renders, so the prompt stays a stable prefix, and the reply's grammar keeps the
+    calls to these.
 
     ``loaded_tools``: tools a tool search the client ran loaded during the conversation
     (Responses ``tool_search_output``): their schemas render inside that search's tool
@@ -127,3 +131,4 @@ class Conversation:
     open_reply: bool = False
     # Last: fields are also given by position (messages, tools, thinking, …).
     loaded_tools: list[ToolSpec] = field(default_factory=list)
+    allowed_tools: frozenset[str] | None = None

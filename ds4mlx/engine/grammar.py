@@ -512,6 +512,7 @@ def turn_grammar(
     calls: bool = True,
     required: bool = False,
     tool_name: str | None = None,
+    allowed: frozenset[str] | None = None,
     parallel: bool = True,
     tokenizer=None,
 ) -> Grammar | None:
@@ -527,16 +528,20 @@ def turn_grammar(
         calls: False (``tool_choice: none``): no tool-call block.
         required: the reply is a tool-call block only (``tool_choice`` required/named).
         tool_name: with ``required``, the only tool that may be called.
+        allowed: the names of the tools that may be called (all rendered, only these
+            callable), or None for any offered tool.
         parallel: False: exactly one call in the block.
         tokenizer: an `llguidance.LLTokenizer` for the full check, or None.
     Returns:
         The `Grammar`, or None when nothing needs constraining (no schema, no strict
-        or custom tool).
+        or custom tool, no ``allowed`` list).
     Raises:
         GrammarError: a tool schema or custom grammar that does not compile.
     """
     json_text = text_json or text_schema is not None
-    constrained = any(r.strict or r.syntax for r in rules.values())
+    constrained = allowed is not None or any(r.strict or r.syntax for r in rules.values())
+    if allowed is not None:
+        tools = [t for t in tools if t.name in allowed]
     if not json_text and not (calls and tools and constrained):
         return None
     b = _Builder()

@@ -224,36 +224,38 @@ def checked_choice(
     return required, name
 
 
-def allowed_tools(
+def allowed_names(
     choice: str | dict[str, Any] | None, tools: list[ToolSpec], entries_of
-) -> list[ToolSpec]:
-    """The tools to offer under an OpenAI ``tool_choice``: ``tools``, or for
-    ``{"type": "allowed_tools", …}`` only those its list names (``entries_of(choice)``
-    reads the list where the protocol keeps it; an entry names its tool at ``name`` or
-    ``function.name``), in the order of ``tools``. Offering only them keeps the model
-    from calling the others, which the client has ruled out.
+) -> frozenset[str] | None:
+    """The names of the tools an OpenAI ``tool_choice`` lets the model call: None (any
+    of ``tools``), or for ``{"type": "allowed_tools", …}`` those its list names
+    (``entries_of(choice)`` reads the list where the protocol keeps it; an entry names
+    its tool at ``name`` or ``function.name``). Every tool is still rendered, so the
+    prompt (and its cache) stays the same whatever the list, which is what the field is
+    for; the reply's grammar keeps the calls to the list (``Conversation.allowed_tools``).
 
     Raises:
-        WireError: the list is missing or not a list, or names a tool not in ``tools``
-            (param ``tool_choice``).
+        WireError: the list is missing, not a list, empty, or names a tool not in
+            ``tools`` (param ``tool_choice``).
     """
     if not isinstance(choice, dict) or choice.get("type") != "allowed_tools":
-        return tools
+        return None
     entries = entries_of(choice)
-    if not isinstance(entries, list):
+    if not isinstance(entries, list) or not entries:
         raise WireError("tool_choice: allowed_tools needs its list of tools", "tool_choice")
+    offered = {t.name for t in tools}
     names = set()
     for e in entries:
         e = e if isinstance(e, dict) else {}
         fn = e.get("function")
         name = e.get("name") or (fn.get("name") if isinstance(fn, dict) else None)
-        if not isinstance(name, str) or name not in {t.name for t in tools}:
+        if not isinstance(name, str) or name not in offered:
             raise WireError(
                 f"tool_choice: allowed_tools names {name!r}, which is not in tools",
                 "tool_choice",
             )
         names.add(name)
-    return [t for t in tools if t.name in names]
+    return frozenset(names)
 
 
 def openai_tool_choice(

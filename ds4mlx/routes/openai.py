@@ -54,7 +54,7 @@ from ds4mlx.routes.common import (
 from ds4mlx.routes.errors import APIError, Wording, failed_to_api, openai_error
 from ds4mlx.routes.mapping import (
     WireError,
-    allowed_tools,
+    allowed_names,
     effort_to_reasoning,
     empty_schema,
     hoisted_system,
@@ -312,7 +312,8 @@ def to_conversation(req: ChatRequest, *, default_thinking: bool = True) -> Conve
         else:  # tool, function
             tool_id = m.tool_call_id or m.name
             msgs.append(Message(role="tool", tool_call_id=tool_id, content=parts_text(m.content)))
-    tools = allowed_tools(req.tool_choice, _tools(req), lambda c: _allowed(c, "tools"))
+    tools = _tools(req)
+    allowed = allowed_names(req.tool_choice, tools, lambda c: _allowed(c, "tools"))
     thinking, effort = chat_thinking(req, default_thinking)
     required, name = openai_tool_choice(
         req.tool_choice,
@@ -332,6 +333,7 @@ def to_conversation(req: ChatRequest, *, default_thinking: bool = True) -> Conve
         tool_none=req.tool_choice == "none",
         single_call=req.parallel_tool_calls is False,
         open_reply=True,
+        allowed_tools=allowed,
     )
 
 

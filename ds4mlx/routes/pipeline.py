@@ -173,7 +173,8 @@ def constrain(
     put: Callable[[Grammar | None], None],
 ) -> None:
     """Compile the engine grammar enforcing ``constraint`` on ``conv``'s reply (None: a
-    raw completion, no tools) and hand it to ``put`` (nothing for no constraint).
+    raw completion, no tools) and hand it to ``put`` (nothing for no constraint, unless
+    ``conv.allowed_tools`` limits the calls: its grammar is then the only constraint).
 
     The compile runs on the bounded compile threads (``ds4mlx.jobs.COMPILE_THREADS``),
     never on the request-parsing pool: under `offload` it is awaited on the event loop
@@ -187,6 +188,11 @@ def constrain(
             ``grammar_compilers_busy`` when no compile thread came free within the
             limit (retry). Nothing is queued either way.
     """
+    allowed = conv.allowed_tools if conv else None
+    if constraint is None and allowed is not None:
+        # Every tool is rendered (a stable prompt): only the grammar keeps the calls to
+        # the client's list.
+        constraint = OutputConstraint(parallel=not conv.single_call)
     if constraint is None:
         return
     st = state()
@@ -196,6 +202,7 @@ def constrain(
         calls=conv is not None and not conv.tool_none,
         required=conv is not None and conv.tool_required,
         tool_name=conv.tool_name if conv else None,
+        allowed=allowed,
         tokenizer=st.tokenizer,
         param="tools",
         limit_ms=st.config.grammar_compile_ms,

@@ -82,7 +82,7 @@ from ds4mlx.routes.common import (
 from ds4mlx.routes.errors import APIError, Wording, failed_to_api
 from ds4mlx.routes.mapping import (
     WireError,
-    allowed_tools,
+    allowed_names,
     effort_to_reasoning,
     empty_schema,
     hoisted_system,
@@ -611,7 +611,7 @@ def to_conversation(
     if forced is not None:
         thinking = forced
     tools = [] if req.tool_choice == "none" else tool_specs(req.tools)
-    tools = allowed_tools(req.tool_choice, tools, lambda c: c.get("tools"))
+    allowed = allowed_names(req.tool_choice, tools, lambda c: c.get("tools"))
     required, name = openai_tool_choice(
         req.tool_choice,
         tools,
@@ -631,6 +631,7 @@ def to_conversation(
         tool_none=req.tool_choice == "none",
         single_call=req.parallel_tool_calls is False,
         open_reply=True,
+        allowed_tools=allowed,
     )
 
 
