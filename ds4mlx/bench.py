@@ -581,16 +581,23 @@ class Hop:
 
 @dataclass
 class PairedFrontier:
-    """One frontier of `paired_rounds`: per run (``split``, ``single``) the medians over
-    ``rounds`` of the interval's prefill rate (tokens/s) and the decode time per token
-    (ms, pipelined), each round timing both runs back to back."""
+    """One frontier of `paired_rounds`: per run, split then single, each round's prefill
+    rate of the interval (tokens/s) and decode time per token (ms, pipelined), each
+    round having timed both runs back to back; the goal check reads their medians."""
 
     frontier: int
-    rounds: int
-    split_prefill_tok_s: float
-    single_prefill_tok_s: float
-    split_decode_ms: float
-    single_decode_ms: float
+    split_prefill_tok_s: list[float]
+    single_prefill_tok_s: list[float]
+    split_decode_ms: list[float]
+    single_decode_ms: list[float]
+
+    @property
+    def rounds(self) -> int:
+        return len(self.split_decode_ms)
+
+    @staticmethod
+    def median(values: list[float]) -> float:
+        return float(np.median(values))
 
 
 def paired_rounds(
@@ -645,9 +652,7 @@ def paired_rounds(
         for s, end in zip(sessions, ends, strict=True):
             s.restore(end)  # the next frontier starts from this one's prefill
         del bases, ends
-        p_med = [float(np.median(x)) for x in prefill]
-        d_med = [float(np.median(x)) for x in decode]
-        out.append(PairedFrontier(f, rounds, p_med[0], p_med[1], d_med[0], d_med[1]))
+        out.append(PairedFrontier(f, prefill[0], prefill[1], decode[0], decode[1]))
         prev = f
     return out
 
@@ -776,13 +781,18 @@ def distributed_report(figs: DistributedFigures) -> list[str]:
         lines.append("no 1-rank figures: rerun with --compare")
         return lines
     hop15 = 1.5 * figs.hop.median_ms
+
+    def each(values: list[float]) -> str:
+        return " ".join(f"{v:.2f}" for v in values)
+
     for p in figs.paired:
-        x, y = p.split_decode_ms, p.single_decode_ms
-        a, b = p.split_prefill_tok_s, p.single_prefill_tok_s
+        x, y = p.median(p.split_decode_ms), p.median(p.single_decode_ms)
+        a, b = p.median(p.split_prefill_tok_s), p.median(p.single_prefill_tok_s)
         lines += [
             f"{p.frontier:>7} tokens, medians of {p.rounds} interleaved rounds: {w} ranks "
             f"prefill {a:.1f} tok/s, decode {x:.2f} ms per token; 1 rank prefill {b:.1f} "
-            f"tok/s, decode {y:.2f} ms per token",
+            f"tok/s, decode {y:.2f} ms per token (per round, ms: {w} ranks "
+            f"{each(p.split_decode_ms)}; 1 rank {each(p.single_decode_ms)})",
             f"{p.frontier:>7} tokens: {w}-rank decode per token {x:.2f} ms <= 1-rank {y:.2f} ms"
             f" + 1.5 hops {hop15:.2f} ms: {'holds' if x <= y + hop15 else 'misses'}",
             f"{p.frontier:>7} tokens: prefill {a:.1f} tok/s >= 0.8x 1-rank {b:.1f} tok/s: "

@@ -194,18 +194,25 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.kill()
                 raise
-        if self._log:
-            self._log.close()
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        if self._tmp_kv is not None:
-            shutil.rmtree(self._tmp_kv, ignore_errors=True)
+        self._release()
         return self.proc.returncode
 
     def kill(self) -> None:
+        """SIGKILL the server (if it still runs) and release what `stop` releases."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        self._release()
+
+    def _release(self) -> None:
+        """Close the log and stdin handles and remove the temporary disk-cache folder
+        (idempotent; the log file itself stays for `log`)."""
+        if self._log:
+            self._log.close()
+        if self.proc is not None and self.proc.stdin is not None:
+            self.proc.stdin.close()
+        if self._tmp_kv is not None:
+            shutil.rmtree(self._tmp_kv, ignore_errors=True)
 
     def script(self, *texts: str) -> None:
         """Queue scripted continuations: the next jobs decode these texts, in order."""

@@ -180,9 +180,9 @@ def test_bench_times_each_prefill_repeatedly_and_reports_the_median(tiny_f32_dir
 
 
 def test_paired_rounds_time_both_engines_per_frontier(tiny_f32_dir):
-    """`paired_rounds` (``bench --distributed … --compare``): per frontier, medians over R
-    interleaved rounds of both engines' interval prefill rate and decode time per token,
-    all positive; R < 1 is refused. Two one-process engines stand in for split and
+    """`paired_rounds` (``bench --distributed … --compare``): per frontier, R interleaved
+    rounds of both engines' interval prefill rate and decode time per token, all
+    positive; R < 1 is refused. Two one-process engines stand in for split and
     unsplit here (the 2-rank run is `test_distributed.py`'s)."""
     import pytest
 
@@ -192,8 +192,8 @@ def test_paired_rounds_time_both_engines_per_frontier(tiny_f32_dir):
     out = paired_rounds(a, b, (24, 56), decode_tokens=2, chunk_size=16, seed=3, rounds=3)
     assert [(p.frontier, p.rounds) for p in out] == [(24, 3), (56, 3)]
     for p in out:
-        figures = (p.split_prefill_tok_s, p.single_prefill_tok_s)
-        figures += (p.split_decode_ms, p.single_decode_ms)
-        assert all(math.isfinite(v) and v > 0 for v in figures), p
+        figures = p.split_prefill_tok_s + p.single_prefill_tok_s
+        figures += p.split_decode_ms + p.single_decode_ms
+        assert len(figures) == 4 * 3 and all(math.isfinite(v) and v > 0 for v in figures), p
     with pytest.raises(ValueError, match="rounds"):
         paired_rounds(a, b, (24,), decode_tokens=1, chunk_size=16, seed=0, rounds=0)

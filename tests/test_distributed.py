@@ -139,7 +139,7 @@ def test_bench_under_two_ranks_prints_the_hop_collectives_and_the_goal_check(tin
         rates = re.findall(
             rf"{f} tokens, medians of 2 interleaved rounds: 2 ranks prefill {_FIGURE} tok/s, "
             rf"decode {_FIGURE} ms per token; 1 rank prefill {_FIGURE} tok/s, decode "
-            rf"{_FIGURE} ms per token",
+            rf"{_FIGURE} ms per token \(per round, ms: 2 ranks [\d. ]+; 1 rank [\d. ]+\)",
             log,
         )
         assert len(rates) == 1 and all(float(v) > 0 for v in rates[0]), log[-3000:]
@@ -169,10 +169,11 @@ def test_the_goal_check_compares_each_frontier_with_the_one_rank_run():
     figs = DistributedFigures("tensor", 2, hop, hop, {"all_sum": 10}, [("window", {"all_sum": 2})])
     # 1 rank: prefill 1000 tok/s, 10 ms per decoded token.
     cases = [
-        (PairedFrontier(64, 3, 800.0, 1000.0, 13.0, 10.0),
+        (PairedFrontier(64, [800.0, 1.0, 900.0], [1000.0] * 3, [13.0, 99.0, 1.0], [10.0] * 3),
          ["13.00 ms <= 1-rank 10.00 ms + 1.5 hops 3.00 ms: holds",
           "prefill 800.0 tok/s >= 0.8x 1-rank 1000.0 tok/s: holds"]),
-        (PairedFrontier(64, 3, 799.0, 1000.0, 13.5, 10.0), [": misses", ": misses"]),
+        (PairedFrontier(64, [799.0] * 3, [1000.0] * 3, [13.5] * 3, [10.0] * 3),
+         [": misses", ": misses"]),
     ]  # fmt: skip
     for paired, wanted in cases:
         lines = distributed_report(replace(figs, paired=[paired]))
@@ -181,6 +182,10 @@ def test_the_goal_check_compares_each_frontier_with_the_one_rank_run():
             "total 10 all_sum"
         )
         assert lines[-3].startswith("     64 tokens, medians of 3 interleaved rounds: 2 ranks")
+        assert lines[-3].endswith(
+            f"(per round, ms: 2 ranks {' '.join(f'{v:.2f}' for v in paired.split_decode_ms)};"
+            " 1 rank 10.00 10.00 10.00)"
+        )
         assert lines[-2].endswith(wanted[0]) and lines[-1].endswith(wanted[1]), lines
     assert distributed_report(figs)[-1] == "no 1-rank figures: rerun with --compare"
 
