@@ -838,7 +838,9 @@ CTX_HELP = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argtypes.OneLineParser(prog="ds4mlx", description=__doc__.splitlines()[0])
+    parser = argtypes.OneLineParser(
+        prog="ds4mlx", description=" ".join(__doc__.split("\n\n")[0].split())
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 

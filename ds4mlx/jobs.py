@@ -219,6 +219,8 @@ class GenRequest:
             ``ds4mlx.routes.common.helper_agent``): it never takes a conversation's state.
         logit_bias: ``(token id, offset)`` pairs added to the logits of every sampled
             step (``ds4mlx.engine.bias.LogitBias``); ``()``: none.
+        presence_penalty / frequency_penalty: OpenAI's penalties on the reply's own
+            tokens (``ds4mlx.engine.bias.Penalties``); 0: none.
     """
 
     path: str
@@ -231,6 +233,8 @@ class GenRequest:
     salt: str = ""
     side: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def set_grammar(self, grammar: Grammar | None) -> None:
         """Give the turn its compiled grammar (a route compiles it after building the

@@ -133,6 +133,25 @@ def test_a_foreign_or_null_origin_gets_403_on_the_websocket_upgrade(server):
         assert status == 403 and b"origin_not_allowed" in data, data
 
 
+def test_a_second_origin_or_host_header_is_refused(server):
+    """Each check reads one value: a request carrying ``Origin`` (or ``Host``) twice was
+    judged by its first, so a loopback one let a foreign one through. Now a 400 naming
+    the header, in either order, on HTTP and on the WebSocket upgrade; a second Host
+    never reaches a route."""
+    evil, local = "http://evil.example", "http://localhost"
+    url = server.url + "/v1/chat/completions"
+    for first, second in ((local, evil), (evil, local), (local, local)):
+        h = [("Origin", first), ("Origin", second), ("Content-Type", "application/json")]
+        r = HTTP.post(url, content=json.dumps(CHAT), headers=h, timeout=60)
+        body = assert_shaped(r, "/v1/chat/completions", 400, "duplicate_header")
+        assert body["error"]["param"] == "Origin", body
+    status, data = ws_upgrade(server.port, {"Origin": local, "origin": evil})
+    assert status == 400 and b"duplicate_header" in data, data
+    # A second Host (after the loopback one ws_upgrade sends): HTTP/1.1's parser
+    # refuses it before any route, as it should.
+    assert ws_upgrade(server.port, {"host": "evil.example"})[0] == 400
+
+
 def test_loopback_origins_are_answered_on_http_and_the_websocket(server):
     origins = (
         "http://localhost:3000",

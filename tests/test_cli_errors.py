@@ -151,6 +151,13 @@ def test_serve_help_shows_the_defaults(env):
     assert "Set one when --host is not loopback" in flat and "(the banner warns)" in flat
 
 
+def test_top_level_help_names_every_subcommand(env):
+    """``ds4mlx --help``'s description is the module docstring's whole first paragraph
+    (it was its first line, cut after ``kv,``)."""
+    out = " ".join(_run(env, "--help").stdout.split())
+    assert "serve, agent, generate, bench, convert, tokenize, make-tiny, kv, doctor." in out
+
+
 def test_demo_serves_claude_codes_context(env):
     """``serve --demo`` defaults to 65536 tokens (Claude Code's smallest workable window)."""
     from ds4mlx.model.demo import DEMO_CTX

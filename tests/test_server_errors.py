@@ -290,6 +290,32 @@ def test_logit_bias_out_of_range_is_a_400_naming_the_entry(client, path):
     assert text == want and r.json()["usage"]["completion_tokens"] == 3, (text, want)
 
 
+@pytest.mark.parametrize("path", [CHAT, COMP])
+def test_presence_and_frequency_penalties_are_applied_or_refused(client, path):
+    """OpenAI's ``presence_penalty`` and ``frequency_penalty`` (they were accepted and
+    ignored): outside [-2, 2], NaN or infinite they are a 400 naming the field; within
+    it they change a greedy reply (negative penalties make the tiny model repeat the
+    tokens it produced; the formula itself is `test_turn.py`'s)."""
+    base = {"messages": [{"role": "user", "content": "hi"}]} if path == CHAT else {"prompt": "hi"}
+    base = {**base, "model": "deepseek-chat", "max_tokens": 16, "temperature": 0}
+    for field in ("presence_penalty", "frequency_penalty"):
+        for value in ("2.5", "-2.01", "NaN", "Infinity"):
+            raw = json.dumps(base)[:-1] + f', "{field}": {value}}}'
+            r = client.post(path, content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 400, (field, value, r.text)
+            assert r.json()["error"]["param"] == field, r.text
+
+    def text(**extra) -> str:
+        r = client.post(path, json={**base, **extra})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["message"]["content"] if path == CHAT else choice["text"]
+
+    plain = text()
+    assert text(presence_penalty=0, frequency_penalty=0) == plain
+    assert text(presence_penalty=-2, frequency_penalty=-2) != plain
+
+
 def test_context_length_exceeded_names_the_counts(client):
     r = client.post(CHAT, json={"messages": [{"role": "user", "content": "w " * 3000}]})
     err = r.json()["error"]

@@ -560,3 +560,40 @@ def test_hooks_compose_single_call_steering_and_a_mask(engine, session):
     assert res.finish == "tool_calls" or res.raw.rstrip().endswith("</｜DSML｜tool_calls>")
     assert "</｜DSML｜invoke>" in res.raw and res.raw.count("<｜DSML｜invoke") == 1
     assert calls[-1] == "end" and "mask" in calls
+
+
+def test_presence_and_frequency_penalties_follow_openais_formula(engine, session):
+    """`Penalties` (OpenAI's ``presence_penalty``/``frequency_penalty``): replayed step by
+    step, each greedy token of a raw turn is the argmax of the step's logits less
+    ``count * frequency + presence`` on every token produced so far (OpenAI's formula,
+    computed here in numpy from the tokens alone), for penalties and for negative ones
+    (which favour repetition: the greedy turn, whose tokens are all distinct, then
+    repeats)."""
+    import numpy as np
+
+    from ds4mlx.engine.bias import Penalties
+
+    prompt = _ids(engine, PROMPT + "</think>")
+    spec = TurnSpec(GREEDY, 24, parse=False)
+
+    def turn(hooks=None) -> list[int]:
+        s = engine.new_session()
+        run_turn(s, engine.tokenizer, spec, prefill=prompt, hooks=hooks)
+        return list(s.tokens[len(prompt) :])
+
+    plain = turn()
+    assert len(set(plain)) == len(plain)
+    for presence, frequency in ((1.5, 0.75), (-2.0, -2.0)):
+        penalized = turn(Penalties(presence, frequency))
+        if presence < 0:
+            assert len(set(penalized)) < len(penalized), penalized
+        ref = engine.new_session()
+        ref.prefill(prompt)
+        counts: dict[int, int] = {}
+        for t in penalized:
+            logits = np.array(ref.logits, dtype=np.float64)
+            for tid, n in counts.items():
+                logits[tid] -= n * frequency + presence
+            assert int(np.argmax(logits)) == t
+            counts[t] = counts.get(t, 0) + 1
+            ref.decode(t)

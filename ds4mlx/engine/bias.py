@@ -1,5 +1,7 @@
 """Logit bias (OpenAI's ``logit_bias``): fixed per-token offsets added to the logits of
-every sampled step, as a `TurnHooks` mask."""
+every sampled step; presence and frequency penalties (OpenAI's ``presence_penalty`` and
+``frequency_penalty``): offsets that grow with the reply's own tokens. Both are
+`TurnHooks` masks."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import mlx.core as mx
 
 from ds4mlx.engine.hooks import Turn, TurnHooks
 
-__all__ = ["LogitBias"]
+__all__ = ["LogitBias", "Penalties"]
 
 
 class LogitBias(TurnHooks):
@@ -34,3 +36,37 @@ class LogitBias(TurnHooks):
             values = mx.array(self.values, dtype=logits.dtype)
             self._dense = zeros.at[mx.array(self.ids, dtype=mx.int32)].add(values)
         return logits + self._dense
+
+
+class Penalties(TurnHooks):
+    """OpenAI's presence and frequency penalties: before each sampled step, every token
+    the turn has produced so far has ``count * frequency + presence`` taken off its
+    logit (``count``: how often it came; negative values favour repetition), as in
+    OpenAI's API reference ("Parameter details": ``mu[j] - c[j] * alpha_frequency -
+    float(c[j] > 0) * alpha_presence``). Every token handed to the loop counts
+    (sampled, scripted, forced, verified drafts: the reply's text), reasoning
+    included. Steps inside the protocol's structure (a tool call's DSML, decoded
+    greedily) are left alone: a penalty on markup that must repeat (parameter tags,
+    quotes) would break the call, and the client's wish is about its prose.
+
+    Args:
+        presence: subtracted once from every token seen (OpenAI: -2..2).
+        frequency: subtracted per occurrence (OpenAI: -2..2).
+    """
+
+    def __init__(self, presence: float = 0.0, frequency: float = 0.0):
+        self.presence = float(presence)
+        self.frequency = float(frequency)
+        self.counts: dict[int, int] = {}
+
+    def on_token(self, turn: Turn, token: int) -> None:
+        self.counts[int(token)] = self.counts.get(int(token), 0) + 1
+
+    def mask(self, turn: Turn, logits: mx.array) -> mx.array | None:
+        if not self.counts or (turn.decoder is not None and turn.decoder.in_structure):
+            return None
+        # Sparse: only the reply's own tokens move (tens to thousands of ids, not the
+        # 129,280 of the vocabulary).
+        ids = mx.array(list(self.counts), dtype=mx.int32)
+        offsets = [-(n * self.frequency + self.presence) for n in self.counts.values()]
+        return logits.at[ids].add(mx.array(offsets, dtype=logits.dtype))

@@ -157,11 +157,28 @@ def key_salt(headers: Mapping[str, str]) -> str:
     return hashlib.sha256(b"ds4mlx api key\0" + got.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def check_single(headers: Mapping[str, str]) -> APIError | None:
+    """400 for a request carrying ``Host`` or ``Origin`` more than once: the checks below
+    read one value, and a second one must not slip past them (a browser sends each at
+    most once; HTTP allows one ``Host``, RFC 9112 §3.2)."""
+    getlist = getattr(headers, "getlist", None)  # werkzeug's Headers: every value
+    for name in ("Host", "Origin"):
+        if getlist is not None and len(getlist(name)) > 1:
+            return APIError(
+                400,
+                f"the request carries {name} more than once",
+                param=name,
+                code="duplicate_header",
+            )
+    return None
+
+
 def check_request(path: str, headers: Mapping[str, str], config) -> APIError | None:
     """The checks every HTTP request and WebSocket upgrade passes before its route, in
-    order: Host, Origin, the debug routes' loopback rule. (The API key, the size and the
-    content type follow in the request hook: ``/`` and ``/health`` need no key.)"""
-    err = check_host(headers, config) or check_origin(headers, config)
+    order: one Host and one Origin at most, Host, Origin, the debug routes' loopback
+    rule. (The API key, the size and the content type follow in the request hook: ``/``
+    and ``/health`` need no key.)"""
+    err = check_single(headers) or check_host(headers, config) or check_origin(headers, config)
     if err is None and path.startswith("/debug/"):
         err = check_debug(headers)
     return err

@@ -224,7 +224,15 @@ def _job(raw: bytes, path: str) -> tuple[CompletionRequest, GenRequest, str, lis
         logprobs=req.logprobs,
         cap_is_eos=cap_is_eos,
     )
-    gen = GenRequest(path=path, turn=turn, prompt=text, prompt_tokens=toks, logit_bias=bias)
+    gen = GenRequest(
+        path=path,
+        turn=turn,
+        prompt=text,
+        prompt_tokens=toks,
+        logit_bias=bias,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+    )
     # A constrained reply the demo cap cuts is incomplete, never a natural end: the cap
     # stands in for EOS only where the grammar accepts one (no reasoning here).
     constrain(None, constraints.read(constraints.completion_constraint, req), gen.set_grammar)

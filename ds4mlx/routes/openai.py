@@ -147,6 +147,9 @@ class SamplingFields(OpenModel):
     logit_bias: (
         dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100, le=100)]] | None
     ) = None
+    # OpenAI's penalties on the reply's own tokens (`ds4mlx.engine.bias.Penalties`).
+    presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
 
 
 def logit_bias_of(req: SamplingFields) -> tuple[tuple[int, float], ...]:
@@ -545,6 +548,8 @@ def _job(
         constraint=constraints.read(constraints.chat_constraint, req),
     )
     gen.logit_bias = bias
+    gen.presence_penalty = req.presence_penalty or 0.0
+    gen.frequency_penalty = req.frequency_penalty or 0.0
     return req, conv, gen
 
 

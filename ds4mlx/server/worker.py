@@ -243,9 +243,10 @@ class Worker:
             FINISH_LENGTH,
             ContextOverflowError,
             Steering,
+            chain_hooks,
             run_turn,
         )
-        from ds4mlx.engine.bias import LogitBias
+        from ds4mlx.engine.bias import LogitBias, Penalties
         from ds4mlx.kv.cache import ContextFull, UnknownToolId
 
         req = job.request
@@ -281,7 +282,13 @@ class Worker:
         # Steer and cancel arrive through the job's flags; a cancelled turn is closed at
         # a turn boundary too, so the next request can continue it.
         bias = LogitBias(req.logit_bias) if req.logit_bias else None
-        hooks = Steering(job.steer.is_set, inner=bias, close_cancelled=True)
+        penalties = (
+            Penalties(req.presence_penalty, req.frequency_penalty)
+            if req.presence_penalty or req.frequency_penalty
+            else None
+        )
+        inner = chain_hooks(bias, penalties)
+        hooks = Steering(job.steer.is_set, inner=inner, close_cancelled=True)
         try:
             result = run_turn(
                 s,
