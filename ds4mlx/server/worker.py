@@ -242,11 +242,8 @@ class Worker:
             FINISH_CONTEXT,
             FINISH_LENGTH,
             ContextOverflowError,
-            Steering,
-            chain_hooks,
             run_turn,
         )
-        from ds4mlx.engine.bias import LogitBias, Penalties
         from ds4mlx.kv.cache import ContextFull, UnknownToolId
 
         req = job.request
@@ -279,16 +276,7 @@ class Worker:
         )
         job.emit(JobStarted(plan.prompt_tokens, plan.cached, decision))
         spec = _fitted(req.turn, s.ctx_size - plan.prompt_tokens, script)
-        # Steer and cancel arrive through the job's flags; a cancelled turn is closed at
-        # a turn boundary too, so the next request can continue it.
-        bias = LogitBias(req.logit_bias) if req.logit_bias else None
-        penalties = (
-            Penalties(req.presence_penalty, req.frequency_penalty)
-            if req.presence_penalty or req.frequency_penalty
-            else None
-        )
-        inner = chain_hooks(bias, penalties)
-        hooks = Steering(job.steer.is_set, inner=inner, close_cancelled=True)
+        hooks = _job_hooks(job)
         try:
             result = run_turn(
                 s,
@@ -457,6 +445,21 @@ def _prompt_error(n: int, ctx: int) -> JobFailed:
     if n == 0:
         return JobFailed(Failure.EMPTY_PROMPT)
     return JobFailed(Failure.CONTEXT_FULL, n_prompt_tokens=n, n_ctx=ctx)
+
+
+def _job_hooks(job: Job):
+    """The turn-loop hooks of ``job``: its steer flag around its sampling wishes (logit
+    bias, then presence and frequency penalties)."""
+    from ds4mlx.engine import Steering, chain_hooks
+    from ds4mlx.engine.bias import LogitBias, Penalties
+
+    req = job.request
+    bias = LogitBias(req.logit_bias) if req.logit_bias else None
+    pres, freq = req.presence_penalty, req.frequency_penalty
+    penalties = Penalties(pres, freq) if pres or freq else None
+    # Steer and cancel arrive through the job's flags; a cancelled turn is closed at a
+    # turn boundary too, so the next request can continue it.
+    return Steering(job.steer.is_set, inner=chain_hooks(bias, penalties), close_cancelled=True)
 
 
 def _fitted(spec: TurnSpec, room: int, script: Script | str | None) -> TurnSpec:
