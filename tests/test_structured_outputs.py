@@ -240,6 +240,26 @@ def test_allowed_tools_keep_the_prompt_and_limit_the_calls(client, path):
     assert names and set(names) == {"gamma"}, names
 
 
+@pytest.mark.parametrize("path", [CHAT, MSGS, RESP])
+def test_a_required_call_over_plain_tools_is_always_a_call(client, path):
+    """``tool_choice`` required (Anthropic ``any``) over plain, non-strict tools: the
+    reply is a well-formed call of an offered tool on every seed. The loop only forced
+    the block's opener; what the random model wrote after it was usually no valid
+    invoke, the block was dropped and the reply came back with no call and no text."""
+    names = ("alpha", "beta")
+    tools = [_plain(n) for n in names]
+    if path == RESP:
+        tools = [{"type": "function", **t["function"]} for t in tools]
+    elif path == MSGS:
+        tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+                 for t in tools]  # fmt: skip
+    choice = {"type": "any"} if path == MSGS else "required"
+    for seed in range(3):
+        body = _body(path, thinking=False, seed=seed, max_tokens=120, tools=tools)
+        _, finish, calls = _result(client, path, {**body, "tool_choice": choice}, False)
+        assert calls and {n for n, _ in calls} <= set(names), (seed, finish, calls)
+
+
 PATCH_LARK = r"""
 start: begin_patch add_hunk end_patch
 begin_patch: "*** Begin Patch" LF

@@ -534,12 +534,14 @@ def turn_grammar(
         tokenizer: an `llguidance.LLTokenizer` for the full check, or None.
     Returns:
         The `Grammar`, or None when nothing needs constraining (no schema, no strict
-        or custom tool, no ``allowed`` list).
+        or custom tool, no ``allowed`` list, no required call).
     Raises:
         GrammarError: a tool schema or custom grammar that does not compile.
     """
     json_text = text_json or text_schema is not None
-    constrained = allowed is not None or any(r.strict or r.syntax for r in rules.values())
+    constrained = (
+        required or allowed is not None or any(r.strict or r.syntax for r in rules.values())
+    )
     if allowed is not None:
         tools = [t for t in tools if t.name in allowed]
     if not json_text and not (calls and tools and constrained):

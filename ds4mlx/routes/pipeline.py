@@ -174,7 +174,8 @@ def constrain(
 ) -> None:
     """Compile the engine grammar enforcing ``constraint`` on ``conv``'s reply (None: a
     raw completion, no tools) and hand it to ``put`` (nothing for no constraint, unless
-    ``conv.allowed_tools`` limits the calls: its grammar is then the only constraint).
+    ``conv.allowed_tools`` limits the calls or a call is required: the tool-call grammar
+    is then the only constraint).
 
     The compile runs on the bounded compile threads (``ds4mlx.jobs.COMPILE_THREADS``),
     never on the request-parsing pool: under `offload` it is awaited on the event loop
@@ -189,9 +190,12 @@ def constrain(
             limit (retry). Nothing is queued either way.
     """
     allowed = conv.allowed_tools if conv else None
-    if constraint is None and allowed is not None:
+    required = conv is not None and conv.tool_required and not conv.tool_none
+    if constraint is None and conv is not None and (allowed is not None or required):
         # Every tool is rendered (a stable prompt): only the grammar keeps the calls to
-        # the client's list.
+        # the client's list, and makes a required call a well-formed one (the loop only
+        # forces the block's opener; a block the model then left malformed was dropped
+        # and the reply had no call).
         constraint = OutputConstraint(parallel=not conv.single_call)
     if constraint is None:
         return
