@@ -651,7 +651,6 @@ def paired_rounds(
                 decode[i].append(1e3 * res.decode_s / res.fed if res.fed else float("nan"))
         for s, end in zip(sessions, ends, strict=True):
             s.restore(end)  # the next frontier starts from this one's prefill
-        del bases, ends
         out.append(PairedFrontier(f, prefill[0], prefill[1], decode[0], decode[1]))
         prev = f
     return out

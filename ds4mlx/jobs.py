@@ -518,7 +518,7 @@ def start_compile(
         t0 = time.monotonic()
         log.info("grammar compile start param=%s", stage[0])
         try:
-            return _compile(c, tools, (calls, required, tool_name, allowed), llt, param, stage)
+            return _compile(c, tools, calls, required, tool_name, allowed, llt, param, stage)
         finally:
             ms = (time.monotonic() - t0) * 1000
             log.info("grammar compile end param=%s ms=%.0f", stage[0], ms)
@@ -526,10 +526,8 @@ def start_compile(
     return CompileTicket(_compile_pool().submit(run), limit_ms, stage, started)
 
 
-def _compile(c, tools, choice, llt, param, stage) -> Grammar | None:
-    """`start_compile`'s work (on its thread; ``choice``: its ``(calls, required,
-    tool_name, allowed)``; ``llt``: the llguidance tokenizer)."""
-    calls, required, tool_name, allowed = choice
+def _compile(c, tools, calls, required, tool_name, allowed, llt, param, stage) -> Grammar | None:
+    """`start_compile`'s work (on its thread; ``llt``: the llguidance tokenizer)."""
     by_name = {t.name: t for t in tools}
     _check_parts(c, by_name, stage, llt)
     stage[0] = param if c.tools else c.schema_param or param

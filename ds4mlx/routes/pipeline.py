@@ -204,7 +204,7 @@ def constrain(
         constraint,
         tools=list(conv.tools) if conv else [],
         calls=conv is not None and not conv.tool_none,
-        required=conv is not None and conv.tool_required,
+        required=required,
         tool_name=conv.tool_name if conv else None,
         allowed=allowed,
         tokenizer=st.tokenizer,
