@@ -5,8 +5,6 @@ OpenBLAS must be preloaded at process start for MLX's CPU GEMMs to be usable
 """
 
 import os
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,13 +20,6 @@ from ds4mlx.blas import ensure_openblas, needs_reexec
 # user set is kept. Users' servers keep OpenBLAS's default (a real model's GEMMs gain
 # from every core).
 OPENBLAS_THREADS = os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-
-# Bytecode goes to a folder of its own, mirroring the sources' paths, never into the
-# checkout (`_compile_package`); every process the suite starts inherits it. A value
-# the user set is kept.
-os.environ.setdefault(
-    "PYTHONPYCACHEPREFIX", os.path.join(tempfile.gettempdir(), f"ds4mlx-pycache-{os.getuid()}")
-)
 
 
 def pytest_configure(config):
@@ -52,14 +43,14 @@ def _compile_package() -> None:
     compiled every module from source again: 0.2-0.3 s of CPU per server start
     (py-spy, `source_to_code`). The variable only stops imports from writing; they
     still read bytecode that exists, and `compileall` writes it (atomically, so a
-    process importing meanwhile reads either nothing or a whole file) under
-    ``PYTHONPYCACHEPREFIX`` (set above); up-to-date files are skipped.
+    process importing meanwhile reads either nothing or a whole file) beside the
+    sources, in the git-ignored ``__pycache__`` folders; up-to-date files are skipped.
+    (Not under ``PYTHONPYCACHEPREFIX``: that moves every package's bytecode, and the
+    processes then compiled all of site-packages instead: 36 -> 72 user-s on the CLI
+    and doctor files.)
     """
     import compileall
 
-    # This process started before the prefix was set (the re-exec above sets it at
-    # start-up); its own imports and `compileall` must use the same folder.
-    sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"]
     compileall.compile_dir(Path(__file__).resolve().parents[1] / "ds4mlx", quiet=1)
 
 
