@@ -261,6 +261,126 @@ def test_error_params_point_at_the_real_field(client):
     assert r.json()["error"]["message"] == "request body must be a JSON object, got null"
 
 
+def _fn(name: str) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+
+
+# (path, body, param or None for Anthropic, words the message must hold)
+STRICT_CASES = [
+    # A JSON type is never coerced: `true` is no token count, `"yes"` no boolean, 2.0 no int.
+    (CHAT, {"messages": OK_MSG, "max_tokens": True}, "max_tokens", "valid integer"),
+    (CHAT, {"messages": OK_MSG, "stream": "yes"}, "stream", "valid boolean"),
+    (COMP, {"prompt": "hi", "max_tokens": 2.0}, "max_tokens", "valid integer"),
+    (COMP, {"prompt": "hi", "echo": "no"}, "echo", "valid boolean"),
+    (RESP, {"input": "hi", "max_output_tokens": True}, "max_output_tokens", "valid integer"),
+    (MSGS, {"messages": OK_MSG, "max_tokens": "5"}, None, "max_tokens"),
+    # NaN is no number (Python's parser reads the literal).
+    (CHAT, {"messages": OK_MSG, "temperature": float("nan")}, "temperature", "finite number"),
+    # Effort words outside the protocols' own.
+    (CHAT, {"messages": OK_MSG, "reasoning_effort": "huge"}, "reasoning_effort", "'huge'"),
+    (RESP, {"input": "hi", "reasoning": {"effort": "huge"}}, "reasoning.effort", "'huge'"),
+    (
+        MSGS,
+        {"messages": OK_MSG, "max_tokens": 5, "output_config": {"effort": "huge"}},
+        None,
+        "output_config.effort",
+    ),
+    # Two tools of one name: their calls would be ambiguous.
+    (CHAT, {"messages": OK_MSG, "tools": [_fn("a"), _fn("a")]}, "tools", "named 'a'"),
+    (RESP, {"input": "hi", "tools": [TOOL_RESP, TOOL_RESP]}, "tools", "named 'f'"),
+    (MSGS, {"messages": OK_MSG, "max_tokens": 5, "tools": [TOOL_ANT, TOOL_ANT]}, None, "named 'f'"),
+    # A custom Anthropic tool needs its schema (server tools have a versioned type).
+    (
+        MSGS,
+        {"messages": OK_MSG, "max_tokens": 5, "tools": [{"name": "x"}]},
+        None,
+        "tools[0].input_schema",
+    ),
+    (
+        MSGS,
+        {"messages": OK_MSG, "max_tokens": 5, "thinking": {"type": "enabled", "budget_tokens": -1}},
+        None,
+        "budget_tokens",
+    ),
+    # A tool result without the id of its call.
+    (
+        CHAT,
+        {
+            "messages": [
+                *OK_MSG,
+                {"role": "assistant", "content": "x"},
+                {"role": "tool", "content": "r"},
+            ]
+        },
+        "messages.2.tool_call_id",
+        "tool_call_id: required",
+    ),
+    (
+        CHAT,
+        {
+            "messages": OK_MSG,
+            "tools": [_fn("a")],
+            "tool_choice": {
+                "type": "allowed_tools",
+                "allowed_tools": {"mode": "auto", "tools": [5]},
+            },
+        },
+        "tool_choice",
+        "entry 5 is not a tool object",
+    ),
+    (RESP, {"input": "hi", "truncation": "sometimes"}, "truncation", "'auto' or 'disabled'"),
+    (RESP, {"input": "hi", "include": ["everything"]}, "include.0", "reasoning.encrypted_content"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param", "words"), STRICT_CASES)
+def test_values_of_the_wrong_type_or_outside_the_protocol_are_400s(
+    client, path, body, param, words
+):
+    r = client.post(
+        path, content=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400, (body, r.status_code, r.text[:300])
+    _check_shape(path, r)
+    err = r.json()["error"]
+    assert words in err["message"], err
+    if param is not None:
+        assert err["param"] == param, err
+
+
+def test_the_protocols_own_values_are_accepted(client):
+    ok = [
+        (
+            CHAT,
+            {"messages": OK_MSG, "max_tokens": 2, "reasoning_effort": "XHigh", "temperature": 1},
+        ),
+        (CHAT, {"messages": OK_MSG, "max_tokens": 2, "logit_bias": {"1000": 1}}),
+        (
+            RESP,
+            {
+                "input": "hi",
+                "max_output_tokens": 2,
+                "truncation": "auto",
+                "include": ["reasoning.encrypted_content"],
+                "reasoning": {"effort": "minimal"},
+            },
+        ),
+        (
+            MSGS,
+            {
+                "messages": OK_MSG,
+                "max_tokens": 2,
+                "output_config": {"effort": "max"},
+                "thinking": {"type": "enabled", "budget_tokens": 1024},
+                "tools": [TOOL_ANT, {"type": "web_search_20250305", "name": "web_search"}],
+            },
+        ),
+    ]
+    for path, body in ok:
+        r = client.post(path, json=body)
+        assert r.status_code == 200, (body, r.text[:300])
+
+
 @pytest.mark.parametrize("path", [CHAT, COMP])
 def test_logit_bias_out_of_range_is_a_400_naming_the_entry(client, path):
     """Token ids outside the vocabulary (129280 ids) or negative, and biases outside

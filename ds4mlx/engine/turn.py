@@ -59,6 +59,7 @@ from ds4mlx.engine.sampling import SamplingParams
 from ds4mlx.engine.session import DEFAULT_CHUNK, Session
 from ds4mlx.engine.single_call import SingleCall
 from ds4mlx.engine.speculative import Drafting
+from ds4mlx.engine.thinking_budget import ThinkingBudget
 
 # Finish reasons of a turn (`TurnResult.finish`).
 FINISH_STOP = "stop"  # EOS sampled (or a cap_is_eos cap reached)
@@ -106,6 +107,8 @@ class TurnSpec:
         grammar: an ``ds4mlx.engine.grammar.Grammar`` the reply (after ``</think>``) must
             follow: its mask wraps the turn's hooks (`Grammar.hooks`), or None; it masks
             drafted positions too (each verify row after the accepted tokens before it).
+        thinking_budget: with ``thinking``, the most reasoning tokens before
+            ``</think>`` is fed (`ds4mlx.engine.thinking_budget`), or None (no cap).
     """
 
     sampling: SamplingParams
@@ -126,6 +129,7 @@ class TurnSpec:
     ignore_eos: bool = False
     pipeline: bool = True
     grammar: Any = None
+    thinking_budget: int | None = None
 
 
 class PrefillPlan(Protocol):
@@ -582,7 +586,8 @@ def run_turn(
         chunk_size: prefill tokens per forward pass.
         hooks: the loop's extension points (`TurnHooks`, or several: `chain_hooks`), or
             None; with ``spec.parallel_calls`` False `ds4mlx.engine.single_call.SingleCall`
-            runs first.
+            runs first, then a ``spec.thinking_budget``'s
+            `ds4mlx.engine.thinking_budget.ThinkingBudget`.
     Returns:
         The `TurnResult`; ``finish`` is ``cancelled`` when a prefill was cut short (then
         nothing was sampled, and no hook but ``after_prefill`` ran) or when ``cancel``
@@ -594,7 +599,10 @@ def run_turn(
     """
     emit = emit or (lambda _ev: None)
     single = SingleCall() if spec.parse and not spec.parallel_calls else None
-    hooks = chain_hooks(single, hooks)
+    budget = None
+    if spec.parse and spec.thinking and spec.thinking_budget is not None:
+        budget = ThinkingBudget(spec.thinking_budget)
+    hooks = chain_hooks(single, budget, hooks)
     if spec.grammar is not None:  # its mask around the caller's hooks
         hooks = spec.grammar.hooks(hooks or _NO_HOOKS)
     turn = Turn(session, tokenizer, spec, emit, cancel, tool_memory, hooks)

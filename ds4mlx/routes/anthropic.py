@@ -77,6 +77,7 @@ from ds4mlx.routes.mapping import (
     late_system,
     placeholder,
     system_in_conversation,
+    unique_names,
 )
 from ds4mlx.routes.pipeline import (
     demo_policy,
@@ -237,7 +238,8 @@ class AnthropicTool(OpenModel):
 
 class ThinkingConfig(OpenModel):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = None
+    # Anthropic's floor; a cap on the reasoning (`ds4mlx.engine.thinking_budget`).
+    budget_tokens: int | None = Field(None, ge=1024)
     display: str | None = None
 
 
@@ -369,18 +371,25 @@ def _assistant_turn(
 def _tools(req: CountTokensRequest) -> list[ToolSpec]:
     """The callable tools offered (none with ``tool_choice: none``; server tools such as
     ``web_search_20250305`` have no ``input_schema`` and are not offered)."""
+    for i, t in enumerate(req.tools or []):
+        if t.input_schema is None and t.type in (None, "custom"):
+            raise WireError(
+                f"tools[{i}].input_schema: required for a custom tool", f"tools.{i}.input_schema"
+            )
     if (req.tool_choice or {}).get("type") == "none":
         return []
-    return [
-        ToolSpec(
-            name=t.name,
-            description=t.description or "",
-            parameters=t.input_schema or empty_schema(),
-            background=bool(t.async_),
-        )
-        for t in req.tools or []
-        if t.input_schema is not None
-    ]
+    return unique_names(
+        [
+            ToolSpec(
+                name=t.name,
+                description=t.description or "",
+                parameters=t.input_schema or empty_schema(),
+                background=bool(t.async_),
+            )
+            for t in req.tools or []
+            if t.input_schema is not None
+        ]
+    )
 
 
 def _tool_choice(choice: dict[str, Any] | None, tools: list[ToolSpec]) -> tuple[bool, str | None]:
@@ -457,7 +466,7 @@ def to_conversation(
         msgs[-1].prefix = True
     tools = _tools(req)
     thinking = req.thinking.type != "disabled" if req.thinking else default_thinking
-    _, effort = effort_to_reasoning((req.output_config or {}).get("effort"))
+    _, effort = effort_to_reasoning((req.output_config or {}).get("effort"), "output_config.effort")
     required, name = _tool_choice(req.tool_choice, tools)
     return Conversation(
         messages=hoisted_system(msgs, system_parts),
@@ -717,6 +726,9 @@ def _gen(
         side=side,
         constraint=constraints.read(constraints.anthropic_constraint, req),
         count_only=count_only,
+        thinking_budget=(
+            req.thinking.budget_tokens if req.thinking and req.thinking.type == "enabled" else None
+        ),
     )
 
 

@@ -89,10 +89,13 @@ class OpenModel(BaseModel):
     """Base of every wire schema: unknown fields are kept, not rejected.
 
     Clients send beta and vendor fields (docs/ARCHITECTURE.md §6); only what a route reads is
-    declared and validated.
+    declared and validated, and strictly, as the hosted APIs do: a JSON type is never
+    coerced into another (``"stream": "yes"``, ``"max_tokens": true`` and ``"n": 1.5`` are
+    400s, not a stream, one token and one choice; an integer is still a valid float), and
+    ``NaN``/``Infinity`` (which Python's JSON parser accepts) are no number.
     """
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 async def offload(fn: Callable[..., T], raw: bytes | str, *args: Any) -> T:

@@ -154,16 +154,44 @@ def json_object(text: str | dict[str, Any] | Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"arguments": value}
 
 
-def effort_to_reasoning(effort: str | None) -> tuple[bool | None, str | None]:
+# Every reasoning-effort word the three protocols define (OpenAI's ``reasoning_effort``
+# and ``reasoning.effort``, Anthropic's ``output_config.effort``).
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def unique_names(tools: list[ToolSpec], param: str = "tools") -> list[ToolSpec]:
+    """``tools``, checked to name each tool once: a call names its tool, so two of one
+    name would leave the model's calls (and their results) ambiguous.
+
+    Raises:
+        WireError: a name given twice (``param``).
+    """
+    seen: set[str] = set()
+    for t in tools:
+        if t.name in seen:
+            raise WireError(f"{param}: more than one tool is named {t.name!r}", param)
+        seen.add(t.name)
+    return tools
+
+
+def effort_to_reasoning(
+    effort: str | None, param: str = "reasoning_effort"
+) -> tuple[bool | None, str | None]:
     """Map a client "effort" word onto (thinking override, reasoning_effort).
 
     ``"none"`` turns thinking off; ``"max"`` and ``"xhigh"`` select DeepSeek's
-    Think-Max (``"max"``); every other value keeps the default thinking with no preamble,
-    as DeepSeek's own API maps low/medium/high onto its single "high" level.
+    Think-Max (``"max"``); every other word of `EFFORTS` keeps the default thinking with
+    no preamble, as DeepSeek's own API maps low/medium/high onto its single "high" level.
+
+    Raises:
+        WireError: a word not in `EFFORTS` (any case), or not a string (``param``).
     """
     if effort is None:
         return None, None
-    e = str(effort).lower()
+    e = effort.lower() if isinstance(effort, str) else None
+    if e not in EFFORTS:
+        words = ", ".join(repr(w) for w in EFFORTS)
+        raise WireError(f"{param}: {effort!r} is not one of {words}", param)
     if e == "none":
         return False, None
     if e in ("max", "xhigh"):
@@ -246,7 +274,10 @@ def allowed_names(
     offered = {t.name for t in tools}
     names = set()
     for e in entries:
-        e = e if isinstance(e, dict) else {}
+        if not isinstance(e, dict):
+            raise WireError(
+                f"tool_choice: allowed_tools entry {e!r} is not a tool object", "tool_choice"
+            )
         fn = e.get("function")
         name = e.get("name") or (fn.get("name") if isinstance(fn, dict) else None)
         if not isinstance(name, str) or name not in offered:

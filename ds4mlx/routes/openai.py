@@ -64,6 +64,7 @@ from ds4mlx.routes.mapping import (
     openai_tool_choice,
     parts_text,
     system_in_conversation,
+    unique_names,
 )
 from ds4mlx.routes.pipeline import demo_policy, prepare, respond, sampling_params, stream
 from ds4mlx.routes.sse import sse
@@ -144,12 +145,14 @@ class SamplingFields(OpenModel):
     n: int | None = Field(None, ge=1, le=1)
     # OpenAI's ``logit_bias``: token id (a JSON object key) → a bias in [-100, 100] added
     # to that token's logit; the ids' upper bound (the vocabulary) is `logit_bias_of`'s.
+    # The key is lax: JSON object keys are strings.
     logit_bias: (
-        dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100, le=100)]] | None
+        dict[Annotated[int, Field(ge=0, strict=False)], Annotated[float, Field(ge=-100, le=100)]]
+        | None
     ) = None
     # OpenAI's penalties on the reply's own tokens (`ds4mlx.engine.bias.Penalties`).
-    presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
 
 
 def logit_bias_of(req: SamplingFields) -> tuple[tuple[int, float], ...]:
@@ -274,16 +277,18 @@ def _assistant_turn(m: ChatMessage) -> Message:
 def _tools(req: ChatRequest) -> list[ToolSpec]:
     if req.tool_choice == "none":
         return []
-    return [
-        ToolSpec(
-            name=t.function.name,
-            description=t.function.description or "",
-            parameters=t.function.parameters or empty_schema(),
-            background=bool(t.function.async_),
-        )
-        for t in req.tools or []
-        if t.type == "function"
-    ]
+    return unique_names(
+        [
+            ToolSpec(
+                name=t.function.name,
+                description=t.function.description or "",
+                parameters=t.function.parameters or empty_schema(),
+                background=bool(t.function.async_),
+            )
+            for t in req.tools or []
+            if t.type == "function"
+        ]
+    )
 
 
 def _allowed(choice: dict[str, Any], key: str) -> Any:
@@ -297,12 +302,13 @@ def to_conversation(req: ChatRequest, *, default_thinking: bool = True) -> Conve
     """Map a validated chat request onto a `Conversation`.
 
     Raises:
-        WireError: an invalid ``tool_choice`` (param ``tool_choice…``).
+        WireError: an invalid ``tool_choice`` (param ``tool_choice…``), two tools of one
+            name, an unknown ``reasoning_effort``, a tool message without its call's id.
     """
     system_parts: list[str] = []  # leading system/developer messages: the system prompt
     late: list[str] = []  # later ones: instructions met inside the conversation
     msgs: list[Message] = []
-    for m in req.messages:
+    for i, m in enumerate(req.messages):
         if m.role in ("system", "developer"):
             if msgs:
                 system_in_conversation(msgs, late, parts_text(m.content))
@@ -314,6 +320,12 @@ def to_conversation(req: ChatRequest, *, default_thinking: bool = True) -> Conve
             msgs.append(_assistant_turn(m))
         else:  # tool, function
             tool_id = m.tool_call_id or m.name
+            if not tool_id:
+                what = "tool_call_id" if m.role == "tool" else "name"
+                raise WireError(
+                    f"messages[{i}].{what}: required for a {m.role} message (the call it answers)",
+                    f"messages.{i}.{what}",
+                )
             msgs.append(Message(role="tool", tool_call_id=tool_id, content=parts_text(m.content)))
     tools = _tools(req)
     allowed = allowed_names(req.tool_choice, tools, lambda c: _allowed(c, "tools"))

@@ -103,6 +103,7 @@ def prepare(
     side: bool = False,
     constraint: OutputConstraint | None = None,
     count_only: bool = False,
+    thinking_budget: int | None = None,
 ) -> GenRequest:
     """Render and bound ``conv``; return the job to submit (call off the event loop).
 
@@ -123,6 +124,8 @@ def prepare(
         constraint: structured output / strict or custom tools to enforce (`grammar`).
         count_only: the job is only counted (``count_tokens``), never run: a prompt the
             context cannot hold is counted, not refused (a client counts to learn that).
+        thinking_budget: the most reasoning tokens (Anthropic's ``budget_tokens``), or
+            None.
     Raises:
         APIError: 400 for a conversation that cannot be rendered, a rendering the
             context cannot hold (`bound`), a constraint that cannot be enforced.
@@ -148,6 +151,7 @@ def prepare(
         # A JSON reply cut by the demo cap is incomplete, never a natural end; a free
         # reply beside strict or custom tools (Codex's apply_patch) ends as without them.
         cap_is_eos=cap_is_eos and not (constraint and constraint.shapes_reply()),
+        thinking_budget=thinking_budget,
     )
     gen = GenRequest(
         path=path,

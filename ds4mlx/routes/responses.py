@@ -94,6 +94,7 @@ from ds4mlx.routes.mapping import (
     parts_text,
     placeholder,
     system_in_conversation,
+    unique_names,
 )
 from ds4mlx.routes.pipeline import (
     demo_policy,
@@ -264,6 +265,20 @@ class ReasoningConfig(OpenModel):
     summary: str | None = None
 
 
+# What a Responses ``include`` may name (OpenAI's list; only the reasoning's encrypted
+# content and the text's logprobs add anything here).
+Includable = Literal[
+    "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+]
+
+
 class ResponsesRequest(OpenModel):
     """Body of ``POST /v1/responses`` (unknown fields tolerated)."""
 
@@ -278,7 +293,8 @@ class ResponsesRequest(OpenModel):
     store: bool | None = None
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
-    include: list[str] | None = None
+    include: list[Includable] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -607,10 +623,12 @@ def to_conversation(
     for i, it in enumerate(items):
         _add_item(turns, i, it)
     thinking = default_thinking
-    forced, effort = effort_to_reasoning(req.reasoning.effort if req.reasoning else None)
+    forced, effort = effort_to_reasoning(
+        req.reasoning.effort if req.reasoning else None, "reasoning.effort"
+    )
     if forced is not None:
         thinking = forced
-    tools = [] if req.tool_choice == "none" else tool_specs(req.tools)
+    tools = [] if req.tool_choice == "none" else unique_names(tool_specs(req.tools))
     allowed = allowed_names(req.tool_choice, tools, lambda c: c.get("tools"))
     required, name = openai_tool_choice(
         req.tool_choice,
