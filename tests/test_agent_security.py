@@ -24,12 +24,12 @@ from rich.table import Table
 
 from ds4mlx.agent.child_env import NONINTERACTIVE, EnvPolicy, child_env, is_secret_name
 from ds4mlx.agent.loop import Agent
-from ds4mlx.agent.sanitize import CONTROL_RE, escape_controls, has_controls
 from ds4mlx.agent.tools import ToolOutcome
 from ds4mlx.agent.tools.shell import clean_terminal_output
 from ds4mlx.agent.ui import CONTROL_WARNING, RichUI, SafeConsole
 from ds4mlx.dsml import TextDelta, ThinkingDelta, ToolCall, ToolCallArgsDelta, ToolCallStart
 from ds4mlx.engine import Engine
+from ds4mlx.sanitize import CONTROL_RE, escape_controls, has_controls
 from tests.agent_script import agent_args, agent_env, invoke, turn
 
 TIMEOUT = 90

@@ -124,6 +124,7 @@ def test_anthropic_parallel_tool_calls_prefill_only_the_suffix(server):
     script(server, reasoning + "</think>" + _two_calls())
     body = _ant_body(user, system=system)
     body["thinking"] = {"type": "enabled", "budget_tokens": 2048, "display": "omitted"}
+    body["max_tokens"] = 4096
     r1 = post(server, "/v1/messages", body)
     p1, c1 = anthropic_usage(r1)
     assert server.trace.last()["decision"] == "cold" and c1 == 0
@@ -138,6 +139,7 @@ def test_anthropic_parallel_tool_calls_prefill_only_the_suffix(server):
         {"role": "user", "content": _results(uses, ["R-A", "R-B"])[::-1]},
     ]
     body2 = {**body, "messages": follow, "max_tokens": 12}
+    body2["thinking"] = {"type": "enabled", "display": "omitted"}
     script(server, "", greedy=True)
     r2 = post(server, "/v1/messages", body2)
     plan = server.trace.last()
@@ -403,7 +405,7 @@ def test_thinking_live_openai_chat_and_anthropic(server):
         script(server, f"Private thoughts {turn}.</think>B{turn}." + EOS)
         body = {
             "model": "deepseek-v4-flash",
-            "max_tokens": 200,
+            "max_tokens": 2000,
             "system": SHORT_SYSTEM,
             "messages": msgs,
             "thinking": {"type": "enabled", "budget_tokens": 1024},

@@ -69,7 +69,7 @@ def test_pipeline_serve_continues_a_tool_loop_live_and_ranks_die_with_the_launch
         ]
         body = {
             "model": "m",
-            "max_tokens": 200,
+            "max_tokens": 2000,
             "tools": tools,
             "thinking": {"type": "enabled", "budget_tokens": 1024},
             "messages": [{"role": "user", "content": "read a.txt and grep foo"}],
@@ -184,7 +184,7 @@ def test_pipeline_shutdown_snapshots_per_rank_serve_the_restart(tiny_f32_dir, tm
     tools = [{"name": "read", "input_schema": {"type": "object", "properties": {"path": {}}}}]
     body = {
         "model": "m",
-        "max_tokens": 200,
+        "max_tokens": 2000,
         "tools": tools,
         "thinking": {"type": "enabled", "budget_tokens": 1024},
         "messages": [{"role": "user", "content": "read a.txt please"}],

@@ -262,7 +262,7 @@ def test_count_tokens_predicts_a_live_thinking_turns_usage(server):
     msgs = [{"role": "user", "content": "Q0"}]
     base = {
         "model": "deepseek-v4-flash",
-        "max_tokens": 100,
+        "max_tokens": 2000,
         "thinking": {"type": "enabled", "budget_tokens": 1024},
         "cache_salt": "tenant-a",
     }

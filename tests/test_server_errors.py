@@ -302,6 +302,17 @@ STRICT_CASES = [
         None,
         "budget_tokens",
     ),
+    # The reasoning's budget must leave room for the reply.
+    (
+        MSGS,
+        {
+            "messages": OK_MSG,
+            "max_tokens": 1400,
+            "thinking": {"type": "enabled", "budget_tokens": 2000},
+        },
+        None,
+        "max_tokens must be greater than thinking.budget_tokens",
+    ),
     # A tool result without the id of its call.
     (
         CHAT,
@@ -371,7 +382,7 @@ def test_the_protocols_own_values_are_accepted(client):
                 "messages": OK_MSG,
                 "max_tokens": 2,
                 "output_config": {"effort": "max"},
-                "thinking": {"type": "enabled", "budget_tokens": 1024},
+                "thinking": {"type": "enabled"},  # no budget: served uncapped
                 "tools": [TOOL_ANT, {"type": "web_search_20250305", "name": "web_search"}],
             },
         ),
@@ -518,3 +529,20 @@ def test_cors_preflight_and_headers(server):
 def test_responses_websocket_upgrade_checks_the_api_key(server):
     assert ws_upgrade(server.port, {})[0] == 403
     assert ws_upgrade(server.port, {"Authorization": f"Bearer {KEY}"})[0] == 101
+
+
+def test_what_clients_send_reaches_the_log_escaped(server, client):
+    """Log lines quote client strings (a path, a tool-call id, a schema key): a terminal
+    escape in them is written as its ``\\xNN`` escape, never raw."""
+    osc = "\x1b]0;PWNED\x07\x1b[2J\u202e"
+    msgs = [*OK_MSG, {"role": "tool", "tool_call_id": osc, "content": "r"}]
+    assert client.post(CHAT, json={"messages": msgs, "max_tokens": 2}).status_code == 400
+    schema = {"type": "object", "properties": {osc: {"not": {}}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    r = client.post(CHAT, json={"messages": OK_MSG, "max_tokens": 2, "response_format": fmt})
+    assert r.status_code == 400, r.text
+    assert client.get("/v1/%1b]0;PATH%07x").status_code == 404
+    log = server.log()
+    assert "\\x1b]0;PWNED\\x07\\x1b[2J\\u202e" in log and "\\x1b]0;PATH\\x07x" in log, log[-2000:]
+    for raw in ("\x1b", "\x07", "\x9b", "\u202e"):
+        assert raw not in log

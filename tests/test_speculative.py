@@ -522,7 +522,7 @@ def test_server_reports_drafts_and_a_live_continuation_prefills_only_the_suffix(
         script(server, reasoning + "</think>" + tool_calls(invoke("read", ("path", "a.txt", None))))
         body = {
             "model": "deepseek-v4-flash",
-            "max_tokens": 400,
+            "max_tokens": 2000,
             "tools": [read],
             "thinking": {"type": "enabled", "budget_tokens": 1024},
             "messages": [{"role": "user", "content": "Read a.txt."}],
@@ -544,7 +544,11 @@ def test_server_reports_drafts_and_a_live_continuation_prefills_only_the_suffix(
             },
         ]
         script(server, "", greedy=True)
-        r2 = post(server, "/v1/messages", {**body, "messages": follow, "max_tokens": 8})
+        r2 = post(
+            server,
+            "/v1/messages",
+            {**body, "messages": follow, "max_tokens": 8, "thinking": {"type": "enabled"}},
+        )
         assert server.trace.last()["decision"] == "live-anthropic"
         p2, c2 = anthropic_usage(r2)
         assert c2 == p1 + r1["usage"]["output_tokens"] - 1

@@ -383,7 +383,7 @@ def _print_mode(agent: Agent, ui: RichUI, banner: str, args: argparse.Namespace)
     otherwise (the context full, ``--max-steps``, an interruption, an engine error);
     128 + N after signal N.
     """
-    from ds4mlx.agent.sanitize import escape_controls
+    from ds4mlx.sanitize import escape_controls
 
     err = ui.console
     ui.line(banner, "dim")

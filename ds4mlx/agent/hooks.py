@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ds4mlx.agent.child_env import EnvPolicy, child_env
-from ds4mlx.agent.sanitize import escape_controls
+from ds4mlx.sanitize import escape_controls
 
 DEFAULT_TIMEOUT = 10.0
 MIN_TIMEOUT, MAX_TIMEOUT = 1.0, 3600.0

@@ -3,7 +3,7 @@
 A command's output is a byte stream for a terminal, not text: progress bars redraw a
 line with ``\\r`` hundreds of times, ``\\b`` steps back over a spinner, colours and
 titles are escape sequences. The model should read what a user would see, in as few
-tokens as possible, and never a raw escape (see :mod:`ds4mlx.agent.sanitize`).
+tokens as possible, and never a raw escape (see :mod:`ds4mlx.sanitize`).
 
 :class:`TerminalText` keeps the state of one stream across reads (a sequence or a line
 split between two reads is rendered as if it came at once):
@@ -21,7 +21,7 @@ split between two reads is rendered as if it came at once):
    the line; so does the end of the stream. Nothing wraps: lines keep their length.
    Not :class:`pyte.Screen`: it wraps at its width, expands tabs and is ~30x slower.
 3. What is left that a terminal could act on (a C0 control pyte drew as text) is
-   escaped by :func:`~ds4mlx.agent.sanitize.escape_controls`.
+   escaped by :func:`~ds4mlx.sanitize.escape_controls`.
 
 Lines only grow or get overwritten; moves to other rows (``ESC [ A``, clear screen)
 are ignored, since committed lines are already handed over.
@@ -34,7 +34,7 @@ from typing import Any
 
 import pyte
 
-from ds4mlx.agent.sanitize import escape_controls
+from ds4mlx.sanitize import escape_controls
 
 ESC = "\x1b"
 ESCAPED_ESC = "\\x1b"  # how sanitize writes a lone ESC

@@ -11,7 +11,7 @@ progress bar; the text is the transcript.
 
 Nothing untrusted reaches the terminal raw: every piece of text is built with
 :func:`_text`, which writes control characters as ``\\xNN`` escapes (shown in reverse
-video, :mod:`ds4mlx.agent.sanitize`), and :class:`SafeConsole` escapes whatever still
+video, :mod:`ds4mlx.sanitize`), and :class:`SafeConsole` escapes whatever still
 holds one at the last step before output, where only rich's own styling and cursor
 codes remain raw. A permission question whose text holds control characters says so
 in red.
@@ -35,7 +35,6 @@ from rich.table import Table
 from rich.text import Text
 
 from ds4mlx.agent.loop import AgentUI, CompactionInfo, Status, Step, describe_messages
-from ds4mlx.agent.sanitize import escape_controls, has_controls, split_controls
 from ds4mlx.agent.sessions import SessionRecord
 from ds4mlx.agent.tools import ToolOutcome
 from ds4mlx.dsml import (
@@ -48,6 +47,7 @@ from ds4mlx.dsml import (
     ToolCallEnd,
     ToolCallStart,
 )
+from ds4mlx.sanitize import escape_controls, has_controls, split_controls
 
 # Prefills shorter than this finish before a bar would be readable.
 PROGRESS_MIN_TOKENS = 256
@@ -95,7 +95,7 @@ class SafeConsole(Console):
     """A rich ``Console`` whose printed text never carries a raw control character.
 
     Every text segment rendered for output passes through
-    :func:`~ds4mlx.agent.sanitize.escape_controls`; only rich's own control segments
+    :func:`~ds4mlx.sanitize.escape_controls`; only rich's own control segments
     (cursor moves of the progress bar) and the styles it renders pass raw. This is the
     last step before the terminal, so a renderable built from a plain ``str`` (a table
     cell, a rule title, an error message) cannot bypass the sanitizer; text built with

@@ -696,7 +696,28 @@ def _job(
 ) -> tuple[MessagesRequest, GenRequest]:
     """The typed request and its job (off the event loop: parse, validate, map, render)."""
     req = parse(MessagesRequest, raw)
+    _check_budget(req)
     return req, _gen(req, path, key, salt_of_key, side)
+
+
+def _check_budget(req: MessagesRequest) -> None:
+    """Anthropic's rule for an enabled thinking's budget: below ``max_tokens`` (else the
+    reasoning could take the whole reply, leaving no text). Unlike Anthropic, an enabled
+    thinking without a budget is served, uncapped (DeepSeek's reasoning has no budget
+    of its own).
+
+    Raises:
+        APIError: 400 naming the rule.
+    """
+    th = req.thinking
+    if th is None or th.type != "enabled" or th.budget_tokens is None:
+        return
+    if th.budget_tokens >= req.max_tokens:
+        raise APIError(
+            400,
+            f"max_tokens must be greater than thinking.budget_tokens "
+            f"({req.max_tokens} <= {th.budget_tokens})",
+        )
 
 
 def _gen(

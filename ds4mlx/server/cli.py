@@ -64,10 +64,15 @@ def run_serve(args, register) -> int:
     chooses them: the server imports no route module)."""
     import sys
 
+    from ds4mlx.sanitize import LogFormatter
+
+    # Log lines quote what clients send (paths, ids, schema keys): escaped, so a
+    # request cannot write a terminal escape sequence into the operator's terminal.
+    handler = logging.StreamHandler()
+    handler.setFormatter(LogFormatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
     logging.basicConfig(
         level=logging.WARNING if getattr(args, "quiet", False) else logging.INFO,
-        format="%(asctime)s %(message)s",
-        datefmt="%H:%M:%S",
+        handlers=[handler],
     )
     logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
     model = _model_dir(args)

@@ -13,13 +13,16 @@ iTerm2, Konsole) reorders the text around them, so a command could read as somet
 else than what runs (Trojan Source, CVE-2021-42574). Right-to-left letters and the plain
 direction marks stay. The escape is plain printable text, so sanitizing is idempotent.
 
-The terminal UI (:mod:`ds4mlx.agent.ui`) applies it to everything it prints, and the
-shell tool applies it to the command output the model reads
-(:func:`ds4mlx.agent.tools.shell.clean_terminal_output`).
+The agent's terminal UI (:mod:`ds4mlx.agent.ui`) applies it to everything it prints, the
+shell tool to the command output the model reads
+(:func:`ds4mlx.agent.tools.shell.clean_terminal_output`), and the server's log to every
+line it writes (`LogFormatter`: a path, a tool-call id or a schema key a client sent is
+quoted in log lines as it came).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 
 # C0 without \t (0x09) and \n (0x0a), DEL (0x7f), C1 (0x80-0x9f), and the bidi
@@ -71,3 +74,17 @@ def split_controls(text: str) -> list[tuple[str, bool]]:
     if pos < len(text):
         out.append((text[pos:], False))
     return out
+
+
+class LogFormatter(logging.Formatter):
+    """A `logging.Formatter` whose lines hold no control character: the message (with
+    its arguments) goes through `escape_controls`, and so does a traceback, whose last
+    line quotes the exception's message. Newlines of the message stay, as in the
+    agent's text; a client's own newline can only start a line that the next
+    timestamp does not lead."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        return escape_controls(super().formatMessage(record))
+
+    def formatException(self, ei) -> str:  # noqa: N802
+        return escape_controls(super().formatException(ei))
