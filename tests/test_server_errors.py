@@ -546,3 +546,20 @@ def test_what_clients_send_reaches_the_log_escaped(server, client):
     assert "\\x1b]0;PWNED\\x07\\x1b[2J\\u202e" in log and "\\x1b]0;PATH\\x07x" in log, log[-2000:]
     for raw in ("\x1b", "\x07", "\x9b", "\u202e"):
         assert raw not in log
+
+
+def test_a_refused_body_closes_its_connection_and_the_client_goes_on(server):
+    """A refusal before the body is read (no key, no route) says ``Connection: close``:
+    the server never reads the body, so the connection cannot be reused, and a client
+    reusing it anyway saw its next request fail. Without a body it stays open."""
+    big = b'{"messages": [' + b" " * 2_000_000 + b"]}"
+    json_type = {"content-type": "application/json"}
+    with httpx.Client(base_url=server.url, timeout=60) as c:  # no API key; no retries
+        for _ in range(5):
+            r = c.post(CHAT, content=big, headers=json_type)
+            assert r.status_code == 401 and r.headers.get("connection") == "close", r.headers
+            r = c.post("/v1/nothing", content=b'{"a": 1}', headers={**json_type, **AUTH})
+            assert r.status_code == 404 and r.headers.get("connection") == "close", r.headers
+            assert c.get("/health").status_code == 200
+        r = c.get("/v1/models")
+        assert r.status_code == 401 and r.headers.get("connection") != "close", r.headers

@@ -37,6 +37,21 @@ import logging
 log = logging.getLogger("ds4mlx.server")
 
 
+def _unread_body_closes(resp):
+    """``resp`` (an error answered before the route read the request's body: a refusal
+    of the access hooks, no such route, a body over the limit) with ``Connection:
+    close`` when the request declared a body. The server does not read a refused body
+    (up to 32 MiB) just to keep the connection, and Hypercorn closes a connection whose
+    request body is still arriving: without the header, a client reusing it for its
+    next request saw that one fail ("server disconnected")."""
+    from quart import request
+
+    declared = request.headers.get("content-length", "0") not in ("", "0")
+    if declared or "chunked" in request.headers.get("transfer-encoding", "").lower():
+        resp.headers["Connection"] = "close"
+    return resp
+
+
 def _answer(err, path: str | None = None):
     """``err`` as a response in its protocol's error shape: Anthropic's on the Messages
     API's paths, OpenAI's on every other route. ``path``: the request's by default (a
@@ -97,7 +112,7 @@ def register(app) -> None:
     async def _http_error(e: HTTPException):
         err = http_exception_to_api(e)
         rejected(err)
-        return _answer(err)
+        return _unread_body_closes(_answer(err))
 
     @app.errorhandler(Exception)
     async def _any_error(e: Exception):
@@ -128,7 +143,7 @@ def _install_access(app, rejected) -> None:
         err = err or access.check_http(request)
         if err is not None:
             rejected(err)
-            return _answer(err)
+            return _unread_body_closes(_answer(err))
         return None
 
     @app.before_websocket
