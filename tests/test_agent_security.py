@@ -141,6 +141,38 @@ def test_permission_panel_shows_the_real_command_escaped_and_flagged() -> None:
     assert CONTROL_WARNING not in buf.getvalue()
 
 
+def test_a_padded_command_keeps_its_first_lines_beside_the_question() -> None:
+    """Newlines cannot push a command's dangerous start off the screen above the
+    question: blank runs collapse to one marker line, and a tall request is named again
+    in the question, with its line count."""
+    ui, buf = _ui()
+    asked: list[str] = []
+    ui.console.input = lambda prompt, **k: asked.append(str(prompt)) or "d"
+    command = "rm -rf /important" + "\n" * 60 + "echo safe"
+    assert ui.ask("bash", f"run (foreground) in /ws:\n{command}") == "deny"
+    lines = _assert_clean(buf.getvalue()).splitlines()
+    assert len(lines) < 10, lines
+    assert any("rm -rf /important" in ln for ln in lines)
+    assert any("⋯ 59 blank lines ⋯" in ln for ln in lines) and asked == [
+        "allow? [o]nce / [a]lways / [d]eny › "
+    ]
+    # Tall without blanks: the question names the tool and how tall its request is.
+    ui, buf = _ui()
+    asked.clear()
+    ui.console.input = lambda prompt, **k: asked.append(str(prompt)) or "d"
+    ui.ask("bash", "run (foreground) in /ws:\n" + "\n".join(f"echo {i}" for i in range(40)))
+    assert asked and asked[0].startswith("allow bash (the 41 lines above"), asked
+
+
+def test_a_line_break_in_a_path_cannot_split_the_question(tmp_path) -> None:
+    from ds4mlx.agent.tools.common import Workspace
+    from ds4mlx.agent.tools.files import FileTools
+
+    tools = FileTools(Workspace(tmp_path))
+    proposal = tools.write({"path": "new\nline.txt", "content": "x"})
+    assert proposal.summary.splitlines()[0] == "create new\\nline.txt (1 bytes, 1 lines)"
+
+
 def test_safe_console_escapes_text_that_bypasses_the_ui_helpers() -> None:
     buf = io.StringIO()
     console = SafeConsole(file=buf, force_terminal=True, width=80)

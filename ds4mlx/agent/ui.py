@@ -73,6 +73,37 @@ CONTROL_WARNING = (
 )
 
 
+# A request taller than this many lines is named again in the question below it, which
+# says how many lines it has: its start may have scrolled off the screen.
+ASK_LINES = 20
+MARKER_STYLE = "dim italic"
+
+
+def _request_text(summary: str) -> tuple[Text, int]:
+    """The permission box's body for ``summary`` (a command, a diff) and its line count.
+
+    Runs of two or more blank (whitespace-only) lines collapse into one marker line
+    ("⋯ N blank lines ⋯"): a command padded with newlines can no longer push its
+    first lines, the dangerous ones, off the screen above the question. Every other
+    line is shown, escaped (`_text`)."""
+    lines = summary.split("\n")
+    out = Text()
+    i = 0
+    while i < len(lines):
+        j = i
+        while j < len(lines) and not lines[j].strip():
+            j += 1
+        if j - i >= 2:
+            out.append(f"⋯ {j - i} blank lines ⋯", MARKER_STYLE)
+            i = j
+        else:
+            out.append_text(_text(lines[i]))
+            i += 1
+        if i < len(lines):
+            out.append("\n")
+    return out, len(lines)
+
+
 def _text(text: str, style: str | None = None) -> Text:
     """A rich ``Text`` of untrusted ``text``: control characters as styled escapes."""
     out = Text(style=style or "")
@@ -171,7 +202,7 @@ class RichUI(AgentUI):
         if not self.can_ask:
             self.line(f"{tool} denied: no terminal to ask (start with --yes to allow)", "yellow")
             return "deny"
-        body = _text(summary)
+        body, n_lines = _request_text(summary)
         if has_controls(summary):
             # A command or path that hides text from the terminal (a cursor move over the
             # panel, a line erase) is shown escaped; say why it looks odd.
@@ -179,9 +210,15 @@ class RichUI(AgentUI):
         self.console.print(
             Panel(body, title=f"allow {tool}?", title_align="left", border_style="yellow")
         )
+        question = "allow? [o]nce / [a]lways / [d]eny › "
+        if body.plain.count("\n") + 1 > ASK_LINES:
+            question = (
+                f"allow {escape_controls(tool)} (the {n_lines} lines above: read them from "
+                "the box's top)? [o]nce / [a]lways / [d]eny › "
+            )
         while True:
             try:
-                ans = self._answer("allow? [o]nce / [a]lways / [d]eny › ")
+                ans = self._answer(question)
             except EOFError:
                 return "deny"
             decision = _ANSWERS.get(ans.strip().lower())

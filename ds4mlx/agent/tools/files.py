@@ -173,7 +173,7 @@ class FileTools:
             return Result(f"{'overwrote' if exists else 'created'} {rel} {size}")
 
         what = "overwrite" if exists else "create"
-        return Proposal(f"{what} {rel} {size}\n{detail}".rstrip(), apply)
+        return Proposal(f"{what} {_one_line(rel)} {size}\n{detail}".rstrip(), apply)
 
     def applied(self, name: str, a: dict[str, Any]) -> str | None:
         """Whether the ``write``/``edit`` call ``a`` is already in effect (a repeat of one
@@ -234,7 +234,8 @@ class FileTools:
             return Result(f"edited {rel}: replaced {n} occurrence(s) at line(s) {first_few(lines)}")
 
         return Proposal(
-            f"edit {rel}: replace {n} occurrence(s)\n{_diff(text, updated, rel)}".rstrip(), apply
+            f"edit {_one_line(rel)}: replace {n} occurrence(s)\n{_diff(text, updated, rel)}".rstrip(),
+            apply,
         )
 
     def list_paths(self, a: dict[str, Any]) -> Result:
@@ -303,6 +304,13 @@ def _match_line_endings(text: str, old: str, new: str) -> tuple[str, str]:
         if crlf != old and crlf in text:
             return crlf, new.replace("\n", "\r\n")
     return old, new
+
+
+def _one_line(rel: str) -> str:
+    """A path as a permission question's first line shows it: a line break in the name
+    written ``\\n``/``\\r``, so the name cannot pass for two lines (another path and
+    something else)."""
+    return rel.replace("\r", "\\r").replace("\n", "\\n")
 
 
 def _diff(old: str | None, new: str, rel: str, max_lines: int = 80) -> str:
