@@ -340,6 +340,7 @@ STRICT_CASES = [
         "entry 5 is not a tool object",
     ),
     (RESP, {"input": "hi", "truncation": "sometimes"}, "truncation", "'auto' or 'disabled'"),
+    (CHAT, {"messages": OK_MSG, "metadata": "x"}, "metadata", "valid dictionary"),
     (RESP, {"input": "hi", "include": ["everything"]}, "include.0", "reasoning.encrypted_content"),
 ]
 
@@ -357,6 +358,14 @@ def test_values_of_the_wrong_type_or_outside_the_protocol_are_400s(
     assert words in err["message"], err
     if param is not None:
         assert err["param"] == param, err
+
+
+def test_a_huge_integer_is_a_400_in_the_apis_words(client):
+    raw = b'{"messages": [{"role": "user", "content": "hi"}], "seed": ' + b"7" * 5000 + b"}"
+    r = client.post(CHAT, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    msg = r.json()["error"]["message"]
+    assert "more than 4300 digits" in msg and "sys." not in msg, msg
 
 
 def test_the_protocols_own_values_are_accepted(client):

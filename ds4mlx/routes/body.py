@@ -383,8 +383,11 @@ def parse_json(raw: bytes | str) -> Any:
         return json.loads(raw)
     except RecursionError:
         raise APIError(400, "request JSON is nested too deeply") from None
-    except ValueError as e:
+    except json.JSONDecodeError as e:
         raise APIError(400, f"malformed JSON: {e}") from None
+    except ValueError:
+        # Python's limit on integer digits (4300): its message advises a Python call.
+        raise APIError(400, "request JSON holds an integer of more than 4300 digits") from None
 
 
 def parse(model: type[M], raw: bytes | str) -> M:

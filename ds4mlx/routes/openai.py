@@ -193,6 +193,7 @@ class ChatRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     # Streaming tool dispatch (NVIDIA Dynamo's field): strictly a JSON boolean.
     tool_call_dispatch: StrictBool | None = None
+    metadata: dict[str, Any] | None = None  # stored-completion tags: checked, not kept
 
 
 def stops_of(stop: str | list[str] | None) -> list[str]:
