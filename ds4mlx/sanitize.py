@@ -1,4 +1,5 @@
-"""Control characters made visible: the one sanitizer for text the agent shows.
+"""Control characters made visible: the one sanitizer for text the agent shows and the
+server logs.
 
 Files the agent reads, command output and the model's own text are untrusted: a raw
 ``ESC`` in them is a terminal instruction (set the title, write the clipboard with OSC
@@ -78,13 +79,13 @@ def split_controls(text: str) -> list[tuple[str, bool]]:
 
 class LogFormatter(logging.Formatter):
     """A `logging.Formatter` whose lines hold no control character: the message (with
-    its arguments) goes through `escape_controls`, and so does a traceback, whose last
-    line quotes the exception's message. Newlines of the message stay, as in the
-    agent's text; a client's own newline can only start a line that the next
-    timestamp does not lead."""
+    its arguments) goes through `escape_controls` and its newlines are written ``\\n``
+    (one record, one line: a client's newline cannot start a line that passes for the
+    server's own); a traceback goes through `escape_controls` too (its last line quotes
+    the exception's message) and keeps its lines."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
-        return escape_controls(super().formatMessage(record))
+        return escape_controls(super().formatMessage(record)).replace("\n", "\\n")
 
     def formatException(self, ei) -> str:  # noqa: N802
         return escape_controls(super().formatException(ei))

@@ -543,7 +543,7 @@ def test_responses_websocket_upgrade_checks_the_api_key(server):
 def test_what_clients_send_reaches_the_log_escaped(server, client):
     """Log lines quote client strings (a path, a tool-call id, a schema key): a terminal
     escape in them is written as its ``\\xNN`` escape, never raw."""
-    osc = "\x1b]0;PWNED\x07\x1b[2J\u202e"
+    osc = "\x1b]0;PWNED\x07\x1b[2J\u202e\n12:00:00 forged line"
     msgs = [*OK_MSG, {"role": "tool", "tool_call_id": osc, "content": "r"}]
     assert client.post(CHAT, json={"messages": msgs, "max_tokens": 2}).status_code == 400
     schema = {"type": "object", "properties": {osc: {"not": {}}}}
@@ -552,7 +552,8 @@ def test_what_clients_send_reaches_the_log_escaped(server, client):
     assert r.status_code == 400, r.text
     assert client.get("/v1/%1b]0;PATH%07x").status_code == 404
     log = server.log()
-    assert "\\x1b]0;PWNED\\x07\\x1b[2J\\u202e" in log and "\\x1b]0;PATH\\x07x" in log, log[-2000:]
+    assert "\\x1b]0;PWNED\\x07\\x1b[2J\\u202e\\n12:00:00 forged line" in log, log[-2000:]
+    assert "\\x1b]0;PATH\\x07x" in log and "\n12:00:00 forged" not in log, log[-2000:]
     for raw in ("\x1b", "\x07", "\x9b", "\u202e"):
         assert raw not in log
 
