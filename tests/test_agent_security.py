@@ -171,6 +171,10 @@ def test_a_line_break_in_a_path_cannot_split_the_question(tmp_path) -> None:
     tools = FileTools(Workspace(tmp_path))
     proposal = tools.write({"path": "new\nline.txt", "content": "x"})
     assert proposal.summary.splitlines()[0] == "create new\\nline.txt (1 bytes, 1 lines)"
+    # A listing shows it as one entry, to the model and the user alike.
+    (tmp_path / "new\nline.txt").write_text("x")
+    listing = tools.list_paths({"path": ".", "depth": 1}).body
+    assert "new\\nline.txt" in listing.splitlines(), listing
 
 
 def test_safe_console_escapes_text_that_bypasses_the_ui_helpers() -> None:

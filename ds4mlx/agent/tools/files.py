@@ -265,11 +265,12 @@ class FileTools:
         return Result("\n".join(entries) + "\n", after=after)
 
     def _entry(self, p: Path) -> str:
-        """``rel/path``, ``dir/`` or ``link -> target`` (paths relative to the workspace)."""
-        rel = self.ws.rel(p)
+        """``rel/path``, ``dir/`` or ``link -> target`` (paths relative to the workspace),
+        on one line (`_one_line`: a name holding a line break is not two entries)."""
+        rel = _one_line(self.ws.rel(p))
         if p.is_symlink():
             try:
-                return f"{rel} -> {os.readlink(p)}"
+                return f"{rel} -> {_one_line(os.readlink(p))}"
             except OSError:
                 return f"{rel} -> ?"
         return f"{rel}/" if p.is_dir() else rel
@@ -307,9 +308,9 @@ def _match_line_endings(text: str, old: str, new: str) -> tuple[str, str]:
 
 
 def _one_line(rel: str) -> str:
-    """A path as a permission question's first line shows it: a line break in the name
-    written ``\\n``/``\\r``, so the name cannot pass for two lines (another path and
-    something else)."""
+    """A path on one line, as a listing entry or a permission question's first line
+    shows it: a line break in the name written ``\\n``/``\\r`` (as ``ls`` quotes it),
+    so the name cannot pass for two lines (another path and something else)."""
     return rel.replace("\r", "\\r").replace("\n", "\\n")
 
 
