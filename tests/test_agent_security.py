@@ -177,6 +177,19 @@ def test_a_line_break_in_a_path_cannot_split_the_question(tmp_path) -> None:
     assert "new\\nline.txt" in listing.splitlines(), listing
 
 
+def test_printed_strings_are_text_not_markup_and_keep_every_control_visible() -> None:
+    """An error message quoting a file (an MCP server's name) prints as text: rich
+    markup in it is no hyperlink or style, and BEL, which rich drops before rendering,
+    shows as its escape."""
+    buf = io.StringIO()
+    console = SafeConsole(file=buf, force_terminal=True, color_system="standard", width=200)
+    console.print("ds4mlx agent: evil\x1b]0;T\x07 [link=https://evil.example]x[/link] [reverse]y")
+    out = buf.getvalue()
+    plain = _assert_clean(out)
+    assert "evil\\x1b]0;T\\x07 [link=https://evil.example]x[/link] [reverse]y" in plain, plain
+    assert "\x1b]8;" not in out  # no OSC 8 hyperlink
+
+
 def test_safe_console_escapes_text_that_bypasses_the_ui_helpers() -> None:
     buf = io.StringIO()
     console = SafeConsole(file=buf, force_terminal=True, width=80)

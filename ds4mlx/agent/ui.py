@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from rich.console import Console, ConsoleOptions, RenderableType
 from rich.control import Control, ControlType
@@ -132,6 +133,16 @@ class SafeConsole(Console):
     cell, a rule title, an error message) cannot bypass the sanitizer; text built with
     :func:`_text` is escaped before layout, so its width is right.
     """
+
+    def print(self, *objects: Any, markup: bool | None = None, **kwargs: Any) -> None:
+        """rich's ``print``, with every plain ``str`` taken as text (`_text`: escaped,
+        no markup) unless the caller asks for markup (``markup=True``, for its own
+        escaped text): an error message quoting a file (``[link=…]`` in an MCP server
+        name) cannot become a hyperlink or a style, and a control that rich would drop
+        before `render` (BEL, backspace) still shows as its escape."""
+        if markup is not True:
+            objects = tuple(_text(o) if isinstance(o, str) else o for o in objects)
+        super().print(*objects, markup=markup, **kwargs)
 
     def render(
         self, renderable: RenderableType, options: ConsoleOptions | None = None
@@ -361,7 +372,7 @@ class RichUI(AgentUI):
         self.prefill_done()
         with self._prompt_lock:
             self._newline()
-            self.console.print(f"[bold green]{escape(prompt)}[/]", end="")
+            self.console.print(f"[bold green]{escape(prompt)}[/]", end="", markup=True)
             self.console.file.flush()
             self._prompt = prompt
         try:
@@ -381,7 +392,7 @@ class RichUI(AgentUI):
             self.console.control(Control.move_to_column(0), Control((ControlType.ERASE_IN_LINE, 2)))
             self._line_start = True
             self.notice(text, level)
-            self.console.print(f"[bold green]{escape(self._prompt)}[/]", end="")
+            self.console.print(f"[bold green]{escape(self._prompt)}[/]", end="", markup=True)
             self.console.print(_text(_typed()), end="", soft_wrap=True)
             self.console.file.flush()
 
