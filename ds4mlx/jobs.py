@@ -221,6 +221,8 @@ class GenRequest:
             step (``ds4mlx.engine.bias.LogitBias``); ``()``: none.
         presence_penalty / frequency_penalty: OpenAI's penalties on the reply's own
             tokens (``ds4mlx.engine.bias.Penalties``); 0: none.
+        repetition_penalty: vLLM's factor on every token of the context
+            (``ds4mlx.engine.bias.RepetitionPenalty``); 1: none.
     """
 
     path: str
@@ -235,6 +237,7 @@ class GenRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def set_grammar(self, grammar: Grammar | None) -> None:
         """Give the turn its compiled grammar (a route compiles it after building the

@@ -86,6 +86,7 @@ def test_pipeline_serve_continues_a_tool_loop_live_and_ranks_die_with_the_launch
             {"role": "user", "content": results},
         ]
         body["max_tokens"] = 8
+        body["thinking"] = {"type": "enabled"}  # a budget must be below max_tokens
         r2 = httpx.post(server.url + "/v1/messages", json=body, timeout=120).json()
         line = server.request_line(1)
         assert "live-anthropic" in line, line
@@ -215,6 +216,7 @@ def test_pipeline_shutdown_snapshots_per_rank_serve_the_restart(tiny_f32_dir, tm
             },
         ]
         body["max_tokens"] = 8
+        body["thinking"] = {"type": "enabled"}  # a budget must be below max_tokens
         second = _pipeline_server(tiny_f32_dir, kv, mode=mode)
         servers.append(second)
         r2 = httpx.post(second.url + "/v1/messages", json=body, timeout=120).json()

@@ -456,6 +456,27 @@ def test_presence_and_frequency_penalties_are_applied_or_refused(client, path):
     assert text(presence_penalty=-2, frequency_penalty=-2) != plain
 
 
+@pytest.mark.parametrize("path", [CHAT, COMP])
+def test_the_repetition_penalty_is_applied_or_refused(client, path):
+    """vLLM's ``repetition_penalty``: a factor above 0 (else a 400 naming it) that
+    changes a greedy reply (the formula is `test_turn.py`'s)."""
+    base = {"messages": [{"role": "user", "content": "hi"}]} if path == CHAT else {"prompt": "hi"}
+    base = {**base, "model": "deepseek-chat", "max_tokens": 16, "temperature": 0}
+    for value in ("0", "-1", "NaN", "true"):
+        raw = json.dumps(base)[:-1] + f', "repetition_penalty": {value}}}'
+        r = client.post(path, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty", r.text
+
+    def text(**extra) -> str:
+        r = client.post(path, json={**base, **extra})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["message"]["content"] if path == CHAT else choice["text"]
+
+    assert text(repetition_penalty=1.0) == text()
+    assert text(repetition_penalty=0.2) != text()
+
+
 def test_context_length_exceeded_names_the_counts(client):
     r = client.post(CHAT, json={"messages": [{"role": "user", "content": "w " * 3000}]})
     err = r.json()["error"]

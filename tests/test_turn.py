@@ -562,6 +562,42 @@ def test_hooks_compose_single_call_steering_and_a_mask(engine, session):
     assert calls[-1] == "end" and "mask" in calls
 
 
+def test_the_repetition_penalty_follows_ctrls_rule_over_the_whole_context(engine, session):
+    """`RepetitionPenalty` (vLLM's ``repetition_penalty``), replayed step by step: each
+    greedy token of a raw turn is the argmax of the step's logits with every token of the
+    context so far (prompt and reply) divided by the penalty where positive, multiplied
+    where not (CTRL's rule, computed here in numpy from the tokens alone); below 1 the
+    greedy turn, whose tokens are all distinct, repeats."""
+    import numpy as np
+
+    from ds4mlx.engine.bias import RepetitionPenalty
+
+    prompt = _ids(engine, PROMPT + "</think>")
+    spec = TurnSpec(GREEDY, 24, parse=False)
+
+    def turn(hooks=None) -> list[int]:
+        s = engine.new_session()
+        run_turn(s, engine.tokenizer, spec, prefill=prompt, hooks=hooks)
+        return list(s.tokens[len(prompt) :])
+
+    plain = turn()
+    assert len(set(plain)) == len(plain)
+    for penalty in (1.8, 0.3):
+        penalized = turn(RepetitionPenalty(penalty))
+        if penalty < 1:  # above 1 only tokens already there lose; these were new
+            assert len(set(penalized)) < len(penalized), penalized
+        ref = engine.new_session()
+        ref.prefill(prompt)
+        for t in penalized:
+            logits = np.array(ref.logits, dtype=np.float64)
+            seen = np.array(sorted(set(ref.tokens)))
+            logits[seen] = np.where(
+                logits[seen] > 0, logits[seen] / penalty, logits[seen] * penalty
+            )
+            assert int(np.argmax(logits)) == t
+            ref.decode(t)
+
+
 def test_presence_and_frequency_penalties_follow_openais_formula(engine, session):
     """`Penalties` (OpenAI's ``presence_penalty``/``frequency_penalty``): replayed step by
     step, each greedy token of a raw turn is the argmax of the step's logits less

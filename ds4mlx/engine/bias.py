@@ -1,7 +1,8 @@
 """Logit bias (OpenAI's ``logit_bias``): fixed per-token offsets added to the logits of
 every sampled step; presence and frequency penalties (OpenAI's ``presence_penalty`` and
-``frequency_penalty``): offsets that grow with the reply's own tokens. Both are
-`TurnHooks` masks."""
+``frequency_penalty``): offsets that grow with the reply's own tokens; the repetition
+penalty (vLLM's and Hugging Face's ``repetition_penalty``): a factor on the logits of
+every token already in the context. All are `TurnHooks` masks."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import mlx.core as mx
 
 from ds4mlx.engine.hooks import Turn, TurnHooks
 
-__all__ = ["LogitBias", "Penalties"]
+__all__ = ["LogitBias", "Penalties", "RepetitionPenalty"]
 
 
 class LogitBias(TurnHooks):
@@ -70,3 +71,43 @@ class Penalties(TurnHooks):
         ids = mx.array(list(self.counts), dtype=mx.int32)
         offsets = [-(n * self.frequency + self.presence) for n in self.counts.values()]
         return logits.at[ids].add(mx.array(offsets, dtype=logits.dtype))
+
+
+class RepetitionPenalty(TurnHooks):
+    """The multiplicative repetition penalty of Keskar et al., "CTRL" (2019), §4.1, as
+    vLLM and Hugging Face ``transformers`` apply it (``repetition_penalty``): before each
+    sampled step, every token already in the context (the prompt and the reply so far)
+    has its logit divided by ``penalty`` where positive and multiplied by it where not,
+    so above 1 it is less likely and below 1 more. Steps inside the protocol's structure
+    are left alone, as `Penalties` leaves them.
+
+    Args:
+        penalty: the factor (> 0; 1 changes nothing).
+
+    Raises:
+        ValueError: ``penalty`` not above 0.
+    """
+
+    def __init__(self, penalty: float):
+        if not penalty > 0:
+            raise ValueError(f"a repetition penalty is above 0, got {penalty}")
+        self.penalty = float(penalty)
+        self.seen: set[int] | None = None  # the context's ids, read at the first step
+        self._ids: mx.array | None = None  # `seen` as an array, remade when it grows
+
+    def on_token(self, turn: Turn, token: int) -> None:
+        if self.seen is not None and int(token) not in self.seen:
+            self.seen.add(int(token))
+            self._ids = None
+
+    def mask(self, turn: Turn, logits: mx.array) -> mx.array | None:
+        if self.seen is None:
+            # The session holds the whole context (a live or restored prefix included):
+            # every token in it counts, as in vLLM's prompt-and-output rule.
+            self.seen = {int(t) for t in turn.s.tokens}
+        if not self.seen or (turn.decoder is not None and turn.decoder.in_structure):
+            return None
+        if self._ids is None:
+            self._ids = mx.array(sorted(self.seen), dtype=mx.int32)
+        factor = mx.where(logits[self._ids] > 0, 1.0 / self.penalty, self.penalty)
+        return logits.at[self._ids].multiply(factor.astype(logits.dtype))

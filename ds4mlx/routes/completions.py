@@ -232,6 +232,7 @@ def _job(raw: bytes, path: str) -> tuple[CompletionRequest, GenRequest, str, lis
         logit_bias=bias,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=req.repetition_penalty or 1.0,
     )
     # A constrained reply the demo cap cuts is incomplete, never a natural end: the cap
     # stands in for EOS only where the grammar accepts one (no reasoning here).

@@ -153,6 +153,8 @@ class SamplingFields(OpenModel):
     # OpenAI's penalties on the reply's own tokens (`ds4mlx.engine.bias.Penalties`).
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    # vLLM's extension (`ds4mlx.engine.bias.RepetitionPenalty`): a factor above 0.
+    repetition_penalty: float | None = Field(None, gt=0)
 
 
 def logit_bias_of(req: SamplingFields) -> tuple[tuple[int, float], ...]:
@@ -563,6 +565,7 @@ def _job(
     gen.logit_bias = bias
     gen.presence_penalty = req.presence_penalty or 0.0
     gen.frequency_penalty = req.frequency_penalty or 0.0
+    gen.repetition_penalty = req.repetition_penalty or 1.0
     return req, conv, gen
 
 

@@ -449,17 +449,20 @@ def _prompt_error(n: int, ctx: int) -> JobFailed:
 
 def _job_hooks(job: Job):
     """The turn-loop hooks of ``job``: its steer flag around its sampling wishes (logit
-    bias, then presence and frequency penalties)."""
+    bias, then the repetition penalty, then presence and frequency penalties)."""
     from ds4mlx.engine import Steering, chain_hooks
-    from ds4mlx.engine.bias import LogitBias, Penalties
+    from ds4mlx.engine.bias import LogitBias, Penalties, RepetitionPenalty
 
     req = job.request
     bias = LogitBias(req.logit_bias) if req.logit_bias else None
+    rep = req.repetition_penalty
+    repetition = RepetitionPenalty(rep) if rep != 1.0 else None
     pres, freq = req.presence_penalty, req.frequency_penalty
     penalties = Penalties(pres, freq) if pres or freq else None
     # Steer and cancel arrive through the job's flags; a cancelled turn is closed at a
     # turn boundary too, so the next request can continue it.
-    return Steering(job.steer.is_set, inner=chain_hooks(bias, penalties), close_cancelled=True)
+    inner = chain_hooks(bias, repetition, penalties)
+    return Steering(job.steer.is_set, inner=inner, close_cancelled=True)
 
 
 def _fitted(spec: TurnSpec, room: int, script: Script | str | None) -> TurnSpec:
