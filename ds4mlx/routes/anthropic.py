@@ -370,7 +370,12 @@ def _assistant_turn(
 
 def _tools(req: CountTokensRequest) -> list[ToolSpec]:
     """The callable tools offered (none with ``tool_choice: none``; server tools such as
-    ``web_search_20250305`` have no ``input_schema`` and are not offered)."""
+    ``web_search_20250305`` have no ``input_schema`` and are not offered).
+
+    Raises:
+        WireError: a custom tool (no versioned ``type``) without ``input_schema``, two
+            tools of one name.
+    """
     for i, t in enumerate(req.tools or []):
         if t.input_schema is None and t.type in (None, "custom"):
             raise WireError(
