@@ -562,6 +562,20 @@ def test_hooks_compose_single_call_steering_and_a_mask(engine, session):
     assert calls[-1] == "end" and "mask" in calls
 
 
+def _greedy_raw_turns(engine):
+    """``(prompt ids, turn)``: ``turn(hooks=None)`` runs a 24-token greedy raw turn after
+    the prompt on a new session and returns the tokens it fed."""
+    prompt = _ids(engine, PROMPT + "</think>")
+    spec = TurnSpec(GREEDY, 24, parse=False)
+
+    def turn(hooks=None) -> list[int]:
+        s = engine.new_session()
+        run_turn(s, engine.tokenizer, spec, prefill=prompt, hooks=hooks)
+        return list(s.tokens[len(prompt) :])
+
+    return prompt, turn
+
+
 def test_the_repetition_penalty_follows_ctrls_rule_over_the_whole_context(engine, session):
     """`RepetitionPenalty` (vLLM's ``repetition_penalty``), replayed step by step: each
     greedy token of a raw turn is the argmax of the step's logits with every token of the
@@ -572,14 +586,7 @@ def test_the_repetition_penalty_follows_ctrls_rule_over_the_whole_context(engine
 
     from ds4mlx.engine.bias import RepetitionPenalty
 
-    prompt = _ids(engine, PROMPT + "</think>")
-    spec = TurnSpec(GREEDY, 24, parse=False)
-
-    def turn(hooks=None) -> list[int]:
-        s = engine.new_session()
-        run_turn(s, engine.tokenizer, spec, prefill=prompt, hooks=hooks)
-        return list(s.tokens[len(prompt) :])
-
+    prompt, turn = _greedy_raw_turns(engine)
     plain = turn()
     assert len(set(plain)) == len(plain)
     for penalty in (1.8, 0.3):
@@ -609,14 +616,7 @@ def test_presence_and_frequency_penalties_follow_openais_formula(engine, session
 
     from ds4mlx.engine.bias import Penalties
 
-    prompt = _ids(engine, PROMPT + "</think>")
-    spec = TurnSpec(GREEDY, 24, parse=False)
-
-    def turn(hooks=None) -> list[int]:
-        s = engine.new_session()
-        run_turn(s, engine.tokenizer, spec, prefill=prompt, hooks=hooks)
-        return list(s.tokens[len(prompt) :])
-
+    prompt, turn = _greedy_raw_turns(engine)
     plain = turn()
     assert len(set(plain)) == len(plain)
     for presence, frequency in ((1.5, 0.75), (-2.0, -2.0)):
