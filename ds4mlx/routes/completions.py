@@ -21,7 +21,7 @@ from ds4mlx.routes import constraints
 from ds4mlx.routes.body import offload, parse, read_body
 from ds4mlx.routes.common import json_response, model_thinking, new_id, now, state
 from ds4mlx.routes.errors import APIError, Wording, failed_to_api, openai_error
-from ds4mlx.routes.openai import SamplingFields, finish_of, logit_bias_of, stops_of, usage_of
+from ds4mlx.routes.openai import SamplingFields, finish_of, sampling_wishes, stops_of, usage_of
 from ds4mlx.routes.pipeline import (
     bound,
     constrain,
@@ -209,7 +209,7 @@ def _job(raw: bytes, path: str) -> tuple[CompletionRequest, GenRequest, str, lis
     """The typed request, its job, the echo text and echoed ids (off the event loop).
     The raw prompt is tokenized here (echo needs its ids): the job carries them."""
     req = parse(CompletionRequest, raw)
-    bias = logit_bias_of(req)
+    wishes = sampling_wishes(req)
     tok = state().tokenizer
     text, toks, echo_text, echo_ids = _prompt(req, tok)
     model_thinking(req.model)  # logs a model name the server does not list
@@ -229,10 +229,7 @@ def _job(raw: bytes, path: str) -> tuple[CompletionRequest, GenRequest, str, lis
         turn=turn,
         prompt=text,
         prompt_tokens=toks,
-        logit_bias=bias,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=req.repetition_penalty or 1.0,
+        **wishes,
     )
     # A constrained reply the demo cap cuts is incomplete, never a natural end: the cap
     # stands in for EOS only where the grammar accepts one (no reasoning here).

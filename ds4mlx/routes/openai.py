@@ -157,8 +157,24 @@ class SamplingFields(OpenModel):
     repetition_penalty: float | None = Field(None, gt=0)
 
 
+def sampling_wishes(req: SamplingFields) -> dict[str, Any]:
+    """The `GenRequest` fields of ``req``'s sampling wishes (chat, completions): the
+    ``logit_bias`` pairs (`logit_bias_of`), the presence and frequency penalties (0:
+    none) and the repetition penalty (1: none).
+
+    Raises:
+        APIError: like `logit_bias_of`.
+    """
+    return {
+        "logit_bias": logit_bias_of(req),
+        "presence_penalty": req.presence_penalty or 0.0,
+        "frequency_penalty": req.frequency_penalty or 0.0,
+        "repetition_penalty": req.repetition_penalty or 1.0,
+    }
+
+
 def logit_bias_of(req: SamplingFields) -> tuple[tuple[int, float], ...]:
-    """``req.logit_bias`` as ``(token id, bias)`` pairs in id order (chat, completions).
+    """``req.logit_bias`` as ``(token id, bias)`` pairs in id order.
 
     Raises:
         APIError: 400 naming ``logit_bias.ID`` for an id outside the vocabulary (the
@@ -547,7 +563,7 @@ def _job(
         # OpenAI's answer too: alternatives are only ever sent with ``logprobs: true``.
         raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
     extra = req.model_extra or {}
-    bias = logit_bias_of(req)
+    wishes = sampling_wishes(req)
     conv = conversation(req)
     gen = prepare(
         conv,
@@ -562,10 +578,9 @@ def _job(
         salt=cache_salt(extra.get("cache_salt"), key),
         constraint=constraints.read(constraints.chat_constraint, req),
     )
-    gen.logit_bias = bias
-    gen.presence_penalty = req.presence_penalty or 0.0
-    gen.frequency_penalty = req.frequency_penalty or 0.0
-    gen.repetition_penalty = req.repetition_penalty or 1.0
+    # In place: `prepare` handed ``gen.set_grammar`` to a deferred grammar compile.
+    for name, value in wishes.items():
+        setattr(gen, name, value)
     return req, conv, gen
 
 
