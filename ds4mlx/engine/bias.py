@@ -64,7 +64,7 @@ class Penalties(TurnHooks):
         self.counts[int(token)] = self.counts.get(int(token), 0) + 1
 
     def mask(self, turn: Turn, logits: mx.array) -> mx.array | None:
-        if not self.counts or (turn.decoder is not None and turn.decoder.in_structure):
+        if not self.counts or turn.in_structure:
             return None
         # Sparse: only the reply's own tokens move (tens to thousands of ids, not the
         # 129,280 of the vocabulary).
@@ -105,7 +105,7 @@ class RepetitionPenalty(TurnHooks):
             # The session holds the whole context (a live or restored prefix included):
             # every token in it counts, as in vLLM's prompt-and-output rule.
             self.seen = {int(t) for t in turn.s.tokens}
-        if not self.seen or (turn.decoder is not None and turn.decoder.in_structure):
+        if not self.seen or turn.in_structure:
             return None
         if self._ids is None:
             self._ids = mx.array(sorted(self.seen), dtype=mx.int32)

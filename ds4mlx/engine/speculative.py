@@ -361,8 +361,7 @@ class Drafting:
         if s.script_remaining:
             t = int(s.sample_async(spec.sampling, logits=row).item())
             return t, t == draft
-        structure = turn.decoder is not None and turn.decoder.in_structure
-        if spec.greedy_after_script or structure or spec.sampling.greedy:
+        if spec.greedy_after_script or turn.in_structure or spec.sampling.greedy:
             t = int(mx.argmax(row).item())
             return t, t == draft
         lp = sampling_logprobs(row, spec.sampling)

@@ -269,13 +269,9 @@ class Turn:
         self.emit = emit
         self.cancel = cancel or (lambda: False)
         self.tool_memory = tool_memory
-        self.decoder = (
-            StreamDecoder(
-                spec.thinking, list(spec.tools), id_prefix=spec.id_prefix, calls=spec.calls
-            )
-            if spec.parse
-            else None
-        )
+        tools, prefix = list(spec.tools), spec.id_prefix
+        decoder = StreamDecoder(spec.thinking, tools, id_prefix=prefix, calls=spec.calls)
+        self.decoder = decoder if spec.parse else None
         self.stopper = StopMatcher(spec.stops)
         self.detok = tokenizer.detokenizer()
         self.result = TurnResult(FINISH_LENGTH)
@@ -303,6 +299,12 @@ class Turn:
     def raw_text(self) -> str:
         """The text generated so far (as sampled, forced feeds included)."""
         return "".join(self.raw)
+
+    @property
+    def in_structure(self) -> bool:
+        """The next token is tool-call structure (`StreamDecoder.in_structure`): it is
+        sampled greedily and no penalty moves it, so no sampling wish breaks a call."""
+        return self.decoder is not None and self.decoder.in_structure
 
     def force_feed(self, ids: Sequence[int]) -> int:
         """The one forced-feed call: ``ids`` go into the session as if sampled, through
@@ -419,7 +421,7 @@ class Turn:
         lp_fn = self.logprob_for()
         if self.forced:
             return mx.array(self.forced.popleft(), dtype=mx.uint32), lp_fn
-        greedy = greedy_after_script or bool(self.decoder and self.decoder.in_structure)
+        greedy = greedy_after_script or self.in_structure
         masked = self.hooks.mask(self, self.s.logits) if self.s.logits is not None else None
         return self.s.sample_async(self.spec.sampling, greedy=greedy, logits=masked), lp_fn
 

@@ -563,7 +563,7 @@ def _job(
         # OpenAI's answer too: alternatives are only ever sent with ``logprobs: true``.
         raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
     extra = req.model_extra or {}
-    wishes = sampling_wishes(req)
+    wishes = sampling_wishes(req)  # its 400s come before the conversation's
     conv = conversation(req)
     gen = prepare(
         conv,
@@ -577,10 +577,8 @@ def _job(
         state_key=state_key(headers, extra.get("prompt_cache_key")),
         salt=cache_salt(extra.get("cache_salt"), key),
         constraint=constraints.read(constraints.chat_constraint, req),
+        wishes=wishes,
     )
-    # In place: `prepare` handed ``gen.set_grammar`` to a deferred grammar compile.
-    for name, value in wishes.items():
-        setattr(gen, name, value)
     return req, conv, gen
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
 from quart import Response
@@ -104,6 +104,7 @@ def prepare(
     constraint: OutputConstraint | None = None,
     count_only: bool = False,
     thinking_budget: int | None = None,
+    wishes: Mapping[str, Any] | None = None,
 ) -> GenRequest:
     """Render and bound ``conv``; return the job to submit (call off the event loop).
 
@@ -126,6 +127,8 @@ def prepare(
             context cannot hold is counted, not refused (a client counts to learn that).
         thinking_budget: the most reasoning tokens (Anthropic's ``budget_tokens``), or
             None.
+        wishes: the request's other `GenRequest` fields (``logit_bias``, penalties:
+            ``ds4mlx.routes.openai.sampling_wishes``), or None for their defaults.
     Raises:
         APIError: 400 for a conversation that cannot be rendered, a rendering the
             context cannot hold (`bound`), a constraint that cannot be enforced.
@@ -162,6 +165,7 @@ def prepare(
         state_key=state_key,
         salt=salt,
         side=side,
+        **(wishes or {}),
     )
     if not count_only:  # a count needs no grammar: the prompt is the same without it
         constrain(conv, constraint, gen.set_grammar)
