@@ -207,15 +207,23 @@ def write_durable(path: str | os.PathLike, data: bytes, *, mode: int = FILE_MODE
         raise
 
 
-def atomic_write(final: str | os.PathLike, data: bytes, *, tmp: str | os.PathLike) -> None:
+def atomic_write(
+    final: str | os.PathLike, data: bytes, *, tmp: str | os.PathLike, mode: int | None = None
+) -> None:
     """Replace ``final`` with ``data`` atomically: durable write to ``tmp`` (a fresh name
-    in the same directory), rename, fsync the directory.
+    in the same directory), rename, fsync the directory. A failure at any point (a full
+    disk, a file size limit) leaves ``final`` as it was, never half-written.
+
+    ``mode``: the new file's permission bits, exactly (set with ``chmod``, so the umask
+    does not narrow them: an edited file keeps its own), or None for `FILE_MODE`.
 
     Raises:
         OSError: nothing was replaced; ``tmp`` is removed.
     """
     write_durable(tmp, data)
     try:
+        if mode is not None:
+            os.chmod(tmp, mode)
         os.replace(tmp, final)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -10,11 +10,12 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
 from ds4mlx.agent.redact import MARKER, introduces_marker
-from ds4mlx.agent.shaping import count_lines, line_of
+from ds4mlx.agent.shaping import count_lines
 from ds4mlx.agent.tools.common import (
     FAILED,
     NOT_FOUND,
@@ -28,8 +29,18 @@ from ds4mlx.agent.tools.common import (
 )
 from ds4mlx.agent.tools.schema import PATH_DESC, object_schema
 from ds4mlx.dsml.conversation import ToolSpec
+from ds4mlx.fsutil import atomic_write, temp_name, write_durable
 
 DEFAULT_READ_LIMIT = 2000  # lines
+NOT_UTF8_NOTE = (
+    "{rel} is not valid UTF-8: bytes that do not decode are shown as U+FFFD (\ufffd), "
+    "not as they are; change this file with bash, not write or edit"
+)
+_REPLACEMENT_REFUSAL = (
+    "refused: {rel} is not UTF-8 text and the content holds U+FFFD (\ufffd), what read "
+    "shows for bytes it cannot decode: writing it would destroy those bytes. Change this "
+    "file with bash (e.g. sed or iconv) instead."
+)
 MAX_LIST_ENTRIES = 5000
 
 READ_SPEC = ToolSpec(
@@ -129,9 +140,14 @@ class FileTools:
         offset, limit = a["offset"], a["limit"]
         lines: list[str] = []
         total = 0
+        utf8 = True
         # newline="\n": split on \n only (as every other tool counts lines), keep \r.
-        with open(path, encoding="utf-8", errors="replace", newline="\n") as f:
-            for total, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for total, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    line, utf8 = raw.decode("utf-8", errors="replace"), False
                 if offset <= total < offset + limit:
                     lines.append(line)
         if total == 0:
@@ -139,37 +155,55 @@ class FileTools:
         if offset > total:
             raise ToolError(FAILED, f"offset {offset} is past the end of {rel} ({total} lines)")
         last = offset + len(lines) - 1
-        after = ""
+        notes = []
         if offset > 1 or last < total:
-            after = f"[{rel}: lines {offset}–{last} of {total}"
-            after += f"; call read with offset={last + 1} for more]" if last < total else "]"
-        return Result("".join(lines), after=after)
+            note = f"{rel}: lines {offset}–{last} of {total}"
+            notes.append(
+                note + (f"; call read with offset={last + 1} for more" if last < total else "")
+            )
+        if not utf8:
+            notes.append(NOT_UTF8_NOTE.format(rel=rel))
+        return Result("".join(lines), after="\n".join(f"[{n}]" for n in notes))
 
     def write(self, a: dict[str, Any]) -> Proposal:
         path = self.ws.path(a["path"])
         rel = self.ws.rel(path)
         content: str = a["content"]
-        data = content.encode("utf-8")
         if path.is_dir():
             raise ToolError(FAILED, f"{rel} is a directory")
+        if a["path"].endswith(("/", os.sep)):
+            raise ToolError(FAILED, f"{a['path']} names a directory; give a file name")
+        for parent in path.parents:  # a file where a directory must be: say which
+            if parent.exists():
+                if not parent.is_dir():
+                    raise ToolError(FAILED, f"{self.ws.rel(parent)} is not a directory")
+                break
         exists = path.exists()
-        old: str | None = None
         if exists and not path.is_file():  # a FIFO or device would block or misbehave
             raise ToolError(FAILED, f"{rel} is not a regular file")
-        if exists:
+        before = _contents(path)
+        old: str | None = None
+        if before is not None:
             try:
-                old = path.read_text(encoding="utf-8")
-            except (UnicodeDecodeError, OSError):
-                old = None
-            detail = _diff(old, content, rel) if old is not None else ""
-        else:
+                old = before.decode("utf-8")
+            except UnicodeDecodeError:
+                if "\ufffd" in content:
+                    raise ToolError(FAILED, _REPLACEMENT_REFUSAL.format(rel=rel)) from None
+            else:
+                content = _in_file_line_endings(old, content)
+        data = content.encode("utf-8")
+        if before is None:
             detail = _preview(content)
+        elif old is None:
+            detail = f"({rel} is not UTF-8 text: no diff shown; all its bytes are replaced)"
+        else:
+            detail = _diff(old, content, rel)
         size = f"({len(data)} bytes, {count_lines(content)} lines)"
         _refuse_redacted(content, old or "", rel)
 
         def apply() -> Result:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data)
+            _unchanged_since(path, before, rel)
+            _put(path, data, exists=before is not None)
             return Result(f"{'overwrote' if exists else 'created'} {rel} {size}")
 
         what = "overwrite" if exists else "create"
@@ -177,8 +211,9 @@ class FileTools:
 
     def applied(self, name: str, a: dict[str, Any]) -> str | None:
         """Whether the ``write``/``edit`` call ``a`` is already in effect (a repeat of one
-        whose outcome is unknown): the file holds ``content``, or ``old`` is gone and
-        ``new`` present. Returns the result text ("already applied: …") or None.
+        whose outcome is unknown): the file holds ``content`` (in its own line endings),
+        or holds ``new`` and every ``old`` left lies inside a ``new`` (`_in_effect`).
+        Returns the result text ("already applied: …") or None.
         """
         path = self.ws.path(a["path"])
         rel = self.ws.rel(path)
@@ -188,12 +223,12 @@ class FileTools:
             return None
         if text is None:
             return None
-        if name == "write" and text == a["content"]:
+        if name == "write" and text in (a["content"], _in_file_line_endings(text, a["content"])):
             return f"already applied: {rel} already holds this content; nothing was written"
         if name == "edit":
             old, new = _match_line_endings(text, a["old"], a["new"])
-            if old not in text and new and new in text:
-                return f"already applied: {rel} no longer holds old and holds new; nothing changed"
+            if _in_effect(text, old, new):
+                return f"already applied: {rel} holds new where old was; nothing changed"
         return None
 
     def edit(self, a: dict[str, Any]) -> Proposal:
@@ -203,10 +238,11 @@ class FileTools:
         old, new, replace_all = a["old"], a["new"], a["replace_all"]
         if old == new:
             raise ToolError(FAILED, "old and new are identical; nothing to change")
+        before = path.read_bytes()
         try:
-            text = path.read_bytes().decode("utf-8")
+            text = before.decode("utf-8")
         except UnicodeDecodeError:
-            raise ToolError(FAILED, f"{rel} is not valid UTF-8; use write or bash") from None
+            raise ToolError(FAILED, f"{rel} is not valid UTF-8; change it with bash") from None
         old, new = _match_line_endings(text, old, new)
         _refuse_redacted(new, old, rel)
         count = text.count(old)
@@ -219,7 +255,7 @@ class FileTools:
                 f"old text not found in {rel}{hint}. It must match the file exactly, "
                 "including indentation and line breaks; read the file and copy the text.",
             )
-        lines = [line_of(text, m.start()) for m in re.finditer(re.escape(old), text)]
+        lines = _match_lines(text, old)
         if count > 1 and not replace_all:
             raise ToolError(
                 FAILED,
@@ -230,7 +266,8 @@ class FileTools:
         n = count if replace_all else 1
 
         def apply() -> Result:
-            path.write_bytes(updated.encode("utf-8"))
+            _unchanged_since(path, before, rel)
+            _put(path, updated.encode("utf-8"), exists=True)
             return Result(f"edited {rel}: replaced {n} occurrence(s) at line(s) {first_few(lines)}")
 
         return Proposal(
@@ -304,7 +341,97 @@ def _match_line_endings(text: str, old: str, new: str) -> tuple[str, str]:
         crlf = old.replace("\n", "\r\n")
         if crlf != old and crlf in text:
             return crlf, new.replace("\n", "\r\n")
-    return old, new
+    return old, _in_file_line_endings(text, new)
+
+
+def _crlf_only(text: str) -> bool:
+    """Every line break of ``text`` is CRLF (and there is one)."""
+    return "\r\n" in text and text.count("\n") == text.count("\r\n")
+
+
+def _in_file_line_endings(file_text: str, text: str) -> str:
+    """``text`` (the model's, ``\n`` breaks) with CRLF breaks when ``file_text`` (what it
+    goes into) uses CRLF only: a change keeps the file's style, as an editor would."""
+    if _crlf_only(file_text):
+        return re.sub(r"(?<!\r)\n", "\r\n", text)
+    return text
+
+
+def _match_lines(text: str, old: str, limit: int = 11) -> list[int]:
+    """1-based line numbers of the first ``limit`` occurrences of ``old`` in ``text``
+    (non-overlapping, as ``str.count``/``str.replace`` take them), counted
+    incrementally: linear in the text, not in (occurrences × text)."""
+    lines: list[int] = []
+    line, last, pos = 1, 0, text.find(old)
+    while pos != -1 and len(lines) < limit:
+        line += text.count("\n", last, pos)
+        last = pos
+        lines.append(line)
+        pos = text.find(old, pos + len(old))
+    return lines
+
+
+def _in_effect(text: str, old: str, new: str) -> bool:
+    """Whether the edit ``old`` → ``new`` shows as done in ``text``: ``new`` occurs and
+    every occurrence of ``old`` lies inside one of ``new``. That covers edits that keep
+    ``old`` inside ``new`` (adding a line after it): "old is gone" alone would apply
+    those twice."""
+    if not new:
+        return old not in text
+    spans = []
+    pos = text.find(new)
+    while pos != -1:
+        spans.append((pos, pos + len(new)))
+        pos = text.find(new, pos + 1)
+    if not spans:
+        return False
+    i, pos = 0, text.find(old)
+    while pos != -1:
+        while i < len(spans) and spans[i][1] < pos + len(old):
+            i += 1  # spans are in order of start and end (all of one length)
+        if i == len(spans) or spans[i][0] > pos:
+            return False
+        pos = text.find(old, pos + 1)
+    return True
+
+
+def _contents(path: Path) -> bytes | None:
+    """The bytes of the regular file ``path``, or None when there is none."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ToolError(FAILED, f"cannot read {path.name}: {exc.strerror}") from None
+
+
+def _unchanged_since(path: Path, before: bytes | None, rel: str) -> None:
+    """Refuse to apply a change proposed from ``before`` (None: no file) when the file
+    now holds something else: it changed while the user was asked (an editor saved
+    it), and writing would silently drop that change.
+
+    Raises:
+        ToolError: ``failed``, saying nothing was written.
+    """
+    if _contents(path) != before:
+        raise ToolError(
+            FAILED,
+            f"{rel} changed on disk after this change was proposed (while permission was "
+            "asked); nothing was written. Read it again and redo the change.",
+        )
+
+
+def _put(path: Path, data: bytes, *, exists: bool) -> None:
+    """Write ``data`` as ``path``: an existing file is replaced atomically and keeps its
+    permission bits (a full disk or a size limit leaves it whole, never half-written);
+    a new one is created with the umask's default mode and removed if the write fails.
+    ``path`` is resolved (a symlink's target is what changes, the link stays)."""
+    if exists:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        atomic_write(path, data, tmp=path.with_name(temp_name(path.name)), mode=mode)
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_durable(path, data, mode=0o666)
 
 
 def _one_line(rel: str) -> str:

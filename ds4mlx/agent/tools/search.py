@@ -4,17 +4,30 @@ Output is ``path:line: text`` per matching line (paths relative to the workspace
 1-based lines, long lines cut), in walk order: directories and files name-sorted,
 ``.git`` skipped, symlinked directories not followed, symlinks out of the workspace
 ignored, binary files and files over 10 MB skipped and counted.
+
+Paths that ``.gitignore`` files ignore (git's rules, read with ``pathspec``: every
+``.gitignore`` from the workspace root down, deeper files first, and
+``.git/info/exclude``) are skipped and counted unless ``include_ignored`` is set: in a
+real repository the vendored and built trees would otherwise fill ``max_results``
+before the sources. A file named directly as ``path`` is always searched.
+
+Patterns run on the ``regex`` module (a superset of ``re``) with a time limit: a
+pattern that backtracks without end (``(a|aa)+$``) stops the search with what it
+found, instead of freezing the agent.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import stat
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import pathspec
+import regex
 
 from ds4mlx.agent.tools.common import (
     INVALID_ARGUMENTS,
@@ -30,11 +43,15 @@ from ds4mlx.dsml.conversation import ToolSpec
 
 MAX_SEARCH_FILE_BYTES = 10 << 20
 MAX_MATCH_LINE_CHARS = 300
+#: Seconds one search may take (walk and matching together) before it stops with
+#: what it found.
+SEARCH_TIME_S = 20.0
 
 SEARCH_SPEC = ToolSpec(
     "search",
     "Search file contents with a Python regular expression, line by line. Returns "
-    "path:line: text for each match. Skips binary files, .git and files over 10 MB.",
+    "path:line: text for each match. Skips binary files, .git, files over 10 MB and "
+    "paths .gitignore ignores (include_ignored=true searches those too).",
     object_schema(
         {
             "pattern": {"type": "string", "minLength": 1, "description": "Python regex."},
@@ -49,6 +66,11 @@ SEARCH_SPEC = ToolSpec(
                 "description": 'Only files matching this glob, e.g. "*.py" or "src/**/*.ts".',
             },
             "ignore_case": {"type": "boolean", "default": False},
+            "include_ignored": {
+                "type": "boolean",
+                "default": False,
+                "description": "Also search paths that .gitignore files ignore.",
+            },
             "max_results": {
                 "type": "integer",
                 "minimum": 1,
@@ -62,6 +84,66 @@ SEARCH_SPEC = ToolSpec(
 )
 
 
+class GitIgnores:
+    """The ``.gitignore`` rules of a workspace, read lazily per directory.
+
+    Args:
+        root: the workspace root (resolved); its ``.git/info/exclude`` counts as the
+            outermost rules.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._specs: dict[Path, pathspec.GitIgnoreSpec | None] = {}
+        self._dirs: dict[Path, bool] = {}
+        self.skipped = 0  # paths left out, for the result's note
+
+    def _spec(self, d: Path, name: str = ".gitignore") -> pathspec.GitIgnoreSpec | None:
+        key = d / name
+        if key not in self._specs:
+            try:
+                lines = key.read_text(encoding="utf-8", errors="replace").splitlines()
+                self._specs[key] = pathspec.GitIgnoreSpec.from_lines(lines)
+            except (OSError, ValueError):  # absent, unreadable, or a bad pattern
+                self._specs[key] = None
+        return self._specs[key]
+
+    def _rules(self, d: Path) -> list[tuple[Path, pathspec.GitIgnoreSpec]]:
+        """``(directory, spec)`` that apply to entries of ``d``, deepest first."""
+        out = []
+        for a in (d, *d.parents):
+            spec = self._spec(a)
+            if spec is not None:
+                out.append((a, spec))
+            if a == self.root:
+                break
+        exclude = self._spec(self.root / ".git" / "info", "exclude")
+        if exclude is not None:
+            out.append((self.root, exclude))
+        return out
+
+    def ignored(self, p: Path, is_dir: bool) -> bool:
+        """Whether git would ignore ``p`` (inside the root), its own rules deciding: the
+        deepest file with a matching pattern wins, and its last such pattern."""
+        for d, spec in self._rules(p.parent):
+            rel = p.relative_to(d).as_posix() + ("/" if is_dir else "")
+            hit = spec.check_file(rel).include
+            if hit is not None:
+                return hit
+        return False
+
+    def hidden(self, p: Path, base: Path, is_dir: bool = False) -> bool:
+        """Whether ``p`` (under ``base``) or a directory between ``base`` and it is
+        ignored (git never looks inside an ignored directory)."""
+        for d in reversed(p.relative_to(base).parents[:-1]):
+            full = base / d
+            if full not in self._dirs:
+                self._dirs[full] = self.ignored(full, True)
+            if self._dirs[full]:
+                return True
+        return self.ignored(p, is_dir)
+
+
 def search(ws: Workspace, a: dict[str, Any]) -> Result:
     """Run ``search`` with validated arguments ``a`` (defaults filled in).
 
@@ -71,8 +153,8 @@ def search(ws: Workspace, a: dict[str, Any]) -> Result:
         PathOutsideWorkspace: ``path`` resolves outside the workspace.
     """
     try:
-        regex = re.compile(a["pattern"], re.IGNORECASE if a["ignore_case"] else 0)
-    except re.error as exc:
+        pattern = regex.compile(a["pattern"], regex.IGNORECASE if a["ignore_case"] else 0)
+    except (regex.error, ValueError) as exc:
         raise ToolError(
             INVALID_ARGUMENTS, f"invalid regular expression {a['pattern']!r}: {exc}"
         ) from None
@@ -80,23 +162,40 @@ def search(ws: Workspace, a: dict[str, Any]) -> Result:
     rel = ws.rel(base)
     if not base.exists():
         raise ToolError(NOT_FOUND, f"no such file or directory: {rel}")
-    scan = _Scan(ws, regex, a["max_results"])
-    for p in _candidates(ws, base, a.get("glob")):
-        if scan.full:
+    ignores = None if a.get("include_ignored") else GitIgnores(ws.root)
+    if ignores is not None and base != ws.root and ignores.hidden(base, ws.root, base.is_dir()):
+        ignores = None  # asked for by name (``node_modules``): searched whole
+    scan = _Scan(ws, pattern, a["max_results"], time.monotonic() + SEARCH_TIME_S)
+    for p in _candidates(ws, base, a.get("glob"), ignores):
+        if scan.full or scan.stopped:
             break
         scan.file(p)
-    return scan.result(a["pattern"], rel)
+    return scan.result(a["pattern"], rel, ignores.skipped if ignores else 0)
 
 
-def _candidates(ws: Workspace, base: Path, glob: str | None) -> Iterator[Path]:
-    """The files to search under ``base`` (or ``base`` itself), in output order."""
+def _candidates(
+    ws: Workspace, base: Path, glob: str | None, ignores: GitIgnores | None
+) -> Iterator[Path]:
+    """The files to search under ``base`` (or ``base`` itself), in output order, less
+    what ``ignores`` leaves out (counted in ``ignores.skipped``)."""
     if base.is_file():
         yield base
     elif glob:
-        yield from (p for p in ws.glob(base, glob) if p.is_file())
+        for p in ws.glob(base, glob):
+            if not p.is_file():
+                continue
+            if ignores is not None and ignores.hidden(p, base):
+                ignores.skipped += 1
+                continue
+            yield p
     else:
         for root, dirs, files in os.walk(base, followlinks=False):
             dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
+            if ignores is not None:
+                kept_dirs = [d for d in dirs if not ignores.ignored(Path(root, d), True)]
+                kept = [f for f in files if not ignores.ignored(Path(root, f), False)]
+                ignores.skipped += len(dirs) - len(kept_dirs) + len(files) - len(kept)
+                dirs[:], files = kept_dirs, kept
             for name in sorted(files):
                 yield Path(root, name)
 
@@ -106,9 +205,11 @@ class _Scan:
     """Matching lines found so far, and counts of what was searched or skipped."""
 
     ws: Workspace
-    regex: re.Pattern[str]
+    pattern: regex.Pattern
     max_results: int
+    deadline: float  # time.monotonic() second the search stops at
     out: list[str] = field(default_factory=list)
+    stopped: bool = False  # past the deadline
     searched: int = 0
     binary: int = 0
     large: int = 0
@@ -120,6 +221,9 @@ class _Scan:
 
     def file(self, p: Path) -> None:
         """Search one candidate; unreadable files and ones leaving the workspace are skipped."""
+        if time.monotonic() >= self.deadline:
+            self.stopped = True
+            return
         if not self.ws.contains(p):
             return  # a symlink out of the workspace: not ours to read
         try:
@@ -144,7 +248,13 @@ class _Scan:
         with open(p, encoding="utf-8", errors="replace", newline="\n") as f:
             for no, line in enumerate(f, 1):
                 line = line.rstrip("\r\n")
-                if not self.regex.search(line):
+                try:
+                    left = max(self.deadline - time.monotonic(), 1e-3)
+                    found = self.pattern.search(line, timeout=left)
+                except TimeoutError:
+                    self.stopped = True
+                    break
+                if not found:
                     continue
                 hit = True
                 if len(line) > MAX_MATCH_LINE_CHARS:
@@ -154,22 +264,33 @@ class _Scan:
                     break
         return hit
 
-    def result(self, pattern: str, rel: str) -> Result:
+    def result(self, pattern: str, rel: str, ignored: int = 0) -> Result:
+        """The tool's result; ``ignored``: paths .gitignore left out."""
         skipped = []
         if self.binary:
             skipped.append(f"{self.binary} binary")
         if self.large:
             skipped.append(f"{self.large} over {MAX_SEARCH_FILE_BYTES >> 20} MB")
+        if ignored:
+            skipped.append(f"{ignored} paths .gitignore ignores (include_ignored=true)")
         skip_note = f"; skipped {', '.join(skipped)}" if skipped else ""
+        stop_note = ""
+        if self.stopped:
+            stop_note = (
+                f"; stopped after the {SEARCH_TIME_S:g} s limit: the rest was not searched "
+                "(a pattern with nested repetition can backtrack without end: simplify it, "
+                "or narrow path or glob)"
+            )
+        elif self.full:
+            stop_note = (
+                f"; stopped at max_results={self.max_results}, narrow the search or raise "
+                "max_results"
+            )
         if not self.out:
             return Result(
-                f"no matches for {pattern!r} in {rel} ({self.searched} files searched{skip_note})"
+                f"no matches for {pattern!r} in {rel} "
+                f"({self.searched} files searched{skip_note}{stop_note})"
             )
-        stop_note = (
-            f"; stopped at max_results={self.max_results}, narrow the search or raise max_results"
-            if self.full
-            else ""
-        )
         n = len(self.out)
         after = f"[{n} matching lines in {self.matched_files} files{skip_note}{stop_note}]"
         return Result("\n".join(self.out) + "\n", after=after)
