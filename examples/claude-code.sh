@@ -63,14 +63,23 @@ export API_TIMEOUT_MS="${API_TIMEOUT_MS:-3000000}"
 # variable yourself to override.
 if [[ -z "${CLAUDE_CODE_MAX_CONTEXT_TOKENS:-}" ]]; then
     ctx="$(python3 - "$ANTHROPIC_BASE_URL" "$ANTHROPIC_AUTH_TOKEN" <<'PY' 2>/dev/null || true
-import json, sys, urllib.request
+import json, sys, urllib.error, urllib.request
 req = urllib.request.Request(
     sys.argv[1] + "/v1/models/deepseek-v4-flash", headers={"x-api-key": sys.argv[2]}
 )
-print(json.load(urllib.request.urlopen(req, timeout=10))["context_length"])
+try:
+    print(json.load(urllib.request.urlopen(req, timeout=10))["context_length"])
+except urllib.error.HTTPError as e:
+    print(f"http {e.code}")
 PY
 )"
-    if [[ "$ctx" =~ ^[0-9]+$ ]]; then
+    if [[ "$ctx" == "http 401" ]]; then
+        # /health needs no key, so only this request tells: Claude Code itself would
+        # retry the 401 for minutes before saying so.
+        echo "claude-code.sh: the server at $ANTHROPIC_BASE_URL wants an API key" \
+            "(serve --api-key): set DS4MLX_API_KEY to it" >&2
+        exit 1
+    elif [[ "$ctx" =~ ^[0-9]+$ ]]; then
         export CLAUDE_CODE_MAX_CONTEXT_TOKENS="$ctx"
     else
         echo "claude-code.sh: cannot read the context size from $ANTHROPIC_BASE_URL" \

@@ -83,6 +83,8 @@ def call(server, method, path, body=None, headers=None, key=None) -> httpx.Respo
 def assert_shaped(r: httpx.Response, path: str, status: int, code: str | None = None) -> dict:
     """``r`` is ``status`` in its protocol's error shape (Anthropic's on /v1/messages)."""
     assert r.status_code == status, (path, r.status_code, r.text)
+    # The same request would be refused again: clients must not retry it.
+    assert r.headers.get("x-should-retry") == ("false" if status not in (408, 429) else None)
     if r.request.method == "HEAD":
         return {}
     body = r.json()

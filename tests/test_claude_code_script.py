@@ -48,3 +48,18 @@ def test_the_readme_install_is_found():
     r = subprocess.run([str(SCRIPT)], capture_output=True, text=True, timeout=60,
                        env=_env(DS4MLX_URL=url))  # fmt: skip
     assert "not found" not in r.stderr and "no server at" in r.stderr
+
+
+def test_a_server_wanting_a_key_is_named_before_claude_starts(tiny_model_dir, server_factory):
+    """``/health`` needs no key, so the script's probe of the context size is what meets
+    the 401: it says to set ``DS4MLX_API_KEY`` (before, it blamed a missing server and
+    Claude Code then retried the 401 for minutes)."""
+    s = server_factory(tiny_model_dir, ctx=1024, extra=["--kv-disk-dir", "none", "--api-key", "k1"])
+    env = {k: v for k, v in _env(DS4MLX_URL=s.url).items() if k != "DS4MLX_API_KEY"}
+    r = subprocess.run([str(SCRIPT), "-p", "hi"], capture_output=True, text=True,
+                       timeout=60, env=env, stdin=subprocess.DEVNULL)  # fmt: skip
+    assert r.returncode == 1
+    assert r.stderr.strip() == (
+        f"claude-code.sh: the server at {s.url} wants an API key (serve --api-key): set "
+        "DS4MLX_API_KEY to it"
+    )

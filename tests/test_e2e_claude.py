@@ -158,3 +158,30 @@ def test_claude_code_compacts_when_the_server_refuses_a_prompt_as_too_long(serve
     assert len(prompts) == 5, [p["tokens"] for p in prompts]
     assert "<summary>" in prompts[3]["text"] and "Do NOT call any tools" in prompts[3]["text"]
     assert "all three were printed" in prompts[4]["text"] and prompts[4]["tokens"] < 32768
+
+
+def test_claude_code_gives_up_on_a_401_at_once(tiny_model_dir, server_factory, tmp_path):
+    """A server under ``--api-key`` refuses a wrong key with ``x-should-retry: false``:
+    Claude Code reports the 401 after one request. Without the header it retried (six
+    401s in 25 s, ten in three minutes) before telling its user."""
+    s = server_factory(tiny_model_dir, ctx=1024, extra=["--kv-disk-dir", "none", "--api-key", "k1"])
+    exe = require_cli("claude")
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "ANTHROPIC_BASE_URL": s.url,
+        "ANTHROPIC_AUTH_TOKEN": "wrong",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "LD_PRELOAD": "",
+    }
+    before = s.log().count("rejected 401")
+    r = subprocess.run(
+        [exe, "-p", "hi", "--model", "deepseek-v4-flash"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert r.returncode != 0 and "401" in r.stdout + r.stderr
+    assert s.log().count("rejected 401") - before == 1, s.log()[-2000:]

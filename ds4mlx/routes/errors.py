@@ -82,12 +82,20 @@ def error_response(
     err: APIError, shape: Callable[[APIError], dict[str, Any]] = openai_error
 ) -> Response:
     """A JSON `Response` for ``err`` in the protocol's ``shape`` (OpenAI's by default;
-    the Messages API passes ``ds4mlx.routes.anthropic.error_body``)."""
-    return current_app.response_class(
+    the Messages API passes ``ds4mlx.routes.anthropic.error_body``).
+
+    A client error that the same request would meet again (a 4xx but 408, 409 and 429)
+    carries ``x-should-retry: false``, the header the Anthropic and OpenAI SDKs and
+    Claude Code read before their own retry rules: without it Claude Code retried a 401
+    (a missing ``--api-key`` key) for three minutes before telling its user."""
+    response = current_app.response_class(
         json.dumps(shape(err), ensure_ascii=False),
         status=err.status,
         mimetype="application/json",
     )
+    if 400 <= err.status < 500 and err.status not in (408, 409, 429):
+        response.headers["x-should-retry"] = "false"
+    return response
 
 
 def http_exception_to_api(e: HTTPException) -> APIError:
