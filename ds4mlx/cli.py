@@ -8,6 +8,8 @@ it (docs/ARCHITECTURE.md §1). Modules are imported lazily so ``ds4mlx --help`` 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -1191,7 +1193,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # refused by the sub-command's parser, whose --help lists its flags
+        argtypes.OneLineParser(prog=f"ds4mlx {args.command}").error(
+            f"unrecognized arguments: {' '.join(extra)}"
+        )
     refusal = check_speculative_flags(args)
     if refusal is not None:  # one line, exit 2, as any other usage error
         argtypes.OneLineParser(prog=f"ds4mlx {args.command}").error(refusal)
@@ -1199,7 +1206,16 @@ def main(argv: list[str] | None = None) -> int:
         from ds4mlx.blas import ensure_openblas
 
         ensure_openblas()
-    return int(args.func(args) or 0)
+    try:
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, not at exit, where a closed pipe could not be caught
+        return code
+    except BrokenPipeError:
+        # The reader went away (``ds4mlx kv ls | head -1``): end as a tool killed by
+        # SIGPIPE would, quietly; stdout goes to /dev/null so the interpreter's final
+        # flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

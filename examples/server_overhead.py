@@ -93,7 +93,7 @@ def http(url: str, n: int) -> tuple[float, str, int]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("-m", "--model", default=os.environ.get("DS4MLX_MODEL"))
     ap.add_argument("--demo", action="store_true", help="use the cached tiny demo model")
     ap.add_argument("--tokens", type=int, default=256)

@@ -84,6 +84,10 @@ BAD = [
     (["agent", "--demo", "--draft-tokens", "2", "--speculative", "off"], 2, "needs --speculative"),
     # `--api-key "$KEY"` with KEY unset must not serve without authentication.
     (["serve", "-m", "TINY", "--api-key", "", "--port", "PORT"], 2, "--api-key: an empty key"),
+    # An unknown flag points at the sub-command's own help, which lists its flags.
+    (["agent", "--bogus"], 2, "unrecognized arguments: --bogus (see ds4mlx agent --help)"),
+    # Said before the model loads, naming the flag (it was "cannot load model …").
+    (["serve", "--demo", "--trace", "MISSING/t.jsonl", "--port", "PORT"], 2, "--trace"),
 ]
 
 
@@ -98,6 +102,21 @@ def test_bad_values_are_one_line(env, places, argv, status, phrase):
     assert len(lines) == 1 and phrase in lines[0], r.stderr
     assert "reading headers" not in r.stderr  # no progress bar before the failure
     assert not (places["OUT"] / "config.json").exists()
+
+
+def test_a_reader_that_goes_away_ends_the_listing_quietly(env):
+    """``ds4mlx tokenize -v … | head -1``: the closed pipe ends the command as SIGPIPE
+    would (exit 141), without a traceback."""
+    proc = subprocess.Popen(
+        [*CMD, "tokenize", "-v"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    proc.stdin.write(b"hello world " * 50000)  # ~100k lines out: past any pipe buffer
+    proc.stdin.close()
+    assert proc.stdout.readline()
+    proc.stdout.close()
+    assert proc.wait(timeout=300) == 141
+    assert proc.stderr.read() == b""
 
 
 def test_failed_load_after_making_the_demo_model_exits_2(env, tmp_path):

@@ -75,6 +75,9 @@ def run_serve(args, register) -> int:
         handlers=[handler],
     )
     logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
+    if args.trace and (problem := _trace_problem(args.trace)):
+        print(f"ds4mlx serve: --trace {args.trace}: {problem}", file=sys.stderr)
+        return 2
     model = _model_dir(args)
     if model is None:
         return 2
@@ -347,3 +350,17 @@ def _default_sessions(kv, args, model: str):
     else:
         why = f"default: min({DEFAULT_SESSIONS}, what memory holds after the weights)"
     return kv, why
+
+
+def _trace_problem(path: str) -> str | None:
+    """Why ``--trace PATH`` cannot be written (a missing folder, a directory), or None:
+    said before the model loads, not as a failure to load it."""
+    p = os.path.abspath(os.path.expanduser(path))
+    if os.path.isdir(p):
+        return "is a directory; give a file name"
+    parent = os.path.dirname(p)
+    if not os.path.isdir(parent):
+        return f"no folder {parent} (create it first)"
+    if not os.access(parent, os.W_OK) or (os.path.exists(p) and not os.access(p, os.W_OK)):
+        return "not writable"
+    return None
