@@ -50,6 +50,7 @@ PNG = (
     "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8"
     "z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
 )
+PDF = "data:application/pdf;base64,JVBERi0xLjQK"
 
 
 def _chat_call(call_id: str, city: str) -> dict[str, Any]:
@@ -188,6 +189,18 @@ def _chat_cases() -> dict[str, dict[str, Any]]:
             ],
             **off,
         },
+        "chat-file": {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "Summarize."},
+                        {"type": "file", "file": {"file_data": PDF, "filename": "a.pdf"}},
+                    ],
+                }
+            ],
+            **off,
+        },
         "chat-spelled-marker": {
             "messages": [{"role": "user", "content": "Say <｜User｜> and </think> literally."}],
             **off,
@@ -321,6 +334,55 @@ def _ant_cases() -> dict[str, dict[str, Any]]:
             ],
             **off,
         },
+        # Documents name their media type (unknown for a source without one).
+        "ant-documents": {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "Compare."},
+                        {
+                            "type": "document",
+                            "source": {"type": "text", "media_type": "text/plain", "data": "A"},
+                        },
+                        {"type": "document", "source": {"type": "text", "data": "B"}},
+                        {
+                            "type": "document",
+                            "source": {
+                                "type": "base64",
+                                "media_type": "application/pdf",
+                                "data": PDF.split(",", 1)[1],
+                            },
+                        },
+                    ],
+                }
+            ],
+            **off,
+        },
+        "ant-document-in-tool-result": {
+            "messages": [
+                U,
+                {"role": "assistant", "content": use["content"][1:]},
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "toolu_1",
+                            "content": [
+                                {"type": "text", "text": "Found:"},
+                                {
+                                    "type": "document",
+                                    "source": {"type": "url", "url": "https://x.example/a.pdf"},
+                                },
+                            ],
+                        }
+                    ],
+                },
+            ],
+            "tools": [ANT_TOOL],
+            **off,
+        },
     }
 
 
@@ -387,6 +449,18 @@ def _resp_cases() -> dict[str, dict[str, Any]]:
                     "content": [
                         {"type": "input_text", "text": "What is this?"},
                         {"type": "input_image", "image_url": PNG},
+                    ],
+                }
+            ],
+            **none,
+        },
+        "resp-file": {
+            "input": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "Summarize."},
+                        {"type": "input_file", "file_data": PDF, "filename": "a.pdf"},
                     ],
                 }
             ],

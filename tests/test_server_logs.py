@@ -43,7 +43,7 @@ def test_unsupported_parts_are_logged_once_per_request(tiny_model_dir):
     assert "/v1/chat/completions: unsupported content parts image_url×2" in lines[0]
     assert "the model sees only [Unsupported Image]" in lines[0]
     assert "/v1/messages: unsupported content parts document" in lines[1]
-    assert "[Unsupported Document]" in lines[1]
+    assert "[Unsupported document type: text/plain]" in lines[1]
     assert "/v1/responses: unsupported content parts input_image" in lines[2]
     assert "[Unsupported Image]" in lines[2]
 

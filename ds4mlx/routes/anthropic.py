@@ -317,9 +317,16 @@ def _result_text(content: str | list[dict[str, Any]] | None) -> str:
     if isinstance(content, str):
         return content
     return join_blank(
-        (b.get("text") or "") if b.get("type") == "text" else placeholder(b.get("type"))
-        for b in content
+        (b.get("text") or "") if b.get("type") == "text" else _placeholder(b) for b in content
     )
+
+
+def _placeholder(block: Any) -> str:
+    """The placeholder of a non-text block (a document names its source's media type)."""
+    fields = block if isinstance(block, dict) else {"type": block.type, **(block.model_extra or {})}
+    source = fields.get("source")
+    media = source.get("media_type") if isinstance(source, dict) else None
+    return placeholder(fields.get("type"), media)
 
 
 def _user_turn(blocks: list[Any]) -> list[Message]:
@@ -336,7 +343,7 @@ def _user_turn(blocks: list[Any]) -> list[Message]:
         elif isinstance(b, TextBlock):
             texts.append(b.text)
         else:
-            texts.append(placeholder(b.type))
+            texts.append(_placeholder(b))
     if texts or not out:
         out.append(Message(role="user", content="\n\n".join(texts)))
     return out

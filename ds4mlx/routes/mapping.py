@@ -6,9 +6,9 @@ rule exists once:
 
 - system text joins: ``\\n`` between Anthropic system blocks (only where the previous
   part lacks one), a blank line between hoisted system parts;
-- a non-text content block (image, document, audio, file…) renders as one placeholder
-  spelling on every protocol, ``[Unsupported Image]`` and the like (DeepSeek's own
-  conversion writes the image one), and is noted for the request's log line;
+- a non-text content block (image, document, audio, file…) renders as the placeholder
+  DeepSeek's own conversion writes (``[Unsupported Image]``, ``[Unsupported document
+  type: application/pdf]``…), and is noted for the request's log line;
 - tool-call arguments that are not a JSON object are kept under ``"arguments"``;
 - an "effort" word maps onto DeepSeek's thinking switch and Think-Max;
 - a forced ``tool_choice`` needs a callable tool, and a named one must be offered;
@@ -63,36 +63,45 @@ def join_blank(parts: Iterable[str]) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
-# What a placeholder stands for, by wire type: the same noun on every protocol.
+# What a placeholder stands for, by wire type, as DeepSeek's own conversion
+# (deepseek-recipe) names it: chat's ``file`` part is taken for an image input there,
+# Responses' ``input_file`` for a document.
 _NOUNS = {
     "image": "Image",
     "image_url": "Image",
     "input_image": "Image",
-    "document": "Document",
-    "input_file": "File",
-    "file": "File",
+    "file": "Image",
+    "input_file": "Document",
     "input_audio": "Audio",
     "audio": "Audio",
 }
-# Wire types of the parts the current request replaced by placeholders (a list set per
-# HTTP request / WebSocket by `note_unsupported`; thread-pool copies of the request's
-# context share it).
-_UNSUPPORTED: ContextVar[list[str] | None] = ContextVar("unsupported_parts", default=None)
+# The parts the current request replaced by placeholders, ``(wire type, text)`` (a list
+# set per HTTP request / WebSocket by `note_unsupported`; thread-pool copies of the
+# request's context share it).
+_UNSUPPORTED: ContextVar[list[tuple[str, str]] | None] = ContextVar(
+    "unsupported_parts", default=None
+)
 
 
-def placeholder(kind: str | None) -> str:
+def placeholder(kind: str | None, media_type: Any = None) -> str:
     """The text the model sees instead of a non-text block of wire type ``kind`` (the
-    model reads text only): ``[Unsupported Image]`` for ``image``, ``image_url`` and
-    ``input_image`` alike, ``[Unsupported Document]``, ``[Unsupported File]``,
-    ``[Unsupported Audio]``, else ``[Unsupported KIND]``. Notes ``kind`` for the log."""
+    model reads text only), as `placeholder_text` spells it; noted for the log."""
+    text = placeholder_text(kind, media_type)
     seen = _UNSUPPORTED.get()
     if seen is not None:
-        seen.append(kind or "content")
-    return placeholder_text(kind)
+        seen.append((kind or "content", text))
+    return text
 
 
-def placeholder_text(kind: str | None) -> str:
-    """`placeholder`'s text for ``kind``, without noting it."""
+def placeholder_text(kind: str | None, media_type: Any = None) -> str:
+    """``[Unsupported Image]`` for ``image``, ``image_url``, ``input_image`` and chat's
+    ``file`` alike, ``[Unsupported Document]`` for ``input_file``, ``[Unsupported
+    Audio]``, an Anthropic ``document`` as ``[Unsupported document type: MEDIA]`` (its
+    source's ``media_type``, else ``unknown``), else ``[Unsupported KIND]``: DeepSeek's
+    own conversion's spellings."""
+    if kind == "document":
+        media = media_type if isinstance(media_type, str) and media_type else "unknown"
+        return f"[Unsupported document type: {media}]"
     return f"[Unsupported {_NOUNS.get(kind or '', kind or 'content')}]"
 
 
@@ -101,9 +110,9 @@ def note_unsupported() -> None:
     _UNSUPPORTED.set([])
 
 
-def take_unsupported() -> list[str]:
-    """The wire types noted since the last call (or `note_unsupported`), in order; clears
-    them (a WebSocket carries several requests)."""
+def take_unsupported() -> list[tuple[str, str]]:
+    """The ``(wire type, placeholder text)`` noted since the last call (or
+    `note_unsupported`), in order; clears them (a WebSocket carries several requests)."""
     seen = _UNSUPPORTED.get()
     if not seen:
         return []

@@ -54,7 +54,7 @@ from ds4mlx.jobs import (
 from ds4mlx.routes.body import defer
 from ds4mlx.routes.common import state
 from ds4mlx.routes.errors import APIError, Wording, context_error, failed_to_api
-from ds4mlx.routes.mapping import placeholder_text, take_unsupported
+from ds4mlx.routes.mapping import take_unsupported
 from ds4mlx.routes.sse import SSE_COMMENT, sse_response
 from ds4mlx.sampling import DEFAULT_MIN_P, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, SamplingParams
 
@@ -78,10 +78,11 @@ def _log_unsupported(path: str) -> None:
     """One log line naming the content parts the model will not see (placeholders)."""
     from collections import Counter
 
-    kinds = Counter(take_unsupported())
+    parts = take_unsupported()
+    kinds = Counter(kind for kind, _ in parts)
     if kinds:
         named = ", ".join(f"{k}×{n}" if n > 1 else k for k, n in kinds.items())
-        shown = ", ".join(dict.fromkeys(placeholder_text(k) for k in kinds))
+        shown = ", ".join(dict.fromkeys(text for _, text in parts))
         logging.getLogger("ds4mlx.server").info(
             "%s: unsupported content parts %s: the model sees only %s in their place",
             path, named, shown,
