@@ -30,6 +30,7 @@ import os
 import re
 import secrets
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("ds4mlx.fsutil")
@@ -43,18 +44,24 @@ TEMP_RE = re.compile(
 )
 
 
-def private_dir(path: str | os.PathLike) -> Path:
-    """Create ``path`` (and missing parents) with mode 0700, or narrow an existing one.
+def private_dir(path: str | os.PathLike, ours: Callable[[str], bool] | None = None) -> Path:
+    """Create ``path`` (and missing parents) with mode 0700, or narrow an existing one
+    that is only ours.
 
-    An existing directory that the group or others may access gets mode 0700 (logged):
-    its files hold prompts and KV state. A directory of another owner is left alone
-    (``chmod`` would fail; the files inside are still created 0600).
+    An existing directory that the group or others may access gets mode 0700 (logged)
+    when every name in it is one ``ours`` accepts (an empty one included): the caller's
+    own directory, made wider by an older build or a umask. Any other directory (``/tmp``,
+    a project folder given by mistake, a sticky one, another owner's) is left as it is,
+    with a warning: narrowing it would lock its other users out. The caller's files are
+    created 0600 either way.
 
     Returns:
         ``path`` as a ``Path``.
     Raises:
-        OSError: the directory cannot be created.
+        OSError: the directory cannot be created, or ``path`` is empty.
     """
+    if not os.fspath(path):
+        raise FileNotFoundError("an empty directory name")  # "" would mean the cwd
     p = Path(path)
     missing = []
     q = p
@@ -67,10 +74,18 @@ def private_dir(path: str | os.PathLike) -> Path:
     st = p.stat()
     if not stat.S_ISDIR(st.st_mode):
         raise NotADirectoryError(f"{p} is not a directory")
-    if st.st_mode & 0o077 and st.st_uid == os.geteuid():
+    if not st.st_mode & 0o077:
+        return p
+    only_ours = all(ours is not None and ours(name) for name in os.listdir(p))
+    if st.st_uid == os.geteuid() and not st.st_mode & stat.S_ISVTX and only_ours:
         new = stat.S_IMODE(st.st_mode) & ~0o077
         os.chmod(p, new)
         log.info("%s: mode %03o -> %03o (private)", p, stat.S_IMODE(st.st_mode), new)
+    else:
+        log.warning(
+            "%s: mode %03o lets others list it; left as it is (it is not only ours), and "
+            "the files written there are private (0600)", p, stat.S_IMODE(st.st_mode),
+        )  # fmt: skip
     return p
 
 

@@ -86,6 +86,12 @@ BAD = [
     (["serve", "-m", "TINY", "--api-key", "", "--port", "PORT"], 2, "--api-key: an empty key"),
     # An unknown flag points at the sub-command's own help, which lists its flags.
     (["agent", "--bogus"], 2, "unrecognized arguments: --bogus (see ds4mlx agent --help)"),
+    # "" (an unset $VAR) would have been the current directory, made private.
+    (
+        ["serve", "-m", "TINY", "--kv-disk-dir", "", "--port", "PORT"],
+        2,
+        "--kv-disk-dir '': an empty",
+    ),
     # Said before the model loads, naming the flag (it was "cannot load model …").
     (["serve", "--demo", "--trace", "MISSING/t.jsonl", "--port", "PORT"], 2, "--trace"),
 ]

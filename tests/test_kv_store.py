@@ -612,3 +612,103 @@ def test_fallback_is_bounded_by_candidates_or_milliseconds(tmp_path, caplog):
         got = store.lookup_and_load("abcdef", accept=only_shortest, limit=8, budget_ms=0)
     assert got is None and seen == ["abcde"]  # the time bound spent after one check
     assert "bound: 8 candidates or 0 ms" in caplog.text, caplog.text
+
+
+# --------------------------------------------------------------------------- hostile dirs
+
+
+def test_a_fifo_or_a_symlink_loop_under_a_snapshot_name_is_a_bad_file(tmp_path):
+    """A FIFO would block the reader for ever (a request and /health hung) and a
+    symlink loop raised ELOOP out of every scan (every lookup and save failed)."""
+    store = make_store(tmp_path)
+    good = save(store, "prefix", seed=0)
+    fifo = store.dir / ("1" * 40 + ".safetensors")
+    os.mkfifo(fifo)
+    loop = store.dir / ("2" * 40 + ".safetensors")
+    loop.symlink_to(loop.name)
+    fresh = make_store(tmp_path)  # opening scans the directory
+    reasons = {b.path.name: b.reason for b in fresh.scan().bad}
+    assert reasons == {fifo.name: "not a regular file", loop.name: reasons[loop.name]}
+    assert "cannot stat it" in reasons[loop.name]
+    assert fresh.lookup_and_load("prefix and more").entry.key == good.key
+    assert save(fresh, "prefix and", seed=1) is not None
+    assert {b.path.name for b in scan_dir(fresh.dir).bad} == {fifo.name, loop.name}
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        '{"version": 1, "entries": {"K": {"created": 1, "hits": 1e400, "last_used": 1}}}',
+        "[" * 100_000 + "]" * 100_000,
+    ],
+    ids=["infinite-hits", "deep-nesting"],
+)
+def test_a_damaged_hit_index_loses_only_statistics_and_is_rewritten(tmp_path, caplog, index):
+    store = make_store(tmp_path)
+    e = save(store, "prefix", seed=0)
+    (store.dir / kvs.INDEX_NAME).write_text(index.replace("K", e.key))
+    with caplog.at_level(logging.WARNING, logger="ds4mlx.kv"):
+        fresh = make_store(tmp_path)
+        assert fresh.lookup_and_load("prefix and more").entry.key == e.key
+        assert save(fresh, "other", seed=1) is not None
+    assert "ignoring unreadable hit index" in caplog.text
+    data = json.loads((store.dir / kvs.INDEX_NAME).read_text())  # healed by the hit
+    assert data["entries"][e.key]["hits"] == 1
+
+
+def test_a_snapshot_that_failed_to_load_is_replaced_by_the_next_save(tmp_path):
+    store = make_store(tmp_path)
+    e = save(store, "prefix", seed=0)
+    t, m = _tensors_and_meta(e.path)
+    t["session.logits"] = t["session.logits"] + 1  # the digest no longer matches
+    _rewrite(e.path, t, m)
+    assert store.lookup_and_load("prefix and more") is None
+    again = save(store, "prefix", seed=0)  # was "already stored" for ever
+    assert again is not None
+    assert store.lookup_and_load("prefix and more").entry.key == e.key
+
+
+def test_a_cache_dir_removed_while_serving_is_made_again(tmp_path):
+    store = make_store(tmp_path)
+    save(store, "prefix", seed=0)
+    import shutil
+
+    shutil.rmtree(store.dir)
+    assert save(store, "other", seed=1) is not None
+    assert store.lookup_and_load("other text") is not None
+
+
+def test_clearing_leaves_a_foreign_index_json(tmp_path):
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "index.json").write_text('{"pages": [1, 2]}')
+    (proj / "README").write_text("mine")
+    assert kvs.clear_dir(proj) == 0
+    assert sorted(p.name for p in proj.iterdir()) == ["README", "index.json"]
+    (proj / "index.json").unlink()
+    (proj / "index.json").mkdir()  # not a file: left alone, no crash
+    assert kvs.clear_dir(proj) == 0 and (proj / "index.json").is_dir()
+    store = make_store(tmp_path)
+    save(store, "prefix", seed=0)
+    store.lookup_and_load("prefix and more")  # a hit: the index exists
+    assert (store.dir / kvs.INDEX_NAME).exists()
+    assert kvs.clear_dir(store.dir) == 1 and list(store.dir.iterdir()) == []
+
+
+def test_only_a_directory_of_the_caches_own_files_is_narrowed(tmp_path):
+    from ds4mlx.fsutil import private_dir
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "notes.txt").write_text("a user's file")
+    shared.chmod(0o1777)  # as /tmp
+    DiskKVStore(shared, budget_bytes=50_000_000, model_identity=IDENT, ctx_size=CTX, expert_bits=4)
+    assert shared.stat().st_mode & 0o7777 == 0o1777
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / kvs.INDEX_NAME).write_text("{}")
+    own.chmod(0o755)  # an older build's cache directory
+    DiskKVStore(own, budget_bytes=50_000_000, model_identity=IDENT, ctx_size=CTX, expert_bits=4)
+    assert own.stat().st_mode & 0o777 == 0o700
+    with pytest.raises(OSError, match="empty directory name"):
+        private_dir("")

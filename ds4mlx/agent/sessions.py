@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ds4mlx.dsml.conversation import Message, ToolCall
-from ds4mlx.fsutil import atomic_write, private_dir, remove_stale_temps, temp_name
+from ds4mlx.fsutil import TEMP_RE, atomic_write, private_dir, remove_stale_temps, temp_name
 
 FORMAT = "ds4mlx-agent-session"
 VERSION = 1
@@ -150,6 +150,11 @@ def title_of(text: str, n: int = 60) -> str:
     return line if len(line) <= n else line[: n - 1] + "…"
 
 
+def _session_file(name: str) -> bool:
+    """A name the session book writes (``<id>.json``, or a temp file of one)."""
+    return bool(re.fullmatch(r"[0-9]+\.json", name) or TEMP_RE.match(name))
+
+
 class SessionBook:
     """The agent session files in one directory.
 
@@ -163,7 +168,7 @@ class SessionBook:
     """
 
     def __init__(self, dir: str | os.PathLike) -> None:
-        self.dir = private_dir(dir)
+        self.dir = private_dir(dir, ours=_session_file)
         remove_stale_temps(self.dir)
 
     def _path(self, sid: int) -> Path:

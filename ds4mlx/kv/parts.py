@@ -30,7 +30,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ds4mlx.fsutil import atomic_write, private_dir, temp_name
-from ds4mlx.kv.store import _digest
+from ds4mlx.kv.store import _digest, cache_file
 from ds4mlx.kv.writer import SnapshotWriter
 
 log = logging.getLogger("ds4mlx.kv")
@@ -60,7 +60,7 @@ class PartStore:
     """
 
     def __init__(self, dir: str | os.PathLike, rank: int):
-        self.dir = private_dir(dir)
+        self.dir = private_dir(dir, ours=cache_file)
         self.rank = rank
         self.writer = SnapshotWriter(self._write, name=f"ds4mlx-kv-part-writer-{rank}")
 

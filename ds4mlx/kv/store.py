@@ -89,6 +89,7 @@ import logging
 import math
 import os
 import re
+import stat
 import threading
 import time
 import zlib
@@ -101,6 +102,7 @@ import numpy as np
 from safetensors import safe_open
 
 from ds4mlx.fsutil import (
+    TEMP_RE,
     atomic_write,
     fsync_dir,
     private_dir,
@@ -129,6 +131,16 @@ _FILE_RE = re.compile(r"^([0-9a-f]{40})\.safetensors$")
 # A pipeline rank's part of a snapshot (``ds4mlx.kv.parts``): never scanned or evicted
 # here, only removed with the rest by `clear_dir`.
 _PART_RE = re.compile(r"^[0-9a-f]{40}\.rank[0-9]+\.safetensors$")
+
+
+def cache_file(name: str) -> bool:
+    """Whether ``name`` is one the disk KV cache writes (a snapshot, a pipeline rank's
+    part, the hit index, a temp file): a directory of only these is the cache's own."""
+    return bool(
+        _FILE_RE.match(name) or _PART_RE.match(name) or name == INDEX_NAME or TEMP_RE.match(name)
+    )
+
+
 _REQUIRED_META = (
     "format",
     "version",
@@ -442,7 +454,15 @@ def read_entry(path: str | os.PathLike, *, verify_key: bool = True) -> Entry:
         raise KVStoreError("file name is not <40 hex>.safetensors")
     key = m.group(1)
     try:
-        size = path.stat().st_size
+        st = path.stat()
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # a symlink loop, a link into a directory it may not read
+        raise KVStoreError(f"cannot stat it: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):  # a FIFO would block the reader for ever
+        raise KVStoreError("not a regular file")
+    size = st.st_size
+    try:
         with safe_open(str(path), framework="numpy") as f:
             meta = f.metadata() or {}
             hdr = _parse_meta(meta)
@@ -512,7 +532,8 @@ def read_index(dir: str | os.PathLike) -> dict[str, dict]:
         }
     except FileNotFoundError:
         return {}
-    except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
+    except Exception as e:  # any damage (an infinite count, a nesting past recursion)
+        # only loses statistics: the next update rewrites the file whole.
         log.warning("kv cache: ignoring unreadable hit index %s: %s", p, e)
         return {}
 
@@ -553,6 +574,8 @@ def scan_dir(dir: str | os.PathLike, *, verify_key: bool = True) -> ScanResult:
                 size = de.stat().st_size
             except FileNotFoundError:
                 continue
+            except OSError:
+                size = 0
             out.bad.append(BadFile(Path(de.path), str(e), size))
     out.entries.sort(key=lambda e: e.last_used, reverse=True)
     return out
@@ -571,17 +594,32 @@ def match_keys(dir: str | os.PathLike, prefix: str) -> list[Path]:
 def clear_dir(dir: str | os.PathLike) -> int:
     """Remove every snapshot file, every pipeline rank's part file, the hit index and
     dead writers' temp files from ``dir``; returns the number of snapshot files removed
-    (parts not counted). Files of other names are left alone."""
-    n = 0
+    (parts not counted). Files of other names are left alone, and so is an
+    ``index.json`` that is not the cache's (not a regular file, or neither in its
+    format nor beside snapshots: a project's own file of that name)."""
+    n = parts = 0
     for de in _list_dir(Path(dir)):
         snap = _FILE_RE.match(de.name) is not None
-        if snap or _PART_RE.match(de.name) or stale_temp(de.name):
+        part = _PART_RE.match(de.name) is not None
+        if snap or part or stale_temp(de.name):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(de.path)
                 n += snap
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(Path(dir) / INDEX_NAME)
+                parts += part
+    index = Path(dir) / INDEX_NAME
+    if index.is_file() and not index.is_symlink() and (n or parts or _index_format(index)):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(index)
     return n
+
+
+def _index_format(path: Path) -> bool:
+    """Whether ``path`` holds the hit index's JSON shape (``version`` and ``entries``)."""
+    try:
+        data = json.loads(path.read_text("utf-8"))
+    except Exception:
+        return False
+    return isinstance(data, dict) and "version" in data and isinstance(data.get("entries"), dict)
 
 
 def with_hits(entry: Entry, dir: str | os.PathLike | None = None) -> Entry:
@@ -744,7 +782,7 @@ class DiskKVStore:
         self._failed: dict[str, tuple[tuple, str]] = {}
         self._ns_hash = hashlib.sha1(_namespace(model_identity, ctx_size))
         if not read_only:
-            private_dir(self.dir)
+            private_dir(self.dir, ours=cache_file)
             for name in remove_stale_temps(self.dir):
                 log.info("kv cache: removed stale temp file %s", self.dir / name)
             self._drop_outdated()
@@ -772,7 +810,8 @@ class DiskKVStore:
     def _drop_outdated(self) -> None:
         """Remove the snapshots of an older format version (no identity in their key)."""
         for de in _list_dir(self.dir):
-            if not _FILE_RE.match(de.name):
+            # Regular files only: a FIFO under a snapshot name would block the open.
+            if not _FILE_RE.match(de.name) or not os.path.isfile(de.path):
                 continue
             try:
                 with safe_open(de.path, framework="numpy") as f:
@@ -810,9 +849,11 @@ class DiskKVStore:
                     continue
                 try:
                     st = de.stat()
+                    sig: tuple = (st.st_ino, st.st_mtime_ns, st.st_size)
                 except FileNotFoundError:
                     continue
-                sig = (st.st_ino, st.st_mtime_ns, st.st_size)
+                except OSError as e:  # a symlink loop: read_entry names it a bad file
+                    sig = ("unstatable", e.errno)
                 seen.add(de.name)
                 cached = self._cache.get(de.name)
                 if cached is None or cached[0] != sig:
@@ -821,7 +862,7 @@ class DiskKVStore:
                     except FileNotFoundError:
                         continue
                     except KVStoreError as e:
-                        item = BadFile(Path(de.path), str(e), st.st_size)
+                        item = BadFile(Path(de.path), str(e), sig[2] if len(sig) == 3 else 0)
                     self._cache[de.name] = (sig, item)
                 else:
                     item = cached[1]
@@ -1265,13 +1306,27 @@ class DiskKVStore:
 
     def _write_tmp(self, p: PreparedSave) -> Path | None:
         """Write ``p``'s bytes to a fresh temp file and fsync them; returns its path, or
-        None (logged, no file left) on failure. On ``ENOSPC``: evict, retry once."""
+        None (logged, no file left) on failure. On ``ENOSPC``: evict, retry once. A
+        directory removed while the server runs is made again (once per save): else
+        every later save, the shutdown ones included, would fail."""
         for attempt in (1, 2):
             tmp = self.dir / temp_name(p.key)
             try:
                 # Durable before the rename publishes the name (ds4mlx.fsutil).
                 write_durable(tmp, p.data)
                 return tmp
+            except FileNotFoundError as e:
+                if attempt == 2 or self.dir.exists():
+                    log.warning(
+                        "kv cache: save failed tokens=%d reason=%s: %s", p.tokens, p.reason, e
+                    )
+                    return None
+                log.warning("kv cache: %s vanished; making it again", self.dir)
+                try:
+                    private_dir(self.dir, ours=cache_file)
+                except OSError as e2:
+                    log.warning("kv cache: cannot make %s: %s", self.dir, e2)
+                    return None
             except OSError as e:
                 log.warning("kv cache: save failed tokens=%d reason=%s: %s", p.tokens, p.reason, e)
                 if e.errno != errno.ENOSPC or attempt == 2 or not self._free_on_full_disk(p):
@@ -1315,6 +1370,14 @@ class DiskKVStore:
             return None
         if not self._compatible(e) or e.tokens != n_tokens:
             return None
+        failed = self._failed.get(key)
+        if failed is not None:  # its header reads but its tensors failed to load:
+            try:  # replaced by this save unless another process already rewrote it
+                st = final.stat()
+            except OSError:
+                return None
+            if failed[0] == (st.st_ino, st.st_mtime_ns, st.st_size):
+                return None
         if tools:
             try:
                 with safe_open(str(final), framework="numpy") as f:

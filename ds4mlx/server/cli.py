@@ -244,6 +244,16 @@ def _kv_settings(args, model: str):
     if refused is not None:
         raise ValueError(refused)
     kv, sessions_why = _default_sessions(KVCacheSettings.from_args(args), args, model)
+    if kv.enabled and kv.disk_dir is not None:
+        from ds4mlx.fsutil import private_dir
+        from ds4mlx.kv.store import cache_file
+
+        # Made (or checked) before the model loads: a folder that cannot be made is the
+        # flag's fault, said at once, not a failure to load the model minutes later.
+        try:
+            private_dir(kv.disk_dir, ours=cache_file)
+        except OSError as e:
+            raise ValueError(f"--kv-disk-dir {kv.disk_dir!r}: {e.strerror or e}") from None
     return kv, sessions_why
 
 
