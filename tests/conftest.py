@@ -107,6 +107,22 @@ def workspace(tmp_path) -> Path:
     return ws
 
 
+@pytest.fixture
+def ws(workspace: Path) -> Path:
+    """`workspace`, under the name the tool tests use."""
+    return workspace
+
+
+@pytest.fixture
+def tb(ws: Path):
+    """A `ds4mlx.agent.tools.Toolbox` in ``ws`` that allows everything (60 s bash bound)."""
+    from ds4mlx.agent.permissions import Permissions
+    from ds4mlx.agent.tools import Toolbox
+
+    with Toolbox(ws, Permissions(yes=True), kill_grace=0.3, bash_timeout=60) as box:
+        yield box
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Under CI (``CI`` set) a skipped test fails: oracle, parity and client tests skip

@@ -16,20 +16,6 @@ from ds4mlx.agent.permissions import Permissions
 from ds4mlx.agent.tools import Toolbox
 from ds4mlx.agent.tools import search as search_mod
 
-
-@pytest.fixture
-def ws(tmp_path: Path) -> Path:
-    root = tmp_path / "ws"
-    root.mkdir()
-    return root
-
-
-@pytest.fixture
-def tb(ws: Path):
-    with Toolbox(ws, Permissions(yes=True), kill_grace=0.3, bash_timeout=10) as box:
-        yield box
-
-
 # --- a change made while the permission prompt is open ------------------------
 
 

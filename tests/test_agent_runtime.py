@@ -26,18 +26,6 @@ from ds4mlx.agent.tools import EXIT_STATUS, FAILED, Toolbox
 from ds4mlx.agent.tools.shell import clean_terminal_output
 from tests.agent_script import RecordingUI, invoke, turn
 
-
-@pytest.fixture
-def ws(workspace: Path) -> Path:
-    return workspace
-
-
-@pytest.fixture
-def tb(ws: Path):
-    with Toolbox(ws, Permissions(yes=True), kill_grace=0.3, bash_timeout=60) as box:
-        yield box
-
-
 # ------------------------------------------------------------------ terminal_output
 
 

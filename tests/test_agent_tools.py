@@ -30,19 +30,6 @@ from ds4mlx.agent.tools.background import JobManager
 from ds4mlx.dsml.conversation import ToolSpec
 
 
-@pytest.fixture
-def ws(tmp_path: Path) -> Path:
-    root = tmp_path / "ws"
-    root.mkdir()
-    return root
-
-
-@pytest.fixture
-def tb(ws: Path):
-    with Toolbox(ws, Permissions(yes=True), kill_grace=0.3, bash_timeout=10) as box:
-        yield box
-
-
 def _text(p: Path) -> str:
     """``p``'s text, or "" while it does not exist."""
     try:
