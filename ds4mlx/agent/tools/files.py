@@ -141,7 +141,8 @@ class FileTools:
         lines: list[str] = []
         total = 0
         utf8 = True
-        # newline="\n": split on \n only (as every other tool counts lines), keep \r.
+        # Bytes split on \n only (as every other tool counts lines; \r stays), each line
+        # decoded on its own: a line that is not UTF-8 is shown with U+FFFD and noted.
         with open(path, "rb") as f:
             for total, raw in enumerate(f, 1):
                 try:
@@ -373,9 +374,9 @@ def _match_lines(text: str, old: str, limit: int = 11) -> list[int]:
 
 def _in_effect(text: str, old: str, new: str) -> bool:
     """Whether the edit ``old`` → ``new`` shows as done in ``text``: ``new`` occurs and
-    every occurrence of ``old`` lies inside one of ``new``. That covers edits that keep
-    ``old`` inside ``new`` (adding a line after it): "old is gone" alone would apply
-    those twice."""
+    every occurrence of ``old`` lies inside one of ``new`` (a deletion, ``new`` empty:
+    ``old`` is gone). That covers edits that keep ``old`` inside ``new`` (adding a line
+    after it): "old is gone" alone would apply those twice."""
     if not new:
         return old not in text
     spans = []
