@@ -92,6 +92,12 @@ BAD = [
         2,
         "--kv-disk-dir '': an empty",
     ),
+    # Cache settings are refused in the flags' words (it said "disk_space_mb").
+    (
+        ["serve", "-m", "TINY", "--kv-disk-space-mb", "0", "--port", "PORT"],
+        2,
+        "--kv-disk-space-mb must",
+    ),
     # Said before the model loads, naming the flag (it was "cannot load model …").
     (["serve", "--demo", "--trace", "MISSING/t.jsonl", "--port", "PORT"], 2, "--trace"),
 ]

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -180,6 +181,16 @@ class KVCacheSettings:
         budget = args.kv_disk_space_mb
         if budget is None:
             budget = derived_budget_mb(disk_dir) if disk_dir else DEFAULT_DISK_SPACE_MB
+        try:
+            return cls._from_flags(args, disk_dir, budget)
+        except ValueError as e:  # worded with the flags the user typed, not field names
+            text = re.sub(r"\b[a-z_]+\b", lambda m: _FLAG_OF.get(m.group(), m.group()), str(e))
+            raise ValueError(text) from None
+
+    @classmethod
+    def _from_flags(
+        cls, args: argparse.Namespace, disk_dir: str | None, budget: int
+    ) -> KVCacheSettings:
         return cls(
             disk_dir=disk_dir,
             disk_space_mb=budget,
@@ -194,6 +205,20 @@ class KVCacheSettings:
             sessions=args.sessions if args.sessions is not None else 1,
             lookup_ms=args.kv_cache_lookup_ms,
         )
+
+
+# The flag of each field `KVCacheSettings.__post_init__` may name in an error.
+_FLAG_OF = {
+    "disk_space_mb": "--kv-disk-space-mb",
+    "min_tokens": "--kv-cache-min-tokens",
+    "cold_max_tokens": "--kv-cache-cold-max-tokens",
+    "continued_interval_tokens": "--kv-cache-continued-interval-tokens",
+    "boundary_trim_tokens": "--kv-cache-boundary-trim-tokens",
+    "boundary_align_tokens": "--kv-cache-boundary-align-tokens",
+    "write_queue_mb": "--kv-write-queue-mb",
+    "lookup_ms": "--kv-cache-lookup-ms",
+    "sessions": "--sessions",
+}
 
 
 def default_disk_dir() -> Path:
