@@ -209,3 +209,13 @@ def test_a_pattern_that_backtracks_without_end_stops_the_search(
     out = tb.run("search", {"pattern": "(a|aa)+$|match"})
     assert out.ok and "a.txt:1: a match" in out.text
     assert "stopped after the 0.5 s limit" in out.text
+
+
+def test_dropping_the_final_newline_shows_in_the_diff(ws: Path) -> None:
+    (ws / "n.txt").write_text("a\nb\n")
+    asked: list[str] = []
+    perms = Permissions(ask=lambda tool, summary: asked.append(summary) or "once")
+    with Toolbox(ws, perms, kill_grace=0.3, bash_timeout=10) as box:
+        assert box.run("write", {"path": "n.txt", "content": "a\nb"}).ok
+    assert "-b\n+b\n\\ No newline at end of file" in asked[0]
+    assert (ws / "n.txt").read_bytes() == b"a\nb"

@@ -443,7 +443,11 @@ def _one_line(rel: str) -> str:
 
 
 def _diff(old: str | None, new: str, rel: str, max_lines: int = 80) -> str:
-    """Unified diff of a change, capped at ``max_lines`` lines (for the permission prompt)."""
+    """Unified diff of a change, capped at ``max_lines`` lines (for the permission prompt).
+
+    A last line without its newline is followed by git's ``\\ No newline at end of
+    file``: else a change that only adds or drops the final newline reads ``-b``/``+b``,
+    as if nothing changed."""
     lines = list(
         difflib.unified_diff(
             (old or "").splitlines(keepends=True),
@@ -455,7 +459,12 @@ def _diff(old: str | None, new: str, rel: str, max_lines: int = 80) -> str:
     )
     if len(lines) > max_lines:
         lines = lines[:max_lines] + [f"… {len(lines) - max_lines} more diff lines\n"]
-    return cap("".join(line if line.endswith("\n") else line + "\n" for line in lines))
+    return cap(
+        "".join(
+            line if line.endswith("\n") else f"{line}\n\\ No newline at end of file\n"
+            for line in lines
+        )
+    )
 
 
 def _refuse_redacted(new: str, old: str, rel: str) -> None:
