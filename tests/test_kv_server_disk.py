@@ -6,6 +6,8 @@ on the same directory, for the restart test); plan decisions come from ``--trace
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from kv_server_util import (
     EOS,
@@ -217,3 +219,42 @@ def test_billing_header_does_not_split_the_cache(disk):
     p2, c2 = anthropic_usage(r2)
     # The shared prefix is everything before the user turn: BOS + system text.
     assert c2 >= p1 - 10 and p2 - c2 <= 10
+
+
+def test_a_snapshot_the_session_refuses_falls_back_to_a_shorter_one(disk):
+    """A snapshot that loads (its digest holds: the digest covers tensors, not the
+    header) but whose state the session refuses, here another model's identity in its
+    session meta, is marked bad; the lookup runs again and a shorter valid snapshot of
+    the same conversation serves. It used to send the request cold."""
+    import mlx.core as mx
+
+    server = disk.server
+    conv = [
+        {"role": "system", "content": long_system(50, seed=41)},
+        {"role": "user", "content": "conversation F"},
+    ]
+    script(server, "Reply F." + EOS)
+    r = post(server, "/v1/chat/completions", {"model": "deepseek-chat", "messages": conv})
+    prompt, _ = chat_usage(r)
+    live = prompt + r["usage"]["completion_tokens"] - 1
+    _unrelated(server, 42)  # evict-saves F whole, beside its shorter cold save
+    entries = scan_dir(disk.dir).entries
+    (whole,) = [e for e in entries if e.reason == "evict" and e.tokens == live]
+    shorter = [e for e in entries if e.reason == "cold" and "conversation F" not in e.head]
+    t, m = mx.load(str(whole.path), format="safetensors", return_metadata=True)
+    mx.eval(list(t.values()))
+    meta = json.loads(m["session_meta"])
+    m["session_meta"] = json.dumps({**meta, "identity": "another-model"}, sort_keys=True)
+    with open(whole.path, "wb") as f:
+        mx.save_safetensors(f, t, m)
+    follow = conv + [
+        {"role": "assistant", "content": r["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "more F"},
+    ]
+    script(server, "Again F." + EOS)
+    r2 = post(server, "/v1/chat/completions", {"model": "deepseek-chat", "messages": follow})
+    plan = server.trace.last()
+    assert plan["decision"] == "disk", plan
+    cached = chat_usage(r2)[1]
+    assert 0 < cached < live and shorter, (cached, live, [e.tokens for e in entries])
+    assert "cannot restore" in server.log()

@@ -977,6 +977,17 @@ class DiskKVStore:
             loaded.entry = e2
             return loaded
 
+    def mark_failed(self, entry: Entry, reason: str) -> None:
+        """Report ``entry`` as a bad file from now on, until its file changes: it loaded
+        but its state could not be used (a restore refused it). Lookups skip it and the
+        next save of its prompt replaces it, as for a file that failed to load."""
+        with self._lock:
+            try:
+                st = entry.path.stat()
+            except OSError:
+                return
+            self._failed[entry.key] = ((st.st_ino, st.st_mtime_ns, st.st_size), reason)
+
     def read_tokens(self, entry: Entry) -> list[int]:
         """The token ids of ``entry``, reading only its small token tensor (no KV array).
         Not verified: `load` checks the digest of everything.

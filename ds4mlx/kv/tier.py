@@ -24,6 +24,9 @@ __all__ = ["MAX_CANDIDATES", "DiskTier"]
 # The most disk snapshots a lookup checks, longest first, before it gives up (cold). A
 # check reads only a candidate's text and token tensors.
 MAX_CANDIDATES = 8
+# The most loaded snapshots a restore may refuse (each then marked bad) before the
+# request runs cold: each costs a whole load.
+MAX_RESTORE_TRIES = 3
 
 
 class DiskTier:
@@ -117,7 +120,10 @@ class DiskTier:
         Each candidate is checked from its small text and token tensors before any KV
         array is read; a rejected one is logged and the next is tried. Loads first, then
         saves the state (evict) it replaces: saving first could evict, within the byte
-        budget, the very snapshot about to be loaded.
+        budget, the very snapshot about to be loaded. A loaded snapshot the session
+        refuses (verified by digest, but not this model's state) is marked bad in the
+        store and the lookup runs again: a shorter valid prefix still serves, up to
+        `MAX_RESTORE_TRIES` refusals.
         """
         from ds4mlx.engine import SessionState, SnapshotError
 
@@ -136,18 +142,23 @@ class DiskTier:
                 same = _same_markers(tok, tokens(), rendered, end)
             return None if same else "matches as text, not as tokens"
 
-        loaded = self.disk.lookup(rendered.text, accept, MAX_CANDIDATES, salt)
-        if loaded is None:
+        for attempt in range(MAX_RESTORE_TRIES):
+            loaded = self.disk.lookup(rendered.text, accept, MAX_CANDIDATES, salt)
+            if loaded is None:
+                return None
+            if attempt == 0:
+                self.evict(r)
+            state = SessionState(loaded.tokens, loaded.arrays, _from_disk(loaded))
+            try:
+                r.session.restore(state)  # a refusal leaves the session as it was
+                break
+            except (SnapshotError, ValueError) as e:
+                # Verified by digest but not this model's state: never offered again.
+                log.warning("kv cache: cannot restore %s: %s", loaded.entry.path.name, e)
+                self.disk.store.mark_failed(loaded.entry, f"cannot restore: {e}")
+        else:
             return None
         end = len(loaded.text)
-        self.evict(r)
-        state = SessionState(loaded.tokens, loaded.arrays, _from_disk(loaded))
-        try:
-            r.session.restore(state)
-        except (SnapshotError, ValueError) as e:
-            # Verified by digest but not for this model's caches: treat as a miss.
-            log.warning("kv cache: cannot restore %s: %s", loaded.entry.path.name, e)
-            return None
         replaced(r)
         r.salt = salt
         self._loaded(r, loaded)
