@@ -92,6 +92,7 @@ BAD = [
         2,
         "--kv-disk-dir '': an empty",
     ),
+    (["kv", "show", "EXISTING", "abc", "--chars", "-5"], 2, "--chars: -5 must be at least 1"),
     # Cache settings are refused in the flags' words (it said "disk_space_mb").
     (
         ["serve", "-m", "TINY", "--kv-disk-space-mb", "0", "--port", "PORT"],

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ds4mlx.argtypes import positive_int
+
 if TYPE_CHECKING:  # imported lazily: build_parser() imports this module on every run
     from rich.console import Console
 
@@ -41,7 +43,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     q = sub.add_parser("show", help="one snapshot's header and the start of its text")
     q.add_argument("dir")
     q.add_argument("key", help="SHA-1 key or a unique prefix of it")
-    q.add_argument("--chars", type=int, default=2000, help="text characters to print")
+    q.add_argument("--chars", type=positive_int, default=2000, help="text characters to print")
     q = sub.add_parser("rm", help="remove snapshots")
     q.add_argument("dir")
     q.add_argument("key", nargs="?", help="SHA-1 key or a unique prefix of it")
