@@ -712,3 +712,16 @@ def test_only_a_directory_of_the_caches_own_files_is_narrowed(tmp_path):
     assert own.stat().st_mode & 0o777 == 0o700
     with pytest.raises(OSError, match="empty directory name"):
         private_dir("")
+
+
+def test_many_bad_files_are_logged_in_a_bounded_number_of_lines(tmp_path, caplog):
+    d = tmp_path / "kv"
+    d.mkdir()
+    for i in range(kvs.MAX_BAD_REPORTS + 30):
+        (d / f"{i:040x}.safetensors").write_bytes(b"")
+    with caplog.at_level(logging.WARNING, logger="ds4mlx.kv"):
+        store = make_store(tmp_path)
+        assert len(store.scan().bad) == kvs.MAX_BAD_REPORTS + 30
+    lines = [r.getMessage() for r in caplog.records if "bad file" in r.getMessage()]
+    assert len(lines) == kvs.MAX_BAD_REPORTS + 1
+    assert "skipping 30 more bad files" in lines[-1]

@@ -133,6 +133,11 @@ _FILE_RE = re.compile(r"^([0-9a-f]{40})\.safetensors$")
 _PART_RE = re.compile(r"^[0-9a-f]{40}\.rank[0-9]+\.safetensors$")
 
 
+# Bad files logged one by one per scan; the rest in one line (a directory of 20,000 stray
+# files wrote 20,000 warnings at start).
+MAX_BAD_REPORTS = 20
+
+
 def cache_file(name: str) -> bool:
     """Whether ``name`` is one the disk KV cache writes (a snapshot, a pipeline rank's
     part, the hit index, a temp file): a directory of only these is the cache's own."""
@@ -844,46 +849,64 @@ class DiskKVStore:
             self._refresh_index()
             out = ScanResult()
             seen = set()
+            unreported = 0  # bad files met for the first time in this scan
             for de in _list_dir(self.dir):
                 if not _FILE_RE.match(de.name):
                     continue
-                try:
-                    st = de.stat()
-                    sig: tuple = (st.st_ino, st.st_mtime_ns, st.st_size)
-                except FileNotFoundError:
+                got = self._scan_one(de)
+                if got is None:  # vanished
                     continue
-                except OSError as e:  # a symlink loop: read_entry names it a bad file
-                    sig = ("unstatable", e.errno)
+                sig, item = got
                 seen.add(de.name)
-                cached = self._cache.get(de.name)
-                if cached is None or cached[0] != sig:
-                    try:
-                        item: Entry | BadFile = read_entry(de.path)
-                    except FileNotFoundError:
-                        continue
-                    except KVStoreError as e:
-                        item = BadFile(Path(de.path), str(e), sig[2] if len(sig) == 3 else 0)
-                    self._cache[de.name] = (sig, item)
-                else:
-                    item = cached[1]
-                if isinstance(item, Entry):
-                    key = item.key
-                    failed = self._failed.get(key)
-                    if failed is not None and failed[0] == sig:
-                        item = BadFile(item.path, f"failed on load: {failed[1]}", item.size)
-                    else:
-                        item = _apply_index(item, self._index)
                 if isinstance(item, BadFile):
                     if (item.path.name, sig) not in self._reported:
                         self._reported.add((item.path.name, sig))
-                        log.warning("kv cache: skipping bad file %s: %s", item.path, item.reason)
+                        unreported += 1
+                        if unreported <= MAX_BAD_REPORTS:
+                            log.warning(
+                                "kv cache: skipping bad file %s: %s", item.path, item.reason
+                            )
                     out.bad.append(item)
                 else:
                     out.entries.append(item)
             for name in list(self._cache):
                 if name not in seen:
                     del self._cache[name]
+            if unreported > MAX_BAD_REPORTS:
+                log.warning(
+                    "kv cache: skipping %d more bad files in %s (ds4mlx kv ls --verify lists "
+                    "them; ds4mlx kv rm removes them)", unreported - MAX_BAD_REPORTS, self.dir,
+                )  # fmt: skip
             return out
+
+    def _scan_one(self, de: os.DirEntry) -> tuple[tuple, Entry | BadFile] | None:
+        """``(stat signature, Entry or BadFile)`` of one snapshot-named file (its header
+        re-read only when the signature changed; a load failure recorded for it makes it
+        bad), or None when it vanished."""
+        try:
+            st = de.stat()
+            sig: tuple = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            return None
+        except OSError as e:  # a symlink loop: read_entry names it a bad file
+            sig = ("unstatable", e.errno)
+        cached = self._cache.get(de.name)
+        if cached is None or cached[0] != sig:
+            try:
+                item: Entry | BadFile = read_entry(de.path)
+            except FileNotFoundError:
+                return None
+            except KVStoreError as e:
+                item = BadFile(Path(de.path), str(e), sig[2] if len(sig) == 3 else 0)
+            self._cache[de.name] = (sig, item)
+        else:
+            item = cached[1]
+        if isinstance(item, Entry):
+            failed = self._failed.get(item.key)
+            if failed is not None and failed[0] == sig:
+                return sig, BadFile(item.path, f"failed on load: {failed[1]}", item.size)
+            item = _apply_index(item, self._index)
+        return sig, item
 
     def _compatible(self, e: Entry) -> bool:
         return (
