@@ -166,17 +166,23 @@ def test_restart_resumes_from_disk_with_exact_dsml_replay(disk):
     assert anthropic_usage(r4)[1] < live1
 
 
+def _evicted(server, name: str, seed: int) -> tuple[list[dict], dict, int]:
+    """Conversation ``name`` served (scripted reply), then replaced by an unrelated one,
+    which evict-saves it whole: ``(its messages, the reply, its live tokens)``."""
+    conv = [
+        {"role": "system", "content": long_system(50, seed=seed)},
+        {"role": "user", "content": f"conversation {name}"},
+    ]
+    script(server, f"Reply {name}." + EOS)
+    r = post(server, "/v1/chat/completions", {"model": "deepseek-chat", "messages": conv})
+    prompt, _ = chat_usage(r)
+    _unrelated(server, seed + 1)
+    return conv, r, prompt + r["usage"]["completion_tokens"] - 1
+
+
 def test_switching_conversations_a_b_a_hits_disk(disk):
     server = disk.server
-    conv_a = [
-        {"role": "system", "content": long_system(50, seed=11)},
-        {"role": "user", "content": "conversation A"},
-    ]
-    script(server, "Reply A." + EOS)
-    ra = post(server, "/v1/chat/completions", {"model": "deepseek-chat", "messages": conv_a})
-    pa, _ = chat_usage(ra)
-    live_a = pa + ra["usage"]["completion_tokens"] - 1
-    _unrelated(server, 12)  # conversation B replaces A: A is saved (evict)
+    conv_a, ra, live_a = _evicted(server, "A", 11)  # B replaces A: A is saved (evict)
     assert server.trace.last()["decision"] in ("cold", "disk")
     conv_a2 = conv_a + [
         {"role": "assistant", "content": ra["choices"][0]["message"]["content"]},
@@ -229,15 +235,7 @@ def test_a_snapshot_the_session_refuses_falls_back_to_a_shorter_one(disk):
     import mlx.core as mx
 
     server = disk.server
-    conv = [
-        {"role": "system", "content": long_system(50, seed=41)},
-        {"role": "user", "content": "conversation F"},
-    ]
-    script(server, "Reply F." + EOS)
-    r = post(server, "/v1/chat/completions", {"model": "deepseek-chat", "messages": conv})
-    prompt, _ = chat_usage(r)
-    live = prompt + r["usage"]["completion_tokens"] - 1
-    _unrelated(server, 42)  # evict-saves F whole, beside its shorter cold save
+    conv, r, live = _evicted(server, "F", 41)  # F saved whole, beside its shorter cold save
     entries = scan_dir(disk.dir).entries
     (whole,) = [e for e in entries if e.reason == "evict" and e.tokens == live]
     shorter = [e for e in entries if e.reason == "cold" and "conversation F" not in e.head]
