@@ -180,19 +180,25 @@ def _evicted(server, name: str, seed: int) -> tuple[list[dict], dict, int]:
     return conv, r, prompt + r["usage"]["completion_tokens"] - 1
 
 
+def _back_to(server, conv: list[dict], reply: dict, name: str) -> dict:
+    """The next turn of conversation ``name`` (after ``reply``), asserted to be served
+    from disk; returns the response."""
+    follow = conv + [
+        {"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+        {"role": "user", "content": f"back to {name}"},
+    ]
+    script(server, f"Again {name}." + EOS)
+    r = post(server, "/v1/chat/completions", {"model": "deepseek-chat", "messages": follow})
+    plan = server.trace.last()
+    assert plan["decision"] == "disk", plan
+    return r
+
+
 def test_switching_conversations_a_b_a_hits_disk(disk):
     server = disk.server
     conv_a, ra, live_a = _evicted(server, "A", 11)  # B replaces A: A is saved (evict)
     assert server.trace.last()["decision"] in ("cold", "disk")
-    conv_a2 = conv_a + [
-        {"role": "assistant", "content": ra["choices"][0]["message"]["content"]},
-        {"role": "user", "content": "back to A"},
-    ]
-    script(server, "Again A." + EOS)
-    r = post(server, "/v1/chat/completions", {"model": "deepseek-chat", "messages": conv_a2})
-    plan = server.trace.last()
-    assert plan["decision"] == "disk", plan
-    assert chat_usage(r)[1] == live_a
+    assert chat_usage(_back_to(server, conv_a, ra, "A"))[1] == live_a
 
 
 def test_billing_header_does_not_split_the_cache(disk):
@@ -245,14 +251,6 @@ def test_a_snapshot_the_session_refuses_falls_back_to_a_shorter_one(disk):
     m["session_meta"] = json.dumps({**meta, "identity": "another-model"}, sort_keys=True)
     with open(whole.path, "wb") as f:
         mx.save_safetensors(f, t, m)
-    follow = conv + [
-        {"role": "assistant", "content": r["choices"][0]["message"]["content"]},
-        {"role": "user", "content": "more F"},
-    ]
-    script(server, "Again F." + EOS)
-    r2 = post(server, "/v1/chat/completions", {"model": "deepseek-chat", "messages": follow})
-    plan = server.trace.last()
-    assert plan["decision"] == "disk", plan
-    cached = chat_usage(r2)[1]
+    cached = chat_usage(_back_to(server, conv, r, "F"))[1]
     assert 0 < cached < live and shorter, (cached, live, [e.tokens for e in entries])
     assert "cannot restore" in server.log()
