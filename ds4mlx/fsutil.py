@@ -76,7 +76,9 @@ def private_dir(path: str | os.PathLike, ours: Callable[[str], bool] | None = No
         raise NotADirectoryError(f"{p} is not a directory")
     if not st.st_mode & 0o077:
         return p
-    only_ours = all(ours is not None and ours(name) for name in os.listdir(p))
+    # Finder's .DS_Store appears in any folder a Mac user opened: not a sign of others.
+    names = [n for n in os.listdir(p) if n != ".DS_Store"]
+    only_ours = all(ours is not None and ours(name) for name in names)
     if st.st_uid == os.geteuid() and not st.st_mode & stat.S_ISVTX and only_ours:
         new = stat.S_IMODE(st.st_mode) & ~0o077
         os.chmod(p, new)

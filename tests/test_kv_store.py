@@ -707,6 +707,7 @@ def test_only_a_directory_of_the_caches_own_files_is_narrowed(tmp_path):
     own = tmp_path / "own"
     own.mkdir()
     (own / kvs.INDEX_NAME).write_text("{}")
+    (own / ".DS_Store").write_bytes(b"")  # Finder's, in any folder a Mac user opened
     own.chmod(0o755)  # an older build's cache directory
     DiskKVStore(own, budget_bytes=50_000_000, model_identity=IDENT, ctx_size=CTX, expert_bits=4)
     assert own.stat().st_mode & 0o777 == 0o700
