@@ -205,9 +205,12 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def write_durable(path: str | os.PathLike, data: bytes, *, mode: int = FILE_MODE) -> None:
+def write_durable(
+    path: str | os.PathLike, data: bytes, *, mode: int = FILE_MODE, sync: bool = True
+) -> None:
     """Create ``path`` (it must not exist) with ``mode`` (default 0600), write ``data``
-    and fsync it.
+    and fsync it (``sync``; False for a file whose loss in a crash costs nothing but
+    statistics: an fsync is milliseconds to seconds on a busy disk).
 
     Raises:
         OSError: the file exists or cannot be written; a partial file is removed.
@@ -217,7 +220,8 @@ def write_durable(path: str | os.PathLike, data: bytes, *, mode: int = FILE_MODE
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
-            fsync_file(f.fileno())
+            if sync:
+                fsync_file(f.fileno())
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(path)
@@ -225,7 +229,12 @@ def write_durable(path: str | os.PathLike, data: bytes, *, mode: int = FILE_MODE
 
 
 def atomic_write(
-    final: str | os.PathLike, data: bytes, *, tmp: str | os.PathLike, mode: int | None = None
+    final: str | os.PathLike,
+    data: bytes,
+    *,
+    tmp: str | os.PathLike,
+    mode: int | None = None,
+    sync: bool = True,
 ) -> None:
     """Replace ``final`` with ``data`` atomically: durable write to ``tmp`` (a fresh name
     in the same directory), rename, fsync the directory. A failure at any point (a full
@@ -233,11 +242,13 @@ def atomic_write(
 
     ``mode``: the new file's permission bits, exactly (set with ``chmod``, so the umask
     does not narrow them: an edited file keeps its own), or None for `FILE_MODE`.
+    ``sync=False``: no fsync of the file or the directory (still atomic for readers; a
+    crash may leave the old or an empty file): for statistics, not for data.
 
     Raises:
         OSError: nothing was replaced; ``tmp`` is removed.
     """
-    write_durable(tmp, data)
+    write_durable(tmp, data, sync=sync)
     try:
         if mode is not None:
             os.chmod(tmp, mode)
@@ -246,4 +257,5 @@ def atomic_write(
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    fsync_dir(Path(final).parent)
+    if sync:
+        fsync_dir(Path(final).parent)

@@ -1303,7 +1303,6 @@ class DiskKVStore:
             with self._lock:
                 try:
                     os.replace(tmp, final)
-                    fsync_dir(self.dir)
                     st_size = final.stat().st_size
                 except OSError as e:
                     with contextlib.suppress(OSError):
@@ -1332,6 +1331,8 @@ class DiskKVStore:
                 # sidecar only loses the aliases (a shorter disk hit), never correctness.
                 self._add_aliases(entry, p.aliases)
                 self._evict(self.budget_bytes, protect=p.key)
+        # The rename made durable outside the lock: lookups never wait on this fsync.
+        fsync_dir(self.dir)
         log.info(
             "kv cache: stored tokens=%d reason=%s key=%s size=%.2f MiB save=%.1f ms",
             p.tokens, p.reason, p.key, size / 2**20, (time.perf_counter() - t0) * 1e3,
@@ -1457,7 +1458,10 @@ class DiskKVStore:
     def _write_index(self, index: Mapping[str, dict]) -> None:
         data = json.dumps({"version": 1, "entries": index}, sort_keys=True).encode()
         try:
-            atomic_write(self.dir / INDEX_NAME, data, tmp=self.dir / temp_name("index"))
+            # Not synced: it is written under the store lock, on the hit path too, and
+            # a crash that loses it loses only statistics (`read_index` starts over).
+            index_tmp = self.dir / temp_name("index")
+            atomic_write(self.dir / INDEX_NAME, data, tmp=index_tmp, sync=False)
         except OSError as e:
             log.warning("kv cache: could not write hit index: %s", e)
             return
