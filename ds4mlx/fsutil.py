@@ -44,6 +44,10 @@ TEMP_RE = re.compile(
 )
 
 
+# Directories `private_dir` left open (warned about once per process).
+_LEFT_OPEN: set[Path] = set()
+
+
 def private_dir(path: str | os.PathLike, ours: Callable[[str], bool] | None = None) -> Path:
     """Create ``path`` (and missing parents) with mode 0700, or narrow an existing one
     that is only ours.
@@ -83,7 +87,8 @@ def private_dir(path: str | os.PathLike, ours: Callable[[str], bool] | None = No
         new = stat.S_IMODE(st.st_mode) & ~0o077
         os.chmod(p, new)
         log.info("%s: mode %03o -> %03o (private)", p, stat.S_IMODE(st.st_mode), new)
-    else:
+    elif p not in _LEFT_OPEN:  # once: serve checks the directory, then its store opens it
+        _LEFT_OPEN.add(p)
         log.warning(
             "%s: mode %03o lets others list it; left as it is (it is not only ours), and "
             "the files written there are private (0600)", p, stat.S_IMODE(st.st_mode),

@@ -254,6 +254,15 @@ def _forced_opener(spec: TurnSpec) -> str | None:
     return text + f'{spec.tool_name}">\n' if spec.tool_name else text
 
 
+def _decoder(spec: TurnSpec) -> StreamDecoder | None:
+    """The turn's DSML decoder, or None for a raw turn (``parse`` off: completions)."""
+    if not spec.parse:
+        return None
+    return StreamDecoder(
+        spec.thinking, list(spec.tools), id_prefix=spec.id_prefix, calls=spec.calls
+    )
+
+
 class Turn:
     """One running turn (see `run_turn`), as `TurnHooks` receive it: read-only except
     through `force_feed` (``s``: the `Session`, ``tok``, ``spec``, ``result``: the
@@ -269,9 +278,7 @@ class Turn:
         self.emit = emit
         self.cancel = cancel or (lambda: False)
         self.tool_memory = tool_memory
-        tools, prefix = list(spec.tools), spec.id_prefix
-        decoder = StreamDecoder(spec.thinking, tools, id_prefix=prefix, calls=spec.calls)
-        self.decoder = decoder if spec.parse else None
+        self.decoder = _decoder(spec)
         self.stopper = StopMatcher(spec.stops)
         self.detok = tokenizer.detokenizer()
         self.result = TurnResult(FINISH_LENGTH)

@@ -138,6 +138,11 @@ _PART_RE = re.compile(r"^[0-9a-f]{40}\.rank[0-9]+\.safetensors$")
 MAX_BAD_REPORTS = 20
 
 
+def _sig(st: os.stat_result) -> tuple[int, int, int]:
+    """The stat signature a file's cached reading is kept under: inode, mtime, size."""
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
 def cache_file(name: str) -> bool:
     """Whether ``name`` is one the disk KV cache writes (a snapshot, a pipeline rank's
     part, the hit index, a temp file): a directory of only these is the cache's own."""
@@ -832,7 +837,7 @@ class DiskKVStore:
         p = self.dir / INDEX_NAME
         try:
             st = p.stat()
-            sig = (st.st_ino, st.st_mtime_ns, st.st_size)
+            sig = _sig(st)
         except FileNotFoundError:
             sig = None
         if sig != self._index_sig:
@@ -885,7 +890,7 @@ class DiskKVStore:
         bad), or None when it vanished."""
         try:
             st = de.stat()
-            sig: tuple = (st.st_ino, st.st_mtime_ns, st.st_size)
+            sig: tuple = _sig(st)
         except FileNotFoundError:
             return None
         except OSError as e:  # a symlink loop: read_entry names it a bad file
@@ -972,7 +977,7 @@ class DiskKVStore:
         with self._lock:
             try:
                 st = entry.path.stat()
-                sig = (st.st_ino, st.st_mtime_ns, st.st_size)
+                sig = _sig(st)
             except FileNotFoundError as e:
                 raise KVStoreError(f"{entry.path} vanished") from e
             if not self._compatible(entry):
@@ -1009,7 +1014,7 @@ class DiskKVStore:
                 st = entry.path.stat()
             except OSError:
                 return
-            self._failed[entry.key] = ((st.st_ino, st.st_mtime_ns, st.st_size), reason)
+            self._failed[entry.key] = (_sig(st), reason)
 
     def read_tokens(self, entry: Entry) -> list[int]:
         """The token ids of ``entry``, reading only its small token tensor (no KV array).
@@ -1411,7 +1416,7 @@ class DiskKVStore:
                 st = final.stat()
             except OSError:
                 return None
-            if failed[0] == (st.st_ino, st.st_mtime_ns, st.st_size):
+            if failed[0] == _sig(st):
                 return None
         if tools:
             try:
@@ -1468,7 +1473,7 @@ class DiskKVStore:
         self._index = dict(index)
         with contextlib.suppress(FileNotFoundError):
             st = (self.dir / INDEX_NAME).stat()
-            self._index_sig = (st.st_ino, st.st_mtime_ns, st.st_size)
+            self._index_sig = _sig(st)
 
     # ---------------------------------------------------------------- eviction
 

@@ -85,24 +85,21 @@ _UNSUPPORTED: ContextVar[list[tuple[str, str]] | None] = ContextVar(
 
 def placeholder(kind: str | None, media_type: Any = None) -> str:
     """The text the model sees instead of a non-text block of wire type ``kind`` (the
-    model reads text only), as `placeholder_text` spells it; noted for the log."""
-    text = placeholder_text(kind, media_type)
+    model reads text only), noted with ``kind`` for the request's log line; DeepSeek's
+    own conversion's spellings: ``[Unsupported Image]`` for ``image``, ``image_url``,
+    ``input_image`` and chat's ``file`` alike, ``[Unsupported Document]`` for
+    ``input_file``, ``[Unsupported Audio]``, an Anthropic ``document`` as
+    ``[Unsupported document type: MEDIA]`` (its source's ``media_type``, else
+    ``unknown``), else ``[Unsupported KIND]``."""
+    if kind == "document":
+        media = media_type if isinstance(media_type, str) and media_type else "unknown"
+        text = f"[Unsupported document type: {media}]"
+    else:
+        text = f"[Unsupported {_NOUNS.get(kind or '', kind or 'content')}]"
     seen = _UNSUPPORTED.get()
     if seen is not None:
         seen.append((kind or "content", text))
     return text
-
-
-def placeholder_text(kind: str | None, media_type: Any = None) -> str:
-    """``[Unsupported Image]`` for ``image``, ``image_url``, ``input_image`` and chat's
-    ``file`` alike, ``[Unsupported Document]`` for ``input_file``, ``[Unsupported
-    Audio]``, an Anthropic ``document`` as ``[Unsupported document type: MEDIA]`` (its
-    source's ``media_type``, else ``unknown``), else ``[Unsupported KIND]``: DeepSeek's
-    own conversion's spellings."""
-    if kind == "document":
-        media = media_type if isinstance(media_type, str) and media_type else "unknown"
-        return f"[Unsupported document type: {media}]"
-    return f"[Unsupported {_NOUNS.get(kind or '', kind or 'content')}]"
 
 
 def note_unsupported() -> None:
