@@ -211,6 +211,25 @@ def test_a_pattern_that_backtracks_without_end_stops_the_search(
     assert "stopped after the 0.5 s limit" in out.text
 
 
+def test_a_hit_deep_in_a_long_line_is_shown_around_the_match(tb: Toolbox, ws: Path) -> None:
+    width = search_mod.MAX_MATCH_LINE_CHARS
+    (ws / "app.min.js").write_text("x=1;" * 2000 + "apiKeyLookup();" + "y=2;" * 2000 + "\n")
+    (ws / "short.js").write_text("apiKeyLookup();\n")
+    out = tb.run("search", {"pattern": "apiKeyLookup"})
+    long_hit, short_hit = out.text.splitlines()[:2]
+    prefix, shown = long_hit.split(": ", 1)
+    assert prefix == "app.min.js:1" and "apiKeyLookup();" in shown
+    assert shown.startswith("…") and shown.endswith("…")
+    assert shown.index("apiKeyLookup") == 1 + width // 4  # a little context before it
+    assert len(shown) == width + 2
+    assert short_hit == "short.js:1: apiKeyLookup();"
+    # A hit near either end of a long line is shown from that end.
+    (ws / "app.min.js").write_text("apiKeyLookup();" + "y=2;" * 2000 + "\n")
+    assert tb.run("search", {"pattern": "apiKey", "path": "app.min.js"}).text.startswith(
+        "app.min.js:1: apiKeyLookup();y=2;"
+    )
+
+
 def test_dropping_the_final_newline_shows_in_the_diff(ws: Path) -> None:
     (ws / "n.txt").write_text("a\nb\n")
     asked: list[str] = []

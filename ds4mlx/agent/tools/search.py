@@ -200,6 +200,20 @@ def _candidates(
                 yield Path(root, name)
 
 
+def excerpt(line: str, start: int, width: int = MAX_MATCH_LINE_CHARS) -> str:
+    """``line`` cut to ``width`` characters around the match that starts at ``start``.
+
+    A long line (minified code, a data file) is shown from a little before the match, not
+    from its start: cut at column ``width``, a hit at column 5,000 showed none of itself.
+    Each cut is marked ``…``; a match longer than ``width`` shows its first characters.
+    """
+    if len(line) <= width:
+        return line
+    first = max(0, min(start - min(width // 4, start), len(line) - width))
+    cut = line[first : first + width]
+    return ("…" if first else "") + cut + ("…" if first + width < len(line) else "")
+
+
 @dataclass
 class _Scan:
     """Matching lines found so far, and counts of what was searched or skipped."""
@@ -257,9 +271,7 @@ class _Scan:
                 if not found:
                     continue
                 hit = True
-                if len(line) > MAX_MATCH_LINE_CHARS:
-                    line = line[:MAX_MATCH_LINE_CHARS] + "…"
-                self.out.append(f"{prel}:{no}: {line}")
+                self.out.append(f"{prel}:{no}: {excerpt(line, found.start())}")
                 if self.full:
                     break
         return hit
