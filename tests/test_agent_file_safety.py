@@ -211,6 +211,35 @@ def test_a_pattern_that_backtracks_without_end_stops_the_search(
     assert "stopped after the 0.5 s limit" in out.text
 
 
+@pytest.mark.parametrize("encoding, bom", [("utf-16-le", b"\xff\xfe"), ("utf-16-be", b"\xfe\xff")])
+def test_utf16_files_are_text_and_keep_their_encoding(
+    tb: Toolbox, ws: Path, encoding: str, bom: bytes
+) -> None:
+    """A Windows file in UTF-16 (PowerShell writes them) is read, searched, edited and
+    overwritten as text, in its own encoding, byte-order mark and CRLF line endings."""
+    f = ws / "setup.ps1"
+    f.write_bytes(bom + "Write-Host 'héllo'\r\n$port = 8080\r\n".encode(encoding))
+    read = tb.run("read", {"path": "setup.ps1"})
+    assert read.ok and "Write-Host 'héllo'\r\n$port = 8080\r\n" in read.text
+    assert "binary" not in read.text and "is UTF-16 text" in read.text
+    hit = tb.run("search", {"pattern": r"\$port"})
+    assert "setup.ps1:2: $port = 8080" in hit.text
+    assert tb.run("edit", {"path": "setup.ps1", "old": "8080", "new": "9090"}).ok
+    assert f.read_bytes() == bom + "Write-Host 'héllo'\r\n$port = 9090\r\n".encode(encoding)
+    # The model's content drops the invisible mark and writes LF: both are the file's again.
+    assert tb.run("write", {"path": "setup.ps1", "content": "$port = 1\n$host = 'x'\n"}).ok
+    assert f.read_bytes() == bom + "$port = 1\r\n$host = 'x'\r\n".encode(encoding)
+    again = tb.run("edit", {"path": "setup.ps1", "old": "$port = 2", "new": "$port = 1"})
+    assert not again.ok  # old is not in the file: a normal not-found, not "binary"
+    assert "not found" in again.text
+
+
+def test_a_utf32_file_stays_binary(tb: Toolbox, ws: Path) -> None:
+    (ws / "w.txt").write_bytes("hi\n".encode("utf-32"))
+    out = tb.run("read", {"path": "w.txt"})
+    assert not out.ok and "binary file" in out.text
+
+
 def test_a_hit_deep_in_a_long_line_is_shown_around_the_match(tb: Toolbox, ws: Path) -> None:
     width = search_mod.MAX_MATCH_LINE_CHARS
     (ws / "app.min.js").write_text("x=1;" * 2000 + "apiKeyLookup();" + "y=2;" * 2000 + "\n")

@@ -13,6 +13,7 @@ workspace root (see :mod:`ds4mlx.agent.permissions`).
 
 from __future__ import annotations
 
+import codecs
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -180,10 +181,35 @@ class Workspace:
         return sorted(found)
 
 
-def is_binary(path: Path) -> bool:
-    """True if the first 8 KiB of the file hold a NUL byte."""
+def text_encoding(head: bytes) -> str:
+    """The encoding the file tools read and write a file in, from its first bytes:
+    ``"utf-16-le"`` or ``"utf-16-be"`` after a UTF-16 byte-order mark (Windows tools
+    write those: PowerShell scripts, .reg and .rc files), else ``"utf-8"``.
+
+    The mark stays in the decoded text (U+FEFF), so text written back in the same
+    encoding keeps every byte. A UTF-32 mark (which starts like UTF-16's) is not UTF-16.
+    """
+    if head.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)):
+        return "utf-8"
+    if head.startswith(codecs.BOM_UTF16_LE):
+        return "utf-16-le"
+    if head.startswith(codecs.BOM_UTF16_BE):
+        return "utf-16-be"
+    return "utf-8"
+
+
+def file_encoding(path: Path) -> str:
+    """`text_encoding` of the file at ``path``."""
     with open(path, "rb") as f:
-        return b"\0" in f.read(_BINARY_SNIFF_BYTES)
+        return text_encoding(f.read(4))
+
+
+def is_binary(path: Path) -> bool:
+    """True if the first 8 KiB of the file hold a NUL byte (UTF-16 text, which has a
+    NUL in every ASCII character, is text when it starts with its byte-order mark)."""
+    with open(path, "rb") as f:
+        head = f.read(_BINARY_SNIFF_BYTES)
+    return b"\0" in head and text_encoding(head) == "utf-8"
 
 
 def cap(text: str, limit: int = MAX_SUMMARY_CHARS) -> str:

@@ -8,9 +8,11 @@ the user) and change the file only once the dispatcher got permission.
 from __future__ import annotations
 
 import difflib
+import io
 import os
 import re
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +27,19 @@ from ds4mlx.agent.tools.common import (
     ToolError,
     Workspace,
     cap,
+    file_encoding,
     first_few,
+    text_encoding,
 )
 from ds4mlx.agent.tools.schema import PATH_DESC, object_schema
 from ds4mlx.dsml.conversation import ToolSpec
 from ds4mlx.fsutil import atomic_write, temp_name, write_durable
 
 DEFAULT_READ_LIMIT = 2000  # lines
+UTF16_NOTE = (
+    "{rel} is UTF-16 text ({order}, with a byte-order mark): write and edit keep that "
+    "encoding; shell tools such as grep and sed see a NUL byte in every ASCII character"
+)
 NOT_UTF8_NOTE = (
     "{rel} is not valid UTF-8: bytes that do not decode are shown as U+FFFD (\ufffd), "
     "not as they are; change this file with bash, not write or edit"
@@ -138,19 +146,14 @@ class FileTools:
         rel = self.ws.rel(path)
         self.ws.text_file(path, rel)
         offset, limit = a["offset"], a["limit"]
+        encoding = file_encoding(path)
         lines: list[str] = []
         total = 0
         utf8 = True
-        # Bytes split on \n only (as every other tool counts lines; \r stays), each line
-        # decoded on its own: a line that is not UTF-8 is shown with U+FFFD and noted.
-        with open(path, "rb") as f:
-            for total, raw in enumerate(f, 1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    line, utf8 = raw.decode("utf-8", errors="replace"), False
-                if offset <= total < offset + limit:
-                    lines.append(line)
+        for total, (line, ok) in enumerate(_text_lines(path, encoding), 1):
+            utf8 = utf8 and ok
+            if offset <= total < offset + limit:
+                lines.append(line)
         if total == 0:
             return Result("", after=f"[{rel} is empty]")
         if offset > total:
@@ -164,6 +167,8 @@ class FileTools:
             )
         if not utf8:
             notes.append(NOT_UTF8_NOTE.format(rel=rel))
+        if encoding != "utf-8":
+            notes.append(UTF16_NOTE.format(rel=rel, order=encoding[-2:].upper()))
         return Result("".join(lines), after="\n".join(f"[{n}]" for n in notes))
 
     def write(self, a: dict[str, Any]) -> Proposal:
@@ -184,15 +189,14 @@ class FileTools:
             raise ToolError(FAILED, f"{rel} is not a regular file")
         before = _contents(path)
         old: str | None = None
+        encoding = "utf-8"
         if before is not None:
-            try:
-                old = before.decode("utf-8")
-            except UnicodeDecodeError:
-                if "\ufffd" in content:
-                    raise ToolError(FAILED, _REPLACEMENT_REFUSAL.format(rel=rel)) from None
-            else:
+            old, encoding = _decode(before)
+            if old is None and "\ufffd" in content:
+                raise ToolError(FAILED, _REPLACEMENT_REFUSAL.format(rel=rel))
+            if old is not None:
                 content = _in_file_line_endings(old, content)
-        data = content.encode("utf-8")
+        data = _encode(content, encoding)
         if before is None:
             detail = _preview(content)
         elif old is None:
@@ -219,8 +223,8 @@ class FileTools:
         path = self.ws.path(a["path"])
         rel = self.ws.rel(path)
         try:
-            text = path.read_bytes().decode("utf-8") if path.is_file() else None
-        except (OSError, UnicodeDecodeError):
+            text = _decode(path.read_bytes())[0] if path.is_file() else None
+        except OSError:
             return None
         if text is None:
             return None
@@ -240,10 +244,9 @@ class FileTools:
         if old == new:
             raise ToolError(FAILED, "old and new are identical; nothing to change")
         before = path.read_bytes()
-        try:
-            text = before.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ToolError(FAILED, f"{rel} is not valid UTF-8; change it with bash") from None
+        text, encoding = _decode(before)
+        if text is None:
+            raise ToolError(FAILED, f"{rel} is not valid {encoding.upper()}; change it with bash")
         old, new = _match_line_endings(text, old, new)
         _refuse_redacted(new, old, rel)
         count = text.count(old)
@@ -268,7 +271,7 @@ class FileTools:
 
         def apply() -> Result:
             _unchanged_since(path, before, rel)
-            _put(path, updated.encode("utf-8"), exists=True)
+            _put(path, _encode(updated, encoding), exists=True)
             return Result(f"edited {rel}: replaced {n} occurrence(s) at line(s) {first_few(lines)}")
 
         return Proposal(
@@ -394,6 +397,46 @@ def _in_effect(text: str, old: str, new: str) -> bool:
             return False
         pos = text.find(old, pos + 1)
     return True
+
+
+def _text_lines(path: Path, encoding: str) -> Iterator[tuple[str, bool]]:
+    """Each line of the file at ``path`` (split on ``\\n`` only, as every other tool
+    counts lines; ``\\r`` stays) decoded from ``encoding``, and whether it decoded
+    cleanly (bytes that do not decode show as U+FFFD). A UTF-8 file is read and decoded
+    a line at a time, so one bad line marks only itself."""
+    with open(path, "rb") as f:
+        if encoding == "utf-8":
+            for raw in f:
+                try:
+                    yield raw.decode("utf-8"), True
+                except UnicodeDecodeError:
+                    yield raw.decode("utf-8", errors="replace"), False
+            return
+        data = f.read()
+    text, _ = _decode(data)
+    ok = text is not None
+    if text is None:
+        text = data.decode(encoding, errors="replace")
+    for line in io.StringIO(text, newline="\n"):
+        yield line, ok
+
+
+def _decode(data: bytes) -> tuple[str | None, str]:
+    """``(text, encoding)`` of a file's bytes: its `text_encoding` and the text decoded
+    from it (a UTF-16 byte-order mark kept as U+FEFF), or None when they do not decode."""
+    encoding = text_encoding(data[:4])
+    try:
+        return data.decode(encoding), encoding
+    except UnicodeDecodeError:
+        return None, encoding
+
+
+def _encode(text: str, encoding: str) -> bytes:
+    """``text`` as a file's bytes in ``encoding``. UTF-16 keeps its byte-order mark even
+    when the model's text dropped it (readers, this one too, need it to know the file)."""
+    if encoding != "utf-8" and not text.startswith("\ufeff"):
+        text = "\ufeff" + text
+    return text.encode(encoding)
 
 
 def _contents(path: Path) -> bytes | None:

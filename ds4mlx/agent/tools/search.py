@@ -36,6 +36,7 @@ from ds4mlx.agent.tools.common import (
     Result,
     ToolError,
     Workspace,
+    file_encoding,
     is_binary,
 )
 from ds4mlx.agent.tools.schema import PATH_DESC, object_schema
@@ -259,7 +260,7 @@ class _Scan:
         """Append the matching lines of ``p`` (up to ``max_results``); True if any."""
         prel = self.ws.rel(p)
         hit = False
-        with open(p, encoding="utf-8", errors="replace", newline="\n") as f:
+        with open(p, encoding=file_encoding(p), errors="replace", newline="\n") as f:
             for no, line in enumerate(f, 1):
                 line = line.rstrip("\r\n")
                 try:
