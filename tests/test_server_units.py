@@ -1,5 +1,6 @@
 """Unit tests of server pieces that need no running server: the prefill planner's
-prefix rules (docs/ARCHITECTURE.md §3), the reasoning carrier, error shapes."""
+prefix rules (docs/ARCHITECTURE.md §3), the reasoning carrier, error shapes; and the app
+in process (`/health` once shutdown began)."""
 
 from __future__ import annotations
 
@@ -603,3 +604,29 @@ def test_a_job_submitted_as_the_server_stops_is_answered(tiny_model_dir, monkeyp
     else:
         assert [type(e) for e in events if isinstance(e, (JobDone, JobFailed))] == [JobDone]
         assert events[-1].finish == "cancelled", events
+
+
+def test_health_says_stopping_once_shutdown_began(tiny_model_dir):
+    """Shutdown saves run while the socket still answers: a poller (a supervisor, a load
+    balancer, a client waiting to send) must not read "ok" then. The real app and worker
+    in process, on the real tiny engine."""
+    import asyncio
+
+    from ds4mlx.engine.core import Engine
+    from ds4mlx.routes import register
+    from ds4mlx.server.app import create_app, start_worker
+    from ds4mlx.server.config import ServerConfig
+
+    config = ServerConfig()
+    engine, worker = start_worker(lambda: Engine.load(str(tiny_model_dir)), config)
+    app = create_app(engine, config, worker, register)
+
+    async def health():
+        r = await app.test_client().get("/health")
+        return r.status_code, (await r.get_json())["status"]
+
+    try:
+        assert asyncio.run(health()) == (200, "ok")
+    finally:
+        worker.stop()
+    assert asyncio.run(health()) == (503, "stopping")

@@ -9,7 +9,9 @@
 - ``POST /v1/tokenize``: ``{"text"|"prompt": str}`` or ``{"messages": [...]}`` (OpenAI
   chat messages, rendered with the chat template) → ``{"tokens", "count"}``.
 - ``POST /v1/detokenize``: ``{"tokens": [int]}`` → ``{"text"}``.
-- ``GET /health``: ``{"status": "ok", ...}`` (no API key needed).
+- ``GET /health``: ``{"status": "ok", ...}`` (no API key needed); 503 with
+  ``"status": "stopping"`` once shutdown began (jobs are refused then, and the shutdown
+  saves may still run while the socket answers).
 - ``GET /`` (and ``HEAD /``): ``{"status": "ok", "service": "ds4mlx"}`` (no API key needed).
 - ``POST /debug/script`` (only with ``--enable-scripted-decoding``): ``{"texts": [str]}``
   and/or ``{"tokens": [[int]]}`` queue continuations (texts first); each following job
@@ -136,9 +138,10 @@ async def root():
 async def health():
     st = state()
     eng = st.worker.engine  # (its speculation report is plain values)
+    stopping = st.worker.stopping
     return json_response(
         {
-            "status": "ok",
+            "status": "stopping" if stopping else "ok",
             "model": st.config.model_name,
             "ctx": st.ctx_size,
             "busy": st.worker.busy,
@@ -151,7 +154,8 @@ async def health():
             # The prompt cache's own summary (plain values): live_tokens, sessions,
             # states (--sessions N), kv_writer (the disk writer's counts, or None).
             **st.kv.summary(),
-        }
+        },
+        503 if stopping else 200,
     )
 
 

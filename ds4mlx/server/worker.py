@@ -173,6 +173,11 @@ class Worker:
     def busy(self) -> bool:
         return self.current is not None
 
+    @property
+    def stopping(self) -> bool:
+        """True once `stop` began: new jobs are refused (the shutdown saves may still run)."""
+        return self._stopping.is_set()
+
     def stop(self, timeout: float = 300.0) -> None:
         """Graceful stop: cancel the running job, fail queued ones, join the thread.
 
