@@ -289,6 +289,29 @@ STRICT_CASES = [
     (CHAT, {"messages": OK_MSG, "tools": [_fn("a"), _fn("a")]}, "tools", "named 'a'"),
     (RESP, {"input": "hi", "tools": [TOOL_RESP, TOOL_RESP]}, "tools", "named 'f'"),
     (MSGS, {"messages": OK_MSG, "max_tokens": 5, "tools": [TOOL_ANT, TOOL_ANT]}, None, "named 'f'"),
+    # One tool_use id for two calls: a result could not name its call (Anthropic's 400).
+    (
+        MSGS,
+        {
+            "max_tokens": 5,
+            "messages": [
+                {"role": "user", "content": "go"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}},
+                        {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"x": 1}},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "ok"}],
+                },
+            ],
+        },
+        None,
+        "messages.1.content.1: `tool_use` ids must be unique",
+    ),
     # A custom Anthropic tool needs its schema (server tools have a versioned type).
     (
         MSGS,

@@ -375,6 +375,27 @@ def _assistant_turn(
     )
 
 
+def _unique_tool_use_ids(messages: list[Any]) -> None:
+    """Refuse a ``tool_use`` id given twice, as Anthropic's API does: a result names its
+    call by id, and the server's tool memory renders a known id from the bytes the model
+    sampled under it, so a second call under the same id would be shown to the model as
+    the first one.
+
+    Raises:
+        WireError: ``messages.I.content.J`` of the repeated block.
+    """
+    seen: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.role != "assistant" or isinstance(m.content, str):
+            continue
+        for j, b in enumerate(m.content):
+            if isinstance(b, ToolUseBlock):
+                if b.id in seen:
+                    path = f"messages.{i}.content.{j}"
+                    raise WireError(f"{path}: `tool_use` ids must be unique ({b.id!r})", path)
+                seen.add(b.id)
+
+
 def _tools(req: CountTokensRequest) -> list[ToolSpec]:
     """The callable tools offered (none with ``tool_choice: none``; server tools such as
     ``web_search_20250305`` have no ``input_schema`` and are not offered).
@@ -462,6 +483,7 @@ def to_conversation(
     system_parts = [system_text(req.system, keep_billing_header=keep_billing_header)]
     late: list[str] = []  # role "system" messages (Claude Code's environment, skills)
     msgs: list[Message] = []
+    _unique_tool_use_ids(req.messages)
     for m in req.messages:
         blocks = _blocks(m.content)
         if m.role == "system":
