@@ -214,3 +214,34 @@ def test_mcp_cli_workspace_config_broken_server_warns_and_agent_goes_on(
     assert "42" in r.stderr  # the tool's result, shown in the transcript
     log = (workspace.parent / "kv" / "mcp-servers.log").read_text()
     assert "fixture server starting" in log
+
+
+def test_mcp_tools_without_properties_are_called_and_bad_names_are_left_out(
+    workspace: Path,
+) -> None:
+    """A tool without arguments (input schema ``{"type": "object"}``, no ``properties``)
+    is validated and called; a tool name the MCP specification does not allow (a space,
+    an escape, 129 characters) or a name given twice is not offered, with a warning."""
+    raw = str(Path(__file__).parent / "fixtures" / "mcp_raw_server.py")
+    cfg = parse_config({"mcpServers": {"raw": {"command": sys.executable, "args": [raw]}}})
+    warnings: list[str] = []
+    errlog = open(workspace.parent / "mcp.log", "w")  # noqa: SIM115 - closed below
+    client = McpClient(
+        cfg, cwd=workspace, env_policy=EnvPolicy(), timeout=60, log=errlog, warn=warnings.append
+    )
+    try:
+        client.start()
+        assert sorted(client.tools) == ["mcp__raw__ping"]
+        assert "tool 'ping' is given twice; not offered" in warnings[0]
+        assert "'bad name' is not a valid name" in warnings[1]
+        assert "'red\\x1b[31m' is not a valid name" in warnings[2]  # shown escaped
+        assert len(warnings) == 4
+        with Toolbox(workspace, Permissions(yes=True), mcp=client) as tb:
+            out = tb.run("mcp__raw__ping", {})
+            assert out.ok and out.text == "pong {}"
+            bad = tb.run("mcp__raw__ping", [])  # not an object: the parameters line says none
+            assert not bad.ok and bad.error == INVALID_ARGUMENTS
+            assert "mcp__raw__ping parameters: none." in bad.text
+    finally:
+        client.close()
+        errlog.close()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 import sys
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -38,6 +39,10 @@ from ds4mlx.dsml.conversation import ToolSpec
 PREFIX = "mcp__"
 DEFAULT_TIMEOUT = 60.0
 _NAME_OK = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_-")
+# A tool name as the MCP specification has it (1-128 of A-Z a-z 0-9 _ - .): anything else
+# (a space, a quote, a control character) would reach the model's tool list and the
+# permission question, and a name given twice would silently replace the first tool.
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 
 class McpConfigError(ValueError):
@@ -226,6 +231,10 @@ class McpClient:
                 continue
             for tool in listed:
                 qualified = f"{PREFIX}{server.name}__{tool.name}"
+                if not _TOOL_NAME.fullmatch(tool.name) or qualified in self.tools:
+                    why = "is given twice" if qualified in self.tools else "is not a valid name"
+                    self.warn(f"MCP server {server.name!r}: tool {tool.name!r} {why}; not offered")
+                    continue
                 if not self.config.offered(qualified):
                     continue
                 hint = bool(tool.annotations and tool.annotations.read_only_hint)

@@ -183,7 +183,9 @@ def invalid_arguments_text(name: str, schema: dict[str, Any], errors: list[dict[
     transcript) can fix each field by its ``loc``.
     """
     req = set(schema.get("required", []))
-    params = ", ".join(describe_param(k, v, k in req) for k, v in schema["properties"].items())
+    # An object schema may leave out "properties" (MCP tools without arguments do).
+    props = schema.get("properties", {})
+    params = ", ".join(describe_param(k, v, k in req) for k, v in props.items()) or "none"
     envelope = {
         "status": "validation_error",
         "tool_name": name,
@@ -214,7 +216,7 @@ def unknown_tool_text(name: Any, available: list[str], hint: str | None) -> str:
 def with_defaults(schema: dict[str, Any], arguments: dict[str, Any]) -> dict[str, Any]:
     """A copy of valid ``arguments`` with schema defaults filled in and integers as int."""
     args = dict(arguments)
-    for key, prop in schema["properties"].items():
+    for key, prop in schema.get("properties", {}).items():
         if key not in args and "default" in prop:
             args[key] = prop["default"]
         # JSON Schema accepts 5.0 as an integer; Python slicing does not.
