@@ -132,6 +132,55 @@ def test_soft_compaction_and_mechanical_fallback(engine, workspace):
         agent.close()
 
 
+def test_a_message_past_the_context_compacts_or_is_refused_and_the_session_goes_on(
+    engine, workspace
+):
+    """A user message that, with the conversation, passes the whole context compacts the
+    conversation first; one that cannot fit even then is taken back (said, with its size)
+    and the conversation goes on. It stayed in the transcript and every later message
+    failed the same way (only /new got out)."""
+    ui = RecordingUI()
+    script = [
+        turn("List.", "", invoke("bash", command="seq 1 2000")),
+        turn("Listed.", "Done listing."),
+        turn(None, SUMMARY),
+        turn("Ok.", "Answered after compaction."),
+        turn("Fine.", "Still here."),
+    ]
+    agent = Agent(engine, workspace, ui=ui, script=script, yes=True, tool_output_tokens=1000)
+    tok = engine.tokenizer
+    try:
+        assert agent.send("make a listing").ok
+        used = len(agent.session.tokens)
+        # Too long beside the conversation, short enough once it is summarized.
+        medium = "alpha beta " * ((CTX - used) // 2 + 50)
+        assert used + len(tok.encode_plain(medium)) > CTX
+        res = agent.send(medium)
+        assert res.ok, (res, ui.notices)
+        (info,) = agent.compactions
+        assert info.reason == "hard" and info.by_model
+        assert agent.messages[-2].content == medium
+        assert agent.messages[-1].content == "Answered after compaction."
+        assert len(agent.session.tokens) < agent.policy.soft_limit(CTX)
+        before = [(m.role, m.content) for m in agent.messages]
+        # Longer than the context itself: no compaction can fit it.
+        huge = "word " * (CTX + 500)
+        res = agent.send(huge)
+        assert res.status == "context"
+        n = len(tok.encode_plain(huge))
+        assert f"not sent: your message is {n} tokens" in res.message
+        assert res.message in [text for _, text in ui.notices]
+        assert [(m.role, m.content) for m in agent.messages] == before
+        assert agent.consistent()
+        # The next message is answered as if the refused one was never typed.
+        res = agent.send("and now?")
+        assert res.ok, (res, ui.notices)
+        assert agent.messages[-1].content == "Still here."
+        assert all(m.content != huge for m in agent.messages)
+    finally:
+        agent.close()
+
+
 # ---------------------------------------------------------------- pure functions
 
 

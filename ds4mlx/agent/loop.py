@@ -95,6 +95,7 @@ from ds4mlx.dsml import Conversation, Message, Rendered, ToolMemory
 from ds4mlx.dsml.tokens import DSML, EOS
 from ds4mlx.engine import DEFAULT_CHUNK, ContextOverflowError, SamplingParams
 from ds4mlx.kv.cache import PromptCache
+from ds4mlx.kv.plan import ContextFull
 from ds4mlx.kv.policy import KVCacheSettings
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -290,14 +291,15 @@ class Agent:
             lv.record = SessionRecord(
                 id=self.book.new_id(), workspace=str(self.workspace), title=title_of(text)
             )
-        self.messages.append(Message("user", text))
+        sent = Message("user", text)
+        self.messages.append(sent)
         self.turns.user_text = text
         self.turns.last_gen = None
         self.turns.last_prefill = (0, 0.0)
         with _sigint_to(self):
             try:
                 result = self._loop()
-            except ContextOverflowError as e:
+            except (ContextOverflowError, ContextFull) as e:
                 self._resync()
                 result = SendResult("context", message=str(e))
             except KeyboardInterrupt:
@@ -308,6 +310,8 @@ class Agent:
                 result = SendResult("error", message=f"{type(e).__name__}: {e}")
             finally:
                 lv.phase = "idle"
+        if result.status == "context" and self.messages and self.messages[-1] is sent:
+            result = self._refuse(sent)
         if result.status == "error":
             self.ui.notice(f"error: {result.message}", "error")
         self.control.persist()
@@ -363,6 +367,22 @@ class Agent:
 
     def _ask(self, tool: str, summary: str) -> str:
         return self.ui.ask(tool, summary)
+
+    def _refuse(self, sent: Message) -> SendResult:
+        """Take back the user message ``sent`` that no compaction can fit: left in the
+        transcript, it would make every later message fail the same way (only ``/new``
+        got out). The user is told its size and what to do."""
+        self.messages.pop()
+        self.turns.user_text = ""
+        n = len(self.tok.encode_plain(sent.content or ""))
+        why = (
+            f"not sent: your message is {n} tokens, and with the conversation it does not "
+            f"fit the {self.ctx}-token context even after compaction. Shorten it (or put a "
+            "long text in a file and ask the agent to read it), or /new for an empty "
+            "conversation."
+        )
+        self.ui.notice(why, "error")
+        return SendResult("context", message=why)
 
     def _resync(self) -> None:
         """After an unexpected exit: the live tokens no longer sit on a known boundary."""

@@ -36,6 +36,7 @@ from ds4mlx.engine import FINISH_CANCELLED, FINISH_STOP, Turn, TurnHooks, TurnSp
 from ds4mlx.engine.grammar import GrammarError, ToolRule, json_grammar, ll_tokenizer, turn_grammar
 from ds4mlx.engine.steer import FINISH_STEERED, Steering
 from ds4mlx.kv.cache import Lease, Prompt
+from ds4mlx.kv.plan import ContextFull
 
 # The turn loop's finish reasons as the agent's steps name them.
 _AGENT_STOP = {FINISH_STOP: "eos", FINISH_CANCELLED: "interrupted", FINISH_STEERED: "steered"}
@@ -316,10 +317,25 @@ class Steps:
             lv.messages.append(Message("user", steer))
             lv.ui.notice(f"sent: {steer}")
         self.notices.add()
-        prepared = self.prepare(compact=True)
-        if prepared.compact is not None:
-            prepared.lease.abandon()
-            st, prepared = compactor.compact(prepared.compact)
+        held = len(lv.session.tokens)
+        pending = self._pending_overflow()
+        if pending is not None and pending + self.policy.reserve(lv.ctx) > lv.ctx:
+            return "context"  # past the context alone: no summary of the rest can help
+        # Past the context beside the live state: compact first, without a plan.
+        prepared, due = None, "hard"
+        if pending is None:
+            try:
+                prepared = self.prepare(compact=True)
+                due = prepared.compact
+            except ContextFull:
+                # A refused plan may have replaced the live tokens already (a plan that
+                # does not fit rebuilds): then they end on no known turn.
+                if len(lv.session.tokens) != held:
+                    lv.settle()
+        if due is not None:
+            if prepared is not None:
+                prepared.lease.abandon()
+            st, prepared = compactor.compact(due)
             if st is not None:
                 return st
         thinking = lv.conv.thinking
@@ -349,6 +365,22 @@ class Steps:
             # the queued text follows in the same user turn.
             gen = dataclasses.replace(gen, stop="eos")
         return gen, msg
+
+    def _pending_overflow(self) -> int | None:
+        """The tokens of the messages not yet in the live state when they surely pass the
+        context beside it, else None. Asked before planning: a plan that does not fit
+        rebuilds from the prompt, replacing the live state the compaction summary is
+        asked of. Counted only when their bytes could pass it (a token holds at least
+        one byte), so a usual message costs nothing."""
+        lv = self.live
+        if lv.state != LiveState.TURN_END:
+            return None
+        room = lv.ctx - len(lv.session.tokens)
+        pending = [m.content or "" for m in lv.messages[lv.pending_from() :]]
+        if sum(len(t.encode()) for t in pending) < room:
+            return None
+        n = sum(len(lv.tok.encode_plain(t)) for t in pending)
+        return n if n >= room else None
 
     def close_turn(self, gen: Generated, thinking: bool) -> Message:
         """The transcript message for a generated turn (`closed_turn`)."""
