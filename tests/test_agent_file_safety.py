@@ -211,6 +211,40 @@ def test_a_pattern_that_backtracks_without_end_stops_the_search(
     assert "stopped after the 0.5 s limit" in out.text
 
 
+@pytest.mark.parametrize(
+    "tool, args",
+    [
+        ("edit", {"path": "sub/conf.txt", "old": "a=1", "new": "a=2"}),
+        ("write", {"path": "sub/conf.txt", "content": "a=3\n"}),
+        ("write", {"path": "sub/new.txt", "content": "new\n"}),
+    ],
+)
+def test_a_directory_swapped_for_a_symlink_while_asked_is_never_written_through(
+    ws: Path, tmp_path: Path, tool: str, args: dict
+) -> None:
+    """The path was checked inside the workspace when the change was proposed; if a
+    directory on it becomes a symlink out of the workspace while the question is open,
+    the change is refused, not written outside."""
+    (ws / "sub").mkdir()
+    (ws / "sub/conf.txt").write_text("a=1\n")
+    outside = tmp_path / "home"
+    outside.mkdir()
+    (outside / "conf.txt").write_text("a=1\n")
+
+    def ask(name: str, summary: str) -> str:
+        (ws / "sub").rename(ws / "sub.moved")
+        (ws / "sub").symlink_to(outside)
+        return "once"
+
+    with Toolbox(ws, Permissions(ask=ask), kill_grace=0.3, bash_timeout=10) as box:
+        out = box.run(tool, args)
+    assert not out.ok and "a directory on its path was moved or replaced" in out.text
+    assert "nothing was written" in out.text
+    assert (outside / "conf.txt").read_text() == "a=1\n"
+    assert sorted(p.name for p in outside.iterdir()) == ["conf.txt"]
+    assert (ws / "sub.moved/conf.txt").read_text() == "a=1\n"
+
+
 @pytest.mark.parametrize("encoding, bom", [("utf-16-le", b"\xff\xfe"), ("utf-16-be", b"\xfe\xff")])
 def test_utf16_files_are_text_and_keep_their_encoding(
     tb: Toolbox, ws: Path, encoding: str, bom: bytes

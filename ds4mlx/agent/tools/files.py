@@ -450,13 +450,29 @@ def _contents(path: Path) -> bytes | None:
 
 
 def _unchanged_since(path: Path, before: bytes | None, rel: str) -> None:
-    """Refuse to apply a change proposed from ``before`` (None: no file) when the file
-    now holds something else: it changed while the user was asked (an editor saved
-    it), and writing would silently drop that change.
+    """Refuse to apply a change proposed from ``before`` (None: no file) to the resolved
+    ``path`` when the file now holds something else (it changed while the user was
+    asked: an editor saved it, and writing would silently drop that change) or the path
+    no longer resolves to itself (a directory on it became a symlink: writing would
+    follow it, maybe out of the workspace).
 
     Raises:
         ToolError: ``failed``, saying nothing was written.
     """
+    try:
+        moved = path.resolve() != path
+    except (OSError, RuntimeError):  # a symlink loop now on the path
+        moved = True
+    if moved:
+        # ``path`` was resolved (no symlink on it) and checked inside the workspace when
+        # the change was proposed: a directory on it has been replaced since (by a
+        # symlink out of the workspace, say), and writing now would follow it.
+        raise ToolError(
+            FAILED,
+            f"{rel}: a directory on its path was moved or replaced after this change was "
+            "proposed (while permission was asked); nothing was written. Check the path "
+            "and redo the change.",
+        )
     if _contents(path) != before:
         raise ToolError(
             FAILED,
