@@ -212,6 +212,13 @@ def is_binary(path: Path) -> bool:
     return b"\0" in head and text_encoding(head) == "utf-8"
 
 
+def one_line(rel: str) -> str:
+    """A path on one line, as a listing entry, a search hit or a permission question's
+    first line shows it: a line break in the name written ``\\n``/``\\r`` (as ``ls``
+    quotes it), so the name cannot pass for two lines (another path and something else)."""
+    return rel.replace("\r", "\\r").replace("\n", "\\n")
+
+
 def cap(text: str, limit: int = MAX_SUMMARY_CHARS) -> str:
     """``text`` cut to ``limit`` characters plus a note of how many were left out."""
     return text if len(text) <= limit else text[:limit] + f"… ({len(text) - limit} more chars)\n"

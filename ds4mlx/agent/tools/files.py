@@ -29,6 +29,7 @@ from ds4mlx.agent.tools.common import (
     cap,
     file_encoding,
     first_few,
+    one_line,
     text_encoding,
 )
 from ds4mlx.agent.tools.schema import PATH_DESC, object_schema
@@ -212,7 +213,7 @@ class FileTools:
             return Result(f"{'overwrote' if exists else 'created'} {rel} {size}")
 
         what = "overwrite" if exists else "create"
-        return Proposal(f"{what} {_one_line(rel)} {size}\n{detail}".rstrip(), apply)
+        return Proposal(f"{what} {one_line(rel)} {size}\n{detail}".rstrip(), apply)
 
     def applied(self, name: str, a: dict[str, Any]) -> str | None:
         """Whether the ``write``/``edit`` call ``a`` is already in effect (a repeat of one
@@ -275,7 +276,7 @@ class FileTools:
             return Result(f"edited {rel}: replaced {n} occurrence(s) at line(s) {first_few(lines)}")
 
         return Proposal(
-            f"edit {_one_line(rel)}: replace {n} occurrence(s)\n{_diff(text, updated, rel)}".rstrip(),
+            f"edit {one_line(rel)}: replace {n} occurrence(s)\n{_diff(text, updated, rel)}".rstrip(),
             apply,
         )
 
@@ -307,11 +308,11 @@ class FileTools:
 
     def _entry(self, p: Path) -> str:
         """``rel/path``, ``dir/`` or ``link -> target`` (paths relative to the workspace),
-        on one line (`_one_line`: a name holding a line break is not two entries)."""
-        rel = _one_line(self.ws.rel(p))
+        on one line (`one_line`: a name holding a line break is not two entries)."""
+        rel = one_line(self.ws.rel(p))
         if p.is_symlink():
             try:
-                return f"{rel} -> {_one_line(os.readlink(p))}"
+                return f"{rel} -> {one_line(os.readlink(p))}"
             except OSError:
                 return f"{rel} -> ?"
         return f"{rel}/" if p.is_dir() else rel
@@ -492,13 +493,6 @@ def _put(path: Path, data: bytes, *, exists: bool) -> None:
     else:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_durable(path, data, mode=0o666)
-
-
-def _one_line(rel: str) -> str:
-    """A path on one line, as a listing entry or a permission question's first line
-    shows it: a line break in the name written ``\\n``/``\\r`` (as ``ls`` quotes it),
-    so the name cannot pass for two lines (another path and something else)."""
-    return rel.replace("\r", "\\r").replace("\n", "\\n")
 
 
 def _diff(old: str | None, new: str, rel: str, max_lines: int = 80) -> str:

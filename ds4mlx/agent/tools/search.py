@@ -38,6 +38,7 @@ from ds4mlx.agent.tools.common import (
     Workspace,
     file_encoding,
     is_binary,
+    one_line,
 )
 from ds4mlx.agent.tools.schema import PATH_DESC, object_schema
 from ds4mlx.dsml.conversation import ToolSpec
@@ -258,7 +259,7 @@ class _Scan:
 
     def _grep(self, p: Path) -> bool:
         """Append the matching lines of ``p`` (up to ``max_results``); True if any."""
-        prel = self.ws.rel(p)
+        prel = one_line(self.ws.rel(p))
         hit = False
         with open(p, encoding=file_encoding(p), errors="replace", newline="\n") as f:
             for no, line in enumerate(f, 1):
