@@ -63,7 +63,7 @@ def test_notice_shown_at_once_while_idle_and_sent_once_with_the_next_message(tin
         # Nothing is typed: the job's end shows at the prompt by itself, and no turn
         # starts (the next scripted answer is not generated).
         # 2.x s on an idle machine; a loaded one delays the start and the reaping.
-        child.expect(r"job_1: job_1 exited 0 after \d+\.\d s", timeout=20)
+        child.expect(r"(?<!: )job_1 exited 0 after \d+\.\d s", timeout=20)
         child.expect("› ")
         with pytest.raises(pexpect.TIMEOUT):
             child.expect("The job finished.", timeout=2)

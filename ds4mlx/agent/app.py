@@ -682,6 +682,18 @@ def send_steerable(agent: Agent, ui: RichUI, line: str) -> None:
             ui.line(f"› {text}", "bold green")
 
 
+def _switch(agent: Agent, ui: RichUI, arg: str) -> None:
+    """``/switch N``: make session N current; say its thinking mode when it changed."""
+    if not arg.isdigit():
+        ui.notice("usage: /switch N (see /list)", "warn")
+        return
+    before = agent.record.id if agent.record else None
+    ui.line(agent.switch(int(arg)), "green")
+    if agent.record is not None and agent.record.id != before:
+        # The session keeps the thinking mode it was recorded with.
+        ui.line(f"thinking {'on' if agent.thinking else 'off'} for this session", "dim")
+
+
 def command(agent: Agent, ui: RichUI, text: str, *, demo: bool = False) -> str | None:
     """Run one ``/command``; returns ``"quit"`` for ``/quit``. ``demo``: the demo policy
     applies (``ds4mlx.model.demo.demo_policy``), so ``/think`` keeps thinking off."""
@@ -700,12 +712,7 @@ def command(agent: Agent, ui: RichUI, text: str, *, demo: bool = False) -> str |
         elif name == "/list":
             ui.show_sessions(agent.sessions(), agent.record.id if agent.record else None)
         elif name == "/switch":
-            if not arg.isdigit():
-                ui.notice("usage: /switch N (see /list)", "warn")
-            else:
-                ui.line(agent.switch(int(arg)), "green")
-                # The session keeps the thinking mode it was recorded with.
-                ui.line(f"thinking {'on' if agent.thinking else 'off'} for this session", "dim")
+            _switch(agent, ui, arg)
         elif name == "/save":
             rec = agent.save("continued")
             if rec is None:

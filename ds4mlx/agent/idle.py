@@ -47,7 +47,7 @@ class JobNotices:
                     continue
                 text = f"{outcome}\n{detail.rstrip()}" if detail.strip() else outcome
                 self.pending.append(Message("tool", text, tool_call_id=call.id))
-                shown.append(f"{handle}: {outcome}")
+                shown.append(outcome)  # it names the job: "job_1 exited 0 after 2.0 s"
             return shown
 
     def add(self) -> None:
