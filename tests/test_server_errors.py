@@ -245,6 +245,88 @@ def test_lone_surrogate_is_a_400_naming_the_field_on_every_endpoint(client):
     assert r.status_code == 200, r.text
 
 
+TOOL_TURN = [
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+]
+
+
+def _tool_result(content) -> list:
+    block = {"type": "tool_result", "tool_use_id": "t1", "content": content}
+    return [*TOOL_TURN, {"role": "user", "content": [block]}]
+
+
+def _resp_output(kind: str, output) -> list:
+    call = {"type": kind.replace("_output", ""), "call_id": "c2", "name": "g"}
+    return [
+        {"role": "user", "content": "hi"},
+        call,
+        {"type": kind, "call_id": "c2", "output": output},
+    ]
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        (RESP, {"input": [{"type": ["message"], "role": "user", "content": "hi"}]}, "input.0.type"),
+        (RESP, {"input": [{"type": {"a": 1}, "role": "user", "content": "hi"}]}, "input.0.type"),
+        (
+            MSGS,
+            {"messages": [{"role": "user", "content": [{"type": ["text"], "text": "hi"}]}]},
+            "messages.0.content.0.type",
+        ),
+        (
+            "/v1/messages/count_tokens",
+            {"messages": [{"role": "user", "content": [{"type": {"a": 1}, "text": "hi"}]}]},
+            "messages.0.content.0.type",
+        ),
+        (
+            MSGS,
+            {"messages": _tool_result([{"type": "text", "text": 5}])},
+            "messages.2.content.0.content.0.text",
+        ),
+        (
+            MSGS,
+            {"messages": _tool_result([{"type": ["image"]}])},
+            "messages.2.content.0.content.0.type",
+        ),
+        (
+            RESP,
+            {
+                "input": [
+                    {"role": "user", "content": "hi"},
+                    {
+                        "type": "reasoning",
+                        "summary": [],
+                        "content": [{"type": "reasoning_text", "text": 5}],
+                    },
+                ]
+            },  # fmt: skip
+            "input.1.content.0.text",
+        ),
+        (
+            RESP,
+            {"input": _resp_output("function_call_output", [{"type": 5}])},
+            "input.2.output.0.type",
+        ),
+        (
+            RESP,
+            {"input": _resp_output("custom_tool_call_output", [{"type": "input_text", "text": 5}])},
+            "input.2.output.0.text",
+        ),
+    ],
+)
+def test_a_content_part_of_the_wrong_shape_is_a_400_naming_it(client, path, body, param):
+    """A list where a part's ``type`` goes, a number for its ``text``: 400s (they were
+    500s, which the SDKs retried)."""
+    body = {"model": "m", "max_tokens": 1, **body}
+    r = client.post(path, json=body, headers={"anthropic-version": "2023-06-01"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    # OpenAI's shape names the field in param; Anthropic's (no param) in the message.
+    assert err["param"] == param if "param" in err else param in err["message"], err
+
+
 def test_error_params_point_at_the_real_field(client):
     r = client.post(RESP, json={"input": [{"role": "wizard", "content": "x"}]})
     err = r.json()["error"]
@@ -580,7 +662,8 @@ def test_cors_preflight_and_headers(server):
 
 
 def test_responses_websocket_upgrade_checks_the_api_key(server):
-    assert ws_upgrade(server.port, {})[0] == 403
+    status, answer = ws_upgrade(server.port, {})
+    assert status == 401 and b"x-should-retry: false" in answer.lower(), answer
     assert ws_upgrade(server.port, {"Authorization": f"Bearer {KEY}"})[0] == 101
 
 

@@ -308,6 +308,10 @@ def test_ws_error_texts_name_the_missing_field(server):
         ):
             ws.send(json.dumps(frame))
             errors.append(json.loads(ws.recv(timeout=30)))
+        # A list where an item's type goes: a 400 frame (it closed the socket, 1011).
+        bad = [{"type": ["message"], "role": "user", "content": "hi"}]
+        ws.send(json.dumps({"type": "response.create", "model": MODEL, "input": bad}))
+        errors.append(json.loads(ws.recv(timeout=30)))
     with connect(server.url.replace("http", "ws", 1) + "/v1/responses") as ws:
         ws.send(json.dumps({"type": "response.create", "model": MODEL, "input": "hi",
                             "previous_response_id": "resp_elsewhere"}))  # fmt: skip
@@ -321,6 +325,7 @@ def test_ws_error_texts_name_the_missing_field(server):
         "response_id",
         "response_id",
         "type",
+        "input.0.type",
         "previous_response_id",
     ]
     assert errors[0]["error"]["message"] == "response_id: required, a string"

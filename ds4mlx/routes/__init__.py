@@ -116,8 +116,17 @@ def register(app) -> None:
 
     @app.errorhandler(Exception)
     async def _any_error(e: Exception):
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return _answer(APIError(500, f"internal error: {type(e).__name__}", type="server_error"))
+        from quart import has_request_context, websocket
+
+        # Also raised under a WebSocket (an upgrade's hook), where there is no request.
+        method, path = (
+            (request.method, request.path)
+            if has_request_context()
+            else ("WEBSOCKET", websocket.path)
+        )
+        log.exception("unhandled error on %s %s", method, path)
+        err = APIError(500, f"internal error: {type(e).__name__}", type="server_error")
+        return _answer(err, path)
 
     _install_access(app, rejected)
 
@@ -151,6 +160,7 @@ def _install_access(app, rejected) -> None:
         mapping.note_unsupported()
         # The upgrade is refused with an HTTP answer before it is accepted.
         err = access.check_request(websocket.path, websocket.headers, state().config)
+        err = err or access.check_auth(websocket.headers)
         if err is not None:
             rejected(err, "WEBSOCKET", websocket.path)
             return _answer(err, websocket.path)

@@ -54,7 +54,7 @@ from ds4mlx.dsml import (
 from ds4mlx.jobs import GenRequest, JobDone, JobFailed, JobStarted, LiveLabels
 from ds4mlx.routes import constraints
 from ds4mlx.routes.access import key_salt
-from ds4mlx.routes.body import OpenModel, offload, parse, read_body
+from ds4mlx.routes.body import ContentPart, OpenModel, offload, parse, read_body
 from ds4mlx.routes.carrier import carrier
 from ds4mlx.routes.common import (
     cache_salt,
@@ -180,7 +180,7 @@ class ToolUseBlock(OpenModel):
 class ToolResultBlock(OpenModel):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
     is_error: bool | None = None
 
 
@@ -201,6 +201,8 @@ _KNOWN_BLOCKS = {"text", "tool_use", "server_tool_use", "tool_result", "thinking
 
 def _block_tag(v: Any) -> str:
     t = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    if not isinstance(t, str):
+        return "other"  # whose ``type: str`` then names the field in the 400
     if t in ("tool_use", "server_tool_use"):
         return "tool_use"
     return t if t in _KNOWN_BLOCKS else "other"
@@ -309,7 +311,7 @@ def _blocks(content: str | list[Any]) -> list[Any]:
     return [TextBlock(type="text", text=content)] if isinstance(content, str) else content
 
 
-def _result_text(content: str | list[dict[str, Any]] | None) -> str:
+def _result_text(content: str | list[ContentPart] | None) -> str:
     """A ``tool_result``'s content: text blocks joined by a blank line, other blocks as
     placeholders."""
     if content is None:

@@ -67,7 +67,7 @@ from ds4mlx.dsml.render import to_json, tool_schema_dict
 from ds4mlx.jobs import GenRequest, JobDone, JobFailed, JobStarted, LiveLabels, TokenLogprob
 from ds4mlx.routes import constraints
 from ds4mlx.routes.access import key_salt
-from ds4mlx.routes.body import OpenModel, offload, parse_json, read_body, validate
+from ds4mlx.routes.body import ContentPart, OpenModel, offload, parse_json, read_body, validate
 from ds4mlx.routes.carrier import carrier
 from ds4mlx.routes.common import (
     STATE_HEADERS,
@@ -148,7 +148,7 @@ class FunctionCallItem(OpenModel):
 class FunctionCallOutputItem(OpenModel):
     type: Literal["function_call_output"]
     call_id: str
-    output: str | list[dict[str, Any]] | None = None
+    output: str | list[ContentPart] | None = None
 
 
 class CustomToolCallItem(OpenModel):
@@ -161,13 +161,13 @@ class CustomToolCallItem(OpenModel):
 class CustomToolCallOutputItem(OpenModel):
     type: Literal["custom_tool_call_output"]
     call_id: str
-    output: str | list[dict[str, Any]] | None = None
+    output: str | list[ContentPart] | None = None
 
 
 class ReasoningItem(OpenModel):
     type: Literal["reasoning"]
-    summary: list[dict[str, Any]] = Field(default_factory=list)
-    content: list[dict[str, Any]] | None = None
+    summary: list[ContentPart] = Field(default_factory=list)
+    content: list[ContentPart] | None = None
     encrypted_content: str | None = None
 
 
@@ -229,7 +229,7 @@ def _item_tag(v: Any) -> str:
         t = v.get("type") or ("message" if "role" in v else None)
     else:
         t = getattr(v, "type", None)
-    return t if t in _ITEMS else "other"
+    return t if isinstance(t, str) and t in _ITEMS else "other"
 
 
 Item = Annotated[
@@ -483,7 +483,7 @@ def search_result_text(tools: list[ToolSpec]) -> str:
     return "\n".join(to_json(tool_schema_dict(t)) for t in tools)
 
 
-def _output_text(output: str | list[dict[str, Any]] | None) -> str:
+def _output_text(output: str | list[ContentPart] | None) -> str:
     """Text of a ``function_call_output.output`` (string or list of content parts)."""
     if output is None:
         return ""

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,12 +50,14 @@ from typing import Any
 from quart import Blueprint, websocket
 
 from ds4mlx.jobs import Job
-from ds4mlx.routes.access import check_auth, key_salt
+from ds4mlx.routes.access import key_salt
 from ds4mlx.routes.body import offload, parse_json
 from ds4mlx.routes.common import new_id, state
 from ds4mlx.routes.errors import APIError, openai_error
 from ds4mlx.routes.pipeline import events, guard, start
 from ds4mlx.routes.responses import NAMES, ResponseEncoder, _encoder, _prepare, _Prepared
+
+log = logging.getLogger("ds4mlx.server")
 
 bp = Blueprint("responses_ws", __name__)
 
@@ -191,7 +194,12 @@ class _Connection:
         while True:
             raw = await self.next_frame()
             self._frame = None
-            await self.frame(raw)
+            try:
+                await self.frame(raw)
+            except Exception as e:  # a server fault answers its frame; the connection lives
+                log.exception("unhandled error on a ws /v1/responses frame")
+                err = APIError(500, f"internal error: {type(e).__name__}", type="server_error")
+                await self.error(err)
 
     async def frame(self, raw: str | bytes) -> None:
         """Handle one client frame (a response may be streaming: ``self.running``)."""
@@ -452,11 +460,7 @@ def _ws_request(
 async def responses_ws():
     """The Responses WebSocket (module doc). Request errors come back as error frames
     and the connection stays open."""
-    err = check_auth(websocket.headers)
-    if err is not None:
-        await websocket.close(1008, "invalid or missing API key")
-        return
-    await websocket.accept()
+    await websocket.accept()  # the API key was checked before (the access hook: a 401)
     conn = _Connection(key_salt(websocket.headers))
     try:
         await conn.serve()
