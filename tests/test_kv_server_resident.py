@@ -231,3 +231,38 @@ def test_a_helper_agent_never_takes_the_conversation_it_forks(server):
     _, plan = send(main_h, [*msgs, {"role": "user", "content": "go on"}])
     assert plan["decision"] in ("exact-token-prefix", "text-prefix"), plan
     assert f"state={main_state} via=live" in plan["detail"], plan
+
+
+def test_count_tokens_predicts_the_state_a_tool_result_continues(server):
+    """Two conversations with one visible turn and different hidden reasoning (the
+    client drops thinking blocks): the tool result continues the state whose call ids
+    it names (a tool-id match outranks a text one), and ``count_tokens`` predicts that
+    state's usage. It took the state that keeps the most tokens: the other one."""
+    base = {
+        "model": "deepseek-v4-flash",
+        "max_tokens": 2000,
+        "system": long_system(40, seed=91),
+        "tools": [TOOL],
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "messages": [{"role": "user", "content": "look it up"}],
+    }
+
+    def first(thinking: str) -> dict:
+        call = tool_calls(invoke("lookup", ("word", "state", None)))
+        script(server, f"{thinking}</think>Checking." + call)
+        r = post(server, "/v1/messages", base)
+        visible = [b for b in r["content"] if b["type"] != "thinking"]
+        (use,) = [b for b in visible if b["type"] == "tool_use"]
+        result = {"type": "tool_result", "tool_use_id": use["id"], "content": "ok"}
+        turns = [{"role": "assistant", "content": visible}, {"role": "user", "content": [result]}]
+        return {**base, "messages": base["messages"] + turns}
+
+    first("A long hidden reasoning " + "that goes on and on " * 30)
+    b = first("short")
+    counted = {k: v for k, v in b.items() if k != "max_tokens"}
+    predicted = post(server, "/v1/messages/count_tokens", counted)["input_tokens"]
+    script(server, "ok</think>fine" + EOS)
+    r = post(server, "/v1/messages", b)
+    plan = server.trace.last()
+    assert plan["decision"] == "live-anthropic", plan
+    assert predicted == anthropic_usage(r)[0] == plan["prompt"], (predicted, plan)

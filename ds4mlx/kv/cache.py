@@ -300,16 +300,7 @@ class PromptCache:
         if states.n == 1:
             r = states.states[0]
         else:
-            best: tuple | None = None
-            for s in states.states:
-                if prompt.side and not s.side:
-                    continue  # a helper's fork would take the conversation's state
-                score = self.planner.live_match(
-                    s, tokens, rendered, prompt.conversation, prompt.salt
-                )
-                # Ranked by (tier, kept tokens); the predicted prompt is no criterion.
-                if score is not None and (best is None or score[:2] > best[0][:2]):
-                    best = (score, s)
+            best = self._best_live(prompt, rendered, tokens)
             side = prompt.side or self._is_side(prompt, rendered, tokens)
             keyed = [
                 s
@@ -350,6 +341,21 @@ class PromptCache:
 
     # ---------------------------------------------------------------- queries
 
+    def _best_live(self, prompt: Prompt, rendered, tokens) -> tuple[tuple, Resident] | None:
+        """``(score, state)`` of the best live match (`Planner.live_match`), ranked by
+        (tier, kept tokens): a tool-id continuation over a text key over a prefix; the
+        predicted prompt is no criterion. A ``prompt.side`` request matches side states
+        only (a helper's fork would take the conversation's state). None: no match."""
+        best: tuple | None = None
+        states = list(self.states.states)
+        for s in states:
+            if prompt.side and not s.side and len(states) > 1:
+                continue
+            score = self.planner.live_match(s, tokens, rendered, prompt.conversation, prompt.salt)
+            if score is not None and (best is None or score[:2] > best[0][:2]):
+                best = (score, s)
+        return best
+
     def peek(self, prompt: Prompt) -> Reuse:
         """What ``prompt`` would reuse of a live state and be charged, without changing
         anything (no job, no disk lookup): ``count_tokens`` predicts usage with it.
@@ -358,16 +364,13 @@ class PromptCache:
         runs, against the states as they are then (a state being generated on has no
         binding yet and matches only as a prefix).
         """
-        best: tuple | None = None
-        rendered = prompt.text
         tokens = lazy_tokens(prompt.tokens)
-        for r in list(self.states.states):
-            score = self.planner.live_match(r, tokens, rendered, prompt.conversation, prompt.salt)
-            if score is not None and (best is None or score[1] > best[0]):
-                best = (score[1], r.index, score[2])
+        # The state a job would choose (`_choose`), so the figure is what it is charged.
+        best = self._best_live(prompt, prompt.text, tokens)
         if best is None:
             return Reuse(0, None, len(tokens()))
-        return Reuse(*best)
+        (_, kept, n_prompt), r = best
+        return Reuse(kept, r.index, n_prompt)
 
     def bound_tool_ids(self) -> frozenset[str]:
         """Ids of the live tool bindings of every state (any thread)."""
