@@ -318,9 +318,7 @@ def _result_text(content: str | list[ContentPart] | None) -> str:
         return ""
     if isinstance(content, str):
         return content
-    return join_blank(
-        (b.get("text") or "") if b.get("type") == "text" else _placeholder(b) for b in content
-    )
+    return join_blank((b.text or "") if b.type == "text" else _placeholder(b) for b in content)
 
 
 def _placeholder(block: Any) -> str:

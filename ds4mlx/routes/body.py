@@ -42,11 +42,10 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Required, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from quart import current_app, request
-from typing_extensions import TypedDict  # pydantic needs it on Python < 3.12
 from werkzeug.exceptions import HTTPException
 
 from ds4mlx.argtypes import env_positive
@@ -99,15 +98,15 @@ class OpenModel(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
-class ContentPart(TypedDict, total=False):
-    """A content part read as a plain dict (a tool result's or a reasoning item's parts):
-    its ``type`` and ``text`` checked like a model's fields (a list where ``type`` goes,
-    a number for ``text``, are 400s naming the part), every other key kept as sent (an
-    image's ``source``, which the placeholder names)."""
+class ContentPart(OpenModel):
+    """A content part of any protocol (chat's message parts, Responses' input and tool
+    output parts and reasoning text, Anthropic's tool result blocks): its ``type`` and,
+    when it has one, its ``text``, checked (a list where ``type`` goes, a number for
+    ``text``, are 400s naming the part); every other field kept as sent (an image's or a
+    document's ``source``, which its placeholder names)."""
 
-    __pydantic_config__ = ConfigDict(extra="allow", strict=True)  # type: ignore[misc]
-    type: Required[str]
-    text: str
+    type: str
+    text: str | None = None
 
 
 async def offload(fn: Callable[..., T], raw: bytes | str, *args: Any) -> T:

@@ -120,7 +120,7 @@ def take_unsupported() -> list[tuple[str, str]]:
 
 def parts_text(content: str | list[Any] | None) -> str:
     """Text of an OpenAI message ``content``: a string, or typed parts (``.type``,
-    ``.text``; chat's ``ContentPart``, Responses' ``InputPart``) joined by a blank line,
+    ``.text``: `ds4mlx.routes.body.ContentPart`) joined by a blank line,
     as DeepSeek's own conversion joins them (concatenated, ``"Hello"`` and ``"there"``
     would read ``Hellothere``) — text parts (``text``, ``input_text``, ``output_text``)
     as their text, ``refusal`` as its refusal, anything else as a placeholder."""

@@ -40,7 +40,7 @@ from ds4mlx.dsml import (
 from ds4mlx.jobs import GenRequest, JobDone, JobFailed, JobStarted, LiveLabels, TokenLogprob
 from ds4mlx.routes import constraints
 from ds4mlx.routes.access import key_salt
-from ds4mlx.routes.body import OpenModel, offload, parse, read_body
+from ds4mlx.routes.body import ContentPart, OpenModel, offload, parse, read_body
 from ds4mlx.routes.common import (
     STATE_HEADERS,
     cache_salt,
@@ -88,11 +88,6 @@ NAMES = Wording(
 
 
 # --------------------------------------------------------------------------- schemas
-
-
-class ContentPart(OpenModel):
-    type: str
-    text: str | None = None
 
 
 class FunctionCall(OpenModel):

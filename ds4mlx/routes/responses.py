@@ -86,13 +86,11 @@ from ds4mlx.routes.mapping import (
     effort_to_reasoning,
     empty_schema,
     hoisted_system,
-    join_blank,
     json_object,
     late_system,
     logprob_entries,
     openai_tool_choice,
     parts_text,
-    placeholder,
     system_in_conversation,
     unique_names,
 )
@@ -127,15 +125,10 @@ NAMES = Wording(
 # --------------------------------------------------------------------------- schemas
 
 
-class InputPart(OpenModel):
-    type: str
-    text: str | None = None
-
-
 class MessageItem(OpenModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputPart]
+    content: str | list[ContentPart]
 
 
 class FunctionCallItem(OpenModel):
@@ -483,20 +476,6 @@ def search_result_text(tools: list[ToolSpec]) -> str:
     return "\n".join(to_json(tool_schema_dict(t)) for t in tools)
 
 
-def _output_text(output: str | list[ContentPart] | None) -> str:
-    """Text of a ``function_call_output.output`` (string or list of content parts)."""
-    if output is None:
-        return ""
-    if isinstance(output, str):
-        return output
-    return join_blank(
-        (p.get("text") or "")
-        if p.get("type") in ("input_text", "output_text", "text")
-        else placeholder(p.get("type"))
-        for p in output
-    )
-
-
 class _Turns:
     """The messages of an input item list. An assistant turn stays open (later
     assistant-side items join it) until a user or tool item arrives."""
@@ -545,7 +524,7 @@ class _Turns:
         if it.encrypted_content and self.decode_reasoning is not None:
             text = self.decode_reasoning(it.encrypted_content)
         if text is None:
-            texts = [c.get("text") or "" for c in it.content or []]
+            texts = [c.text or "" for c in it.content or []]
             text = "".join(texts) if texts else None
         if text is not None:
             m.reasoning = (m.reasoning or "") + text
@@ -558,7 +537,7 @@ class _Turns:
         self._assistant().tool_calls.append(ToolCall(id=it.call_id, name=it.name, arguments=args))
 
     def output(self, it: FunctionCallOutputItem | CustomToolCallOutputItem) -> None:
-        self._other(Message(role="tool", tool_call_id=it.call_id, content=_output_text(it.output)))
+        self._other(Message(role="tool", tool_call_id=it.call_id, content=parts_text(it.output)))
 
     def search_call(self, it: ToolSearchCallItem, i: int) -> None:
         """A tool search the model started: a call of the `TOOL_SEARCH` function (a
