@@ -367,6 +367,9 @@ STRICT_CASES = [
         None,
         "output_config.effort",
     ),
+    # OpenAI's deprecated function calling: refused, not ignored (nothing was offered).
+    (CHAT, {"messages": OK_MSG, "functions": [{"name": "f"}]}, "functions", "send tools"),
+    (CHAT, {"messages": OK_MSG, "function_call": "auto"}, "function_call", "tool_choice"),
     # Two tools of one name: their calls would be ambiguous.
     (CHAT, {"messages": OK_MSG, "tools": [_fn("a"), _fn("a")]}, "tools", "named 'a'"),
     (RESP, {"input": "hi", "tools": [TOOL_RESP, TOOL_RESP]}, "tools", "named 'f'"),

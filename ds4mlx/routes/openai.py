@@ -317,8 +317,17 @@ def to_conversation(req: ChatRequest, *, default_thinking: bool = True) -> Conve
 
     Raises:
         WireError: an invalid ``tool_choice`` (param ``tool_choice…``), two tools of one
-            name, an unknown ``reasoning_effort``, a tool message without its call's id.
+            name, an unknown ``reasoning_effort``, a tool message without its call's id,
+            the deprecated ``functions``/``function_call``.
     """
+    for legacy, current in (("functions", "tools"), ("function_call", "tool_choice")):
+        if (req.model_extra or {}).get(legacy) is not None:
+            # Ignored, the model would answer as if no function were offered (or forced).
+            raise WireError(
+                f"{legacy}: OpenAI's deprecated function calling is not supported; send "
+                f"{current} instead",
+                legacy,
+            )
     system_parts: list[str] = []  # leading system/developer messages: the system prompt
     late: list[str] = []  # later ones: instructions met inside the conversation
     msgs: list[Message] = []
