@@ -245,3 +245,23 @@ def test_mcp_tools_without_properties_are_called_and_bad_names_are_left_out(
     finally:
         client.close()
         errlog.close()
+
+
+def test_a_servers_stray_stdout_line_is_logged_not_shown(workspace: Path, caplog) -> None:
+    """A line on a stdio server's stdout that is not JSON-RPC: the SDK's traceback goes
+    to the servers' log, not to the root logger (whose last-resort handler wrote it on
+    the user's terminal over the agent's screen), and the tools work."""
+    raw = str(Path(__file__).parent / "fixtures" / "mcp_raw_server.py")
+    cfg = parse_config({"mcpServers": {"raw": {"command": sys.executable, "args": [raw, "noise"]}}})
+    log_path = workspace.parent / "mcp.log"
+    errlog = open(log_path, "w")  # noqa: SIM115 - closed below
+    client = McpClient(cfg, cwd=workspace, env_policy=EnvPolicy(), timeout=60, log=errlog)
+    try:
+        client.start()
+        with Toolbox(workspace, Permissions(yes=True), mcp=client) as tb:
+            assert tb.run("mcp__raw__ping", {}).ok
+    finally:
+        client.close()
+        errlog.close()
+    assert "Failed to parse" not in caplog.text, caplog.text  # what reached the root logger
+    assert "Failed to parse JSONRPC message" in log_path.read_text()

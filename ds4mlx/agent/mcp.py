@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import logging
 import re
 import sys
 from collections.abc import Callable
@@ -221,6 +222,8 @@ class McpClient:
         import anyio
         from anyio.from_thread import start_blocking_portal
 
+        self._route_sdk_log()
+
         self._portal = self._stack.enter_context(start_blocking_portal())
         self._stop = self._portal.call(anyio.Event)
         for server in self.config.servers:
@@ -300,6 +303,18 @@ class McpClient:
         except Exception as e:  # noqa: BLE001 - the server's failure, reported to the model
             return McpResult(f"MCP call failed: {_why(e)}", True)
         return result_text(result)
+
+    def _route_sdk_log(self) -> None:
+        """The SDK's own log (a server's stdout line that is not JSON-RPC: a traceback)
+        goes where the servers' stderr goes, not onto the user's terminal, where
+        Python's last-resort handler put it over the agent's screen."""
+        handler: logging.Handler = (
+            logging.StreamHandler(self.log) if self.log is not None else logging.NullHandler()
+        )
+        sdk = logging.getLogger("mcp")
+        sdk.addHandler(handler)
+        sdk.propagate = False
+        self._stack.callback(sdk.removeHandler, handler)
 
     def close(self) -> None:
         """End every connection (stdio servers exit) and the anyio thread."""
