@@ -600,17 +600,28 @@ def test_notice_not_sent_after_bash_status_saw_the_end(engine, ws: Path) -> None
 
 
 def test_stdin_prompt_answered_or_given_eof(ws: Path) -> None:
-    seen: list[tuple[str, str]] = []
+    seen: list[tuple[str, str, bool]] = []
 
-    def ask(command: str, prompt: str) -> str | None:
-        seen.append((command, prompt))
-        return "y" if "Apply?" in prompt else None
+    def ask(command: str, prompt: str, hidden: bool) -> str | None:
+        seen.append((command, prompt, hidden))
+        if "Again?" in prompt:
+            return "y" * 200
+        return "y" if "Apply?" in prompt else "s3cret" if "pw:" in prompt else None
 
     with Toolbox(ws, Permissions(yes=True), bash_timeout=60, ask_input=ask) as box:
         out = box.run("bash", {"command": 'read -p "Apply? " a; echo got=$a'})
         assert out.ok and out.text.startswith("got=y"), out.text
         assert "[stdin: the user answered its input]" in out.text
         assert seen[0][1].endswith("Apply? ")  # the prompt a pipe would have hidden
+        assert seen[0][2] is False
+        # A secret (the command turned echo off): asked hidden, and answered.
+        out = box.run("bash", {"command": 'read -s -p "pw: " z; echo; echo len=${#z}'})
+        assert out.ok and "len=6" in out.text and "s3cret" not in out.text, out.text
+        assert seen[1][1].endswith("pw: ") and seen[1][2] is True
+        # 8 KB of answers on one terminal (now echoed to its master side): all read.
+        many = 'for i in $(seq 40); do read -p "Again? " a; done; echo done ${#a}'
+        out = box.run("bash", {"command": many})
+        assert out.ok and "done 200" in out.text, out.text
         out = box.run("bash", {"command": "cat"})  # EOF chosen: cat ends, exit 0
         assert out.ok and "exit code 0" in out.text and "end of file" in out.text
     with Toolbox(ws, Permissions(yes=True), bash_timeout=60) as box:  # -p: nobody to ask

@@ -83,6 +83,7 @@ class KeyReader:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._answers: queue.Queue | None = None  # set while a prompt waits for a line
+        self._hidden = False  # the line being read is a secret: typed keys are not shown
         self._main = threading.main_thread().ident
         self._raw: contextlib.AbstractContextManager | None = None
 
@@ -101,10 +102,13 @@ class KeyReader:
             self._raw.__exit__(None, None, None)
         self._input.close()
 
-    def read_line(self, show_prompt: Callable[[], None] = lambda: None) -> str:
+    def read_line(
+        self, show_prompt: Callable[[], None] = lambda: None, hidden: bool = False
+    ) -> str:
         """The next line typed after ``show_prompt()`` put the question on screen: echoed
-        as typed. The reader answers before the prompt is shown: a key typed once the
-        prompt is visible (a Ctrl+D at once) is never taken for one typed before it.
+        as typed, unless ``hidden`` (a password). The reader answers before the prompt is
+        shown: a key typed once the prompt is visible (a Ctrl+D at once) is never taken
+        for one typed before it.
 
         Raises:
             EOFError: Ctrl+D.
@@ -112,6 +116,7 @@ class KeyReader:
         """
         answers: queue.Queue = queue.Queue()
         kept, self.partial = self.partial, ""
+        self._hidden = hidden
         self._answers = answers
         try:
             show_prompt()
@@ -123,6 +128,7 @@ class KeyReader:
                     return got
         finally:
             self._answers = None
+            self._hidden = False
             self.partial = kept
 
     # ---- the reader thread
@@ -138,8 +144,10 @@ class KeyReader:
             for kp in keys:
                 self._key(kp.key, kp.data)
 
-    def _echo(self, text: str) -> None:
-        if self._answers is not None:
+    def _echo(self, text: str, typed: bool = True) -> None:
+        """Show ``text`` while a question is answered; a hidden answer's ``typed``
+        characters (and their erasing) are not shown."""
+        if self._answers is not None and not (typed and self._hidden):
             os.write(sys.stdout.fileno(), text.encode())
 
     def _key(self, key, data: str) -> None:
@@ -147,7 +155,7 @@ class KeyReader:
         if key in (Keys.ControlM, Keys.ControlJ):
             line, self.partial = self.partial, ""
             if answers is not None:
-                self._echo("\r\n")
+                self._echo("\r\n", typed=False)
                 answers.put(line)
             elif line.strip():
                 self.steer.push(line)

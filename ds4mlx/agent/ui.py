@@ -236,10 +236,12 @@ class RichUI(AgentUI):
             if decision is not None:
                 return decision
 
-    def ask_input(self, command: str, prompt: str) -> str | None:
+    def ask_input(self, command: str, prompt: str, hidden: bool = False) -> str | None:
         """A foreground command waits for input: show what it printed last (escaped)
         and read the answer: a line answers it, Ctrl+D (EOF) sends end of file, Ctrl+C
-        (KeyboardInterrupt, raised by the agent's handler while tools run) stops it."""
+        (KeyboardInterrupt, raised by the agent's handler while tools run) stops it.
+        ``hidden``: the command turned its terminal's echo off (a password): what is
+        typed is not shown either."""
         self.prefill_done()
         self._newline()
         tail = prompt.rsplit("\n", 1)[-1] if prompt.strip() else ""
@@ -249,22 +251,23 @@ class RichUI(AgentUI):
             "yellow",
         )
         try:
-            return self._answer(escape_controls(tail) or "input › ")
+            return self._answer(escape_controls(tail) or "input › ", hidden=hidden)
         except EOFError:
             self.console.print()
             return None
 
-    def _answer(self, prompt: str) -> str:
+    def _answer(self, prompt: str, hidden: bool = False) -> str:
         """A line answering a question on screen: from the steering key reader while a
-        turn runs (the next line typed, never one queued before), else ``input()``."""
+        turn runs (the next line typed, never one queued before), else ``input()``.
+        ``hidden``: not echoed (a password)."""
         if self.keys is None:
-            return self.console.input(Text(prompt), markup=False)
+            return self.console.input(Text(prompt), markup=False, password=hidden)
 
         def show() -> None:
             self.console.print(Text(prompt), end="")
             self.console.file.flush()
 
-        return self.keys.read_line(show)
+        return self.keys.read_line(show, hidden=hidden)
 
     def prefill_progress(self, done: int, total: int) -> None:
         if total < PROGRESS_MIN_TOKENS or not self.console.is_interactive:

@@ -14,6 +14,7 @@ Times are in seconds (``time.monotonic``); buffer sizes in bytes.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import itertools
 import os
 import platform
@@ -278,10 +279,12 @@ class Job:
         self._tty = ""
         stdin: int = subprocess.DEVNULL
         if pty_stdin:
+            # The terminal keeps its default ECHO: a program that reads a secret turns it
+            # off (``read -s``, getpass), which is how `input_hidden` tells. The echo of
+            # an answer goes to the master side only (never into the job's output, which
+            # is its pipes) and is drained there (`answer`).
             self._master, stdin = os.openpty()
-            attrs = termios.tcgetattr(stdin)
-            attrs[3] &= ~termios.ECHO  # answers are not echoed back into the output
-            termios.tcsetattr(stdin, termios.TCSANOW, attrs)
+            os.set_blocking(self._master, False)
             self._tty = os.ttyname(stdin)
         self._proc = subprocess.Popen(
             ["bash", "-c", command],
@@ -348,15 +351,41 @@ class Job:
                 continue
         return False
 
+    def input_hidden(self) -> bool:
+        """True if the job's terminal does not echo now: the reading program asks for a
+        secret (``read -s``, a password prompt), so its answer must not show either."""
+        if self._master is None:
+            return False
+        try:
+            fd = os.open(self._tty, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
+        except OSError:
+            return False
+        try:
+            return not termios.tcgetattr(fd)[3] & termios.ECHO
+        except termios.error:
+            return False
+        finally:
+            os.close(fd)
+
     def answer(self, line: str | None) -> None:
         """Reply on the job's terminal: ``line`` and a newline, or end of file (None)."""
         if self._master is None:
             return
+        # The previous answers' echo: nobody reads it, and a terminal whose output queue
+        # is full may hold its input (Linux drops the echo instead; drained either way).
+        self._drain_echo()
         data = b"\x04" if line is None else line.encode("utf-8", "replace") + b"\n"
         try:
             os.write(self._master, data)
         except OSError:
             pass  # the reader is gone
+
+    def _drain_echo(self) -> None:
+        """Discard what the terminal echoed to the master side (answers typed so far)."""
+        assert self._master is not None
+        with contextlib.suppress(OSError):  # EAGAIN: nothing (more); EIO: no reader left
+            while os.read(self._master, 4096):
+                pass
 
     def prompt_text(self) -> str:
         """The end of its unread stdout and stderr (what a prompt just printed)."""

@@ -187,7 +187,7 @@ class Toolbox:
         mcp: McpClient | None = None,
         job_timeout: float = JOB_TIMEOUT,
         job_output_limit: int = JOB_OUTPUT_LIMIT,
-        ask_input: Callable[[str, str], str | None] | None = None,
+        ask_input: Callable[[str, str, bool], str | None] | None = None,
     ) -> None:
         root = Path(workspace).resolve()
         if not root.is_dir():

@@ -106,9 +106,10 @@ class ShellTools:
         cwd: the workspace root; every command runs there.
         jobs: the session's jobs (background ones are addressed by handle).
         default_timeout: foreground ``bash`` timeout when the call gives none, seconds.
-        ask_input: ``f(command, prompt_text) -> line | None`` when a foreground command
-            waits for input on its terminal: the user's line answers it, None sends end
-            of file, KeyboardInterrupt stops it. None (``-p``): end of file, said in the
+        ask_input: ``f(command, prompt_text, hidden) -> line | None`` when a foreground
+            command waits for input on its terminal (``hidden``: it turned echo off, as
+            for a password): the user's line answers it, None sends end of file,
+            KeyboardInterrupt stops it. None (``-p``): end of file, said in the
             result. The time spent asking does not count toward the timeout.
     """
 
@@ -117,7 +118,7 @@ class ShellTools:
         cwd: Path,
         jobs: JobManager,
         default_timeout: float,
-        ask_input: Callable[[str, str], str | None] | None = None,
+        ask_input: Callable[[str, str, bool], str | None] | None = None,
     ) -> None:
         self.cwd = cwd
         self.jobs = jobs
@@ -184,7 +185,7 @@ class ShellTools:
                 got.append("it read its input and got end of file (no terminal to ask)")
                 continue
             t0 = time.monotonic()
-            line = self.ask_input(command, job.prompt_text())
+            line = self.ask_input(command, job.prompt_text(), job.input_hidden())
             deadline += time.monotonic() - t0
             job.answer(line)
             got.append(
