@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 from importlib.util import find_spec
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -230,6 +231,13 @@ def test_convert_refusals(release, tmp_path, capsys):
         convert(release["src"], str(out))
     with pytest.raises(ConvertError, match="differ"):
         convert(release["src"], release["src"])
+    # The source by a symlink, with --overwrite: refused before its shards are deleted.
+    link = tmp_path / "src-link"
+    link.symlink_to(release["src"])
+    shards = sorted(p.name for p in Path(release["src"]).glob("*.safetensors"))
+    with pytest.raises(ConvertError, match="differ"):
+        convert(release["src"], str(link), ConvertOptions(overwrite=True))
+    assert sorted(p.name for p in Path(release["src"]).glob("*.safetensors")) == shards
     with pytest.raises(ValueError, match="bad quantization"):
         convert(release["src"], str(tmp_path / "x"), ConvertOptions(expert="7"))
     assert main(["convert", release["src"], str(tmp_path / "y"), "--bits", "9"]) == 2

@@ -561,7 +561,16 @@ def default_dtype() -> str:
 
 
 def _prepare_dst(src: str, dst: str, overwrite: bool) -> None:
-    if os.path.abspath(src) == os.path.abspath(dst):
+    """Make ``dst`` ready for the output (its old weights removed with ``overwrite``).
+
+    Raises:
+        ConvertError: ``dst`` is the source directory, by any path (a symlink to it
+            too: its shards would be deleted before they are read), or is not empty
+            without ``overwrite``.
+    """
+    if os.path.realpath(src) == os.path.realpath(dst) or (
+        os.path.isdir(dst) and os.path.samefile(src, dst)
+    ):
         raise ConvertError("destination must differ from the source")
     if os.path.isdir(dst) and os.listdir(dst):
         if not overwrite:
