@@ -43,7 +43,10 @@ def places(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
     existing.mkdir()
     (existing / "config.json").write_text("{}")
     (root / "empty").mkdir()
+    (root / "shared.txt").write_text("someone's notes\n")
+    (root / "link.jsonl").symlink_to(root / "shared.txt")
     return {
+        "LINK": root / "link.jsonl",
         "MISSING": root / "no-such-model",
         "EXISTING": existing,
         "EMPTY": root / "empty",
@@ -101,6 +104,9 @@ BAD = [
     ),
     # Said before the model loads, naming the flag (it was "cannot load model …").
     (["serve", "--demo", "--trace", "MISSING/t.jsonl", "--port", "PORT"], 2, "--trace"),
+    # The trace is made private (0600): never through a symlink, never a device.
+    (["serve", "--demo", "--trace", "LINK", "--port", "PORT"], 2, "not a regular file"),
+    (["serve", "--demo", "--trace", "/dev/null", "--port", "PORT"], 2, "not a regular file"),
 ]
 
 
@@ -115,6 +121,7 @@ def test_bad_values_are_one_line(env, places, argv, status, phrase):
     assert len(lines) == 1 and phrase in lines[0], r.stderr
     assert "reading headers" not in r.stderr  # no progress bar before the failure
     assert not (places["OUT"] / "config.json").exists()
+    assert places["LINK"].resolve().stat().st_mode & 0o777 != 0o600
 
 
 def test_a_reader_that_goes_away_ends_the_listing_quietly(env):

@@ -363,11 +363,16 @@ def _default_sessions(kv, args, model: str):
 
 
 def _trace_problem(path: str) -> str | None:
-    """Why ``--trace PATH`` cannot be written (a missing folder, a directory), or None:
+    """Why ``--trace PATH`` cannot be written (a missing folder, a directory, a symlink
+    or a file that is not regular), or None:
     said before the model loads, not as a failure to load it."""
     p = os.path.abspath(os.path.expanduser(path))
     if os.path.isdir(p):
         return "is a directory; give a file name"
+    if os.path.islink(p) or (os.path.exists(p) and not os.path.isfile(p)):
+        # The trace holds every prompt and is made private (0600): through a symlink or
+        # on a device (/dev/null, a terminal) that would change another file's mode.
+        return "is a symlink or not a regular file; give a plain file name"
     parent = os.path.dirname(p)
     if not os.path.isdir(parent):
         return f"no folder {parent} (create it first)"

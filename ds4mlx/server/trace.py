@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
+import stat
 import threading
 import time
 from typing import Any
@@ -44,8 +46,16 @@ class Tracer:
 
 
 def _open_private(path: str | os.PathLike):
-    """``path`` opened for appending text, mode 0600 (created so, or narrowed)."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    """``path`` opened for appending text, mode 0600 (created so, or narrowed).
+
+    Raises:
+        OSError: ``path`` is a symlink (ELOOP) or not a regular file: narrowing its mode
+            would change what it points at (a shared file, ``/dev/null``).
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
     try:
         os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
     except OSError:
