@@ -478,6 +478,24 @@ def run_cli(capsys, *argv: str) -> tuple[int, str]:
     return rc, out.out + out.err
 
 
+def test_cli_show_writes_no_control_character_raw(tmp_path, capsys, monkeypatch):
+    """A snapshot's text comes from any client of the server: ``kv show`` (and ``kv ls``
+    on a terminal) writes its control characters escaped, never raw."""
+    monkeypatch.setenv("COLUMNS", "160")
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")  # rich writes as to a terminal
+    hostile = "title\x1b]0;PWNED\x07 clear\x1b[2J red\x1b[31mRED\u202e"
+    e = save(make_store(tmp_path), hostile, seed=3)
+    for argv in (("show", str(e.path.parent), e.key[:8]), ("ls", str(e.path.parent))):
+        rc, out = run_cli(capsys, *argv)
+        assert rc == 0
+        assert "\x1b]" not in out and "\x07" not in out and "\u202e" not in out, argv
+        assert "\x1b[2J" not in out and "\x1b[31mRED" not in out, argv
+    assert (
+        "title\\x1b]0;PWNED\\x07 clear\\x1b[2J"
+        in run_cli(capsys, "show", str(e.path.parent), e.key[:8])[1]
+    )
+
+
 def test_cli_ls_show_rm(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "160")
     store = make_store(tmp_path)

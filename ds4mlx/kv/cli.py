@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ds4mlx.argtypes import positive_int
+from ds4mlx.sanitize import escape_controls
 
 if TYPE_CHECKING:  # imported lazily: build_parser() imports this module on every run
     from rich.console import Console
@@ -163,7 +164,8 @@ def _ls_table(title: str, cols: list[str], rows, width: int):
         t.add_column("text", no_wrap=True, overflow="ellipsis")
     for cells, text, is_bad in rows:
         style = "red" if is_bad else ""
-        cut = Text(text, style=style)
+        cells = {c: escape_controls(v) for c, v in cells.items()}  # from the files: untrusted
+        cut = Text(escape_controls(text), style=style)
         cut.truncate(room, overflow="ellipsis")  # by terminal cells: CJK counts double
         t.add_row(
             *(
@@ -236,12 +238,15 @@ def _cmd_show(args: argparse.Namespace, con: Console) -> int:
         ("arrays", f"{len(loaded.arrays)} ({_size(sum(a.nbytes for a in loaded.arrays.values()))})"),
         ("session meta", json.dumps(loaded.meta, ensure_ascii=False)),
     ]  # fmt: skip
+    # Everything shown comes from the file, and its text from any client of the server
+    # that wrote it: no control character reaches the terminal raw (a title set, the
+    # screen cleared, a bidi override).
     for k, v in rows:
-        t.add_row(k, Text(v))
+        t.add_row(k, Text(escape_controls(v)))
     con.print(t)
     head = loaded.text[: max(0, args.chars)]
     con.rule("text")
-    con.print(Text(head), soft_wrap=True)
+    con.print(Text(escape_controls(head)), soft_wrap=True)
     if len(loaded.text) > len(head):
         con.print(Text(f"… ({len(loaded.text) - len(head)} more characters)", style="dim"))
     return 0
