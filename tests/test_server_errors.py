@@ -633,6 +633,22 @@ def test_api_key_required_except_health(server):
     assert HTTP.get(server.url + "/v1/models", headers={"x-api-key": KEY}).status_code == 200
 
 
+def test_health_without_the_key_names_no_clients_conversation(server, client):
+    """``/health`` answers without the API key, but the resident states' keys (a Claude
+    Code session id, a ``prompt_cache_key``) are left out of that answer."""
+    # With a tool it is a conversation (a side request takes no key).
+    body = {**NORMAL, "prompt_cache_key": "bob-project-xyz", "max_tokens": 2, "tools": [_fn("f")]}
+    assert client.post(CHAT, json=body).status_code == 200
+    mine = client.get("/health").json()
+    assert mine["sessions"] > 1, mine  # states are listed (the server's default here)
+    assert "cache:bob-project-xyz" in [st["key"] for st in mine["states"]], mine
+    anyone = httpx.get(server.url + "/health", timeout=30)
+    assert anyone.status_code == 200 and "bob-project" not in anyone.text, anyone.text
+    assert [set(st) for st in anyone.json()["states"]] == [
+        set(st) - {"key"} for st in mine["states"]
+    ]
+
+
 def test_unknown_routes_and_methods_are_shaped(client):
     r = client.get("/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()

@@ -9,7 +9,8 @@
 - ``POST /v1/tokenize``: ``{"text"|"prompt": str}`` or ``{"messages": [...]}`` (OpenAI
   chat messages, rendered with the chat template) → ``{"tokens", "count"}``.
 - ``POST /v1/detokenize``: ``{"tokens": [int]}`` → ``{"text"}``.
-- ``GET /health``: ``{"status": "ok", ...}`` (no API key needed); 503 with
+- ``GET /health``: ``{"status": "ok", ...}`` (no API key needed; without it, the
+  resident states' client keys are left out); 503 with
   ``"status": "stopping"`` once shutdown began (jobs are refused then, and the shutdown
   saves may still run while the socket answers).
 - ``GET /`` (and ``HEAD /``): ``{"status": "ok", "service": "ds4mlx"}`` (no API key needed).
@@ -29,6 +30,7 @@ from pydantic import Field
 from quart import Blueprint
 
 from ds4mlx.jobs import Script
+from ds4mlx.routes.access import check_auth
 from ds4mlx.routes.body import OpenModel, offload, parse, parse_body, read_body, validate
 from ds4mlx.routes.common import json_response, model_thinking, state
 from ds4mlx.routes.errors import APIError
@@ -139,6 +141,12 @@ async def health():
     st = state()
     eng = st.worker.engine  # (its speculation report is plain values)
     stopping = st.worker.stopping
+    cache = st.kv.summary()
+    if check_auth() is not None and cache.get("states"):
+        # /health answers without the API key (a supervisor's probe), but the states'
+        # keys name other clients' conversations (a Claude Code session id, a
+        # prompt_cache_key): only a caller with a key sees them.
+        cache["states"] = [{k: v for k, v in s.items() if k != "key"} for s in cache["states"]]
     return json_response(
         {
             "status": "stopping" if stopping else "ok",
@@ -153,7 +161,7 @@ async def health():
             "speculative": None if eng is None else eng.speculation.report(),
             # The prompt cache's own summary (plain values): live_tokens, sessions,
             # states (--sessions N), kv_writer (the disk writer's counts, or None).
-            **st.kv.summary(),
+            **cache,
         },
         503 if stopping else 200,
     )
