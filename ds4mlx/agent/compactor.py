@@ -12,7 +12,7 @@ turn loop. The pure policy and text helpers are in `ds4mlx.agent.compaction`.
 from __future__ import annotations
 
 from ds4mlx.agent import compaction as cmp
-from ds4mlx.agent.events import CompactionInfo
+from ds4mlx.agent.events import CompactionInfo, SendResult
 from ds4mlx.agent.live import Live, LiveState
 from ds4mlx.agent.steps import Prepared, Steps
 from ds4mlx.dsml import Conversation, Message, render, render_assistant_turn, render_segments
@@ -20,7 +20,8 @@ from ds4mlx.dsml import Conversation, Message, render, render_assistant_turn, re
 
 class Compactor:
     """Compaction of ``live``'s conversation, generating with ``steps`` under
-    ``policy`` (a ``CompactionPolicy``)."""
+    ``policy`` (a ``CompactionPolicy``); and a user message past the context: compacted
+    for before planning (`pending_overflow`), or taken back (`take_back`)."""
 
     def __init__(self, live: Live, steps: Steps, policy: cmp.CompactionPolicy):
         self.live = live
@@ -147,3 +148,36 @@ class Compactor:
         lv.compactions.append(info)
         lv.ui.compaction(info)
         return None, prepared
+
+    def take_back(self, sent: Message) -> SendResult:
+        """Take back the user message ``sent`` (the transcript's last) that no compaction
+        can fit: left in the transcript, it would make every later message fail the same
+        way (only ``/new`` got out). The user is told its size and what to do."""
+        lv = self.live
+        lv.messages.pop()
+        self.steps.user_text = ""
+        n = len(lv.tok.encode_plain(sent.content or ""))
+        why = (
+            f"not sent: your message is {n} tokens, and with the conversation it does not "
+            f"fit the {lv.ctx}-token context even after compaction. Shorten it (or put a "
+            "long text in a file and ask the agent to read it), or /new for an empty "
+            "conversation."
+        )
+        lv.ui.notice(why, "error")
+        return SendResult("context", message=why)
+
+    def pending_overflow(self) -> int | None:
+        """The tokens of the messages not yet in the live state when they surely pass the
+        context beside it, else None. Asked before planning: a plan that does not fit
+        rebuilds from the prompt, replacing the live state the compaction summary is
+        asked of. Counted only when their bytes could pass it (a token holds at least
+        one byte), so a usual message costs nothing."""
+        lv = self.live
+        if lv.state != LiveState.TURN_END:
+            return None
+        room = lv.ctx - len(lv.session.tokens)
+        pending = [m.content or "" for m in lv.messages[lv.pending_from() :]]
+        if sum(len(t.encode()) for t in pending) < room:
+            return None
+        n = sum(len(lv.tok.encode_plain(t)) for t in pending)
+        return n if n >= room else None

@@ -291,8 +291,7 @@ class Agent:
             lv.record = SessionRecord(
                 id=self.book.new_id(), workspace=str(self.workspace), title=title_of(text)
             )
-        sent = Message("user", text)
-        self.messages.append(sent)
+        self.messages.append(sent := Message("user", text))
         self.turns.user_text = text
         self.turns.last_gen = None
         self.turns.last_prefill = (0, 0.0)
@@ -311,7 +310,7 @@ class Agent:
             finally:
                 lv.phase = "idle"
         if result.status == "context" and self.messages and self.messages[-1] is sent:
-            result = self._refuse(sent)
+            result = self.compactor.take_back(sent)
         if result.status == "error":
             self.ui.notice(f"error: {result.message}", "error")
         self.control.persist()
@@ -367,22 +366,6 @@ class Agent:
 
     def _ask(self, tool: str, summary: str) -> str:
         return self.ui.ask(tool, summary)
-
-    def _refuse(self, sent: Message) -> SendResult:
-        """Take back the user message ``sent`` that no compaction can fit: left in the
-        transcript, it would make every later message fail the same way (only ``/new``
-        got out). The user is told its size and what to do."""
-        self.messages.pop()
-        self.turns.user_text = ""
-        n = len(self.tok.encode_plain(sent.content or ""))
-        why = (
-            f"not sent: your message is {n} tokens, and with the conversation it does not "
-            f"fit the {self.ctx}-token context even after compaction. Shorten it (or put a "
-            "long text in a file and ask the agent to read it), or /new for an empty "
-            "conversation."
-        )
-        self.ui.notice(why, "error")
-        return SendResult("context", message=why)
 
     def _resync(self) -> None:
         """After an unexpected exit: the live tokens no longer sit on a known boundary."""

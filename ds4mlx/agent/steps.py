@@ -318,7 +318,7 @@ class Steps:
             lv.ui.notice(f"sent: {steer}")
         self.notices.add()
         held = len(lv.session.tokens)
-        pending = self._pending_overflow()
+        pending = compactor.pending_overflow()
         if pending is not None and pending + self.policy.reserve(lv.ctx) > lv.ctx:
             return "context"  # past the context alone: no summary of the rest can help
         # Past the context beside the live state: compact first, without a plan.
@@ -365,22 +365,6 @@ class Steps:
             # the queued text follows in the same user turn.
             gen = dataclasses.replace(gen, stop="eos")
         return gen, msg
-
-    def _pending_overflow(self) -> int | None:
-        """The tokens of the messages not yet in the live state when they surely pass the
-        context beside it, else None. Asked before planning: a plan that does not fit
-        rebuilds from the prompt, replacing the live state the compaction summary is
-        asked of. Counted only when their bytes could pass it (a token holds at least
-        one byte), so a usual message costs nothing."""
-        lv = self.live
-        if lv.state != LiveState.TURN_END:
-            return None
-        room = lv.ctx - len(lv.session.tokens)
-        pending = [m.content or "" for m in lv.messages[lv.pending_from() :]]
-        if sum(len(t.encode()) for t in pending) < room:
-            return None
-        n = sum(len(lv.tok.encode_plain(t)) for t in pending)
-        return n if n >= room else None
 
     def close_turn(self, gen: Generated, thinking: bool) -> Message:
         """The transcript message for a generated turn (`closed_turn`)."""
