@@ -41,6 +41,18 @@ def positive_int(text: str) -> int:
     return n
 
 
+def positive_seconds(text: str) -> float:
+    """A finite duration in seconds above 0 (a timeout, an interval): 0 or less would
+    time out at once or, as an interval, fire without pause."""
+    try:
+        n = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < n < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds above 0")
+    return n
+
+
 def size(text: str) -> str:
     """A byte size such as ``96GB`` or ``24GiB``, checked here and kept as written (the
     fit check parses it again where it reads ``$DS4MLX_MEMORY_LIMIT``)."""

@@ -1114,7 +1114,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--keepalive",
-        type=float,
+        type=argtypes.positive_seconds,
         default=10.0,
         metavar="SECONDS",
         help="keepalive interval of idle streams, e.g. during long prefills (10)",

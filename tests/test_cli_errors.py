@@ -60,6 +60,9 @@ def places(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
 BAD = [
     (["serve", "--port", "99999"], 2, "not a port"),
     (["serve", "--port", "0"], 2, "not a port"),
+    # A negative interval sent keepalives without pause (50,000 in 9 s).
+    (["serve", "--demo", "--keepalive", "-1"], 2, "--keepalive: -1 must be a number of seconds"),
+    (["agent", "--demo", "--bash-timeout", "0"], 2, "--bash-timeout: 0 must be"),
     (["serve", "--ctx", "-5", "--demo"], 2, "--ctx: -5 must be at least 1"),
     (["serve", "--memory-limit", "foo", "--demo"], 2, "not a size: 'foo'"),
     (["serve", "-m", "MISSING", "--port", "PORT"], 2, "does not exist"),

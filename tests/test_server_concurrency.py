@@ -140,7 +140,10 @@ def test_killed_client_frees_worker_within_a_token_and_state_stays_consistent(se
     assert after == before
 
 
-def test_graceful_shutdown_cancels_running_and_queued_jobs(tiny_model_dir):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["TERM", "HUP"])
+def test_graceful_shutdown_cancels_running_and_queued_jobs(tiny_model_dir, sig):
+    """SIGTERM, and SIGHUP (the terminal closed, the ssh session dropped: it killed the
+    server at once, no shutdown save, the stream cut without its end) stop gracefully."""
     s = Server(tiny_model_dir, ctx=2048).start()
     try:
         body = {
@@ -170,7 +173,7 @@ def test_graceful_shutdown_cancels_running_and_queued_jobs(tiny_model_dir):
             assert time.monotonic() < deadline
             time.sleep(0.02)
         time.sleep(0.3)
-        s.proc.send_signal(signal.SIGTERM)
+        s.proc.send_signal(sig)
         rc = s.proc.wait(20)  # bounded: it cancels the job, never decodes to its end
         t.join(20)
         assert rc == 0, s.log()[-2000:]

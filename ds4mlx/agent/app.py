@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ds4mlx.argtypes import positive_int
+from ds4mlx.argtypes import positive_int, positive_seconds
 
 # Heavy imports (rich, MLX through the loop) happen inside the functions: building the
 # CLI parser must stay fast (``ds4mlx --help``).
@@ -90,11 +90,14 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="token budget of one tool result (ctx/8, at most 4096)",
     )
     p.add_argument(
-        "--bash-timeout", type=float, default=120.0, help="foreground command timeout, s (120)"
+        "--bash-timeout",
+        type=positive_seconds,
+        default=120.0,
+        help="foreground command timeout, s (120)",
     )
     p.add_argument(
         "--job-timeout",
-        type=float,
+        type=positive_seconds,
         default=3600.0,
         metavar="S",
         help="background job deadline when the call sets none, s (3600)",

@@ -264,7 +264,9 @@ def serve(
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(quiet_accept_errors)
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        # SIGHUP too: a closed terminal or a dropped ssh session stops the server as
+        # Ctrl+C does (shutdown saves, streams ended), not at once.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             try:
                 loop.add_signal_handler(sig, stop.set)
             except (NotImplementedError, RuntimeError):  # pragma: no cover - Windows
