@@ -341,7 +341,8 @@ def to_csv(rows: Sequence) -> str:
 
 
 def plot(result: BenchResult, path: str) -> None:
-    """Write a PNG: tokens/s (prefill, decode, roofline) and KV bytes against context.
+    """Write a plot (its format by ``path``'s extension: PNG, SVG, PDF, …): tokens/s
+    (prefill, decode, roofline) and KV bytes against context.
 
     Raises:
         ImportError: matplotlib is not installed (it is optional).

@@ -435,9 +435,18 @@ def _bench_refusal(args: argparse.Namespace) -> str | None:
             return f"{flag} {path}: {err}"
     if args.plot:
         try:
-            import matplotlib  # noqa: F401
+            from matplotlib.backend_bases import FigureCanvasBase
         except ImportError:
             return "--plot needs matplotlib (pip install matplotlib)"
+        # matplotlib picks the format by the name's extension (and adds ".png" to a name
+        # without one): said now, not after the measuring.
+        kinds = FigureCanvasBase.get_supported_filetypes()
+        kind = Path(args.plot).suffix.lower().lstrip(".")
+        if kind not in kinds:
+            return (
+                f"--plot {args.plot}: give a file name ending in .png (or "
+                f"{', '.join('.' + k for k in sorted(kinds) if k != 'png')})"
+            )
     if args.compare and not args.distributed:
         return "--compare needs --distributed (under mlx.launch)"
     return None
@@ -1022,7 +1031,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--demo", action="store_true", help="measure the tiny demo model")
     p.add_argument("--csv", default=None, help="write the CSV here instead of stdout")
-    p.add_argument("--plot", default=None, help="write a PNG plot (needs matplotlib)")
+    p.add_argument(
+        "--plot",
+        default=None,
+        help="write a plot, e.g. bench.png (its format by the extension; needs matplotlib)",
+    )
     add_distributed_flags(p)
     p.add_argument(
         "--compare",

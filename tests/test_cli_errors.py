@@ -60,6 +60,9 @@ def places(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
 BAD = [
     (["serve", "--port", "99999"], 2, "not a port"),
     (["serve", "--port", "0"], 2, "not a port"),
+    # The plot's format is said before minutes of measuring, not after.
+    (["bench", "--demo", "--plot", "OUT.txt"], 2, "give a file name ending in .png"),
+    (["bench", "--demo", "--plot", "OUT"], 2, "give a file name ending in .png"),
     # A negative interval sent keepalives without pause (50,000 in 9 s).
     (["serve", "--demo", "--keepalive", "-1"], 2, "--keepalive: -1 must be a number of seconds"),
     (["agent", "--demo", "--bash-timeout", "0"], 2, "--bash-timeout: 0 must be"),
