@@ -130,6 +130,15 @@ def test_bad_values_are_one_line(env, places, argv, status, phrase):
     assert places["LINK"].resolve().stat().st_mode & 0o777 != 0o600
 
 
+def test_an_override_matching_no_module_is_refused_before_writing(env, places):
+    """A mistyped part (``haed``) or a pattern matching nothing left the module at its
+    default, silently. Known once the headers are read; nothing is written."""
+    r = _run(env, "convert", str(places["TINY"]), str(places["OUT"]), "--override", "haed=none")
+    assert r.returncode == 1, r.stderr
+    assert "override 'haed' matches no module of this checkpoint" in r.stderr
+    assert "Traceback" not in r.stderr and not places["OUT"].exists()
+
+
 def test_a_reader_that_goes_away_ends_the_listing_quietly(env):
     """``ds4mlx tokenize -v … | head -1``: the closed pipe ends the command as SIGPIPE
     would (exit 141), without a traceback."""

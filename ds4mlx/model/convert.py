@@ -263,6 +263,7 @@ class _Chooser:
         self.source_quantized = source_quantized
         self.kept_float: list[str] = []
         self.overrides: list[tuple[Callable[[str], bool], Choice]] = []
+        self.opts_overrides = list(opts.overrides)
         for key, spec in opts.overrides:
             choice = parse_spec(spec, gs)
             if key in PARTS:
@@ -273,6 +274,21 @@ class _Chooser:
                 except re.error as e:
                     raise ConvertError(f"override {key!r}: not a part name or a regex: {e}") from e
                 self.overrides.append((lambda p, rx=rx: rx.search(p) is not None, choice))
+
+    def check_overrides(self, paths: list[str]) -> None:
+        """Refuse an override that matches none of the modules ``paths``: a mistyped part
+        (``haed``) or pattern would silently leave the module at its default.
+
+        Raises:
+            ConvertError: names the first such override and the part names.
+        """
+        for (match, _), (key, _) in zip(self.overrides, self.opts_overrides, strict=True):
+            if not any(match(p) for p in paths):
+                raise ConvertError(
+                    f"override {key!r} matches no module of this checkpoint (parts: "
+                    f"{', '.join(sorted(PARTS))}; or a regex over module paths such as "
+                    f"{paths[len(paths) // 2]!r})"
+                )
 
     def choose(self, path: str) -> tuple[Choice, bool]:
         """``(choice, explicit)`` for module ``path``; explicit when an override matched."""
@@ -662,8 +678,10 @@ def convert(
     source_quantized = (
         any(n.endswith((".scale", ".scales")) for n in tensors) or "quantization" in cfg
     )
+    chooser = _Chooser(opts, source_quantized)
+    chooser.check_overrides([it.path for g in groups for it in g])
     try:
-        conv = _Converter(args, _Chooser(opts, source_quantized), dtype, drafter)
+        conv = _Converter(args, chooser, dtype, drafter)
     except LoadError as e:  # a bad dspark_* field
         raise ConvertError(f"{src}: {e}") from e
     notes = [f"left out {len(unused)} DSpark tensors the drafter does not use"] if unused else []
