@@ -594,13 +594,20 @@ def _memory_limit_flag(p: argparse.ArgumentParser) -> None:
 
 
 def _apply_memory_limit(args: argparse.Namespace) -> None:
-    """Hand ``--memory-limit`` to the loader's fit check (it reads $DS4MLX_MEMORY_LIMIT)."""
+    """Hand ``--memory-limit`` to the loader's fit check (it reads $DS4MLX_MEMORY_LIMIT);
+    without the flag, check the variable (exit 2 with one line when it is no size)."""
     import os
 
     from ds4mlx.model.fit import MEMORY_ENV
 
     if getattr(args, "memory_limit", None):
         os.environ[MEMORY_ENV] = args.memory_limit
+    elif os.environ.get(MEMORY_ENV):
+        try:  # said as the variable's mistake before the model loads, not as the model's
+            argtypes.size(os.environ[MEMORY_ENV])
+        except argparse.ArgumentTypeError as e:
+            print(f"ds4mlx: ${MEMORY_ENV}: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
 
 
 def _convert_arguments(p: argparse.ArgumentParser) -> None:

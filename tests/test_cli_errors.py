@@ -130,6 +130,19 @@ def test_bad_values_are_one_line(env, places, argv, status, phrase):
     assert places["LINK"].resolve().stat().st_mode & 0o777 != 0o600
 
 
+def test_a_bad_memory_limit_variable_is_named(env, places):
+    """``$DS4MLX_MEMORY_LIMIT`` that is no size: one line naming the variable, before the
+    model loads (it read "cannot load model …: not a size")."""
+    r = _run(
+        {**env, "DS4MLX_MEMORY_LIMIT": "abc"}, "generate", "-m", str(places["TINY"]), "-p", "hi"
+    )
+    assert r.returncode == 2, r.stderr
+    assert (
+        r.stderr.strip()
+        == "ds4mlx: $DS4MLX_MEMORY_LIMIT: not a size: 'abc' (examples: 256MB, 5GB, 24GiB)"
+    )
+
+
 def test_an_override_matching_no_module_is_refused_before_writing(env, places):
     """A mistyped part (``haed``) or a pattern matching nothing left the module at its
     default, silently. Known once the headers are read; nothing is written."""

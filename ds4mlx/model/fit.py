@@ -155,8 +155,11 @@ def memory_budget(memory_limit: int | str | None = None) -> tuple[int, str]:
     Raises:
         ValueError: an unparsable limit.
     """
-    if memory_limit is None:
-        memory_limit = os.environ.get(MEMORY_ENV) or None
+    if memory_limit is None and os.environ.get(MEMORY_ENV):
+        try:
+            return parse_size(os.environ[MEMORY_ENV]), "memory limit override"
+        except ValueError as e:  # said as the variable's, not as the model's fault
+            raise ValueError(f"${MEMORY_ENV}: {e}") from None
     if memory_limit is not None:
         return parse_size(memory_limit), "memory limit override"
     return device_memory()
