@@ -579,6 +579,39 @@ def test_notice_job_end_is_a_late_result_in_the_next_suffix(engine, ws: Path) ->
         agent.close()
 
 
+def test_notice_of_a_job_of_another_session_waits_for_it(engine, ws: Path, tmp_path: Path) -> None:
+    """A job started in session 1 ends while session 2 is current: its notice is not
+    given to session 2, and reaches session 1 when it is current again (it was
+    dropped, although the call's receipt promised the end would be told)."""
+    from ds4mlx.agent.sessions import SessionBook
+
+    book = SessionBook(tmp_path / "sessions")
+    script = [
+        turn("Start.", "Started.", invoke("bash", command="sleep 1; echo done", background=True)),
+        turn("Ok.", "Started it."),
+        turn("Two.", "Second session."),
+        turn("Back.", "Session one heard of it."),
+    ]
+    agent = Agent(engine, ws, ui=RecordingUI(), book=book, script=script, yes=True)
+    try:
+        assert agent.send("start it").ok
+        sid1 = agent.record.id
+        agent.new_session()
+        deadline = time.monotonic() + 60
+        while not agent.turns.notices.collect() and not agent.turns.notices.pending:
+            assert time.monotonic() < deadline, "the job never ended"
+            time.sleep(0.1)
+        assert agent.send("something else").ok
+        assert _late_results(agent) == []  # not session 2's call
+        agent.switch(sid1)
+        assert agent.send("and the job?").ok
+        [late] = _late_results(agent)
+        assert late.startswith("job_1 exited 0") and late.endswith("done"), late
+        assert agent.messages[-1].content == "Session one heard of it."
+    finally:
+        agent.close()
+
+
 def test_notice_not_sent_after_bash_status_saw_the_end(engine, ws: Path) -> None:
     script = [
         turn("Start.", "", invoke("bash", command="sleep 3; echo hi", background=True)),

@@ -55,13 +55,15 @@ class JobNotices:
         transcript: each a ``tool`` message answering its call (the renderer heads it
         with the call: ``dsml.render_late_result``), after the pending results or user
         text, so it goes out in the next suffix. A notice whose call is in another
-        session (after ``/switch``) is dropped."""
+        session (after ``/new`` or ``/switch``) waits until that session is current
+        again: the job's call was told it would hear of the end."""
         for line in self.collect():
             self.live.ui.notice(line)
-        with self._lock:
-            pending, self.pending = self.pending, []
         calls = {c.id for m in self.live.messages for c in m.tool_calls}
-        self.live.messages.extend(m for m in pending if m.tool_call_id in calls)
+        with self._lock:
+            here = [m for m in self.pending if m.tool_call_id in calls]
+            self.pending = [m for m in self.pending if m.tool_call_id not in calls]
+        self.live.messages.extend(here)
 
 
 @contextlib.contextmanager
