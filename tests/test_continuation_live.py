@@ -188,7 +188,7 @@ def test_anthropic_partial_stale_and_old_ids(server):
     err = post(server, "/v1/messages", _ant_body([user[0], only_a]), status=400)
     assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
     assert err["error"]["message"] == (
-        f"unknown tool_use_id {a['id']}; replay the full messages history"
+        f"unknown tool_use_id {a['id']}: no call has this id, neither a tool_use block of the messages nor one the server is waiting on; each result must answer a call (send the whole history)"
     )
     script(server, "ok" + EOS)
     replayed = user + [{"role": "assistant", "content": r1["content"]}, only_a]
@@ -206,7 +206,7 @@ def test_anthropic_partial_stale_and_old_ids(server):
         server, "/v1/messages", _ant_body(user + [{"role": "user", "content": [stale]}]), status=400
     )
     assert (
-        "unknown tool_use_id toolu_stale0123456789; replay the full messages history"
+        "unknown tool_use_id toolu_stale0123456789: no call has this id, neither a tool_use block of the messages nor one the server is waiting on; each result must answer a call (send the whole history)"
         == (err["error"]["message"])
     )
     call = {
@@ -232,7 +232,7 @@ def test_anthropic_partial_stale_and_old_ids(server):
     assert len(_tool_uses(r2)) == 1
     old_only = {"role": "user", "content": _results([old_a], ["again"])}
     err = post(server, "/v1/messages", _ant_body([user[0], old_only]), status=400)
-    assert err["error"]["message"].startswith(f"unknown tool_use_id {old_a['id']};")
+    assert err["error"]["message"].startswith(f"unknown tool_use_id {old_a['id']}:")
     script(server, "ok" + EOS)
     older = user + [{"role": "assistant", "content": r1["content"][:1]}, old_only]
     post(server, "/v1/messages", _ant_body(older))
@@ -272,7 +272,8 @@ def test_responses_live_partial_stale_and_old_ids(server):
     # Partial set without the calls replayed: 400 from the worker (a is live).
     err = post(server, "/v1/responses", _resp_body(user + [out(a, "A")]), status=400)
     assert (
-        err["error"]["message"] == f"unknown call_id {a['call_id']}; replay the full input history"
+        err["error"]["message"]
+        == f"unknown call_id {a['call_id']}: no call has this id, neither a function_call item of the input nor one the server is waiting on; each result must answer a call (send the whole history)"
     )
     # Both results, calls not replayed: a live match by call_id, suffix only.
     script(server, "done" + EOS)
@@ -298,7 +299,10 @@ def test_responses_live_partial_stale_and_old_ids(server):
     # Stale id.
     stale = {"type": "function_call_output", "call_id": "call_stale42", "output": "x"}
     err = post(server, "/v1/responses", _resp_body(user + [stale]), status=400)
-    assert err["error"]["message"] == "unknown call_id call_stale42; replay the full input history"
+    assert (
+        err["error"]["message"]
+        == "unknown call_id call_stale42: no call has this id, neither a function_call item of the input nor one the server is waiting on; each result must answer a call (send the whole history)"
+    )
     call = {
         "type": "function_call",
         "call_id": "call_stale42",
@@ -319,7 +323,7 @@ def test_responses_live_partial_stale_and_old_ids(server):
     post(server, "/v1/responses", _resp_body(turn1))
     assert server.trace.last()["decision"] == "live-responses"
     err = post(server, "/v1/responses", _resp_body(user + [out(old, "again")]), status=400)
-    assert err["error"]["message"].startswith(f"unknown call_id {old['call_id']};")
+    assert err["error"]["message"].startswith(f"unknown call_id {old['call_id']}:")
     script(server, "done" + EOS)
     post(server, "/v1/responses", _resp_body(turn1))
     assert not server.trace.last()["decision"].startswith("live-")

@@ -112,13 +112,13 @@ def test_unexplained_ids_and_messages():
     assert unexplained_tool_ids(conv) == ["b"]
     # Each protocol words the 400 with its own id field and history (kv knows none).
     assert anthropic._unknown_id("toolu_x") == (
-        "unknown tool_use_id toolu_x; replay the full messages history"
+        "unknown tool_use_id toolu_x: no call has this id, neither a tool_use block of the messages nor one the server is waiting on; each result must answer a call (send the whole history)"
     )
     assert openai._unknown_id("call_x") == (
-        "unknown tool_call_id call_x; replay the full messages history"
+        "unknown tool_call_id call_x: no call has this id, neither an assistant message's tool_calls nor one the server is waiting on; each result must answer a call (send the whole history)"
     )
     assert responses._unknown_id("call_y") == (
-        "unknown call_id call_y; replay the full input history"
+        "unknown call_id call_y: no call has this id, neither a function_call item of the input nor one the server is waiting on; each result must answer a call (send the whole history)"
     )
 
 
@@ -280,7 +280,10 @@ def test_planner_is_neutral_and_routes_label_it(engine):
     failed = JobFailed(Failure.UNKNOWN_TOOL_ID, tool_id="nope")
     err = failed_to_api(failed, anthropic.NAMES)
     assert (err.status, err.param) == (400, "messages")
-    assert err.message == "unknown tool_use_id nope; replay the full messages history"
+    assert (
+        err.message
+        == "unknown tool_use_id nope: no call has this id, neither a tool_use block of the messages nor one the server is waiting on; each result must answer a call (send the whole history)"
+    )
     assert failed_to_api(failed, responses.NAMES).param == "input"
     conv2 = _conv(
         *conv1.messages,

@@ -92,7 +92,11 @@ bp = Blueprint("anthropic", __name__)
 
 
 def _unknown_id(tool_id: str) -> str:
-    return f"unknown tool_use_id {tool_id}; replay the full messages history"
+    return (
+        f"unknown tool_use_id {tool_id}: no call has this id, neither a tool_use block of the messages nor "
+        "one the server is waiting on; each result must answer a call (send the whole "
+        "history)"
+    )
 
 
 # This protocol's names: its jobs' live decision ``live-anthropic`` with the log detail

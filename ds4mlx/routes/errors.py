@@ -191,7 +191,11 @@ def validation_error_to_api(e: ValidationError, data: Any = None) -> APIError:
 
 
 def _neutral_unknown_id(tool_id: str) -> str:
-    return f"unknown tool result id {tool_id}; replay the full history"
+    return (
+        f"unknown tool result id {tool_id}: no call has this id, neither one of the history "
+        "nor one the server is waiting on; each result must answer a call (send the whole "
+        "history)"
+    )
 
 
 @dataclass(frozen=True)

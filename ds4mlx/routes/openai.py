@@ -75,7 +75,11 @@ SYSTEM_FINGERPRINT = "ds4mlx"
 
 
 def _unknown_id(tool_id: str) -> str:
-    return f"unknown tool_call_id {tool_id}; replay the full messages history"
+    return (
+        f"unknown tool_call_id {tool_id}: no call has this id, neither an assistant message's tool_calls nor "
+        "one the server is waiting on; each result must answer a call (send the whole "
+        "history)"
+    )
 
 
 # This protocol's names: its jobs' live decision ``live-chat`` with the log detail

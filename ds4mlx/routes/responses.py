@@ -107,7 +107,11 @@ bp = Blueprint("responses", __name__)
 
 
 def _unknown_id(tool_id: str) -> str:
-    return f"unknown call_id {tool_id}; replay the full input history"
+    return (
+        f"unknown call_id {tool_id}: no call has this id, neither a function_call item of the input nor "
+        "one the server is waiting on; each result must answer a call (send the whole "
+        "history)"
+    )
 
 
 # This protocol's names: its jobs' live decision ``live-responses`` with the log detail
