@@ -367,6 +367,14 @@ STRICT_CASES = [
         None,
         "output_config.effort",
     ),
+    # Thinking switches that are no switch: refused, not read as "on".
+    (CHAT, {"messages": OK_MSG, "thinking": {"type": "bogus"}}, "thinking.type", "'bogus'"),
+    (
+        CHAT,
+        {"messages": OK_MSG, "chat_template_kwargs": {"thinking": "no"}},
+        "chat_template_kwargs.thinking",
+        "a JSON boolean",
+    ),
     # OpenAI's deprecated function calling: refused, not ignored (nothing was offered).
     (CHAT, {"messages": OK_MSG, "functions": [{"name": "f"}]}, "functions", "send tools"),
     (CHAT, {"messages": OK_MSG, "function_call": "auto"}, "function_call", "tool_choice"),

@@ -256,6 +256,10 @@ def chat_thinking(req: ChatRequest, default_thinking: bool) -> tuple[bool, str |
     disables, ``"max"``/``"xhigh"`` = Think-Max), ``chat_template_kwargs: {"thinking"|
     "enable_thinking": bool}``, ``think: bool``, DeepSeek's ``thinking: {"type":
     "enabled"|"disabled"}`` (or a bool).
+
+    Raises:
+        WireError: an unknown effort word or ``thinking.type``, a ``chat_template_kwargs``
+            thinking value that is not a boolean.
     """
     thinking = default_thinking
     forced, effort = effort_to_reasoning(req.reasoning_effort)
@@ -263,16 +267,29 @@ def chat_thinking(req: ChatRequest, default_thinking: bool) -> tuple[bool, str |
         thinking = forced
     kw = req.chat_template_kwargs or {}
     for key in ("thinking", "enable_thinking"):
-        if isinstance(kw.get(key), bool):
+        if key in kw and not isinstance(kw[key], bool):
+            # Ignored, "no" (or "false") would have left thinking on.
+            raise WireError(
+                f"chat_template_kwargs.{key}: a JSON boolean, got {kw[key]!r}",
+                f"chat_template_kwargs.{key}",
+            )
+        if key in kw:
             thinking = kw[key]
     if req.think is not None:
         thinking = req.think
     th = req.thinking
-    if isinstance(th, dict) and th.get("type"):
+    if isinstance(th, dict) and "type" in th:
+        if th["type"] not in _THINKING_TYPES:
+            words = ", ".join(repr(t) for t in _THINKING_TYPES)
+            raise WireError(f"thinking.type: {th['type']!r} is not one of {words}", "thinking.type")
         thinking = th["type"] != "disabled"
     elif isinstance(th, bool):
         thinking = th
     return thinking, (effort if thinking else None)
+
+
+# DeepSeek's ``thinking.type`` words (and Anthropic's ``adaptive``, which thinks).
+_THINKING_TYPES = ("enabled", "disabled", "adaptive")
 
 
 def _assistant_turn(m: ChatMessage) -> Message:
