@@ -41,6 +41,13 @@ def positive_int(text: str) -> int:
     return n
 
 
+def nonempty(text: str) -> str:
+    """A name that is not empty or blank (an unset ``$VAR`` passed as the value)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty value (an unset variable?)")
+    return text
+
+
 def positive_seconds(text: str) -> float:
     """A finite duration in seconds above 0 (a timeout, an interval): 0 or less would
     time out at once or, as an interval, fire without pause."""

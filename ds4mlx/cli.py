@@ -34,7 +34,10 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
         print("ds4mlx make-tiny: --mtp and --dspark both write mtp.*: pick one", file=sys.stderr)
         return 2
     out = Path(args.dir)
-    if out.exists() and not args.overwrite and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        print(f"ds4mlx make-tiny: {out} is a file; give a directory", file=sys.stderr)
+        return 1
+    if out.exists() and not args.overwrite and any(out.iterdir()):
         print(
             f"ds4mlx make-tiny: {out} is not empty (a checkpoint there?); "
             "pass --overwrite to replace it",
@@ -1124,6 +1127,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None, metavar="FILE", help="append a JSON-lines trace here")
     p.add_argument(
         "--served-model-name",
+        type=argtypes.nonempty,
         default="deepseek-v4-flash",
         help="model id clients use (deepseek-v4-flash; alias deepseek-chat = non-thinking)",
     )

@@ -47,6 +47,7 @@ def places(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
     (root / "link.jsonl").symlink_to(root / "shared.txt")
     return {
         "LINK": root / "link.jsonl",
+        "AFILE": existing / "config.json",
         "MISSING": root / "no-such-model",
         "EXISTING": existing,
         "EMPTY": root / "empty",
@@ -60,6 +61,10 @@ def places(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
 BAD = [
     (["serve", "--port", "99999"], 2, "not a port"),
     (["serve", "--port", "0"], 2, "not a port"),
+    (["serve", "--demo", "--served-model-name", "", "--port", "PORT"], 2, "an empty value"),
+    (["make-tiny", "AFILE"], 1, "is a file; give a directory"),
+    # An address problem says to check --host (it suggested another port).
+    (["serve", "-m", "TINY", "--host", "999.1.1.1", "--port", "PORT"], 1, "(check --host)"),
     # The plot's format is said before minutes of measuring, not after.
     (["bench", "--demo", "--plot", "OUT.txt"], 2, "give a file name ending in .png"),
     (["bench", "--demo", "--plot", "OUT"], 2, "give a file name ending in .png"),

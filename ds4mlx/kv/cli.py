@@ -257,7 +257,8 @@ def _cmd_rm(args: argparse.Namespace, con: Console) -> int:
 
     dir = Path(args.dir)
     if args.all == bool(args.key):
-        print("ds4mlx kv rm: give a KEY or --all (not both)", file=sys.stderr)
+        why = "not both" if args.all else "see ds4mlx kv ls for the keys"
+        print(f"ds4mlx kv rm: give a KEY or --all ({why})", file=sys.stderr)
         return 2
     if _no_dir(dir):
         return 2

@@ -41,19 +41,25 @@ def port_problem(host: str, port: int) -> str | None:
     port must not be found only after that. The probe socket sets ``SO_REUSEADDR`` as
     Hypercorn's own does, so a port in TIME_WAIT passes and a listening one fails.
     """
+    import errno
     import socket
 
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (OSError, UnicodeError) as e:
-        return str(e)
+        return f"{getattr(e, 'strerror', None) or e} (check --host)"
     family, kind, proto, _, addr = infos[0]
     try:
         with socket.socket(family, kind, proto) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(addr)
     except OSError as e:
-        return e.strerror or str(e)
+        why = e.strerror or str(e)
+        if e.errno == errno.EADDRINUSE:
+            return f"{why} (another server there? pick one with --port)"
+        if e.errno == errno.EADDRNOTAVAIL:
+            return f"{why} (no such address on this machine: check --host)"
+        return why
     return None
 
 
@@ -87,8 +93,7 @@ def run_serve(args, register) -> int:
     busy = port_problem(args.host, args.port)
     if busy is not None:
         print(
-            f"ds4mlx serve: cannot listen on {args.host}:{args.port}: {busy} "
-            "(another server there? pick one with --port)",
+            f"ds4mlx serve: cannot listen on {args.host}:{args.port}: {busy}",
             file=sys.stderr,
         )
         return 1
