@@ -1240,6 +1240,12 @@ def main(argv: list[str] | None = None) -> int:
         # flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
+    except KeyboardInterrupt:
+        # Ctrl+C in a command that does not handle it (convert, bench, generate): one
+        # line and the shell's status for SIGINT, not a traceback. What such a command
+        # leaves is safe to leave (convert's partial shards are refused on load).
+        print(f"\nds4mlx {args.command}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

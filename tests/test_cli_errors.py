@@ -9,8 +9,10 @@ tiny model instead of touching the user's cache.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -155,6 +157,31 @@ def test_an_override_matching_no_module_is_refused_before_writing(env, places):
     assert r.returncode == 1, r.stderr
     assert "override 'haed' matches no module of this checkpoint" in r.stderr
     assert "Traceback" not in r.stderr and not places["OUT"].exists()
+
+
+def test_ctrl_c_in_a_command_is_one_line_not_a_traceback(env):
+    """Ctrl+C in a command that does not handle it itself (here ``tokenize`` waiting on
+    stdin; convert and bench alike): one line and 130, as the shell reports SIGINT."""
+    from ds4mlx.agent.tools.background import _READ_SYSCALL
+
+    if _READ_SYSCALL is None:
+        pytest.skip("no known read syscall number on this machine")
+    proc = subprocess.Popen(
+        [*CMD, "tokenize"], stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # blocked reading stdin: inside the command, past start-up
+            with open(f"/proc/{proc.pid}/syscall") as f:
+                if f.read().split()[:2] == [_READ_SYSCALL, "0x0"]:
+                    break
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+        assert proc.stderr.read().strip() == "ds4mlx tokenize: interrupted"
+    finally:
+        proc.kill()
 
 
 def test_a_reader_that_goes_away_ends_the_listing_quietly(env):
