@@ -81,7 +81,7 @@ def register(app) -> None:
         responses,
         responses_ws,
     )
-    from ds4mlx.routes.errors import APIError, http_exception_to_api
+    from ds4mlx.routes.errors import APIError, http_exception_to_api, internal_error
 
     carrier.install(app, app.extensions["ds4mlx"].config.reasoning_key)
     for mod in (openai, completions, anthropic, responses, responses_ws, models):
@@ -125,8 +125,7 @@ def register(app) -> None:
             else ("WEBSOCKET", websocket.path)
         )
         log.exception("unhandled error on %s %s", method, path)
-        err = APIError(500, f"internal error: {type(e).__name__}", type="server_error")
-        return _answer(err, path)
+        return _answer(internal_error(type(e).__name__), path)
 
     _install_access(app, rejected)
 

@@ -243,4 +243,10 @@ def failed_to_api(ev: JobFailed, wording: Wording = Wording()) -> APIError:
         return APIError(
             503, "server is shutting down", type="server_error", anthropic_type="overloaded_error"
         )
-    return APIError(500, f"internal error: {ev.detail}", type="server_error")
+    return internal_error(ev.detail)
+
+
+def internal_error(what: str) -> APIError:
+    """The 500 of a server fault, naming only ``what`` (an exception's type, a neutral
+    failure's detail): never its message, which may hold a request's text."""
+    return APIError(500, f"internal error: {what}", type="server_error")

@@ -53,7 +53,7 @@ from ds4mlx.jobs import Job
 from ds4mlx.routes.access import key_salt
 from ds4mlx.routes.body import offload, parse_json
 from ds4mlx.routes.common import new_id, state
-from ds4mlx.routes.errors import APIError, openai_error
+from ds4mlx.routes.errors import APIError, internal_error, openai_error
 from ds4mlx.routes.pipeline import events, guard, start
 from ds4mlx.routes.responses import NAMES, ResponseEncoder, _encoder, _prepare, _Prepared
 
@@ -198,8 +198,7 @@ class _Connection:
                 await self.frame(raw)
             except Exception as e:  # a server fault answers its frame; the connection lives
                 log.exception("unhandled error on a ws /v1/responses frame")
-                err = APIError(500, f"internal error: {type(e).__name__}", type="server_error")
-                await self.error(err)
+                await self.error(internal_error(type(e).__name__))
 
     async def frame(self, raw: str | bytes) -> None:
         """Handle one client frame (a response may be streaming: ``self.running``)."""
