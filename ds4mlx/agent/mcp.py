@@ -313,8 +313,9 @@ class McpClient:
         )
         sdk = logging.getLogger("mcp")
         sdk.addHandler(handler)
-        sdk.propagate = False
+        self._stack.callback(setattr, sdk, "propagate", sdk.propagate)
         self._stack.callback(sdk.removeHandler, handler)
+        sdk.propagate = False
 
     def close(self) -> None:
         """End every connection (stdio servers exit) and the anyio thread."""
