@@ -247,6 +247,22 @@ def test_child_env_policy() -> None:
         "PAGER": "less",
     }
     assert all(is_secret_name(n) for n in ("AWS_SECRET_ACCESS_KEY", "gh_token", "db_password"))
+    # Names the first markers missed, and a connection string whatever its name.
+    more = {
+        "DB_PASSWD": "p",
+        "GOOGLE_APPLICATION_CREDENTIALS": "/k.json",
+        "DATABASE_URL": "postgres://app:hunter2@db:5432/app",
+        "REDIS_URL": "redis://default:s3cret@cache:6379",
+        "DOCS_URL": "https://example.com/docs",  # no password: kept
+        "PROXY": "http://proxy:3128",  # a port, no user info: kept
+    }
+    kept = child_env(EnvPolicy(), {**environ, **more})
+    assert kept == {"PATH": "/bin", "HOME": "/h", **NONINTERACTIVE, **{
+        k: more[k] for k in ("DOCS_URL", "PROXY")
+    }}, kept  # fmt: skip
+    assert EnvPolicy().withheld(more) == [
+        "DATABASE_URL", "DB_PASSWD", "GOOGLE_APPLICATION_CREDENTIALS", "REDIS_URL"
+    ]  # fmt: skip
     env = child_env(EnvPolicy(), environ)
     assert env == {"PATH": "/bin", "HOME": "/h", **NONINTERACTIVE}
     env = child_env(EnvPolicy(passed=frozenset({"GH_TOKEN"})), environ, {"MCP_TOKEN": "m"})

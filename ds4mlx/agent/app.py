@@ -115,8 +115,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME",
-        help="pass this variable to commands although its name holds KEY, SECRET, TOKEN or "
-        "PASSWORD (repeatable; also $DS4MLX_AGENT_PASS_ENV, comma-separated)",
+        help="pass this variable to commands although it looks secret (its name holds KEY, "
+        "SECRET, TOKEN, PASSWORD, PASSWD or CREDENTIAL, or its value is a URL with a "
+        "password) (repeatable; also $DS4MLX_AGENT_PASS_ENV, comma-separated)",
     )
     p.add_argument(
         "--inherit-env",

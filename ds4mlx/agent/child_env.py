@@ -4,8 +4,9 @@ The agent runs commands the model writes, and their output goes back into the mo
 context, the session transcript on disk and the KV snapshot. A command such as ``env``
 or ``echo $AWS_SECRET_ACCESS_KEY`` would copy a credential into all three, so by default
 a child process does not inherit variables whose name contains ``KEY``, ``SECRET``,
-``TOKEN`` or ``PASSWORD`` (case-insensitive: ``*KEY*`` matches ``OPENAI_API_KEY`` and
-``ssh_key_path``). A variable the user names with ``--pass-env NAME`` (repeatable) or in
+``TOKEN``, ``PASSWORD``, ``PASSWD`` or ``CREDENTIAL`` (case-insensitive: ``*KEY*`` matches
+``OPENAI_API_KEY`` and ``ssh_key_path``), nor one whose value is a URL carrying a password
+(``DATABASE_URL=postgres://app:hunter2@db/app``). A variable the user names with ``--pass-env NAME`` (repeatable) or in
 ``$DS4MLX_AGENT_PASS_ENV`` (comma-separated names) is passed anyway; ``--inherit-env``
 passes the whole environment as before.
 
@@ -18,11 +19,16 @@ the agent cannot answer a pager or a prompt.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 #: Substrings of variable names withheld by default (matched case-insensitively).
-SECRET_MARKERS: tuple[str, ...] = ("KEY", "SECRET", "TOKEN", "PASSWORD")
+SECRET_MARKERS: tuple[str, ...] = ("KEY", "SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL")
+
+# A URL with a password in its user info (``scheme://user:password@``): a database's or a
+# broker's connection string, whatever the variable is called.
+_URL_WITH_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s/@:]*:[^\s/@]+@")
 
 #: The variable naming extra variables to pass (comma-separated), like ``--pass-env``.
 PASS_ENV_VAR = "DS4MLX_AGENT_PASS_ENV"
@@ -37,9 +43,15 @@ NONINTERACTIVE: dict[str, str] = {
 
 
 def is_secret_name(name: str) -> bool:
-    """True if ``name`` matches ``*KEY*``, ``*SECRET*``, ``*TOKEN*`` or ``*PASSWORD*``."""
+    """True if ``name`` holds one of `SECRET_MARKERS` (``*KEY*``, ``*TOKEN*``, …)."""
     upper = name.upper()
     return any(marker in upper for marker in SECRET_MARKERS)
+
+
+def is_secret(name: str, value: str = "") -> bool:
+    """True if the variable ``name=value`` is withheld by default: a secret-looking name
+    (`is_secret_name`) or a value holding a URL with a password."""
+    return is_secret_name(name) or _URL_WITH_PASSWORD.search(value) is not None
 
 
 @dataclass(frozen=True)
@@ -76,14 +88,14 @@ class EnvPolicy:
         names.discard("")
         return cls(inherit=inherit, passed=frozenset(names))
 
-    def keeps(self, name: str) -> bool:
-        """True if a child gets the variable ``name``."""
-        return self.inherit or name in self.passed or not is_secret_name(name)
+    def keeps(self, name: str, value: str = "") -> bool:
+        """True if a child gets the variable ``name`` (whose value is ``value``)."""
+        return self.inherit or name in self.passed or not is_secret(name, value)
 
     def withheld(self, environ: Mapping[str, str] | None = None) -> list[str]:
         """Names in ``environ`` (default ``os.environ``) a child does not get, sorted."""
         env = os.environ if environ is None else environ
-        return sorted(n for n in env if not self.keeps(n))
+        return sorted(n for n, v in env.items() if not self.keeps(n, v))
 
 
 def child_env(
@@ -105,7 +117,7 @@ def child_env(
     """
     policy = policy or EnvPolicy()
     env = os.environ if environ is None else environ
-    out = {k: v for k, v in env.items() if policy.keeps(k)}
+    out = {k: v for k, v in env.items() if policy.keeps(k, v)}
     out.update(NONINTERACTIVE)
     if extra:
         out.update(extra)
