@@ -44,17 +44,21 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    if args.shape == "flash":
-        return _make_flash_width(args, other_bits)
-    make_tiny(
-        args.dir,
-        seed=args.seed,
-        expert_bits=expert_bits,
-        other_bits=other_bits,
-        layers=args.layers,
-        mtp=args.mtp,
-        dspark=args.dspark,
-    )
+    try:
+        if args.shape == "flash":
+            return _make_flash_width(args, other_bits)
+        make_tiny(
+            args.dir,
+            seed=args.seed,
+            expert_bits=expert_bits,
+            other_bits=other_bits,
+            layers=args.layers,
+            mtp=args.mtp,
+            dspark=args.dspark,
+        )
+    except OSError as e:  # an unwritable place, a full disk: one line, not a traceback
+        print(f"ds4mlx make-tiny: cannot write {args.dir}: {e.strerror or e}", file=sys.stderr)
+        return 1
     size = sum(f.stat().st_size for f in Path(args.dir).glob("*.safetensors"))
     quant = (
         "float32"

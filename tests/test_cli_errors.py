@@ -65,6 +65,7 @@ BAD = [
     (["serve", "--port", "0"], 2, "not a port"),
     (["serve", "--demo", "--served-model-name", "", "--port", "PORT"], 2, "an empty value"),
     (["make-tiny", "AFILE"], 1, "is a file; give a directory"),
+    (["make-tiny", "/proc/ds4mlx-tiny"], 1, "cannot write /proc/ds4mlx-tiny"),
     # An address problem says to check --host (it suggested another port).
     (["serve", "-m", "TINY", "--host", "999.1.1.1", "--port", "PORT"], 1, "(check --host)"),
     # The plot's format is said before minutes of measuring, not after.
