@@ -246,7 +246,7 @@ def test_async_call_live_status_then_late_result(server, protocol):
     # today's 400; a non-boolean async flag is the protocol's 400 naming the field.
     bad = h4 + p.replay(r4) + p.results(("call_never0123", "?"))
     err = post(server, p.path, p.body(bad), status=400)
-    assert p.error(err).startswith(p.unknown.format("call_never0123") + ";")
+    assert p.error(err).startswith(p.unknown.format("call_never0123") + ": no call has this id")
     h5 = h4 + p.replay(r4) + p.results((x, "slept 5 s"))
     err = post(server, p.path, p.body(h5, flag="yes"), status=400)
     assert p.error(err).startswith(p.field + ":")
