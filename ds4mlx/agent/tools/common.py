@@ -138,8 +138,9 @@ class Workspace:
         except (OSError, RuntimeError):  # RuntimeError: a symlink loop (Python 3.11)
             return False
 
-    def text_file(self, path: Path, raw: str) -> None:
-        """Check that ``path`` is an existing regular, non-binary file.
+    def text_file(self, path: Path, raw: str) -> str:
+        """Check that ``path`` is an existing regular, non-binary file; its text encoding
+        (`sniff_encoding`).
 
         Raises:
             ToolError: ``not_found``, or ``failed`` for a directory, a special file
@@ -151,9 +152,11 @@ class Workspace:
             raise ToolError(FAILED, f"{raw} is a directory; use list to see its contents")
         if not path.is_file():
             raise ToolError(FAILED, f"{raw} is not a regular file")
-        if is_binary(path):
+        encoding = sniff_encoding(path)
+        if encoding is None:
             size = path.stat().st_size
             raise ToolError(FAILED, f"{raw} is a binary file ({size} bytes); not shown")
+        return encoding
 
     def glob(self, base: Path, pattern: str) -> list[Path]:
         """Sorted matches of ``pattern`` under ``base``, inside the workspace, without .git.
@@ -198,18 +201,15 @@ def text_encoding(head: bytes) -> str:
     return "utf-8"
 
 
-def file_encoding(path: Path) -> str:
-    """`text_encoding` of the file at ``path``."""
-    with open(path, "rb") as f:
-        return text_encoding(f.read(4))
-
-
-def is_binary(path: Path) -> bool:
-    """True if the first 8 KiB of the file hold a NUL byte (UTF-16 text, which has a
-    NUL in every ASCII character, is text when it starts with its byte-order mark)."""
+def sniff_encoding(path: Path) -> str | None:
+    """The text encoding of the file at ``path`` (`text_encoding` of its first bytes), or
+    None for a binary file: a NUL byte in its first 8 KiB (UTF-16 text, which has a NUL
+    in every ASCII character, is text when it starts with its byte-order mark). One read
+    answers both questions: ``search`` asks them of every file it walks."""
     with open(path, "rb") as f:
         head = f.read(_BINARY_SNIFF_BYTES)
-    return b"\0" in head and text_encoding(head) == "utf-8"
+    encoding = text_encoding(head)
+    return None if b"\0" in head and encoding == "utf-8" else encoding
 
 
 def one_line(rel: str) -> str:

@@ -27,7 +27,6 @@ from ds4mlx.agent.tools.common import (
     ToolError,
     Workspace,
     cap,
-    file_encoding,
     first_few,
     one_line,
     text_encoding,
@@ -145,9 +144,8 @@ class FileTools:
     def read(self, a: dict[str, Any]) -> Result:
         path = self.ws.path(a["path"])
         rel = self.ws.rel(path)
-        self.ws.text_file(path, rel)
+        encoding = self.ws.text_file(path, rel)
         offset, limit = a["offset"], a["limit"]
-        encoding = file_encoding(path)
         lines: list[str] = []
         total = 0
         utf8 = True

@@ -36,9 +36,8 @@ from ds4mlx.agent.tools.common import (
     Result,
     ToolError,
     Workspace,
-    file_encoding,
-    is_binary,
     one_line,
+    sniff_encoding,
 )
 from ds4mlx.agent.tools.schema import PATH_DESC, object_schema
 from ds4mlx.dsml.conversation import ToolSpec
@@ -249,19 +248,21 @@ class _Scan:
             if st.st_size > MAX_SEARCH_FILE_BYTES:
                 self.large += 1
                 return
-            if is_binary(p):
+            encoding = sniff_encoding(p)
+            if encoding is None:
                 self.binary += 1
                 return
             self.searched += 1
-            self.matched_files += self._grep(p)
+            self.matched_files += self._grep(p, encoding)
         except OSError:
             return
 
-    def _grep(self, p: Path) -> bool:
-        """Append the matching lines of ``p`` (up to ``max_results``); True if any."""
+    def _grep(self, p: Path, encoding: str) -> bool:
+        """Append the matching lines of ``p``, text in ``encoding`` (up to
+        ``max_results``); True if any."""
         prel = one_line(self.ws.rel(p))
         hit = False
-        with open(p, encoding=file_encoding(p), errors="replace", newline="\n") as f:
+        with open(p, encoding=encoding, errors="replace", newline="\n") as f:
             for no, line in enumerate(f, 1):
                 line = line.rstrip("\r\n")
                 try:
