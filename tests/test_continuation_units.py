@@ -111,13 +111,13 @@ def test_unexplained_ids_and_messages():
     )
     assert unexplained_tool_ids(conv) == ["b"]
     # Each protocol words the 400 with its own id field and history (kv knows none).
-    assert anthropic._unknown_id("toolu_x") == (
+    assert anthropic.NAMES.unknown_id("toolu_x") == (
         "unknown tool_use_id toolu_x: no call has this id, neither a tool_use block of the messages nor one the server is waiting on; each result must answer a call (send the whole history)"
     )
-    assert openai._unknown_id("call_x") == (
+    assert openai.NAMES.unknown_id("call_x") == (
         "unknown tool_call_id call_x: no call has this id, neither an assistant message's tool_calls nor one the server is waiting on; each result must answer a call (send the whole history)"
     )
-    assert responses._unknown_id("call_y") == (
+    assert responses.NAMES.unknown_id("call_y") == (
         "unknown call_id call_y: no call has this id, neither a function_call item of the input nor one the server is waiting on; each result must answer a call (send the whole history)"
     )
 

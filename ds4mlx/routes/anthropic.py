@@ -91,19 +91,12 @@ from ds4mlx.routes.sse import sse
 bp = Blueprint("anthropic", __name__)
 
 
-def _unknown_id(tool_id: str) -> str:
-    return (
-        f"unknown tool_use_id {tool_id}: no call has this id, neither a tool_use block of the messages nor "
-        "one the server is waiting on; each result must answer a call (send the whole "
-        "history)"
-    )
-
-
 # This protocol's names: its jobs' live decision ``live-anthropic`` with the log detail
 # ``match=tool-use-ids ids=N``, and the 400 for a ``tool_use_id`` nothing explains.
 NAMES = Wording(
     param="messages",
-    unknown_id=_unknown_id,
+    id_field="tool_use_id",
+    calls="a tool_use block of the messages",
     labels=LiveLabels(live_tools="live-anthropic", ids="tool-use-ids"),
 )
 

@@ -190,14 +190,6 @@ def validation_error_to_api(e: ValidationError, data: Any = None) -> APIError:
 # --------------------------------------------------------------------------- job failures
 
 
-def _neutral_unknown_id(tool_id: str) -> str:
-    return (
-        f"unknown tool result id {tool_id}: no call has this id, neither one of the history "
-        "nor one the server is waiting on; each result must answer a call (send the whole "
-        "history)"
-    )
-
-
 @dataclass(frozen=True)
 class Wording:
     """How a protocol names its jobs and words their neutral failures.
@@ -205,14 +197,25 @@ class Wording:
     Attributes:
         param: the request field holding the prompt (``messages``, ``input``,
             ``prompt``), named by the context and unknown-id errors.
-        unknown_id: ``f(tool_id) -> str``, the 400 for a tool result nothing explains.
+        id_field: its name of a tool result's id (``tool_use_id``, ``call_id``).
+        calls: where its requests hold the calls (``a tool_use block of the messages``).
         labels: the `ds4mlx.jobs.LiveLabels` its jobs carry (its live-continuation
             decision and id word in the log line and trace), or None.
     """
 
     param: str = "messages"
-    unknown_id: Callable[[str], str] = _neutral_unknown_id
+    id_field: str = "tool result id"
+    calls: str = "one of the history"
     labels: LiveLabels | None = None
+
+    def unknown_id(self, tool_id: str) -> str:
+        """The 400's text for a result whose ``tool_id`` no call has (kv's neutral
+        ``unknown_tool_id``: neither a call of the request nor a live one explains it)."""
+        return (
+            f"unknown {self.id_field} {tool_id}: no call has this id, neither {self.calls} "
+            "nor one the server is waiting on; each result must answer a call (send the "
+            "whole history)"
+        )
 
 
 def context_error(n_prompt: int, ctx: int, param: str, *, at_least: bool = False) -> APIError:

@@ -74,19 +74,12 @@ bp = Blueprint("openai", __name__)
 SYSTEM_FINGERPRINT = "ds4mlx"
 
 
-def _unknown_id(tool_id: str) -> str:
-    return (
-        f"unknown tool_call_id {tool_id}: no call has this id, neither an assistant message's tool_calls nor "
-        "one the server is waiting on; each result must answer a call (send the whole "
-        "history)"
-    )
-
-
 # This protocol's names: its jobs' live decision ``live-chat`` with the log detail
 # ``match=tool-call-ids ids=N``, and the 400 for a ``tool_call_id`` nothing explains.
 NAMES = Wording(
     param="messages",
-    unknown_id=_unknown_id,
+    id_field="tool_call_id",
+    calls="an assistant message's tool_calls",
     labels=LiveLabels(live_tools="live-chat", ids="tool-call-ids"),
 )
 

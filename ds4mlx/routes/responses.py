@@ -106,14 +106,6 @@ from ds4mlx.routes.sse import sse
 bp = Blueprint("responses", __name__)
 
 
-def _unknown_id(tool_id: str) -> str:
-    return (
-        f"unknown call_id {tool_id}: no call has this id, neither a function_call item of the input nor "
-        "one the server is waiting on; each result must answer a call (send the whole "
-        "history)"
-    )
-
-
 # This protocol's names: its jobs' live decision ``live-responses`` with the log detail
 # ``match=call-ids ids=N``, and the 400 for a ``call_id`` nothing explains.
 # The ``include`` value asking for the message text's per-token logprobs.
@@ -121,7 +113,8 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 NAMES = Wording(
     param="input",
-    unknown_id=_unknown_id,
+    id_field="call_id",
+    calls="a function_call item of the input",
     labels=LiveLabels(live_tools="live-responses", ids="call-ids"),
 )
 
