@@ -262,18 +262,18 @@ class _Chooser:
         self.rest = parse_spec(opts.rest or default_r, gs)
         self.source_quantized = source_quantized
         self.kept_float: list[str] = []
-        self.overrides: list[tuple[Callable[[str], bool], Choice]] = []
-        self.opts_overrides = list(opts.overrides)
+        # (the override's key, its module matcher, its choice), in the order given
+        self.overrides: list[tuple[str, Callable[[str], bool], Choice]] = []
         for key, spec in opts.overrides:
             choice = parse_spec(spec, gs)
             if key in PARTS:
-                self.overrides.append((lambda p, k=key: part_of(p) == k, choice))
+                self.overrides.append((key, lambda p, k=key: part_of(p) == k, choice))
             else:
                 try:
                     rx = re.compile(key)
                 except re.error as e:
                     raise ConvertError(f"override {key!r}: not a part name or a regex: {e}") from e
-                self.overrides.append((lambda p, rx=rx: rx.search(p) is not None, choice))
+                self.overrides.append((key, lambda p, rx=rx: rx.search(p) is not None, choice))
 
     def check_overrides(self, paths: list[str]) -> None:
         """Refuse an override that matches none of the modules ``paths``: a mistyped part
@@ -282,7 +282,7 @@ class _Chooser:
         Raises:
             ConvertError: names the first such override and the part names.
         """
-        for (match, _), (key, _) in zip(self.overrides, self.opts_overrides, strict=True):
+        for key, match, _ in self.overrides:
             if not any(match(p) for p in paths):
                 raise ConvertError(
                     f"override {key!r} matches no module of this checkpoint (parts: "
@@ -292,7 +292,7 @@ class _Chooser:
 
     def choose(self, path: str) -> tuple[Choice, bool]:
         """``(choice, explicit)`` for module ``path``; explicit when an override matched."""
-        for match, choice in reversed(self.overrides):
+        for _, match, choice in reversed(self.overrides):
             if match(path):
                 return choice, True
         return (self.expert if part_of(path) == "experts" else self.rest), False
