@@ -223,6 +223,10 @@ class GenRequest:
             tokens (``ds4mlx.engine.bias.Penalties``); 0: none.
         repetition_penalty: vLLM's factor on every token of the context
             (``ds4mlx.engine.bias.RepetitionPenalty``); 1: none.
+        min_tokens: vLLM's ``min_tokens``: no EOS is sampled before the reply has
+            this many tokens (``ds4mlx.engine.bias.EndBan``); 0: none.
+        ignore_eos: vLLM's ``ignore_eos``: no EOS is sampled at all (the turn ends at
+            its limit, a stop string or a full context).
     """
 
     path: str
@@ -238,6 +242,8 @@ class GenRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
     def set_grammar(self, grammar: Grammar | None) -> None:
         """Give the turn its compiled grammar (a route compiles it after building the

@@ -593,6 +593,103 @@ def test_the_repetition_penalty_is_applied_or_refused(client, path):
     assert text(repetition_penalty=0.2) != text()
 
 
+@pytest.mark.parametrize("path", [CHAT, COMP])
+def test_min_tokens_and_ignore_eos_keep_eos_out_or_are_refused(client, path):
+    """vLLM's ``min_tokens`` and ``ignore_eos`` (they were accepted and ignored): with
+    EOS pushed to the top of a greedy turn the reply ends at once; ``min_tokens: 4``
+    holds EOS off for 4 tokens, ``ignore_eos`` for the whole limit. Bad values, a
+    ``min_tokens`` above the limit and either beside a grammar are 400s naming them."""
+    eos = 1  # <｜end▁of▁sentence｜>
+    base = {"messages": [{"role": "user", "content": "hi"}]} if path == CHAT else {"prompt": "hi"}
+    base = {**base, "model": "deepseek-chat", "max_tokens": 8, "temperature": 0}
+    base["logit_bias"] = {str(eos): 100}
+
+    def run(**extra) -> tuple[int, str]:
+        r = client.post(path, json={**base, **extra})
+        assert r.status_code == 200, r.text
+        d = r.json()
+        return d["usage"]["completion_tokens"], d["choices"][0]["finish_reason"]
+
+    assert run() == (1, "stop")
+    assert run(min_tokens=4) == (5, "stop")
+    assert run(ignore_eos=True) == (8, "length")
+    assert run(min_tokens=0, ignore_eos=False) == (1, "stop")
+    json_object = {"response_format": {"type": "json_object"}}
+    for extra, param in [
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 9}, "min_tokens"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"min_tokens": 2, **json_object}, "min_tokens"),
+        ({"ignore_eos": True, **json_object}, "ignore_eos"),
+        ({"best_of": 2}, "best_of"),
+        ({"use_beam_search": True}, "use_beam_search"),
+    ]:
+        r = client.post(path, json={**base, **extra})
+        assert r.status_code == 400, (extra, r.text)
+        assert r.json()["error"]["param"] == param, (extra, r.text)
+
+
+def test_completions_suffix_is_refused_not_ignored(client):
+    """Fill-in-the-middle (``suffix``) has no template in DeepSeek V4's prompt format: a
+    400 naming it, not a plain continuation that drops the suffix."""
+    body = {"prompt": "Once upon", "max_tokens": 2}
+    r = client.post(COMP, json={**body, "suffix": " the end"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "suffix", r.text
+    assert client.post(COMP, json={**body, "suffix": ""}).status_code == 200
+
+
+def test_responses_echo_what_was_done_and_refuse_background(client):
+    """The response object tells what served it: the sampling that drew the reply
+    (thinking mode samples at DeepSeek's settings, whatever was asked), ``store: false``
+    (nothing can be fetched later), the truncation asked for, ``max_tool_calls``; a
+    ``background`` request, which is fetched later by id, is a 400."""
+    body = {"model": "deepseek-v4-flash", "input": "hi", "max_output_tokens": 2}
+    r = client.post(RESP, json={**body, "temperature": 0, "top_p": 0.5, "store": True})
+    assert r.status_code == 200, r.text
+    d = r.json()
+    assert (d["temperature"], d["top_p"], d["store"]) == (1.0, 1.0, False), d
+    chat = {**body, "model": "deepseek-chat", "temperature": 0.25, "top_p": 0.5}
+    d = client.post(RESP, json={**chat, "truncation": "auto", "max_tool_calls": 3}).json()
+    assert (d["temperature"], d["top_p"], d["truncation"], d["max_tool_calls"]) == (
+        0.25,
+        0.5,
+        "auto",
+        3,
+    ), d
+    r = client.post(RESP, json={**body, "background": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "background", r.text
+    assert client.post(RESP, json={**body, "background": False}).status_code == 200
+
+
+def test_responses_truncation_auto_drops_the_oldest_turns(client):
+    """``truncation: "auto"``: a history past the context loses its oldest turns until
+    it fits (the instructions and the last message stay); ``disabled`` (the default)
+    refuses it as before."""
+    old = [
+        {"role": "user", "content": f"question {i}: " + "word " * 200}
+        if j == 0
+        else {"role": "assistant", "content": "answer " * 5}
+        for i in range(6)
+        for j in (0, 1)
+    ]
+    body = {
+        "model": "deepseek-chat",
+        "instructions": "Be brief.",
+        "input": [*old, {"role": "user", "content": "last question"}],
+        "max_output_tokens": 2,
+    }
+    r = client.post(RESP, json=body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = client.post(RESP, json={**body, "truncation": "auto"})
+    assert r.status_code == 200, r.text
+    kept = r.json()["usage"]["input_tokens"]
+    assert CTX // 2 < kept < CTX, kept
+    alone = {**body, "input": body["input"][-1:]}
+    assert (
+        client.post(RESP, json={**alone, "truncation": "auto"}).json()["usage"]["input_tokens"] < 40
+    )
+
+
 def test_context_length_exceeded_names_the_counts(client):
     r = client.post(CHAT, json={"messages": [{"role": "user", "content": "w " * 3000}]})
     err = r.json()["error"]

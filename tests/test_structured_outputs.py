@@ -735,6 +735,67 @@ def test_legacy_completions_enforce_response_format(client):
     assert r.json()["error"]["param"] == "response_format.json_schema.schema.not"
 
 
+@pytest.mark.parametrize("path", [CHAT, "/v1/completions"])
+def test_vllm_structured_output_fields_are_enforced_or_refused(client, path):
+    """vLLM's spellings (they were dropped silently, the reply served free): its JSON
+    forms (``guided_json`` as an object or its text, ``structured_outputs.json``,
+    ``structured_outputs.json_object``) are enforced as ``response_format``; its regex,
+    choice and grammar forms, a format given twice, and a schema that is not one are
+    400s naming the field."""
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    base = {"model": "deepseek-chat", "max_tokens": 40, "temperature": 0}
+    base |= {"messages": [{"role": "user", "content": "hi"}]} if path == CHAT else {"prompt": "hi"}
+
+    def reply(finish: str | None = "stop", **extra) -> str:
+        r = client.post(path, json={**base, **extra})
+        assert r.status_code == 200, (extra, r.text)
+        choice = r.json()["choices"][0]
+        assert finish is None or choice["finish_reason"] == finish, choice
+        text = choice["message"]["content"] if path == CHAT else choice["text"]
+        return text if finish is not None else (text, choice["finish_reason"])
+
+    for extra in (
+        {"guided_json": schema},
+        {"guided_json": json.dumps(schema)},
+        {"structured_outputs": {"json": schema}},
+    ):
+        jsonschema.validate(json.loads(reply(**extra)), schema)
+    # Any object (in chat the tiny model's greedy walk writes one endless key: the object
+    # is cut by the limit, but it is one; free, the same walk writes no JSON at all).
+    text, finish = reply(None, structured_outputs={"json_object": True})
+    assert text.startswith("{") and (finish == "length" or isinstance(json.loads(text), dict))
+    assert not reply(None)[0].lstrip().startswith("{")
+    rf = {"type": "json_object"}
+    for extra, param in [
+        ({"guided_regex": "a+"}, "guided_regex"),
+        ({"guided_choice": ["yes", "no"]}, "guided_choice"),
+        ({"guided_grammar": "start: 'a'"}, "guided_grammar"),
+        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"choice": ["a"]}}, "structured_outputs.choice"),
+        ({"structured_outputs": "json"}, "structured_outputs"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_json": [1]}, "guided_json"),
+        ({"guided_json": schema, "response_format": rf}, "guided_json"),
+        ({"guided_json": schema, "structured_outputs": {"json": schema}}, "structured_outputs"),
+    ]:
+        r = client.post(path, json={**base, **extra})
+        assert r.status_code == 400, (extra, r.text)
+        assert r.json()["error"]["param"] == param, (extra, r.text)
+
+
+def test_responses_text_format_strict_must_be_a_boolean(client):
+    """``text.format.strict: "yes"`` was accepted (chat's tool ``strict`` already had to
+    be a boolean): a 400 naming it."""
+    fmt = {"type": "json_schema", "name": "x", "schema": {"type": "object"}, "strict": "yes"}
+    r = client.post(RESP, json={**_body(RESP, thinking=False), "text": {"format": fmt}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.strict", r.text
+
+
 def test_demo_cap_ends_a_free_reply_beside_a_grammar_tool(demo):
     """``serve --demo`` with a custom grammar tool offered (Codex's ``apply_patch``): a
     free-text reply cut by the cap ends as a natural end (``completed``), as it does

@@ -97,3 +97,30 @@ def test_budget_tokens_caps_an_anthropic_reply(server_factory, tiny_model_dir):
     thinking, text = blocks["thinking"]["thinking"], blocks["text"]["text"]
     assert thinking.count("x") == 1024 and 0 < text.count("x") < 1040 - 1024
     assert (thinking + text).replace(" ", "") == "x" * (thinking + text).count("x")
+
+
+def test_budget_tokens_caps_a_chat_reply_too(server_factory, tiny_model_dir):
+    """The same field sent through chat (DeepSeek's ``thinking`` object with Anthropic's
+    ``budget_tokens``, as some clients send it) caps the reasoning there too (it was
+    accepted and ignored); it has no 1024 floor, and a budget that is not a positive
+    integer is a 400 naming it."""
+    srv = server_factory(tiny_model_dir, ctx=2048)
+    url = srv.url + "/v1/chat/completions"
+    body = {
+        "model": "deepseek-v4-flash",
+        "max_tokens": 30,
+        "messages": [{"role": "user", "content": "think"}],
+    }
+    srv.script("x " * 40)
+    r = HTTP.post(url, json={**body, "thinking": {"type": "enabled", "budget_tokens": 8}})
+    assert r.status_code == 200, r.text
+    d = r.json()
+    msg = d["choices"][0]["message"]
+    assert msg["reasoning_content"].count("x") == 8, msg
+    assert d["usage"]["completion_tokens_details"]["reasoning_tokens"] == 9, d["usage"]
+    assert "x" in msg["content"], msg
+    for bad in (0, "8", 1.5, True):
+        th = {"type": "enabled", "budget_tokens": bad}
+        r = HTTP.post(url, json={**body, "thinking": th})
+        assert r.status_code == 400, (bad, r.text)
+        assert r.json()["error"]["param"] == "thinking.budget_tokens", r.text

@@ -2,7 +2,8 @@
 every sampled step; presence and frequency penalties (OpenAI's ``presence_penalty`` and
 ``frequency_penalty``): offsets that grow with the reply's own tokens; the repetition
 penalty (vLLM's and Hugging Face's ``repetition_penalty``): a factor on the logits of
-every token already in the context. All are `TurnHooks` masks."""
+every token already in the context; vLLM's ``min_tokens`` and ``ignore_eos``: no EOS
+before a count of tokens, or at all. All are `TurnHooks` masks."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import mlx.core as mx
 
 from ds4mlx.engine.hooks import Turn, TurnHooks
 
-__all__ = ["LogitBias", "Penalties", "RepetitionPenalty"]
+__all__ = ["EndBan", "LogitBias", "Penalties", "RepetitionPenalty"]
 
 
 class LogitBias(TurnHooks):
@@ -111,3 +112,24 @@ class RepetitionPenalty(TurnHooks):
             self._ids = mx.array(sorted(self.seen), dtype=mx.int32)
         factor = mx.where(logits[self._ids] > 0, 1.0 / self.penalty, self.penalty)
         return logits.at[self._ids].multiply(factor.astype(logits.dtype))
+
+
+class EndBan(TurnHooks):
+    """vLLM's ``min_tokens`` (and ``ignore_eos``, an unbounded ban): the EOS token's logit
+    is ``-inf`` at every sampled step while the reply has fewer than ``until`` tokens
+    (reasoning included, as vLLM counts every output token), so the turn cannot end
+    there by itself; a stop string, the output limit or a full context still end it.
+    Forced and scripted tokens skip masks, as for every mask.
+
+    Args:
+        until: tokens the reply has before an EOS may be sampled; None: never.
+    """
+
+    def __init__(self, until: int | None):
+        self.until = until
+
+    def mask(self, turn: Turn, logits: mx.array) -> mx.array | None:
+        if self.until is not None and turn.result.completion_tokens >= self.until:
+            return None
+        eos = mx.array([turn.tok.eos_id], dtype=mx.int32)
+        return logits.at[eos].add(mx.array([-mx.inf], dtype=logits.dtype))

@@ -21,9 +21,17 @@ from ds4mlx.routes import constraints
 from ds4mlx.routes.body import offload, parse, read_body
 from ds4mlx.routes.common import json_response, model_thinking, new_id, now, state
 from ds4mlx.routes.errors import APIError, Wording, failed_to_api, openai_error
-from ds4mlx.routes.openai import SamplingFields, finish_of, sampling_wishes, stops_of, usage_of
+from ds4mlx.routes.openai import (
+    SamplingFields,
+    check_min_tokens,
+    finish_of,
+    sampling_wishes,
+    stops_of,
+    usage_of,
+)
 from ds4mlx.routes.pipeline import (
     bound,
+    check_end_ban,
     constrain,
     respond,
     sampling_params,
@@ -47,7 +55,10 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    best_of: int | None = Field(None, ge=1, le=1)
+    # Fill-in-the-middle: DeepSeek V4's prompt format defines no template for it (its
+    # tokenizer keeps older models' FIM tokens, which V4's encoder never writes), so a
+    # suffix is refused rather than dropped (`_job`).
+    suffix: str | None = None
 
 
 def _echo_logprobs(tok, ids: list[int]) -> dict[str, Any]:
@@ -209,11 +220,20 @@ def _job(raw: bytes, path: str) -> tuple[CompletionRequest, GenRequest, str, lis
     """The typed request, its job, the echo text and echoed ids (off the event loop).
     The raw prompt is tokenized here (echo needs its ids): the job carries them."""
     req = parse(CompletionRequest, raw)
+    if req.suffix:
+        raise APIError(
+            400,
+            "suffix: fill-in-the-middle is not supported (DeepSeek V4's prompt format "
+            "defines no template for it); send the text before the gap as the prompt",
+            param="suffix",
+        )
     wishes = sampling_wishes(req)
+    max_tokens = req.max_tokens if req.max_tokens is not None else 16
+    check_min_tokens(req, max_tokens)
     tok = state().tokenizer
     text, toks, echo_text, echo_ids = _prompt(req, tok)
     model_thinking(req.model)  # logs a model name the server does not list
-    limit, cap_is_eos = turn_limit(req.max_tokens if req.max_tokens is not None else 16)
+    limit, cap_is_eos = turn_limit(max_tokens)
     turn = TurnSpec(
         sampling=sampling_params(False, req),
         max_tokens=limit,
@@ -233,7 +253,9 @@ def _job(raw: bytes, path: str) -> tuple[CompletionRequest, GenRequest, str, lis
     )
     # A constrained reply the demo cap cuts is incomplete, never a natural end: the cap
     # stands in for EOS only where the grammar accepts one (no reasoning here).
-    constrain(None, constraints.read(constraints.completion_constraint, req), gen.set_grammar)
+    constraint = constraints.read(constraints.completion_constraint, req)
+    check_end_ban(gen, constraint is not None)
+    constrain(None, constraint, gen.set_grammar)
     return req, gen, echo_text, echo_ids
 
 

@@ -8,6 +8,9 @@ job vocabulary's `OutputConstraint` (the pipeline compiles it; docs/STRUCTURED_O
   ``format`` grammar, ``lark`` or ``regex``, or free text).
 - OpenAI legacy completions: ``response_format`` as in chat (the raw continuation is
   the reply).
+- vLLM's spellings on both (``guided_json``, ``structured_outputs.json`` /
+  ``json_object``) as ``response_format``; its regex, choice and grammar forms are
+  refused.
 - Anthropic Messages: ``output_config.format`` ``{"type": "json_schema", "schema"}`` (or
   the beta's top-level ``output_format``); tools with ``strict: true``.
 
@@ -17,6 +20,7 @@ module cannot read is a `WireError` naming its field (400 in the protocol's shap
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +58,10 @@ def _schema_of(
         return None, True
     if kind == "json_schema":
         holder = fmt.get(key) if key else fmt
+        strict = holder.get("strict") if isinstance(holder, dict) else None
+        if strict is not None and not isinstance(strict, bool):
+            where = f"{param}.{key}.strict" if key else f"{param}.strict"
+            raise WireError(f"{where}: must be a boolean", where)
         schema = holder.get("schema") if isinstance(holder, dict) else None
         if not isinstance(schema, dict):
             where = f"{param}.{key}.schema" if key else f"{param}.schema"
@@ -107,12 +115,86 @@ def chat_constraint(req: Any) -> OutputConstraint | None:
 
 
 def _response_format(c: OutputConstraint, extra: dict[str, Any]) -> OutputConstraint | None:
-    """``c`` with the OpenAI ``response_format`` of a body's extra fields, or None."""
+    """``c`` with the OpenAI ``response_format`` of a body's extra fields (or vLLM's
+    spellings of it, `_vllm_format`), or None.
+
+    Raises:
+        WireError: a format of the wrong shape, or given both ways.
+    """
     rf = extra.get("response_format")
     if rf is not None and not isinstance(rf, dict):
         raise WireError("response_format: must be an object", "response_format")
+    vllm = _vllm_format(extra)
+    if vllm is not None:
+        if rf is not None and rf.get("type") != "text":
+            raise WireError(
+                f"{vllm[2]}: give the output format once (response_format or {vllm[2]})",
+                vllm[2],
+            )
+        return _finish(c, *vllm)
     schema, obj = _schema_of(rf, "response_format", "json_schema")
     return _finish(c, schema, obj, "response_format.json_schema.schema")
+
+
+# vLLM's structured-output fields this server cannot enforce (a reply under a regex, a
+# choice of strings, a grammar): refused, never served free.
+_VLLM_REFUSED = ("guided_regex", "guided_choice", "guided_grammar")
+_VLLM_OPTIONS_REFUSED = ("regex", "choice", "grammar", "structural_tag")
+
+
+def _vllm_format(extra: dict[str, Any]) -> tuple[dict[str, Any] | None, bool, str] | None:
+    """``(schema, json_object, its wire path)`` of vLLM's structured-output fields:
+    ``guided_json`` (a schema object or its JSON text), ``structured_outputs`` with
+    ``json`` or ``json_object: true`` (vLLM 0.10's spelling); None when none is set.
+
+    Raises:
+        WireError: a regex, choice or grammar (``guided_regex``, ``guided_choice``,
+            ``guided_grammar``, ``structured_outputs.regex``/``choice``/``grammar``/
+            ``structural_tag``), a schema that is neither an object nor JSON text of one,
+            or both spellings at once.
+    """
+    for name in _VLLM_REFUSED:
+        if extra.get(name) is not None:
+            raise WireError(
+                f"{name}: not supported (structured outputs here are JSON: guided_json, "
+                "response_format json_schema or json_object)",
+                name,
+            )
+    found = []
+    if extra.get("guided_json") is not None:
+        found.append((_vllm_schema(extra["guided_json"], "guided_json"), False, "guided_json"))
+    so = extra.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise WireError("structured_outputs: must be an object", "structured_outputs")
+        for key in _VLLM_OPTIONS_REFUSED:
+            if so.get(key) is not None:
+                where = f"structured_outputs.{key}"
+                raise WireError(f"{where}: not supported (use json or json_object)", where)
+        if so.get("json") is not None:
+            where = "structured_outputs.json"
+            found.append((_vllm_schema(so["json"], where), False, where))
+        elif so.get("json_object") is True:
+            found.append((None, True, "structured_outputs.json_object"))
+    if len(found) > 1:
+        raise WireError("structured_outputs: give the output format once", "structured_outputs")
+    return found[0] if found else None
+
+
+def _vllm_schema(value: Any, where: str) -> dict[str, Any]:
+    """A vLLM schema field's object (vLLM takes the object or its JSON text).
+
+    Raises:
+        WireError: neither a JSON object nor the text of one.
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise WireError(f"{where}: not valid JSON", where) from None
+    if not isinstance(value, dict):
+        raise WireError(f"{where}: a JSON schema object is required", where)
+    return value
 
 
 def completion_constraint(req: Any) -> OutputConstraint | None:

@@ -147,6 +147,13 @@ class SamplingFields(OpenModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     # vLLM's extension (`ds4mlx.engine.bias.RepetitionPenalty`): a factor above 0.
     repetition_penalty: float | None = Field(None, gt=0)
+    # vLLM's end-of-sequence wishes (`ds4mlx.engine.bias.EndBan`): no EOS before
+    # ``min_tokens`` tokens, none at all with ``ignore_eos``.
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: StrictBool | None = None
+    # One sample per request: more is refused, never served as one.
+    best_of: int | None = Field(None, ge=1, le=1)
+    use_beam_search: Literal[False] | None = None
 
 
 def sampling_wishes(req: SamplingFields) -> dict[str, Any]:
@@ -162,7 +169,23 @@ def sampling_wishes(req: SamplingFields) -> dict[str, Any]:
         "presence_penalty": req.presence_penalty or 0.0,
         "frequency_penalty": req.frequency_penalty or 0.0,
         "repetition_penalty": req.repetition_penalty or 1.0,
+        "min_tokens": req.min_tokens or 0,
+        "ignore_eos": bool(req.ignore_eos),
     }
+
+
+def check_min_tokens(req: SamplingFields, max_tokens: int | None) -> None:
+    """vLLM's rule: ``min_tokens`` at most the request's own output limit.
+
+    Raises:
+        APIError: 400 naming ``min_tokens`` when it passes ``max_tokens``.
+    """
+    if req.min_tokens and max_tokens is not None and req.min_tokens > max_tokens:
+        raise APIError(
+            400,
+            f"min_tokens: {req.min_tokens} is more than the output limit ({max_tokens})",
+            param="min_tokens",
+        )
 
 
 def logit_bias_of(req: SamplingFields) -> tuple[tuple[int, float], ...]:
@@ -279,6 +302,27 @@ def chat_thinking(req: ChatRequest, default_thinking: bool) -> tuple[bool, str |
     elif isinstance(th, bool):
         thinking = th
     return thinking, (effort if thinking else None)
+
+
+def chat_thinking_budget(req: ChatRequest) -> int | None:
+    """``thinking.budget_tokens`` of a chat request (the Anthropic spelling some clients
+    send through chat): the most reasoning tokens, or None. No floor here: Anthropic's
+    1024 is its own API's rule.
+
+    Raises:
+        APIError: 400 for a budget that is not a positive integer.
+    """
+    th = req.thinking
+    if not isinstance(th, dict) or th.get("budget_tokens") is None:
+        return None
+    budget = th["budget_tokens"]
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise APIError(
+            400,
+            f"thinking.budget_tokens: a positive integer, got {budget!r}",
+            param="thinking.budget_tokens",
+        )
+    return budget
 
 
 # DeepSeek's ``thinking.type`` words (and Anthropic's ``adaptive``, which thinks).
@@ -582,12 +626,14 @@ def _job(
         raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
     extra = req.model_extra or {}
     wishes = sampling_wishes(req)  # its 400s come before the conversation's
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    check_min_tokens(req, max_tokens)
     conv = conversation(req)
     gen = prepare(
         conv,
         NAMES,
         path=path,
-        max_tokens=req.max_completion_tokens or req.max_tokens,
+        max_tokens=max_tokens,
         sampling=sampling_params(conv.thinking, req),
         id_prefix="call_",
         stops=stops_of(req.stop),
@@ -595,6 +641,7 @@ def _job(
         state_key=state_key(headers, extra.get("prompt_cache_key")),
         salt=cache_salt(extra.get("cache_salt"), key),
         constraint=constraints.read(constraints.chat_constraint, req),
+        thinking_budget=chat_thinking_budget(req) if conv.thinking else None,
         wishes=wishes,
     )
     return req, conv, gen

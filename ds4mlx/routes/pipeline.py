@@ -29,6 +29,7 @@ implementation.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -169,8 +170,30 @@ def prepare(
         **(wishes or {}),
     )
     if not count_only:  # a count needs no grammar: the prompt is the same without it
+        check_end_ban(
+            gen, constraint is not None or conv.tool_required or conv.allowed_tools is not None
+        )
         constrain(conv, constraint, gen.set_grammar)
     return gen
+
+
+def check_end_ban(gen: GenRequest, constrained: bool) -> None:
+    """Refuse ``min_tokens`` / ``ignore_eos`` beside a grammar: where the grammar lets the
+    reply end, EOS is the only token it allows, and a ban on EOS would leave the step
+    nothing to sample.
+
+    Raises:
+        APIError: 400 naming ``min_tokens`` or ``ignore_eos``.
+    """
+    if not constrained or not (gen.min_tokens or gen.ignore_eos):
+        return
+    param = "ignore_eos" if gen.ignore_eos else "min_tokens"
+    raise APIError(
+        400,
+        f"{param}: cannot be combined with a structured output, strict tools or a required "
+        "tool call (the grammar ends the reply with EOS)",
+        param=param,
+    )
 
 
 # --------------------------------------------------------------------------- steps
@@ -368,6 +391,41 @@ def render(conv: Conversation) -> Rendered:
         return render_conv(conv, context_size=st.ctx_size, tool_memory=st.tool_memory)
     except (ValueError, TypeError, RecursionError) as e:
         raise APIError(400, f"cannot render the conversation: {e}") from None
+
+
+def drop_oldest_turns(conv: Conversation) -> Conversation:
+    """Responses' ``truncation: "auto"``: ``conv`` without as few of its oldest turns as
+    make its rendering fit the context (fewer tokens than ``--ctx``, the worker's own
+    rule), or ``conv`` itself when it fits already or cannot be made to (the context check
+    then refuses it). A turn starts at a user message; system and developer messages stay
+    wherever they were; the last user message and what follows it always stay.
+
+    The rendering's tokens are counted up to the context (``Tokenizer.count``) for each
+    candidate, found by bisection: a handful of counts however long the history.
+    """
+    st = state()
+    tok, ctx = st.tokenizer, st.ctx_size
+
+    def cut(at: int) -> Conversation:
+        kept = [m for m in conv.messages[:at] if m.role == "system"] + conv.messages[at:]
+        return dataclasses.replace(conv, messages=kept)
+
+    def fits(c: Conversation) -> bool:
+        return tok.count(render(c).text, ctx) < ctx
+
+    starts = [i for i, m in enumerate(conv.messages) if m.role == "user"][1:]
+    if tok is None or not starts or fits(conv):
+        return conv
+    lo, hi = 0, len(starts) - 1  # the first cut that fits lies in starts[lo..hi], if any
+    if not fits(cut(starts[hi])):
+        return conv
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(cut(starts[mid])):
+            hi = mid
+        else:
+            lo = mid + 1
+    return cut(starts[lo])
 
 
 # --------------------------------------------------------------------------- encoders

@@ -96,12 +96,14 @@ from ds4mlx.routes.mapping import (
 )
 from ds4mlx.routes.pipeline import (
     demo_policy,
+    drop_oldest_turns,
     prepare,
     respond,
     sampling_params,
     stream,
 )
 from ds4mlx.routes.sse import sse
+from ds4mlx.sampling import SamplingParams
 
 bp = Blueprint("responses", __name__)
 
@@ -293,6 +295,11 @@ class ResponsesRequest(OpenModel):
     seed: int | None = None
     parallel_tool_calls: StrictBool | None = None
     metadata: dict[str, Any] | None = None
+    # Refused when true (`_prepare`): a background response is fetched later by id, and
+    # this server stores none.
+    background: StrictBool | None = None
+    # OpenAI counts only its built-in (hosted) tools' calls against it; none run here.
+    max_tool_calls: int | None = Field(None, ge=1)
 
 
 # --------------------------------------------------------------------------- mapping
@@ -736,6 +743,13 @@ def _prepare(
         data = _resolve_previous(data, req, store)
         req = validate(ResponsesRequest, data)
     req = hoist_tools(req)
+    if req.background:
+        raise APIError(
+            400,
+            "background: not supported: a background response is fetched later by id, and "
+            "this server stores no responses; send it with background: false",
+            param="background",
+        )
     if not req.input:
         raise APIError(400, "input: must not be empty", param="input")
     try:
@@ -748,6 +762,8 @@ def _prepare(
         raise APIError(400, e.message, param=e.param) from None
     if not any(m.role in ("user", "tool") for m in conv.messages):
         raise APIError(400, "input: needs at least one user message or tool output", param="input")
+    if req.truncation == "auto":
+        conv = drop_oldest_turns(conv)
     sampling = sampling_params(conv.thinking, req)
     # Logprobs cost a top-k per token: computed only when the include asks for them.
     want_lps = LOGPROBS_INCLUDE in (req.include or [])
@@ -828,6 +844,48 @@ def _echo_tools(req: ResponsesRequest) -> list[dict[str, Any]]:
     return [t.model_dump(by_alias=True, exclude_none=True) for t in req.tools or []]
 
 
+def _response_object(
+    req: ResponsesRequest, model: str, sampling: SamplingParams | None
+) -> dict[str, Any]:
+    """The response object of ``req`` before its output (``in_progress``): the request's
+    settings as they served it (``sampling``: what drew the reply, or None for the
+    request's own values)."""
+    return {
+        "id": new_id("resp_"),
+        "object": "response",
+        "created_at": now(),
+        "status": "in_progress",
+        "background": False,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "model": model,
+        "output": [],
+        "parallel_tool_calls": req.parallel_tool_calls
+        if req.parallel_tool_calls is not None
+        else True,
+        "previous_response_id": req.previous_response_id,
+        "reasoning": {
+            "effort": req.reasoning.effort if req.reasoning else None,
+            "summary": None,
+        },
+        # Nothing is kept past the connection: a stored response could be fetched.
+        "store": False,
+        # What sampled the reply (thinking mode samples at DeepSeek's settings,
+        # whatever the request asked).
+        "temperature": sampling.temperature if sampling else _or(req.temperature, 1.0),
+        "text": _echo_text(req),
+        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+        "tools": _echo_tools(req),
+        "top_p": sampling.top_p if sampling else _or(req.top_p, 1.0),
+        "truncation": req.truncation or "disabled",
+        "max_tool_calls": req.max_tool_calls,
+        "usage": None,
+        "metadata": req.metadata or {},
+    }
+
+
 class ResponseEncoder:
     """Job events → Responses stream events, and the response object (`result`).
 
@@ -837,7 +895,14 @@ class ResponseEncoder:
     from the final response; a custom tool call is reported once it ends, whole.
     """
 
-    def __init__(self, req: ResponsesRequest, model: str, carrier, tokenizer=None):
+    def __init__(
+        self,
+        req: ResponsesRequest,
+        model: str,
+        carrier,
+        tokenizer=None,
+        sampling: SamplingParams | None = None,
+    ):
         self.carrier = carrier
         self.lps = _TextLogprobs(tokenizer)
         self.include_encrypted = "reasoning.encrypted_content" in (req.include or [])
@@ -847,36 +912,7 @@ class ResponseEncoder:
         self.open: dict[str, Any] | None = None  # the item being streamed
         self.text: list[str] = []
         self.custom: dict[int, dict[str, Any]] = {}
-        self.response: dict[str, Any] = {
-            "id": new_id("resp_"),
-            "object": "response",
-            "created_at": now(),
-            "status": "in_progress",
-            "background": False,
-            "error": None,
-            "incomplete_details": None,
-            "instructions": req.instructions,
-            "max_output_tokens": req.max_output_tokens,
-            "model": model,
-            "output": [],
-            "parallel_tool_calls": req.parallel_tool_calls
-            if req.parallel_tool_calls is not None
-            else True,
-            "previous_response_id": req.previous_response_id,
-            "reasoning": {
-                "effort": req.reasoning.effort if req.reasoning else None,
-                "summary": None,
-            },
-            "store": bool(req.store),
-            "temperature": req.temperature if req.temperature is not None else 1.0,
-            "text": _echo_text(req),
-            "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
-            "tools": _echo_tools(req),
-            "top_p": req.top_p if req.top_p is not None else 1.0,
-            "truncation": "disabled",
-            "usage": None,
-            "metadata": req.metadata or {},
-        }
+        self.response = _response_object(req, model, sampling)
         self._feed = {
             ThinkingDelta: self._thinking,
             TextDelta: self._text,
@@ -1135,8 +1171,16 @@ class ResponseEncoder:
 def _encoder(prep: _Prepared) -> ResponseEncoder:
     st = state()
     return ResponseEncoder(
-        prep.req, prep.req.model or st.config.model_name, carrier(), st.tokenizer
+        prep.req,
+        prep.req.model or st.config.model_name,
+        carrier(),
+        st.tokenizer,
+        sampling=prep.gen.turn.sampling,
     )
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
 @bp.post("/v1/responses")

@@ -454,9 +454,10 @@ def _prompt_error(n: int, ctx: int) -> JobFailed:
 
 def _job_hooks(job: Job):
     """The turn-loop hooks of ``job``: its steer flag around its sampling wishes (logit
-    bias, then the repetition penalty, then presence and frequency penalties)."""
+    bias, then the repetition penalty, then presence and frequency penalties, then the
+    EOS ban of ``min_tokens`` / ``ignore_eos``)."""
     from ds4mlx.engine import Steering, chain_hooks
-    from ds4mlx.engine.bias import LogitBias, Penalties, RepetitionPenalty
+    from ds4mlx.engine.bias import EndBan, LogitBias, Penalties, RepetitionPenalty
 
     req = job.request
     bias = LogitBias(req.logit_bias) if req.logit_bias else None
@@ -466,7 +467,10 @@ def _job_hooks(job: Job):
     penalties = Penalties(pres, freq) if pres or freq else None
     # Steer and cancel arrive through the job's flags; a cancelled turn is closed at a
     # turn boundary too, so the next request can continue it.
-    inner = chain_hooks(bias, repetition, penalties)
+    ban = None
+    if req.ignore_eos or req.min_tokens:
+        ban = EndBan(None if req.ignore_eos else req.min_tokens)
+    inner = chain_hooks(bias, repetition, penalties, ban)
     return Steering(job.steer.is_set, inner=inner, close_cancelled=True)
 
 
