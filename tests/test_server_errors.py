@@ -629,6 +629,27 @@ def test_min_tokens_and_ignore_eos_keep_eos_out_or_are_refused(client, path):
         assert r.json()["error"]["param"] == param, (extra, r.text)
 
 
+@pytest.mark.parametrize("name", ['f"><x', "two words", "a\nb", "x<｜DSML｜y"])
+@pytest.mark.parametrize("path", [CHAT, MSGS, RESP])
+def test_a_tool_name_a_call_cannot_carry_is_a_400(client, path, name):
+    """A tool name goes inside a call's DSML ``name="…"``: one with a quote, an angle
+    bracket, white space or a control character (it was accepted; the model's call to
+    it could not parse back) is a 400 naming the tool."""
+    params = {"type": "object", "properties": {}}
+    if path == CHAT:
+        tool = {"type": "function", "function": {"name": name, "parameters": params}}
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    elif path == MSGS:
+        tool = {"name": name, "input_schema": params}
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    else:
+        tool = {"type": "function", "name": name, "parameters": params}
+        body = {"input": "hi", "max_output_tokens": 2}
+    r = client.post(path, json={"model": "deepseek-chat", **body, "tools": [tool]})
+    assert r.status_code == 400, r.text
+    assert repr(name) in r.json()["error"]["message"], r.text
+
+
 def test_completions_suffix_is_refused_not_ignored(client):
     """Fill-in-the-middle (``suffix``) has no template in DeepSeek V4's prompt format: a
     400 naming it, not a plain continuation that drops the suffix."""

@@ -24,6 +24,7 @@ passes in).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from contextvars import ContextVar
 from typing import Any
@@ -165,15 +166,30 @@ def json_object(text: str | dict[str, Any] | Any) -> dict[str, Any]:
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
+# A tool name is written inside the DSML attribute ``name="…"`` of each call: a quote,
+# an angle bracket or a white-space or control character would end or break it.
+_NAME_BREAKS = re.compile(r'["<>\s\x00-\x1f\x7f]')
+
+
 def unique_names(tools: list[ToolSpec], param: str = "tools") -> list[ToolSpec]:
-    """``tools``, checked to name each tool once: a call names its tool, so two of one
-    name would leave the model's calls (and their results) ambiguous.
+    """``tools``, checked to name each tool once, each with a name a call can carry: a
+    call names its tool, so two of one name would leave the model's calls (and their
+    results) ambiguous, and a name with a quote, ``<``, ``>``, white space or a control
+    character cannot be written in a call's ``name="…"`` (the model's call to it would
+    not parse back).
 
     Raises:
-        WireError: a name given twice (``param``).
+        WireError: a name given twice, or one with such a character (``param``).
     """
     seen: set[str] = set()
     for t in tools:
+        bad = _NAME_BREAKS.search(t.name)
+        if bad:
+            raise WireError(
+                f"{param}: the tool name {t.name!r} has {bad.group()!r}: a tool name cannot "
+                "hold quotes, angle brackets, white space or control characters",
+                param,
+            )
         if t.name in seen:
             raise WireError(f"{param}: more than one tool is named {t.name!r}", param)
         seen.add(t.name)
