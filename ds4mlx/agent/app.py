@@ -170,8 +170,8 @@ def _load_script(path: str) -> list[str]:
 
 
 def _mcp_config(args: argparse.Namespace, workspace: Path):
-    """The MCP configuration: ``--mcp-config FILE``, else the workspace's ``.mcp.json``,
-    else None.
+    """The MCP configuration: ``--mcp-config FILE``, else the workspace's ``.mcp.json``
+    (started only once approved: `ds4mlx.agent.mcp_trust`), else None.
 
     Raises:
         ValueError: unreadable or malformed config, or ``--mcp-timeout`` not positive.
@@ -189,14 +189,20 @@ def _mcp_config(args: argparse.Namespace, workspace: Path):
         raise ValueError(str(e)) from None
 
 
-def _start_mcp(config, args: argparse.Namespace, workspace: Path, env_policy, warn, log_dir):
+def _start_mcp(config, args: argparse.Namespace, workspace: Path, env_policy, warn, log_dir, ask):
     """Start the configured MCP servers and discover their tools (before the first prompt,
     so they are in the cached prefix); a server that fails is a warning. None without a
-    config. Servers' stderr goes to ``log_dir/mcp-servers.log`` (discarded if unwritable).
+    config, or for the workspace's own file until the user approves it (``ask``: the UI's
+    permission question, None without a terminal; `ds4mlx.agent.mcp_trust`). Servers'
+    stderr goes to ``log_dir/mcp-servers.log`` (discarded if unwritable).
     """
     if config is None:
         return None
     from ds4mlx.agent.mcp import McpClient
+    from ds4mlx.agent.mcp_trust import approve
+
+    if not args.mcp_config and not approve(config, workspace / ".mcp.json", ask, warn):
+        return None
 
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -319,7 +325,13 @@ def run(args: argparse.Namespace) -> int:
     policy = demo_policy(args.demo, args.max_tokens)
 
     mcp = _start_mcp(
-        mcp_config, args, workspace, env_policy, lambda m: err.print(f"warning: {m}"), kv_dir
+        mcp_config,
+        args,
+        workspace,
+        env_policy,
+        lambda m: err.print(f"warning: {m}"),
+        kv_dir,
+        ui.ask if ui.can_ask else None,
     )
     try:
         agent = Agent(

@@ -23,7 +23,9 @@ task there, and the agent's thread calls through the portal.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
+import hashlib
 import json
 import logging
 import re
@@ -68,9 +70,14 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class McpConfig:
+    """The servers and allow/deny patterns of a config; ``digest``: the SHA-256 (hex) of
+    the file's bytes it was parsed from (``""`` when not read from a file), which a
+    workspace file's approval names (`ds4mlx.agent.mcp_trust`)."""
+
     servers: tuple[ServerConfig, ...]
     allow: tuple[str, ...] = ()
     deny: tuple[str, ...] = ()
+    digest: str = ""
 
     def offered(self, qualified: str) -> bool:
         """True if the tool ``mcp__SERVER__TOOL`` passes ``allow`` and ``deny``."""
@@ -136,10 +143,13 @@ def load_config(path: Path) -> McpConfig:
         McpConfigError: unreadable, not JSON, or malformed.
     """
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        # One read: the bytes parsed are the bytes whose digest an approval names.
+        raw = Path(path).read_bytes()
+        data = json.loads(raw.decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise McpConfigError(f"cannot read MCP config {path}: {e}") from None
-    return parse_config(data, str(path))
+    config = parse_config(data, str(path))
+    return dataclasses.replace(config, digest=hashlib.sha256(raw).hexdigest())
 
 
 @dataclass(frozen=True)
