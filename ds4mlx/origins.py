@@ -99,17 +99,25 @@ def api_keys_from(flags: Iterable[str] | None, env: str | None) -> tuple[str, ..
     commas. Empty: no key required (neither given).
 
     Raises:
-        ValueError: a key given that is empty or blank (``--api-key "$KEY"`` with ``KEY``
-            unset must not turn authentication off).
+        ValueError: a key given that is empty or blank (``--api-key "$KEY"`` or
+            ``DS4MLX_API_KEY=$KEY`` with ``KEY`` unset must not turn authentication off),
+            or one with a character outside printable ASCII (HTTP sends header values as
+            bytes: a client's UTF-8 ``é`` would never equal the key).
     """
     if flags:
         given, where = list(flags), "--api-key"
     elif env is not None and env.strip().strip(","):
         given, where = env.strip().strip(",").split(","), "DS4MLX_API_KEY"
-    elif env:
-        raise ValueError("DS4MLX_API_KEY: no key in it (empty keys are refused)")
+    elif env is not None:
+        raise ValueError(
+            "DS4MLX_API_KEY is set but holds no key (refused: it would turn authentication "
+            "off; unset it to serve without a key)"
+        )
     else:
         return ()
     if any(not k.strip() for k in given):
         raise ValueError(f"{where}: an empty key (refused: it would turn authentication off)")
-    return tuple(dict.fromkeys(k.strip() for k in given))
+    keys = tuple(dict.fromkeys(k.strip() for k in given))
+    if any(not (k.isascii() and k.isprintable()) for k in keys):
+        raise ValueError(f"{where}: a key may hold printable ASCII characters only")
+    return keys

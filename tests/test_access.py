@@ -113,6 +113,17 @@ def test_loopback_hosts_are_answered(server):
         assert call(server, "GET", "/v1/models", headers={"Host": host}).status_code == 200
 
 
+def test_a_request_without_host_is_answered(server):
+    """HTTP/1.0 without ``Host`` (no browser sends one; the server reads it as an empty
+    ``Host``): answered, as the Host check says, not a 403 naming ``Host ''``."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+        head = sock.recv(64)
+    assert head.split(b"\r\n")[0].endswith(b" 200 "), head
+
+
 def test_a_foreign_host_gets_403_on_the_websocket_upgrade(server):
     status, data = ws_upgrade(server.port, {"Host": "evil.example"})
     assert status == 403 and b"host_not_allowed" in data
@@ -324,14 +335,19 @@ def test_header_parsing():
 
 
 def test_empty_api_keys_are_refused_not_dropped():
-    """An empty ``--api-key`` (a script's ``--api-key "$KEY"`` with ``KEY`` unset) or a
-    ``DS4MLX_API_KEY`` holding only separators must not turn authentication off."""
+    """An empty ``--api-key`` (a script's ``--api-key "$KEY"`` with ``KEY`` unset), a
+    ``DS4MLX_API_KEY`` set empty (``docker run -e DS4MLX_API_KEY=$KEY``; it was taken as
+    unset) or holding only separators must not turn authentication off; a key outside
+    printable ASCII (a client's UTF-8 bytes never equal it) is refused too."""
     from ds4mlx.origins import api_keys_from
 
     assert api_keys_from(None, None) == ()
-    assert api_keys_from(None, "") == ()
     assert api_keys_from(None, "a, b,") == ("a", "b")
     assert api_keys_from(["k1", "k1"], "ignored") == ("k1",)
-    for flags, env in (([""], None), (["k", "  "], None), (None, " , "), (None, "a,,b")):
+    bad = (([""], None), (["k", "  "], None), (None, " , "), (None, "a,,b"), (None, ""))
+    for flags, env in bad:
         with pytest.raises(ValueError, match="empty key|no key"):
+            api_keys_from(flags, env)
+    for flags, env in ((["clé"], None), (None, "a,b\tc"), (["k\x00"], None)):
+        with pytest.raises(ValueError, match="printable ASCII"):
             api_keys_from(flags, env)

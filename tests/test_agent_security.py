@@ -255,13 +255,19 @@ def test_child_env_policy() -> None:
         "REDIS_URL": "redis://default:s3cret@cache:6379",
         "DOCS_URL": "https://example.com/docs",  # no password: kept
         "PROXY": "http://proxy:3128",  # a port, no user info: kept
+        "SESSION_COOKIE": "sess=abc",
+        "MYAUTH": "Bearer eyJhbGciOiJIUzI1NiJ9",
+        "UPSTREAM": "basic dXNlcjpwdw==",
+        "GREETING": "Bearer of good news",  # words, not one credential: kept
+        "MOTTO": "Bearer",  # the word alone: kept
     }
     kept = child_env(EnvPolicy(), {**environ, **more})
     assert kept == {"PATH": "/bin", "HOME": "/h", **NONINTERACTIVE, **{
-        k: more[k] for k in ("DOCS_URL", "PROXY")
+        k: more[k] for k in ("DOCS_URL", "PROXY", "GREETING", "MOTTO")
     }}, kept  # fmt: skip
     assert EnvPolicy().withheld(more) == [
-        "DATABASE_URL", "DB_PASSWD", "GOOGLE_APPLICATION_CREDENTIALS", "REDIS_URL"
+        "DATABASE_URL", "DB_PASSWD", "GOOGLE_APPLICATION_CREDENTIALS", "MYAUTH", "REDIS_URL",
+        "SESSION_COOKIE", "UPSTREAM",
     ]  # fmt: skip
     env = child_env(EnvPolicy(), environ)
     assert env == {"PATH": "/bin", "HOME": "/h", **NONINTERACTIVE}

@@ -4,9 +4,10 @@ The agent runs commands the model writes, and their output goes back into the mo
 context, the session transcript on disk and the KV snapshot. A command such as ``env``
 or ``echo $AWS_SECRET_ACCESS_KEY`` would copy a credential into all three, so by default
 a child process does not inherit variables whose name contains ``KEY``, ``SECRET``,
-``TOKEN``, ``PASSWORD``, ``PASSWD`` or ``CREDENTIAL`` (case-insensitive: ``*KEY*`` matches
-``OPENAI_API_KEY`` and ``ssh_key_path``), nor one whose value is a URL carrying a password
-(``DATABASE_URL=postgres://app:hunter2@db/app``). A variable the user names with ``--pass-env NAME`` (repeatable) or in
+``TOKEN``, ``PASSWORD``, ``PASSWD``, ``CREDENTIAL`` or ``COOKIE`` (case-insensitive:
+``*KEY*`` matches ``OPENAI_API_KEY`` and ``ssh_key_path``), nor one whose value is a URL
+carrying a password (``DATABASE_URL=postgres://app:hunter2@db/app``) or an
+``Authorization`` header's credentials (``Bearer …``, ``Basic …``). A variable the user names with ``--pass-env NAME`` (repeatable) or in
 ``$DS4MLX_AGENT_PASS_ENV`` (comma-separated names) is passed anyway; ``--inherit-env``
 passes the whole environment as before.
 
@@ -24,11 +25,21 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 #: Substrings of variable names withheld by default (matched case-insensitively).
-SECRET_MARKERS: tuple[str, ...] = ("KEY", "SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL")
+SECRET_MARKERS: tuple[str, ...] = (
+    "KEY",
+    "SECRET",
+    "TOKEN",
+    "PASSWORD",
+    "PASSWD",
+    "CREDENTIAL",
+    "COOKIE",
+)
 
 # A URL with a password in its user info (``scheme://user:password@``): a database's or a
 # broker's connection string, whatever the variable is called.
 _URL_WITH_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s/@:]*:[^\s/@]+@")
+# An ``Authorization`` header's credentials kept in a variable (``AUTH=Bearer eyJ…``).
+_AUTH_VALUE = re.compile(r"\s*(?:Bearer|Basic|Token)\s+[A-Za-z0-9._~+/=-]{8,}\s*", re.IGNORECASE)
 
 #: The variable naming extra variables to pass (comma-separated), like ``--pass-env``.
 PASS_ENV_VAR = "DS4MLX_AGENT_PASS_ENV"
@@ -50,8 +61,13 @@ def is_secret_name(name: str) -> bool:
 
 def is_secret(name: str, value: str = "") -> bool:
     """True if the variable ``name=value`` is withheld by default: a secret-looking name
-    (`is_secret_name`) or a value holding a URL with a password."""
-    return is_secret_name(name) or _URL_WITH_PASSWORD.search(value) is not None
+    (`is_secret_name`), a value holding a URL with a password, or one that is an
+    ``Authorization`` header's credentials."""
+    return (
+        is_secret_name(name)
+        or _URL_WITH_PASSWORD.search(value) is not None
+        or _AUTH_VALUE.fullmatch(value) is not None
+    )
 
 
 @dataclass(frozen=True)

@@ -55,9 +55,10 @@ def _forbidden(message: str, code: str) -> APIError:
 
 def check_host(headers: Mapping[str, str], config) -> APIError | None:
     """403 when bound to loopback and ``Host`` names neither loopback nor an
-    ``--allowed-host`` name. No ``Host`` at all (HTTP/1.0) is not a browser: it passes."""
+    ``--allowed-host`` name. No ``Host`` at all (HTTP/1.0, which the server hands on as
+    an empty one) is not a browser: it passes."""
     raw = headers.get("host")
-    if raw is None or not bound_to_loopback(config.host):
+    if not raw or not bound_to_loopback(config.host):
         return None
     name = host_name(raw)
     if _loopback_host(name) or name in {host_name(h) for h in config.allowed_hosts}:
