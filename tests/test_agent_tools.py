@@ -95,6 +95,29 @@ def test_read_offset_limit(tb: Toolbox, ws: Path) -> None:
     assert not out.ok and "past the end" in out.text and "10 lines" in out.text
 
 
+def test_read_cuts_a_huge_line_and_counts_on(tb: Toolbox, ws: Path) -> None:
+    """A file whose one line is 20 MB (a minified bundle, a hostile repository's bait)
+    was read whole into memory and handed on whole: the line is shown cut at
+    `MAX_LINE_CHARS` characters with a note, and the lines after it are counted and read
+    as usual; a long line of wide characters under the limit is not cut."""
+    from ds4mlx.agent.tools.files import MAX_LINE_CHARS
+
+    note = f"… [line cut at {MAX_LINE_CHARS} characters]"
+    (ws / "big.js").write_bytes(b"var a=" + b"1," * 10_000_000 + b"0;\nend\n")
+    out = tb.run("read", {"path": "big.js", "limit": 1})
+    assert out.ok and out.text.startswith("var a=1,1,")
+    assert out.text.split("\n")[0].endswith(note) and len(out.text.split("\n")[0]) == (
+        MAX_LINE_CHARS + len(note)
+    )
+    assert "lines 1–1 of 2" in out.text
+    assert tb.run("read", {"path": "big.js", "offset": 2}).text.startswith("end\n")
+    wide = "字" * (MAX_LINE_CHARS - 1) + "\n"  # 3 bytes each: past the limit in bytes only
+    (ws / "wide.txt").write_text(wide, encoding="utf-8")
+    assert tb.run("read", {"path": "wide.txt"}).text == wide
+    (ws / "wide16.txt").write_text("\ufeff" + "é" * (MAX_LINE_CHARS + 5), encoding="utf-16-le")
+    assert note in tb.run("read", {"path": "wide16.txt"}).text
+
+
 def test_read_errors(tb: Toolbox, ws: Path) -> None:
     (ws / "d").mkdir()
     (ws / "blob.bin").write_bytes(b"\x00\x01\x02" * 100)

@@ -7,6 +7,7 @@ the user) and change the file only once the dispatcher got permission.
 
 from __future__ import annotations
 
+import codecs
 import difflib
 import io
 import os
@@ -50,6 +51,10 @@ _REPLACEMENT_REFUSAL = (
     "file with bash (e.g. sed or iconv) instead."
 )
 MAX_LIST_ENTRIES = 5000
+# `read` shows a line longer than this many characters cut, saying so: a minified bundle
+# or a data file on one line would otherwise be held whole in memory (hundreds of MB from
+# a hostile repository) and handed to the model whole.
+MAX_LINE_CHARS = 4000
 
 READ_SPEC = ToolSpec(
     "read",
@@ -405,11 +410,7 @@ def _text_lines(path: Path, encoding: str) -> Iterator[tuple[str, bool]]:
     a line at a time, so one bad line marks only itself."""
     with open(path, "rb") as f:
         if encoding == "utf-8":
-            for raw in f:
-                try:
-                    yield raw.decode("utf-8"), True
-                except UnicodeDecodeError:
-                    yield raw.decode("utf-8", errors="replace"), False
+            yield from _utf8_lines(f)
             return
         data = f.read()
     text, _ = _decode(data)
@@ -417,7 +418,36 @@ def _text_lines(path: Path, encoding: str) -> Iterator[tuple[str, bool]]:
     if text is None:
         text = data.decode(encoding, errors="replace")
     for line in io.StringIO(text, newline="\n"):
-        yield line, ok
+        yield _cut_line(line), ok
+
+
+def _utf8_lines(f) -> Iterator[tuple[str, bool]]:
+    """`_text_lines` of a UTF-8 file open for binary reading: memory stays bounded by
+    `MAX_LINE_CHARS` whatever a line's length (the rest of a long line is read in
+    pieces and skipped)."""
+    limit = MAX_LINE_CHARS * 4 + 4  # bytes: room for MAX_LINE_CHARS characters and one
+    while raw := f.readline(limit):
+        whole = raw.endswith(b"\n")
+        while not whole and (more := f.readline(1 << 20)):
+            if more.endswith(b"\n"):
+                raw += b"\n"  # the line's end, kept on the cut line
+                break
+        try:
+            # A line read in part may end inside a character: not the file's fault.
+            text = codecs.getincrementaldecoder("utf-8")().decode(raw, final=whole)
+            ok = True
+        except UnicodeDecodeError:
+            text, ok = raw.decode("utf-8", errors="replace"), False
+        yield _cut_line(text, whole or len(raw) < limit), ok
+
+
+def _cut_line(line: str, whole: bool = True) -> str:
+    """``line`` cut to `MAX_LINE_CHARS` characters with a note (its line break kept) when
+    longer, or when only a part of it was read (``whole`` False); else unchanged."""
+    end = "\n" if line.endswith("\n") else ""
+    if whole and len(line) - len(end) <= MAX_LINE_CHARS:
+        return line
+    return f"{line[:MAX_LINE_CHARS]}… [line cut at {MAX_LINE_CHARS} characters]{end}"
 
 
 def _decode(data: bytes) -> tuple[str | None, str]:
