@@ -210,6 +210,24 @@ class StepDeadline:
         self.arm()
         return f"{self.who} lost: {self.expired or text}"
 
+    def closed(self) -> str | None:
+        """The lost-peer line when a peer has closed one of the ring sockets (it died: its
+        kernel closed them), seen without reading (``MSG_PEEK``), else None. A rank that
+        dies while nothing is sent to it fails nothing; this is how rank 0 learns of it
+        before its shutdown saves, whose parts could no longer be written."""
+        for fd in self._sockets:
+            s = socket.socket(fileno=fd)
+            try:
+                if s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                    return f"{self.who} lost: its connection was closed"
+            except BlockingIOError:
+                continue  # open, nothing to read
+            except OSError as e:  # reset, or shut down by this deadline
+                return f"{self.who} lost: {self.expired or e.strerror or e}"
+            finally:
+                s.detach()  # the descriptor stays MLX's
+        return None
+
     @contextlib.contextmanager
     def naming_the_lost_peer(self):
         """A lost peer inside the block raises `PeerLost` with `lost`'s line (a

@@ -377,6 +377,15 @@ class PipelineModel:
             self.lost = line
         return line
 
+    def peer_closed(self) -> str | None:
+        """The lost-peer line when a rank has gone without a call failing (it died while
+        the server idled: `StepDeadline.closed`), else None; nothing is sent to a lost rank
+        afterwards. Rank 0 asks before its shutdown snapshots: a rank-0 file whose parts
+        were never written would count as usable on the next start."""
+        if self.lost is None:
+            self.lost = self.deadline.closed()
+        return self.lost
+
     def shutdown(self) -> None:
         """Tell the followers to exit (each passes it on before it returns). Never waits
         on a lost rank (they exit with the launcher instead)."""

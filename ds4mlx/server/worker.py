@@ -231,6 +231,7 @@ class Worker:
             finally:
                 self.current = None
                 self._finish(job)
+        _stop_if_gone(self)
         try:
             # After a lost rank nothing more is sent to the ranks: no shutdown snapshot.
             self.cache.shutdown(save=self.exit_code == 0)
@@ -378,6 +379,17 @@ def _stop_if_fatal(worker: Worker, e: BaseException) -> None:
     log.error("%s; stopping the server", line)
     worker.exit_code = 1
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _stop_if_gone(worker: Worker) -> None:
+    """Before the shutdown snapshots: a split model's rank that died while the server
+    idled (nothing failed; the launcher's SIGTERM is what stopped the server) makes the
+    exit code 1 with the lost-rank line, and no snapshot is saved."""
+    closed = getattr(worker.engine.model, "peer_closed", None)
+    line = closed() if closed is not None and worker.exit_code == 0 else None
+    if line is not None:
+        log.error("%s; stopping the server without shutdown snapshots", line)
+        worker.exit_code = 1
 
 
 def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float, detail: str) -> None:
