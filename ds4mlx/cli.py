@@ -1244,12 +1244,26 @@ def main(argv: list[str] | None = None) -> int:
         # flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
-    except KeyboardInterrupt:
-        # Ctrl+C in a command that does not handle it (convert, bench, generate): one
-        # line and the shell's status for SIGINT, not a traceback. What such a command
-        # leaves is safe to leave (convert's partial shards are refused on load).
-        print(f"\nds4mlx {args.command}: interrupted", file=sys.stderr)
-        return 128 + signal.SIGINT
+    except KeyboardInterrupt as e:
+        return interrupted(args.command, e)
+
+
+def interrupted(command: str, e: KeyboardInterrupt) -> int:
+    """Ctrl+C in a command that does not handle it (convert, bench, generate, a serve
+    still loading): one line and the shell's status for SIGINT, not a traceback. What
+    such a command leaves is safe to leave (convert's partial shards are refused on
+    load). A load still running on the worker thread (`ds4mlx.server.worker.
+    LoadInterrupted`) is abandoned: the process ends here, without the interpreter's
+    finalization, which would abort while that thread is inside MLX."""
+    from ds4mlx.server.worker import LoadInterrupted
+
+    print(f"\nds4mlx {command}: interrupted", file=sys.stderr)
+    code = 128 + signal.SIGINT
+    if isinstance(e, LoadInterrupted):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

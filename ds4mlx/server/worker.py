@@ -38,6 +38,13 @@ log = logging.getLogger("ds4mlx.server")
 # --------------------------------------------------------------------------- worker
 
 
+class LoadInterrupted(KeyboardInterrupt):
+    """Ctrl-C while the worker thread loads the engine. The load cannot be stopped midway
+    (MLX reads the weights in its own calls) and a process that finalizes the
+    interpreter while a thread is inside MLX aborts ("terminate called without an active
+    exception", SIGABRT): whoever catches this ends the process with ``os._exit``."""
+
+
 class Worker:
     """The inference thread: runs `Job`s one at a time on the engine's live session.
 
@@ -97,6 +104,8 @@ class Worker:
 
         Raises:
             Exception: whatever ``load`` raised (the thread has exited).
+            LoadInterrupted: Ctrl-C while ``load`` runs (it goes on: the process must
+                end without finalizing the interpreter).
         """
         ready = threading.Event()
         box: dict[str, Any] = {}
@@ -105,7 +114,7 @@ class Worker:
             import mlx.core as mx
 
             try:
-                if self._load(load, box):
+                if _load(self, load, box):
                     ready.set()
                     self._run()
             finally:
@@ -116,33 +125,17 @@ class Worker:
                 ready.set()
 
         self._thread = threading.Thread(target=main, name="ds4mlx-worker", daemon=True)
-        self._thread.start()
-        ready.wait()
+        try:
+            self._thread.start()
+            ready.wait()
+        except KeyboardInterrupt:
+            if self._thread.is_alive():
+                raise LoadInterrupted from None
+            raise
         if "error" in box:
             self._thread.join()  # its streams are cleared: nothing MLX is left to exit
             raise box["error"]
         return self.engine
-
-    def _load(self, load: Callable[[], Any], box: dict[str, Any]) -> bool:
-        """On the worker thread: build the engine and open the prompt cache; False with
-        ``box["error"]`` set when either raised. The error's frames are cleared here, so
-        the arrays they held (a half-built engine) are freed on this thread, before its
-        streams are."""
-        try:
-            engine = load()
-            from ds4mlx.kv.cache import PromptCache
-
-            self.engine = engine
-            self.session = engine.session
-            self.tokenizer = engine.tokenizer
-            # On this thread: the disk cache's arrays belong to it.
-            self.cache = PromptCache.open(engine, self.kv_settings, self.tool_memory)
-            return True
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            traceback.clear_frames(e.__traceback__)
-            self.engine = self.session = self.tokenizer = None
-            box["error"] = e
-            return False
 
     def submit(self, request: GenRequest) -> Job:
         """Queue ``request`` (FIFO) and return its `Job`. Call on the event loop."""
@@ -337,6 +330,28 @@ class Worker:
             **{k: v for k, v in dataclasses.asdict(outcome).items() if k != "reasoning"},
         )
         _log_job(job, plan, result, outcome, t_start, detail)
+
+
+def _load(worker: Worker, load: Callable[[], Any], box: dict[str, Any]) -> bool:
+    """On the worker thread: build ``worker``'s engine and open its prompt cache; False
+    with ``box["error"]`` set when either raised. The error's frames are cleared here, so
+    the arrays they held (a half-built engine) are freed on this thread, before its
+    streams are."""
+    try:
+        engine = load()
+        from ds4mlx.kv.cache import PromptCache
+
+        worker.engine = engine
+        worker.session = engine.session
+        worker.tokenizer = engine.tokenizer
+        # On this thread: the disk cache's arrays belong to it.
+        worker.cache = PromptCache.open(engine, worker.kv_settings, worker.tool_memory)
+        return True
+    except BaseException as e:  # noqa: BLE001 - handed to the caller
+        traceback.clear_frames(e.__traceback__)
+        worker.engine = worker.session = worker.tokenizer = None
+        box["error"] = e
+        return False
 
 
 def _outcome(result, plan, decision: str) -> JobDone:
