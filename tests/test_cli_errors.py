@@ -86,6 +86,9 @@ BAD = [
     (["bench", "--demo", "--frontiers", "64,32"], 2, "increasing"),
     (["bench", "--shape", "flash", "--demo"], 2, "builds its own model"),
     (["bench", "--demo", "--compare"], 2, "--compare needs --distributed"),
+    # A flag error, not a failure to load the model (exit 1, "cannot load model").
+    (["generate", "-m", "TINY", "-p", "hi", "--pipeline-split", "2"], 2, "needs --distributed"),
+    (["bench", "--demo", "--pipeline-split", "2"], 2, "--pipeline-split needs --distributed"),
     (["bench", "--demo", "--prefill-repeats", "0"], 2, "--prefill-repeats"),
     (["agent", "--ctx", "0", "--demo"], 2, "--ctx: 0 must be at least 1"),
     (["make-tiny", "EXISTING"], 1, "--overwrite"),

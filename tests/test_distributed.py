@@ -527,3 +527,107 @@ def test_speculation_is_refused_on_a_split_model(tiny_f32_dir):
         speculation_for(split, "lookup")
     assert speculation_for(split, "off") is not None
     assert speculation_for(plain, "lookup") is not None
+
+
+@pytest.mark.parametrize(
+    "mode, split, speculative, words",
+    [
+        (None, "2", "off", "needs --distributed pipeline"),
+        ("tensor", "2", "off", "needs --distributed pipeline, not tensor"),
+        ("pipeline", "abc", "off", "give the first layer"),
+        ("pipeline", "", "off", "give the first layer"),
+        ("pipeline", "2,", "off", "give the first layer"),
+        ("pipeline", None, "lookup", "--speculative lookup is not supported"),
+    ],
+)
+def test_distributed_flags_are_refused_without_the_model(mode, split, speculative, words):
+    """The split flags need no model: every rank refuses them alike before it joins the
+    ring (`distributed_split`), drafting under a split included."""
+    from ds4mlx.engine.pipeline import distributed_split
+
+    with pytest.raises(PipelineError, match=re.escape(words)):
+        distributed_split(mode, split, speculative)
+    assert distributed_split("pipeline", "1,3") == [1, 3]
+
+
+def test_a_closed_ring_socket_is_seen_without_reading():
+    """`closed_socket` tells an open socket (None, its bytes left unread) from one its
+    peer closed; `wait_closed` returns once the peer has closed it, and False after its
+    timeout while it stays open."""
+    from ds4mlx.engine.deadline import closed_socket, wait_closed
+
+    a, b = socket.socketpair()
+    try:
+        b.sendall(b"x")
+        assert closed_socket(a.fileno()) is None
+        assert a.recv(1) == b"x"  # peeked, not read
+        assert not wait_closed([a.fileno()], 0.05)
+        b.close()
+        assert closed_socket(a.fileno()) == "its connection was closed"
+        assert wait_closed([a.fileno()], 5)
+    finally:
+        a.close()
+        b.close()
+
+
+def _busy_port() -> tuple[socket.socket, int]:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s, s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "flags, code, line",
+    [
+        (["--tokens", "0"], 2, "--tokens must be >= 1"),
+        (["--draft-tokens", "3"], 2, "--draft-tokens needs --speculative"),
+        (["--ctx", "99999999"], 2, "exceeds the model's limit"),
+        (["--speculative", "lookup"], 2, "--speculative lookup is not supported"),
+        (["--port", "BUSY"], 1, "Address already in use"),
+        (["--sessions", "4", "--memory-limit", "60MB"], 2, "rank 0 of 2 (layers 0-1) does not"),
+    ],
+    ids=["tokens", "draft", "ctx", "lookup", "port", "sessions"],
+)
+def test_every_rank_refuses_a_bad_serve_flag_alike(tiny_f32_dir, flags, code, line):
+    """A flag ``serve`` refuses without the weights (or, ``--sessions``, with the per-rank
+    fit check rather than the whole model's): every rank exits with the same code, none
+    killed by the launcher (-15) nor told that a peer was lost, and no ``[ring]`` line;
+    rank 0's line says why. (Before, the followers skipped rank 0's checks and lost it,
+    a rank slower to refuse was killed, ``--ctx`` and ``--speculative`` were refused
+    after the weights loaded, and ``--sessions`` by the whole model's fit.) Malformed
+    splits are refused the same way (`distributed_split`, above)."""
+    import subprocess
+
+    from server_util import free_port
+
+    from tests.dist_util import _ring
+
+    held, port = _busy_port()
+    argv = [sys.executable, "-m", "ds4mlx.cli", "serve", "-m", str(tiny_f32_dir)]
+    argv += ["--distributed", "pipeline", "--kv-disk-dir", "none", "--port", str(free_port())]
+    argv += [str(port) if f == "BUSY" else f for f in flags]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+    stdin, keep = os.pipe()
+    proc = subprocess.Popen(
+        _ring(argv),
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    os.close(stdin)
+    try:
+        log, _ = proc.communicate(timeout=300)
+    finally:
+        kill_group(proc)
+        os.close(keep)
+        held.close()
+    codes = dict(re.findall(r"rank (\d) exited with code (-?\d+)", log))
+    assert codes == {"0": str(code), "1": str(code)}, log[-3000:]
+    assert "[ring]" not in log and " lost" not in log, log[-3000:]
+    said = {ln for ln in log.splitlines() if ln.startswith("ds4mlx serve:")}
+    assert any(line in ln for ln in said), log[-3000:]

@@ -647,9 +647,34 @@ def parse_split(text: str | None) -> list[int] | None:
         ) from None
 
 
-def follower_rank() -> int:
-    """This process's rank under ``mlx.launch`` (0 when not launched by it)."""
-    return mx.distributed.init().rank()
+def distributed_split(mode: str | None, text: str | None, speculative: str = "off"):
+    """The ``--pipeline-split`` of the flags ``--distributed mode --pipeline-split text
+    --speculative speculative``, parsed (None: even, or no split). They need no model,
+    so every rank checks them alike before it joins the ring.
+
+    Raises:
+        PipelineError: a split without ``--distributed pipeline`` (none, or tensor), one
+            that is not comma-separated integers, or drafting under ``--distributed``.
+    """
+    from .speculative import refused_under_split
+
+    if text is not None and mode != "pipeline":
+        raise PipelineError(
+            "--pipeline-split needs --distributed pipeline"
+            + (f", not {mode}" if mode is not None else "")
+        )
+    if mode is not None and (refused := refused_under_split(speculative)):
+        raise PipelineError(refused)
+    return parse_split(text)
+
+
+def launched_rank() -> int:
+    """This process's rank as ``mlx.launch`` set it (``MLX_RANK``; 0 when not launched),
+    read without joining the ring."""
+    try:
+        return int(os.environ.get("MLX_RANK", "0"))
+    except ValueError:
+        return 0
 
 
 def load_distributed(
