@@ -631,3 +631,20 @@ def test_every_rank_refuses_a_bad_serve_flag_alike(tiny_f32_dir, flags, code, li
     assert "[ring]" not in log and " lost" not in log, log[-3000:]
     said = {ln for ln in log.splitlines() if ln.startswith("ds4mlx serve:")}
     assert any(line in ln for ln in said), log[-3000:]
+
+
+def test_a_part_removed_while_its_write_is_queued_is_not_left_behind(tmp_path):
+    """Rank 0 may evict a snapshot right after ordering its save (the shutdown saves under
+    a small ``--kv-disk-space-mb``): the follower's removal comes while its writer thread
+    still has the part queued. The removal waits for that write, so no orphan part is
+    left (it was written after the removal before)."""
+    from ds4mlx.kv.parts import PartStore
+
+    parts = PartStore(tmp_path, 1)
+    arrays = {"cache.2.kv": mx.zeros((256, 256), dtype=mx.float32)}
+    keys = [f"{i:02x}" * 20 for i in range(8)]
+    for key in keys:
+        parts.save(key, arrays, tokens=3)
+        parts.remove(key)
+    parts.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
