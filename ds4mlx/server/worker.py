@@ -211,16 +211,19 @@ class Worker:
                 if not _refused(self, job):
                     self._run_job(job)
             except BaseException as e:  # noqa: BLE001 - the worker must survive anything
-                log.exception("job %d failed", job.id)
+                lost = _lost_rank(self, e)
+                if lost is None:
+                    log.exception("job %d failed", job.id)
                 # A failure inside the model may leave half-fed caches: start clean.
                 try:
                     (self._active or self.session).reset()
                 except Exception:  # pragma: no cover
                     log.exception("session reset failed")
-                job.emit(JobFailed(Failure.INTERNAL, detail=f"{type(e).__name__}: {e}"))
+                job.emit(_failure(e, lost))
                 if isinstance(e, KeyboardInterrupt | SystemExit):
                     raise
-                _stop_if_fatal(self, e)
+                if lost is not None:
+                    _stop_for(self, f"job {job.id} failed: {lost}")
             finally:
                 self.current = None
                 self._finish(job)
@@ -384,13 +387,25 @@ def _refused(worker: Worker, job: Job) -> bool:
     return True
 
 
-def _stop_if_fatal(worker: Worker, e: BaseException) -> None:
-    """A failure no later job can avoid (a pipeline rank is gone: every forward call needs
-    it) stops the server with exit code 1 instead of failing every request after it."""
+def _lost_rank(worker: Worker, e: BaseException) -> str | None:
+    """The lost-rank line (``rank 1 lost: …``) when ``e`` means a rank of a split model is
+    gone (``lost_peer``), else None."""
     lost = getattr(worker.engine.model, "lost_peer", None)
-    line = lost(e) if lost is not None else None
-    if line is None:
-        return
+    return lost(e) if lost is not None else None
+
+
+def _failure(e: BaseException, lost: str | None) -> JobFailed:
+    """A failed job's event: a lost rank (the server stops: a 503 naming the rank, not a
+    fault of the server) or an internal error naming the exception's type."""
+    if lost is not None:
+        return JobFailed(Failure.RANK_LOST, detail=lost)
+    return JobFailed(Failure.INTERNAL, detail=f"{type(e).__name__}: {e}")
+
+
+def _stop_for(worker: Worker, line: str) -> None:
+    """A failure no later job can avoid (a pipeline rank is gone: every forward call needs
+    it) stops the server with exit code 1 instead of failing every request after it; one
+    log line says why (``line``), no traceback."""
     log.error("%s; stopping the server", line)
     worker.exit_code = 1
     os.kill(os.getpid(), signal.SIGTERM)
