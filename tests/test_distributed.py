@@ -648,3 +648,35 @@ def test_a_part_removed_while_its_write_is_queued_is_not_left_behind(tmp_path):
         parts.remove(key)
     parts.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_the_default_sessions_of_a_split_count_each_ranks_part(tiny_f32_dir, tmp_path, monkeypatch):
+    """``serve --distributed`` without ``--sessions``: the default is what each rank's
+    part leaves room for (the fewest over the ranks), not what the whole model leaves on
+    one machine (it gave a split fewer resident states than its ranks hold)."""
+    import argparse
+    import json
+
+    from ds4mlx.engine.rankfit import pipeline_parts
+    from ds4mlx.kv.policy import KVCacheSettings
+    from ds4mlx.model.fit import check_fit
+    from ds4mlx.server.cli import _default_sessions
+
+    ctx = 65536
+    whole = check_fit(str(tiny_f32_dir), ctx, 1, "1TB", gpu=False)
+    ranks = [
+        check_fit(str(tiny_f32_dir), ctx, 1, "1TB", gpu=False, part=part)
+        for part in pipeline_parts(split_layers(4, 2))
+    ]
+    # Room for the whole model and 1 state, and for each rank's part and at least 2.
+    limit = whole.total + whole.kv_per_session // 2
+    assert all(r.total + 2 * r.kv_per_session <= limit for r in ranks)
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([["127.0.0.1:1"], ["127.0.0.1:2"]]))
+    monkeypatch.setenv("MLX_HOSTFILE", str(hostfile))
+    monkeypatch.setenv("DS4MLX_MEMORY_LIMIT", str(limit))
+    args = argparse.Namespace(sessions=None, speculative="off", ctx=ctx, distributed=None)
+    kv = KVCacheSettings(disk_dir=None)
+    assert _default_sessions(kv, args, str(tiny_f32_dir))[0].sessions == 1
+    args.distributed = "pipeline"
+    assert _default_sessions(kv, args, str(tiny_f32_dir))[0].sessions >= 2

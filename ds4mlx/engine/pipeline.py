@@ -677,6 +677,18 @@ def launched_rank() -> int:
         return 0
 
 
+def launched_world() -> int | None:
+    """The launch's rank count from ``mlx.launch``'s host file (``MLX_HOSTFILE``, one
+    entry per rank), read without joining the ring; None when there is none."""
+    import json
+
+    try:
+        with open(os.environ["MLX_HOSTFILE"]) as f:
+            return len(json.load(f)) or None
+    except (KeyError, OSError, ValueError, TypeError):
+        return None
+
+
 def load_distributed(
     path,
     *,

@@ -180,7 +180,7 @@ def _plan(args, rank: int) -> _Plan:
 
     try:
         _ctx_problem(args.ctx, model)
-        kv, sessions_why = _kv_settings(args, model)
+        kv, sessions_why = _kv_settings(args, model, split)
         api_keys = api_keys_from(args.api_key, os.environ.get("DS4MLX_API_KEY"))
         origins = _origins(args.allowed_origin)
     except ValueError as e:
@@ -332,7 +332,7 @@ def _model_dir(args) -> str | None:
     return model
 
 
-def _kv_settings(args, model: str):
+def _kv_settings(args, model: str, split: list[int] | None = None):
     """``(KVCacheSettings, sessions_why)`` from the flags: ``--sessions`` resolved
     (`_default_sessions`).
 
@@ -347,7 +347,7 @@ def _kv_settings(args, model: str):
     refused = _sessions_refusal(whole, model, args.ctx)
     if refused is not None:
         raise ValueError(refused)
-    kv, sessions_why = _default_sessions(KVCacheSettings.from_args(args), args, model)
+    kv, sessions_why = _default_sessions(KVCacheSettings.from_args(args), args, model, split)
     if kv.enabled and kv.disk_dir is not None:
         from ds4mlx.fsutil import private_dir
         from ds4mlx.kv.store import cache_file
@@ -435,11 +435,12 @@ def _sessions_refusal(n: int | None, model: str, ctx: int | None) -> str | None:
     return None
 
 
-def _default_sessions(kv, args, model: str):
+def _default_sessions(kv, args, model: str, split: list[int] | None = None):
     """``(settings, why)``: ``kv`` with ``--sessions`` resolved. Given, it is kept
     (`_sessions_refusal` refused it already when memory cannot hold it); absent, it is
     min(4, what the memory budget holds after the weights), at least 1
-    (`ds4mlx.model.fit.sessions_that_fit`)."""
+    (`ds4mlx.model.fit.sessions_that_fit`); under ``--distributed`` after each rank's
+    part instead (``split``; the fewest over the ranks, on this machine's budget)."""
     from dataclasses import replace
 
     from ds4mlx.model.fit import DEFAULT_SESSIONS, sessions_that_fit
@@ -451,9 +452,13 @@ def _default_sessions(kv, args, model: str):
         from ds4mlx.model.checkpoint import read_config
         from ds4mlx.model.config import ModelArgs
 
-        kind = ModelArgs.from_dict(read_config(model)).drafter
-        drafter = args.speculative in ("auto", kind)
-        n, report = sessions_that_fit(model, args.ctx, mtp=drafter)
+        margs = ModelArgs.from_dict(read_config(model))
+        drafter = args.speculative in ("auto", margs.drafter)
+        parts = _rank_parts(args.distributed, margs.n_layers, split)
+        n, report = min(
+            (sessions_that_fit(model, args.ctx, mtp=drafter, part=part) for part in parts),
+            key=lambda fit: fit[0],
+        )
     except Exception:  # FitError, a bad config: the load reports it with its numbers
         return kv, "default"
     kv = replace(kv, sessions=n)
@@ -464,6 +469,26 @@ def _default_sessions(kv, args, model: str):
     else:
         why = f"default: min({DEFAULT_SESSIONS}, what memory holds after the weights)"
     return kv, why
+
+
+def _rank_parts(mode: str | None, n_layers: int, split: list[int] | None) -> list:
+    """What each rank of ``--distributed mode`` holds (`ds4mlx.engine.rankfit`), for the
+    launch's rank count (``launched_world``); ``[None]`` (the whole model) in one process.
+
+    Raises:
+        ValueError: a split that does not fit the layers, or an unknown rank count.
+    """
+    if mode is None:
+        return [None]
+    from ds4mlx.engine.pipeline import launched_world, split_layers
+    from ds4mlx.engine.rankfit import pipeline_parts, tensor_parts
+
+    world = launched_world()
+    if world is None:
+        raise ValueError("not launched by mlx.launch")
+    if mode == "tensor":
+        return tensor_parts(n_layers, world)
+    return pipeline_parts(split_layers(n_layers, world, split))
 
 
 def _trace_problem(path: str) -> str | None:
