@@ -117,16 +117,16 @@ def _load_engine(model: str, ctx_size: int | None, args: argparse.Namespace | No
 
     from ds4mlx.engine import Engine
     from ds4mlx.engine.distributed import load_distributed
-    from ds4mlx.engine.pipeline import PipelineError, parse_split
+    from ds4mlx.engine.pipeline import parse_split
     from ds4mlx.model.loading import LoadError
 
     try:
         if args is None or getattr(args, "distributed", None) is None:
-            if getattr(args, "pipeline_split", None) is not None:
-                raise PipelineError("--pipeline-split needs --distributed pipeline")
             mode = getattr(args, "speculative", "off")
             engine = Engine.load(model, ctx_size=ctx_size, speculative=mode)
             return _with_speculation(engine, model, args)
+        if os.environ.get("MLX_RANK", "0") == "0":
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # ignored while checking: `main`
         engine = load_distributed(
             model,
             ctx_size=ctx_size,
@@ -141,6 +141,23 @@ def _load_engine(model: str, ctx_size: int | None, args: argparse.Namespace | No
         return FOLLOWED
     atexit.register(engine.model.shutdown)
     return _with_speculation(engine, model, args)
+
+
+def distributed_refusal(args: argparse.Namespace) -> str | None:
+    """Why ``--distributed``, ``--pipeline-split`` and ``--speculative`` do not go
+    together (`ds4mlx.engine.pipeline.distributed_split`), or None. Checked before the
+    model loads, on every rank alike (generate, bench; serve checks its own flags)."""
+    from ds4mlx.engine.pipeline import PipelineError, distributed_split
+
+    try:
+        distributed_split(
+            getattr(args, "distributed", None),
+            getattr(args, "pipeline_split", None),
+            getattr(args, "speculative", "off"),
+        )
+    except PipelineError as e:
+        return str(e)
+    return None
 
 
 def _with_speculation(engine, model: str, args: argparse.Namespace | None):
@@ -276,6 +293,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from ds4mlx.engine import ContextOverflowError, SamplingParams
 
     _apply_memory_limit(args)
+    refused = distributed_refusal(args)
+    if refused is not None:
+        print(f"ds4mlx generate: {refused}", file=sys.stderr)
+        return refused_under_launch(2)
     model = _model_or_demo(args, "generate")
     if model is None:
         return 2
@@ -456,7 +477,7 @@ def _bench_refusal(args: argparse.Namespace) -> str | None:
             )
     if args.compare and not args.distributed:
         return "--compare needs --distributed (under mlx.launch)"
-    return None
+    return distributed_refusal(args)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -476,7 +497,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     refused = _bench_refusal(args)
     if refused is not None:
         print(f"ds4mlx bench: {refused}", file=sys.stderr)
-        return 2
+        return refused_under_launch(2)
     ctx = args.ctx or max(frontiers) + args.decode_tokens + 1
     model = _model_or_demo(args, "bench")
     if model is None:
@@ -1220,7 +1241,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parsed(argv: list[str] | None) -> argparse.Namespace:
+    """The command line parsed and its flags' combinations checked. Raises SystemExit
+    (2, after one line) on a usage error, 0 after ``--help``."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # refused by the sub-command's parser, whose --help lists its flags
@@ -1230,6 +1253,41 @@ def main(argv: list[str] | None = None) -> int:
     refusal = check_speculative_flags(args)
     if refusal is not None:  # one line, exit 2, as any other usage error
         argtypes.OneLineParser(prog=f"ds4mlx {args.command}").error(refusal)
+    return args
+
+
+def refused_under_launch(code: int) -> int:
+    """Under ``mlx.launch`` (``MLX_RANK`` set), before any rank has sent anything: share
+    this rank's refusal to start (exit ``code``, its line printed) with the others
+    (`ds4mlx.engine.rankfit.share_refusal`, which they call on the same flags), so each
+    exits with its code, rank 0 first, instead of being SIGTERMed by the launcher once
+    the quickest has exited. Returns ``code``."""
+    if "MLX_RANK" in os.environ:
+        from ds4mlx.engine.rankfit import share_refusal
+
+        share_refusal(code)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    launched = "MLX_RANK" in os.environ
+    if launched:
+        # Every rank of an mlx.launch checks the same flags, and the launcher SIGTERMs
+        # every rank once one has exited non-zero: a rank slower to refuse a bad flag
+        # (exit 2) was killed (-15) instead. Rank 0 takes SIGTERM back before it loads
+        # (`_load_engine`, `ds4mlx.server.cli`); the other ranks keep ignoring it
+        # (`ds4mlx.engine.pipeline.follow_parent`).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        args = _parsed(argv)
+    except SystemExit as e:
+        if launched and e.code:
+            refused_under_launch(e.code)
+        raise
+    if launched and not (
+        getattr(args, "distributed", None) or getattr(args, "pipeline_split", None)
+    ):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # one process, launched alone
     if args.command != "kv":
         from ds4mlx.blas import ensure_openblas
 
@@ -1244,12 +1302,26 @@ def main(argv: list[str] | None = None) -> int:
         # flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
-    except KeyboardInterrupt:
-        # Ctrl+C in a command that does not handle it (convert, bench, generate): one
-        # line and the shell's status for SIGINT, not a traceback. What such a command
-        # leaves is safe to leave (convert's partial shards are refused on load).
-        print(f"\nds4mlx {args.command}: interrupted", file=sys.stderr)
-        return 128 + signal.SIGINT
+    except KeyboardInterrupt as e:
+        return interrupted(args.command, e)
+
+
+def interrupted(command: str, e: KeyboardInterrupt) -> int:
+    """Ctrl+C in a command that does not handle it (convert, bench, generate, a serve
+    still loading): one line and the shell's status for SIGINT, not a traceback. What
+    such a command leaves is safe to leave (convert's partial shards are refused on
+    load). A load still running on the worker thread (`ds4mlx.server.worker.
+    LoadInterrupted`) is abandoned: the process ends here, without the interpreter's
+    finalization, which would abort while that thread is inside MLX."""
+    from ds4mlx.server.worker import LoadInterrupted
+
+    print(f"\nds4mlx {command}: interrupted", file=sys.stderr)
+    code = 128 + signal.SIGINT
+    if isinstance(e, LoadInterrupted):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

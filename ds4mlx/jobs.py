@@ -143,14 +143,17 @@ class Failure(StrEnum):
     ``UNKNOWN_TOOL_ID``: a tool result answers no call the live state holds or the
     request replays (`JobFailed.tool_id`); ``CONTEXT_FULL``: the prompt leaves no room to
     generate (`JobFailed.n_prompt_tokens`, `JobFailed.n_ctx`); ``EMPTY_PROMPT``: nothing
-    to prefill; ``SHUTTING_DOWN``: the server stopped before the job ran; ``INTERNAL``: a
-    fault of the server (`JobFailed.detail`).
+    to prefill; ``SHUTTING_DOWN``: the server stopped before the job ran; ``RANK_LOST``: a
+    rank of a model split across processes is gone and the server is stopping
+    (`JobFailed.detail`: which and why); ``INTERNAL``: a fault of the server
+    (`JobFailed.detail`).
     """
 
     UNKNOWN_TOOL_ID = "unknown_tool_id"
     CONTEXT_FULL = "context_full"
     EMPTY_PROMPT = "empty_prompt"
     SHUTTING_DOWN = "shutting_down"
+    RANK_LOST = "rank_lost"
     INTERNAL = "internal"
 
 
@@ -163,7 +166,8 @@ class JobFailed:
         tool_id: ``UNKNOWN_TOOL_ID``: the id nothing explains.
         n_prompt_tokens, n_ctx: ``CONTEXT_FULL``: the prompt's tokens and the context
             size (tokens).
-        detail: ``INTERNAL``: what went wrong, for the message and the log.
+        detail: ``INTERNAL``: what went wrong, for the message and the log;
+            ``RANK_LOST``: the lost-rank line (``rank 1 lost: …``).
     """
 
     kind: Failure

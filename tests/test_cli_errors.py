@@ -86,6 +86,9 @@ BAD = [
     (["bench", "--demo", "--frontiers", "64,32"], 2, "increasing"),
     (["bench", "--shape", "flash", "--demo"], 2, "builds its own model"),
     (["bench", "--demo", "--compare"], 2, "--compare needs --distributed"),
+    # A flag error, not a failure to load the model (exit 1, "cannot load model").
+    (["generate", "-m", "TINY", "-p", "hi", "--pipeline-split", "2"], 2, "needs --distributed"),
+    (["bench", "--demo", "--pipeline-split", "2"], 2, "--pipeline-split needs --distributed"),
     (["bench", "--demo", "--prefill-repeats", "0"], 2, "--prefill-repeats"),
     (["agent", "--ctx", "0", "--demo"], 2, "--ctx: 0 must be at least 1"),
     (["make-tiny", "EXISTING"], 1, "--overwrite"),
@@ -183,6 +186,42 @@ def test_ctrl_c_in_a_command_is_one_line_not_a_traceback(env):
         assert proc.stderr.read().strip() == "ds4mlx tokenize: interrupted"
     finally:
         proc.kill()
+
+
+LOAD_INTERRUPTED = """
+import os, signal, sys
+import mlx.core as mx
+from ds4mlx.cli import interrupted
+from ds4mlx.server.worker import Worker
+
+def load():  # a load still inside MLX when Ctrl+C comes
+    os.kill(os.getpid(), signal.SIGINT)
+    a = mx.random.normal((256, 256))
+    while True:
+        a = mx.tanh(a @ a)
+        mx.eval(a)
+
+try:
+    Worker(tool_memory=None).start(load)
+except KeyboardInterrupt as e:
+    sys.exit(interrupted("serve", e))
+"""
+
+
+def test_ctrl_c_while_the_model_loads_exits_130_not_abort(env):
+    """Ctrl+C while ``serve`` loads the model: the worker thread is inside MLX and goes
+    on. ``serve`` says it was interrupted and exits 130; before, the interpreter's exit
+    with that thread running aborted the process (``terminate called without an active
+    exception``, SIGABRT) in most tries. Three tries: each used to abort alone."""
+    for _ in range(3):
+        r = subprocess.run(
+            [sys.executable, "-c", LOAD_INTERRUPTED],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        assert (r.returncode, r.stderr.strip()) == (130, "ds4mlx serve: interrupted"), r.stderr
 
 
 def test_a_reader_that_goes_away_ends_the_listing_quietly(env):

@@ -527,3 +527,156 @@ def test_speculation_is_refused_on_a_split_model(tiny_f32_dir):
         speculation_for(split, "lookup")
     assert speculation_for(split, "off") is not None
     assert speculation_for(plain, "lookup") is not None
+
+
+@pytest.mark.parametrize(
+    "mode, split, speculative, words",
+    [
+        (None, "2", "off", "needs --distributed pipeline"),
+        ("tensor", "2", "off", "needs --distributed pipeline, not tensor"),
+        ("pipeline", "abc", "off", "give the first layer"),
+        ("pipeline", "", "off", "give the first layer"),
+        ("pipeline", "2,", "off", "give the first layer"),
+        ("pipeline", None, "lookup", "--speculative lookup is not supported"),
+    ],
+)
+def test_distributed_flags_are_refused_without_the_model(mode, split, speculative, words):
+    """The split flags need no model: every rank refuses them alike before it joins the
+    ring (`distributed_split`), drafting under a split included."""
+    from ds4mlx.engine.pipeline import distributed_split
+
+    with pytest.raises(PipelineError, match=re.escape(words)):
+        distributed_split(mode, split, speculative)
+    assert distributed_split("pipeline", "1,3") == [1, 3]
+
+
+def test_a_closed_ring_socket_is_seen_without_reading():
+    """`closed_socket` tells an open socket (None, its bytes left unread) from one its
+    peer closed; `wait_closed` returns once the peer has closed it, and False after its
+    timeout while it stays open."""
+    from ds4mlx.engine.deadline import closed_socket, wait_closed
+
+    a, b = socket.socketpair()
+    try:
+        b.sendall(b"x")
+        assert closed_socket(a.fileno()) is None
+        assert a.recv(1) == b"x"  # peeked, not read
+        assert not wait_closed([a.fileno()], 0.05)
+        b.close()
+        assert closed_socket(a.fileno()) == "its connection was closed"
+        assert wait_closed([a.fileno()], 5)
+    finally:
+        a.close()
+        b.close()
+
+
+def _busy_port() -> tuple[socket.socket, int]:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s, s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "flags, code, line",
+    [
+        (["--tokens", "0"], 2, "--tokens must be >= 1"),
+        (["--draft-tokens", "3"], 2, "--draft-tokens needs --speculative"),
+        (["--ctx", "99999999"], 2, "exceeds the model's limit"),
+        (["--speculative", "lookup"], 2, "--speculative lookup is not supported"),
+        (["--port", "BUSY"], 1, "Address already in use"),
+        (["--sessions", "4", "--memory-limit", "60MB"], 2, "rank 0 of 2 (layers 0-1) does not"),
+    ],
+    ids=["tokens", "draft", "ctx", "lookup", "port", "sessions"],
+)
+def test_every_rank_refuses_a_bad_serve_flag_alike(tiny_f32_dir, flags, code, line):
+    """A flag ``serve`` refuses without the weights (or, ``--sessions``, with the per-rank
+    fit check rather than the whole model's): every rank exits with the same code, none
+    killed by the launcher (-15) nor told that a peer was lost, and no ``[ring]`` line;
+    rank 0's line says why. (Before, the followers skipped rank 0's checks and lost it,
+    a rank slower to refuse was killed, ``--ctx`` and ``--speculative`` were refused
+    after the weights loaded, and ``--sessions`` by the whole model's fit.) Malformed
+    splits are refused the same way (`distributed_split`, above)."""
+    import subprocess
+
+    from server_util import free_port
+
+    from tests.dist_util import _ring
+
+    held, port = _busy_port()
+    argv = [sys.executable, "-m", "ds4mlx.cli", "serve", "-m", str(tiny_f32_dir)]
+    argv += ["--distributed", "pipeline", "--kv-disk-dir", "none", "--port", str(free_port())]
+    argv += [str(port) if f == "BUSY" else f for f in flags]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+    stdin, keep = os.pipe()
+    proc = subprocess.Popen(
+        _ring(argv),
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    os.close(stdin)
+    try:
+        log, _ = proc.communicate(timeout=300)
+    finally:
+        kill_group(proc)
+        os.close(keep)
+        held.close()
+    codes = dict(re.findall(r"rank (\d) exited with code (-?\d+)", log))
+    assert codes == {"0": str(code), "1": str(code)}, log[-3000:]
+    assert "[ring]" not in log and " lost" not in log, log[-3000:]
+    said = {ln for ln in log.splitlines() if ln.startswith("ds4mlx serve:")}
+    assert any(line in ln for ln in said), log[-3000:]
+
+
+def test_a_part_removed_while_its_write_is_queued_is_not_left_behind(tmp_path):
+    """Rank 0 may evict a snapshot right after ordering its save (the shutdown saves under
+    a small ``--kv-disk-space-mb``): the follower's removal comes while its writer thread
+    still has the part queued. The removal waits for that write, so no orphan part is
+    left (it was written after the removal before)."""
+    from ds4mlx.kv.parts import PartStore
+
+    parts = PartStore(tmp_path, 1)
+    arrays = {"cache.2.kv": mx.zeros((256, 256), dtype=mx.float32)}
+    keys = [f"{i:02x}" * 20 for i in range(8)]
+    for key in keys:
+        parts.save(key, arrays, tokens=3)
+        parts.remove(key)
+    parts.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_the_default_sessions_of_a_split_count_each_ranks_part(tiny_f32_dir, tmp_path, monkeypatch):
+    """``serve --distributed`` without ``--sessions``: the default is what each rank's
+    part leaves room for (the fewest over the ranks), not what the whole model leaves on
+    one machine (it gave a split fewer resident states than its ranks hold)."""
+    import argparse
+    import json
+
+    from ds4mlx.engine.rankfit import pipeline_parts
+    from ds4mlx.kv.policy import KVCacheSettings
+    from ds4mlx.model.fit import check_fit
+    from ds4mlx.server.cli import _default_sessions
+
+    ctx = 65536
+    whole = check_fit(str(tiny_f32_dir), ctx, 1, "1TB", gpu=False)
+    ranks = [
+        check_fit(str(tiny_f32_dir), ctx, 1, "1TB", gpu=False, part=part)
+        for part in pipeline_parts(split_layers(4, 2))
+    ]
+    # Room for the whole model and 1 state, and for each rank's part and at least 2.
+    limit = whole.total + whole.kv_per_session // 2
+    assert all(r.total + 2 * r.kv_per_session <= limit for r in ranks)
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([["127.0.0.1:1"], ["127.0.0.1:2"]]))
+    monkeypatch.setenv("MLX_HOSTFILE", str(hostfile))
+    monkeypatch.setenv("DS4MLX_MEMORY_LIMIT", str(limit))
+    args = argparse.Namespace(sessions=None, speculative="off", ctx=ctx, distributed=None)
+    kv = KVCacheSettings(disk_dir=None)
+    assert _default_sessions(kv, args, str(tiny_f32_dir))[0].sessions == 1
+    args.distributed = "pipeline"
+    assert _default_sessions(kv, args, str(tiny_f32_dir))[0].sessions >= 2

@@ -478,6 +478,29 @@ def run_cli(capsys, *argv: str) -> tuple[int, str]:
     return rc, out.out + out.err
 
 
+def test_cli_rm_removes_a_keys_rank_parts_too(tmp_path, capsys):
+    """A split model's snapshot is one file per rank under one key (``ds4mlx.kv.parts``):
+    ``kv rm DIR KEY`` removes the key's rank parts with its file (it left them), finds a
+    key a rank > 0's directory holds only as a part (it said ``no snapshot matching``),
+    and ``--all`` counts the parts it removed (it said ``removed 0 snapshots``)."""
+    store = make_store(tmp_path)
+    entry = save(store, "split text", seed=0)
+    d = store.dir
+    part = d / f"{entry.key}.rank1.safetensors"
+    part.write_bytes(b"part")
+    rc, out = run_cli(capsys, "rm", str(d), entry.key[:10])
+    assert rc == 0 and list(d.glob("*.safetensors")) == [], out
+    assert f"removed {part.name}" in out
+    follower = tmp_path / "rank1"
+    follower.mkdir()
+    for k in ("ab" * 20, "cd" * 20):
+        (follower / f"{k}.rank1.safetensors").write_bytes(b"part")
+    rc, out = run_cli(capsys, "rm", str(follower), "abab")
+    assert rc == 0 and [p.name for p in follower.iterdir()] == ["cd" * 20 + ".rank1.safetensors"]
+    rc, out = run_cli(capsys, "rm", str(follower), "--all")
+    assert rc == 0 and "removed 0 snapshots and 1 rank parts" in out, out
+
+
 def test_cli_show_writes_no_control_character_raw(tmp_path, capsys, monkeypatch):
     """A snapshot's text comes from any client of the server: ``kv show`` (and ``kv ls``
     on a terminal) writes its control characters escaped, never raw."""
@@ -701,16 +724,16 @@ def test_clearing_leaves_a_foreign_index_json(tmp_path):
     proj.mkdir()
     (proj / "index.json").write_text('{"pages": [1, 2]}')
     (proj / "README").write_text("mine")
-    assert kvs.clear_dir(proj) == 0
+    assert kvs.clear_dir(proj) == (0, 0)
     assert sorted(p.name for p in proj.iterdir()) == ["README", "index.json"]
     (proj / "index.json").unlink()
     (proj / "index.json").mkdir()  # not a file: left alone, no crash
-    assert kvs.clear_dir(proj) == 0 and (proj / "index.json").is_dir()
+    assert kvs.clear_dir(proj) == (0, 0) and (proj / "index.json").is_dir()
     store = make_store(tmp_path)
     save(store, "prefix", seed=0)
     store.lookup_and_load("prefix and more")  # a hit: the index exists
     assert (store.dir / kvs.INDEX_NAME).exists()
-    assert kvs.clear_dir(store.dir) == 1 and list(store.dir.iterdir()) == []
+    assert kvs.clear_dir(store.dir) == (1, 0) and list(store.dir.iterdir()) == []
 
 
 def test_only_a_directory_of_the_caches_own_files_is_narrowed(tmp_path):

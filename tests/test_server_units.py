@@ -630,3 +630,72 @@ def test_health_says_stopping_once_shutdown_began(tiny_model_dir):
     finally:
         worker.stop()
     assert asyncio.run(health()) == (503, "stopping")
+
+
+def test_a_lost_rank_fails_the_job_with_one_line_and_a_503(tiny_model_dir, caplog):
+    """A job whose forward call finds a rank of the split gone (the ring's error): the
+    worker logs one line naming the rank (no traceback, which a dead peer mid-request
+    used to put in the log), answers the job with the neutral ``RANK_LOST``, which every
+    route words as a 503 server error naming the rank (it was a 500 internal error
+    quoting the ring), and stops the server (SIGTERM to itself, caught here) with exit
+    code 1. The model's call raises what MLX's ring raises; the rest is real."""
+    import asyncio
+    import signal
+
+    from ds4mlx.dsml import ToolMemory
+    from ds4mlx.engine import Engine
+    from ds4mlx.jobs import Failure, JobFailed
+    from ds4mlx.routes.errors import failed_to_api
+    from ds4mlx.server.worker import Worker
+
+    class _LostRing:
+        """The tiny model behind a ring whose peer is gone."""
+
+        def __init__(self, model):
+            self._model = model
+
+        def __getattr__(self, name):
+            return getattr(self._model, name)
+
+        def __call__(self, *a, **k):
+            raise RuntimeError("[ring] connection to a peer was lost")
+
+        def lost_peer(self, exc):
+            return f"rank 1 lost: {exc}" if "[ring]" in str(exc) else None
+
+    def load():
+        from ds4mlx.model.loading import load_model, read_config
+        from ds4mlx.tokenizer import Tokenizer
+
+        model, args = load_model(str(tiny_model_dir), check_memory=False)
+        config = read_config(str(tiny_model_dir))
+        tok = Tokenizer.load(tiny_model_dir)
+        lost = _LostRing(model)
+        return Engine(lost, args, tok, path=tiny_model_dir, config=config, ctx_size=256)
+
+    stopped = []
+    previous = signal.signal(signal.SIGTERM, lambda *a: stopped.append(a))
+    worker = Worker(tool_memory=ToolMemory())
+    try:
+        worker.start(load)
+
+        async def main() -> list:
+            from ds4mlx.jobs import JobDone
+
+            job, events = worker.submit(_gen()), []
+            while not isinstance(events[-1:] and events[-1], JobDone | JobFailed):
+                events.append(await job.queue.get())
+            await asyncio.to_thread(worker.stop, 120)
+            return events
+
+        with caplog.at_level("INFO", logger="ds4mlx.server"):
+            events = asyncio.run(main())
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    failed = [e for e in events if isinstance(e, JobFailed)]
+    assert [f.kind for f in failed] == [Failure.RANK_LOST], events
+    error = failed_to_api(failed[0])
+    assert error.status == 503 and "rank 1 lost" in error.message, error
+    assert worker.exit_code == 1 and stopped
+    assert not any(r.exc_info for r in caplog.records), caplog.text
+    assert "rank 1 lost: [ring] connection to a peer was lost; stopping" in caplog.text

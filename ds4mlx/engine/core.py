@@ -135,15 +135,10 @@ class Engine:
         self.args = args
         self.config = config
         self.tokenizer = tokenizer
-        self.max_positions: int | None = _max_positions(args, config)
+        self.max_positions: int | None = max_positions_of(args, config)
         if ctx_size is None:
             ctx_size = default_ctx_size(self.max_positions)
-        if ctx_size < 1:
-            raise ValueError(f"ctx_size must be >= 1, got {ctx_size}")
-        if self.max_positions and ctx_size > self.max_positions:
-            raise ValueError(
-                f"ctx_size {ctx_size} exceeds the model's limit of {self.max_positions} tokens"
-            )
+        check_ctx_size(ctx_size, self.max_positions)
         self.ctx_size = int(ctx_size)
         self.quant = describe_quant(model)
         self.quant_desc = str(self.quant)
@@ -215,7 +210,17 @@ class Engine:
         return Session(self)
 
 
-def _max_positions(args, config: dict) -> int | None:
+def check_ctx_size(ctx_size: int, max_positions: int | None) -> None:
+    """Raises ValueError (the message) for a context size below 1 or beyond the model's
+    positions (``max_positions``, None: unbounded)."""
+    if ctx_size < 1:
+        raise ValueError(f"ctx_size must be >= 1, got {ctx_size}")
+    if max_positions and ctx_size > max_positions:
+        raise ValueError(f"ctx_size {ctx_size} exceeds the model's limit of {max_positions} tokens")
+
+
+def max_positions_of(args, config: dict) -> int | None:
+    """The model's positions from its ``ModelArgs`` (or None) or ``config.json``."""
     for obj in (args, config):
         for name in ("max_position_embeddings", "max_seq_len"):
             v = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)

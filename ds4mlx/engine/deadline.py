@@ -127,6 +127,37 @@ def _fd_names() -> list[str]:
     return []
 
 
+def closed_socket(fd: int) -> str | None:
+    """Why ring socket ``fd`` is closed (``"its connection was closed"``: end of file;
+    a reset or shutdown: the error), else None, seen with ``MSG_PEEK`` and without
+    blocking: MLX's socket thread reads every byte itself."""
+    s = socket.socket(fileno=fd)
+    try:
+        if s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+            return "its connection was closed"
+    except BlockingIOError:
+        return None  # open, nothing to read
+    except OSError as e:
+        return e.strerror or str(e)
+    finally:
+        s.detach()  # the descriptor stays MLX's
+    return None
+
+
+def wait_closed(fds: list[int], timeout_s: float) -> bool:
+    """Sleep until a peer has closed one of the ring sockets ``fds`` (`closed_socket`),
+    at most ``timeout_s`` seconds; whether it did. Waits without MLX, whose receive on
+    a closed socket prints ten ``[ring]`` lines before it raises."""
+    end = time.monotonic() + timeout_s
+    while (left := end - time.monotonic()) > 0:
+        ready, _, _ = select.select(fds, [], [], left)
+        if any(closed_socket(fd) is not None for fd in ready):
+            return True
+        if ready:  # bytes nobody reads here: look again a little later
+            time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+    return False
+
+
 def shut_down(fds: list[int]) -> None:
     """Shut every socket of ``fds`` down both ways (the descriptors stay open: MLX owns
     them); its blocked or later reads then end at once."""
@@ -209,6 +240,17 @@ class StepDeadline:
             return None
         self.arm()
         return f"{self.who} lost: {self.expired or text}"
+
+    def closed(self) -> str | None:
+        """The lost-peer line when a peer has closed one of the ring sockets (it died: its
+        kernel closed them), seen without reading (`closed_socket`), else None. A rank
+        that dies while nothing is sent to it fails nothing; this is how rank 0 learns of
+        it before its shutdown saves, whose parts could no longer be written."""
+        for fd in self._sockets:
+            why = closed_socket(fd)
+            if why is not None:
+                return f"{self.who} lost: {self.expired or why}"
+        return None
 
     @contextlib.contextmanager
     def naming_the_lost_peer(self):

@@ -377,6 +377,15 @@ class PipelineModel:
             self.lost = line
         return line
 
+    def peer_closed(self) -> str | None:
+        """The lost-peer line when a rank has gone without a call failing (it died while
+        the server idled: `StepDeadline.closed`), else None; nothing is sent to a lost rank
+        afterwards. Rank 0 asks before its shutdown snapshots: a rank-0 file whose parts
+        were never written would count as usable on the next start."""
+        if self.lost is None:
+            self.lost = self.deadline.closed()
+        return self.lost
+
     def shutdown(self) -> None:
         """Tell the followers to exit (each passes it on before it returns). Never waits
         on a lost rank (they exit with the launcher instead)."""
@@ -638,9 +647,46 @@ def parse_split(text: str | None) -> list[int] | None:
         ) from None
 
 
-def follower_rank() -> int:
-    """This process's rank under ``mlx.launch`` (0 when not launched by it)."""
-    return mx.distributed.init().rank()
+def distributed_split(mode: str | None, text: str | None, speculative: str = "off"):
+    """The ``--pipeline-split`` of the flags ``--distributed mode --pipeline-split text
+    --speculative speculative``, parsed (None: even, or no split). They need no model,
+    so every rank checks them alike before it joins the ring.
+
+    Raises:
+        PipelineError: a split without ``--distributed pipeline`` (none, or tensor), one
+            that is not comma-separated integers, or drafting under ``--distributed``.
+    """
+    from .speculative import refused_under_split
+
+    if text is not None and mode != "pipeline":
+        raise PipelineError(
+            "--pipeline-split needs --distributed pipeline"
+            + (f", not {mode}" if mode is not None else "")
+        )
+    if mode is not None and (refused := refused_under_split(speculative)):
+        raise PipelineError(refused)
+    return parse_split(text)
+
+
+def launched_rank() -> int:
+    """This process's rank as ``mlx.launch`` set it (``MLX_RANK``; 0 when not launched),
+    read without joining the ring."""
+    try:
+        return int(os.environ.get("MLX_RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def launched_world() -> int | None:
+    """The launch's rank count from ``mlx.launch``'s host file (``MLX_HOSTFILE``, one
+    entry per rank), read without joining the ring; None when there is none."""
+    import json
+
+    try:
+        with open(os.environ["MLX_HOSTFILE"]) as f:
+            return len(json.load(f)) or None
+    except (KeyError, OSError, ValueError, TypeError):
+        return None
 
 
 def load_distributed(

@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from ds4mlx.model.fit import RankPart
 
-from .deadline import RANK_TIMEOUT_S, StepDeadline
+from .deadline import RANK_TIMEOUT_S, ring_sockets, wait_closed
 
 log = logging.getLogger("ds4mlx.engine")
 
@@ -32,16 +32,30 @@ def tensor_parts(n_layers: int, world: int) -> list[RankPart]:
     return [RankPart(r, world, range(n_layers), ends=True, split=world) for r in range(world)]
 
 
-def _outlived(group, timeout_s: float) -> None:
-    """Wait until the previous rank on the ring has exited (its socket closes: the ring's
-    receive raises), at most ``timeout_s`` seconds (`StepDeadline`)."""
-    deadline = StepDeadline(timeout_s, f"rank {group.rank() - 1}")
-    deadline.arm()
-    try:
-        mx.eval(mx.distributed.recv((1,), mx.int32, group.rank() - 1, group=group))
-    except RuntimeError:
-        pass  # it has gone
-    deadline.settle()
+def _outlived(timeout_s: float) -> None:
+    """Wait until a neighbour on the ring has exited (its socket closes), at most
+    ``timeout_s`` seconds: rank 0 goes first, then each rank after it."""
+    wait_closed(ring_sockets(), timeout_s)
+
+
+def share_refusal(code: int, rank_timeout: float = RANK_TIMEOUT_S) -> tuple[int, int] | None:
+    """Every rank's refusal to start (``code``: its exit code, 0: none), shared with one
+    ``all_sum`` before anything else is sent (a collective: every rank of the launch
+    calls it; it joins the ring). Returns None when no rank refused, else ``(the first
+    refusing rank, its code)``. Then a rank > 0 returns only once its neighbour has
+    exited (at most ``rank_timeout``), so rank 0 says why first and ``mlx.launch``, which
+    stops the other ranks once one has failed, stops none of them by a signal."""
+    group = mx.distributed.init()
+    rows = [0] * group.size()
+    rows[group.rank()] = code
+    if group.size() > 1:
+        rows = mx.distributed.all_sum(mx.array(rows, dtype=mx.int32), group=group).tolist()
+    refused = [(r, c) for r, c in enumerate(rows) if c]
+    if not refused:
+        return None
+    if group.rank() > 0:
+        _outlived(rank_timeout)
+    return refused[0]
 
 
 def check_ranks_fit(
@@ -86,7 +100,7 @@ def check_ranks_fit(
         return None
     r, need, have = short[0]
     if rank > 0:
-        _outlived(group, rank_timeout)
+        _outlived(rank_timeout)
         return f"rank {r} does not fit its memory (rank 0 says why)"
     hint = "give it fewer layers (--pipeline-split) or " if parts[r].split == 1 else ""
     return (

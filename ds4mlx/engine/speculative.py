@@ -100,6 +100,16 @@ class Speculation:
         }
 
 
+def refused_under_split(mode: str) -> str | None:
+    """Why ``--speculative mode`` cannot run on a model split across ranks, or None
+    (``off``). Needs no model: every rank refuses before joining the ring."""
+    if mode == "off":
+        return None
+    # A verify writes rejected rows into every rank's caches; the followers cannot
+    # rewind them yet (docs/DISTRIBUTED.md).
+    return f"--speculative {mode} is not supported with --distributed yet"
+
+
 def speculation_for(engine, mode: str, k: int = DEFAULT_DRAFT) -> Speculation:
     """The `Speculation` to set on ``engine`` for ``--speculative mode --draft-tokens k``.
 
@@ -110,10 +120,8 @@ def speculation_for(engine, mode: str, k: int = DEFAULT_DRAFT) -> Speculation:
     drafter; ``dspark`` on one without a DSpark drafter, or a malformed one; a bad mode
     or ``k``; any drafting on a model split across ranks.
     """
-    if mode != "off" and getattr(engine, "layout", ""):
-        # A verify writes rejected rows into every rank's caches; the followers cannot
-        # rewind them yet (docs/DISTRIBUTED.md).
-        raise ValueError(f"--speculative {mode} is not supported with --distributed yet")
+    if getattr(engine, "layout", "") and (refused := refused_under_split(mode)):
+        raise ValueError(refused)
     blocks = getattr(engine.model, "mtp", None)
     if mode == "mtp" and not blocks:
         if getattr(engine.args, "drafter", None) == "dspark":

@@ -263,18 +263,25 @@ def _cmd_rm(args: argparse.Namespace, con: Console) -> int:
     if _no_dir(dir):
         return 2
     if args.all:
-        n = kvs.clear_dir(dir)
-        con.print(f"removed {n} snapshots from {dir}")
+        n, parts = kvs.clear_dir(dir)
+        also = f" and {parts} rank parts" if parts else ""
+        con.print(f"removed {n} snapshots{also} from {dir}")
         return 0
-    path = _resolve(dir, args.key)
-    if path is None:
+    # A key's snapshot file and its pipeline ranks' parts go together; a rank > 0's
+    # directory may hold only parts.
+    keys = kvs.files_of_keys(dir, args.key)
+    if len(keys) != 1:
+        msg = "no snapshot" if not keys else f"{len(keys)} snapshots"
+        print(f"ds4mlx kv: {msg} matching {args.key!r} in {dir}", file=sys.stderr)
         return 1
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        print(f"ds4mlx kv: {path} vanished", file=sys.stderr)
-        return 1
-    con.print(f"removed {path.name}")
+    (paths,) = keys.values()
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            print(f"ds4mlx kv: {path} vanished", file=sys.stderr)
+            return 1
+        con.print(f"removed {path.name}")
     return 0
 
 

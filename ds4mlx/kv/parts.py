@@ -114,7 +114,10 @@ class PartStore:
         return arrays
 
     def remove(self, key: str) -> None:
-        """Delete the part of ``key`` (rank 0 evicted or removed its file)."""
+        """Delete the part of ``key`` (rank 0 evicted or removed its file), after a queued
+        write of the same key: rank 0 may evict a snapshot while this rank's writer still
+        has its part queued, which was written after the removal and left behind."""
+        self.writer.wait_for(lambda item: item.key == key)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path(key))
 

@@ -130,7 +130,7 @@ SESSION_PREFIX = "session."
 _FILE_RE = re.compile(r"^([0-9a-f]{40})\.safetensors$")
 # A pipeline rank's part of a snapshot (``ds4mlx.kv.parts``): never scanned or evicted
 # here, only removed with the rest by `clear_dir`.
-_PART_RE = re.compile(r"^[0-9a-f]{40}\.rank[0-9]+\.safetensors$")
+_PART_RE = re.compile(r"^([0-9a-f]{40})\.rank[0-9]+\.safetensors$")
 
 
 # Bad files logged one by one per scan; the rest in one line (a directory of 20,000 stray
@@ -601,10 +601,23 @@ def match_keys(dir: str | os.PathLike, prefix: str) -> list[Path]:
     )
 
 
-def clear_dir(dir: str | os.PathLike) -> int:
+def files_of_keys(dir: str | os.PathLike, prefix: str) -> dict[str, list[Path]]:
+    """The files in ``dir`` of each snapshot key starting with ``prefix``
+    (case-insensitive): its snapshot file and the pipeline ranks' parts
+    (``ds4mlx.kv.parts``), which a rank > 0's directory may hold alone."""
+    prefix = prefix.lower()
+    keys: dict[str, list[Path]] = {}
+    for de in _list_dir(Path(dir)):
+        m = _FILE_RE.match(de.name) or _PART_RE.match(de.name)
+        if m is not None and de.name.startswith(prefix):
+            keys.setdefault(m.group(1), []).append(Path(de.path))
+    return {k: sorted(v) for k, v in sorted(keys.items())}
+
+
+def clear_dir(dir: str | os.PathLike) -> tuple[int, int]:
     """Remove every snapshot file, every pipeline rank's part file, the hit index and
-    dead writers' temp files from ``dir``; returns the number of snapshot files removed
-    (parts not counted). Files of other names are left alone, and so is an
+    dead writers' temp files from ``dir``; returns how many snapshot files and how many
+    part files were removed. Files of other names are left alone, and so is an
     ``index.json`` that is not the cache's (not a regular file, or neither in its
     format nor beside snapshots: a project's own file of that name)."""
     n = parts = 0
@@ -620,7 +633,7 @@ def clear_dir(dir: str | os.PathLike) -> int:
     if index.is_file() and not index.is_symlink() and (n or parts or _index_format(index)):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(index)
-    return n
+    return n, parts
 
 
 def _index_format(path: Path) -> bool:

@@ -423,17 +423,21 @@ def sessions_that_fit(
     dtype_bytes: int | None = None,
     gpu: bool | None = None,
     mtp: bool = False,
+    part: RankPart | None = None,
 ) -> tuple[int, FitReport]:
     """``ds4mlx serve``'s default ``--sessions``: how many resident states (each with its
     KV at ``ctx_size``) the memory budget holds after the weights and working memory,
     at most ``cap`` and at least 1; with the report of that many. ``mtp``: the
-    drafter's ``mtp.*`` weights are loaded too (``check_fit``).
+    drafter's ``mtp.*`` weights are loaded too; ``part``: only what one rank of a split
+    model holds (``check_fit``).
 
     Raises:
         FitError: not even one state fits (the message has the numbers).
         ValueError: a bad config or memory limit.
     """
-    one = check_fit(path, ctx_size, 1, memory_limit, dtype_bytes=dtype_bytes, gpu=gpu, mtp=mtp)
+    one = check_fit(
+        path, ctx_size, 1, memory_limit, dtype_bytes=dtype_bytes, gpu=gpu, mtp=mtp, part=part
+    )
     spare = one.available - one.total
     n = max(1, min(cap, 1 + spare // max(1, one.kv_per_session)))
     return n, replace(one, sessions=n)

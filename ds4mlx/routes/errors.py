@@ -242,10 +242,11 @@ def failed_to_api(ev: JobFailed, wording: Wording = Wording()) -> APIError:
         return context_error(ev.n_prompt_tokens or 0, ev.n_ctx or 0, wording.param)
     if ev.kind == Failure.EMPTY_PROMPT:
         return APIError(400, "empty prompt", param=wording.param)
-    if ev.kind == Failure.SHUTTING_DOWN:
-        return APIError(
-            503, "server is shutting down", type="server_error", anthropic_type="overloaded_error"
-        )
+    if ev.kind in (Failure.SHUTTING_DOWN, Failure.RANK_LOST):
+        why = "server is shutting down"
+        if ev.kind == Failure.RANK_LOST:  # the line names a rank and the ring's error only
+            why = f"{ev.detail}; the server is stopping"
+        return APIError(503, why, type="server_error", anthropic_type="overloaded_error")
     return internal_error(ev.detail)
 
 

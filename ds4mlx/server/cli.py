@@ -6,6 +6,7 @@ import atexit
 import logging
 import os
 import signal
+from dataclasses import dataclass
 
 from ds4mlx.model.demo import (
     DEMO_CTX,
@@ -63,13 +64,41 @@ def port_problem(host: str, port: int) -> str | None:
     return None
 
 
+class Refused(Exception):
+    """``serve`` cannot start with these flags: ``line`` says why (printed after
+    ``ds4mlx serve:``; None when another rank says it), ``code`` is the exit code."""
+
+    def __init__(self, line: str | None, code: int = 2):
+        super().__init__(line)
+        self.line, self.code = line, code
+
+
 def run_serve(args, register) -> int:
     """``ds4mlx serve``: load the model (or make the demo one) and serve until stopped.
 
     ``register(app)`` adds the routes (``ds4mlx.routes.register``; the command line
-    chooses them: the server imports no route module)."""
+    chooses them: the server imports no route module). Every flag that needs no weights
+    is checked first, on every rank of a ``--distributed`` launch, which share their
+    refusals before anything else (`ds4mlx.engine.rankfit.share_refusal`): one line,
+    rank 0's, and the same exit code everywhere."""
     import sys
 
+    from ds4mlx.engine.pipeline import launched_rank
+
+    _log_to_stderr(args)
+    rank = launched_rank() if args.distributed else 0
+    try:
+        plan = _checked(args, rank)
+    except Refused as e:
+        if e.line is not None:
+            print(f"ds4mlx serve: {e.line}", file=sys.stderr)
+        return e.code
+    if rank > 0:
+        return _follow(args, plan.model, plan.split)
+    return _serve(args, plan.model, plan, register)
+
+
+def _log_to_stderr(args) -> None:
     from ds4mlx.sanitize import LogFormatter
 
     # Log lines quote what clients send (paths, ids, schema keys): escaped, so a
@@ -81,49 +110,110 @@ def run_serve(args, register) -> int:
         handlers=[handler],
     )
     logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
-    if args.trace and (problem := _trace_problem(args.trace)):
-        print(f"ds4mlx serve: --trace {args.trace}: {problem}", file=sys.stderr)
-        return 2
+
+
+@dataclass
+class _Plan:
+    """What the checked flags give: the split, the disk cache settings, why
+    ``--sessions`` is what it is, and (rank 0) the server's config."""
+
+    model: str
+    split: list[int] | None
+    kv: object = None
+    config: ServerConfig | None = None
+
+
+def _checked(args, rank: int) -> _Plan:
+    """The flags checked (`_plan`), on every rank; under ``--distributed`` the ranks'
+    refusals are shared first, so a rank refuses when any does.
+
+    Raises:
+        Refused: this rank's, or (``line`` None on a rank > 0) another rank's.
+    """
+    from ds4mlx.engine.rankfit import share_refusal
+
+    try:
+        plan, mine = _plan(args, rank), None
+    except Refused as e:
+        plan, mine = None, e
+    if not (args.distributed or "MLX_RANK" in os.environ):
+        if mine is not None:
+            raise mine
+        return plan
+    shared = share_refusal(mine.code if mine else 0, args.rank_timeout)
+    if shared is None:
+        return plan
+    first, code = shared
+    if mine is not None and (rank == 0 or first > 0):
+        raise mine  # rank 0 says why; a follower says its own only when rank 0 is fine
+    raise Refused(None if rank > 0 else f"rank {first} refused to start (it says why)", code)
+
+
+def _plan(args, rank: int) -> _Plan:
+    """Find the model (`_model_dir`) and check every flag that needs no weights (rank 0
+    also the port and ``--trace`` path, which only it uses).
+
+    Raises:
+        Refused: no model (its message printed: ``line`` None), a bad flag (code 2),
+            or a port already taken (code 1).
+    """
+    from ds4mlx.engine.pipeline import PipelineError, distributed_split
+
+    if rank == 0 and args.trace and (problem := _trace_problem(args.trace)):
+        raise Refused(f"--trace {args.trace}: {problem}")
     model = _model_dir(args)
     if model is None:
-        return 2
-    split, done = _pipeline_role(args, model)
-    if done is not None:
-        return done
-    busy = port_problem(args.host, args.port)
-    if busy is not None:
-        print(
-            f"ds4mlx serve: cannot listen on {args.host}:{args.port}: {busy}",
-            file=sys.stderr,
-        )
-        return 1
-    from ds4mlx.server.connections import raise_open_file_limit
-
-    raise_open_file_limit()  # every client connection holds a descriptor
+        raise Refused(None)
     try:
-        kv, sessions_why = _kv_settings(args, model)
-    except ValueError as e:
-        print(f"ds4mlx serve: {e}", file=sys.stderr)
-        return 2
+        split = distributed_split(args.distributed, args.pipeline_split, args.speculative)
+    except PipelineError as e:
+        raise Refused(str(e)) from None
+    if rank == 0 and (busy := port_problem(args.host, args.port)) is not None:
+        raise Refused(f"cannot listen on {args.host}:{args.port}: {busy}", 1)
     if args.tokens is not None and args.tokens < 1:
-        print("ds4mlx serve: --tokens must be >= 1", file=sys.stderr)
-        return 2
-    cap = (args.tokens or DEMO_MAX_TOKENS) if args.demo else None
+        raise Refused("--tokens must be >= 1")
     if args.tool_memory_max_ids < 1:
-        print("ds4mlx serve: --tool-memory-max-ids must be >= 1", file=sys.stderr)
-        return 2
+        raise Refused("--tool-memory-max-ids must be >= 1")
+    if args.max_connections is not None and args.max_connections < 1:
+        raise Refused("--max-connections must be >= 1")
     from ds4mlx.origins import api_keys_from
 
     try:
+        _ctx_problem(args.ctx, model)
+        kv, sessions_why = _kv_settings(args, model, split)
         api_keys = api_keys_from(args.api_key, os.environ.get("DS4MLX_API_KEY"))
         origins = _origins(args.allowed_origin)
     except ValueError as e:
-        print(f"ds4mlx serve: {e}", file=sys.stderr)
-        return 2
-    if args.max_connections is not None and args.max_connections < 1:
-        print("ds4mlx serve: --max-connections must be >= 1", file=sys.stderr)
-        return 2
-    config = ServerConfig(
+        raise Refused(str(e)) from None
+    if rank > 0:
+        return _Plan(model, split, kv)
+    return _Plan(model, split, kv, _config(args, kv, sessions_why, api_keys, origins))
+
+
+def _ctx_problem(ctx: int | None, model: str) -> None:
+    """Refuse ``--ctx`` beyond the model's positions before its weights load (the same
+    check as the engine's, `ds4mlx.engine.core.check_ctx_size`).
+
+    Raises:
+        ValueError: out of range (the message). A config that cannot be read is left
+            to the load, which says why.
+    """
+    if ctx is None:
+        return
+    from ds4mlx.engine.core import check_ctx_size, max_positions_of
+    from ds4mlx.model.checkpoint import read_config
+
+    try:
+        config = read_config(model)
+    except Exception:  # noqa: BLE001 - the load reports a bad checkpoint with its reason
+        config = {}
+    check_ctx_size(ctx, max_positions_of(None, config))
+
+
+def _config(args, kv, sessions_why, api_keys, origins) -> ServerConfig:
+    """Rank 0's `ServerConfig` from the checked flags."""
+    cap = (args.tokens or DEMO_MAX_TOKENS) if args.demo else None
+    return ServerConfig(
         model_name=args.served_model_name,
         default_max_tokens=cap if args.demo else args.tokens,
         max_tokens_cap=cap,
@@ -147,8 +237,20 @@ def run_serve(args, register) -> int:
         grammar_compile_ms=args.grammar_compile_ms,
     )
 
+
+def _serve(args, model: str, plan: _Plan, register) -> int:
+    """Rank 0 (or the one process): load the model on the worker thread and serve."""
+    import sys
+
+    from ds4mlx.server.connections import raise_open_file_limit
+
+    raise_open_file_limit()  # every client connection holds a descriptor
+    config = plan.config
+    # Ignored while the ranks checked their flags (`ds4mlx.cli.main`): from here
+    # SIGTERM (mlx.launch's, or its death signal) stops rank 0.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        engine, worker = start_worker(_loader(args, model, kv.sessions, split), config)
+        engine, worker = start_worker(_loader(args, model, plan.kv.sessions, plan.split), config)
     except Exception as e:  # LoadError, TokenizerError, OSError, ValueError…
         print(f"ds4mlx serve: cannot load model {model}: {e}", file=sys.stderr)
         if args.distributed:
@@ -162,6 +264,34 @@ def run_serve(args, register) -> int:
     except OSError as e:
         print(f"ds4mlx serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
+
+
+def _follow(args, model: str, split: list[int] | None) -> int:
+    """A rank > 0: run its layers for rank 0 until shutdown (0); a refusal while loading
+    (its line printed) is 2, a lost rank 0 is 1, as on rank 0."""
+    import sys
+
+    from ds4mlx.engine.distributed import load_distributed
+    from ds4mlx.model.errors import LoadError
+
+    try:
+        # Ranks > 0 run their layers for rank 0 and never listen; they keep their parts
+        # of rank 0's disk snapshots in the same --kv-disk-dir path.
+        load_distributed(
+            model,
+            ctx_size=args.ctx,
+            split=split,
+            mode=args.distributed,
+            parts=_part_store(args),
+            rank_timeout=args.rank_timeout,
+        )
+    except (LoadError, ValueError, OSError) as e:  # PipelineError is a ValueError
+        print(f"ds4mlx serve: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # PeerLost, the ring's error: rank 0 is gone
+        print(f"ds4mlx serve: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _origins(given: list[str]) -> list:
@@ -202,41 +332,7 @@ def _model_dir(args) -> str | None:
     return model
 
 
-def _pipeline_role(args, model: str) -> tuple[list[int] | None, int | None]:
-    """``(split, done)`` for ``--distributed pipeline``: the parsed ``--pipeline-split``,
-    and an exit code when this process is finished before serving: a rank > 0, which ran
-    its layers for rank 0 until shutdown (0), or a bad flag (2)."""
-    import sys
-
-    if not args.distributed and args.pipeline_split is None:
-        return None, None
-    from ds4mlx.engine.distributed import load_distributed
-    from ds4mlx.engine.pipeline import PipelineError, follower_rank, parse_split
-
-    try:
-        if not args.distributed:
-            raise PipelineError("--pipeline-split needs --distributed pipeline")
-        split = parse_split(args.pipeline_split)
-        if follower_rank():
-            # Ranks > 0 run their layers for rank 0 and never listen; they keep their
-            # parts of rank 0's disk snapshots in the same --kv-disk-dir path.
-            parts = _part_store(args)
-            load_distributed(
-                model,
-                ctx_size=args.ctx,
-                split=split,
-                mode=args.distributed,
-                parts=parts,
-                rank_timeout=args.rank_timeout,
-            )
-            return split, 0
-    except (PipelineError, ValueError, OSError, RuntimeError) as e:
-        print(f"ds4mlx serve: {e}", file=sys.stderr)
-        return None, 2
-    return split, None
-
-
-def _kv_settings(args, model: str):
+def _kv_settings(args, model: str, split: list[int] | None = None):
     """``(KVCacheSettings, sessions_why)`` from the flags: ``--sessions`` resolved
     (`_default_sessions`).
 
@@ -245,10 +341,13 @@ def _kv_settings(args, model: str):
     """
     from ds4mlx.kv.policy import KVCacheSettings
 
-    refused = _sessions_refusal(args.sessions, model, args.ctx)
+    # Under --distributed no rank holds the whole model: each checks its own part
+    # against its own memory when the split is known (`ds4mlx.engine.rankfit`).
+    whole = args.sessions if not args.distributed or (args.sessions or 1) < 1 else None
+    refused = _sessions_refusal(whole, model, args.ctx)
     if refused is not None:
         raise ValueError(refused)
-    kv, sessions_why = _default_sessions(KVCacheSettings.from_args(args), args, model)
+    kv, sessions_why = _default_sessions(KVCacheSettings.from_args(args), args, model, split)
     if kv.enabled and kv.disk_dir is not None:
         from ds4mlx.fsutil import private_dir
         from ds4mlx.kv.store import cache_file
@@ -336,11 +435,12 @@ def _sessions_refusal(n: int | None, model: str, ctx: int | None) -> str | None:
     return None
 
 
-def _default_sessions(kv, args, model: str):
+def _default_sessions(kv, args, model: str, split: list[int] | None = None):
     """``(settings, why)``: ``kv`` with ``--sessions`` resolved. Given, it is kept
     (`_sessions_refusal` refused it already when memory cannot hold it); absent, it is
     min(4, what the memory budget holds after the weights), at least 1
-    (`ds4mlx.model.fit.sessions_that_fit`)."""
+    (`ds4mlx.model.fit.sessions_that_fit`); under ``--distributed`` after each rank's
+    part instead (``split``; the fewest over the ranks, on this machine's budget)."""
     from dataclasses import replace
 
     from ds4mlx.model.fit import DEFAULT_SESSIONS, sessions_that_fit
@@ -352,9 +452,13 @@ def _default_sessions(kv, args, model: str):
         from ds4mlx.model.checkpoint import read_config
         from ds4mlx.model.config import ModelArgs
 
-        kind = ModelArgs.from_dict(read_config(model)).drafter
-        drafter = args.speculative in ("auto", kind)
-        n, report = sessions_that_fit(model, args.ctx, mtp=drafter)
+        margs = ModelArgs.from_dict(read_config(model))
+        drafter = args.speculative in ("auto", margs.drafter)
+        parts = _rank_parts(args.distributed, margs.n_layers, split)
+        n, report = min(
+            (sessions_that_fit(model, args.ctx, mtp=drafter, part=part) for part in parts),
+            key=lambda fit: fit[0],
+        )
     except Exception:  # FitError, a bad config: the load reports it with its numbers
         return kv, "default"
     kv = replace(kv, sessions=n)
@@ -365,6 +469,26 @@ def _default_sessions(kv, args, model: str):
     else:
         why = f"default: min({DEFAULT_SESSIONS}, what memory holds after the weights)"
     return kv, why
+
+
+def _rank_parts(mode: str | None, n_layers: int, split: list[int] | None) -> list:
+    """What each rank of ``--distributed mode`` holds (`ds4mlx.engine.rankfit`), for the
+    launch's rank count (``launched_world``); ``[None]`` (the whole model) in one process.
+
+    Raises:
+        ValueError: a split that does not fit the layers, or an unknown rank count.
+    """
+    if mode is None:
+        return [None]
+    from ds4mlx.engine.pipeline import launched_world, split_layers
+    from ds4mlx.engine.rankfit import pipeline_parts, tensor_parts
+
+    world = launched_world()
+    if world is None:
+        raise ValueError("not launched by mlx.launch")
+    if mode == "tensor":
+        return tensor_parts(n_layers, world)
+    return pipeline_parts(split_layers(n_layers, world, split))
 
 
 def _trace_problem(path: str) -> str | None:

@@ -38,6 +38,13 @@ log = logging.getLogger("ds4mlx.server")
 # --------------------------------------------------------------------------- worker
 
 
+class LoadInterrupted(KeyboardInterrupt):
+    """Ctrl-C while the worker thread loads the engine. The load cannot be stopped midway
+    (MLX reads the weights in its own calls) and a process that finalizes the
+    interpreter while a thread is inside MLX aborts ("terminate called without an active
+    exception", SIGABRT): whoever catches this ends the process with ``os._exit``."""
+
+
 class Worker:
     """The inference thread: runs `Job`s one at a time on the engine's live session.
 
@@ -97,6 +104,8 @@ class Worker:
 
         Raises:
             Exception: whatever ``load`` raised (the thread has exited).
+            LoadInterrupted: Ctrl-C while ``load`` runs (it goes on: the process must
+                end without finalizing the interpreter).
         """
         ready = threading.Event()
         box: dict[str, Any] = {}
@@ -105,7 +114,7 @@ class Worker:
             import mlx.core as mx
 
             try:
-                if self._load(load, box):
+                if _load(self, load, box):
                     ready.set()
                     self._run()
             finally:
@@ -116,33 +125,17 @@ class Worker:
                 ready.set()
 
         self._thread = threading.Thread(target=main, name="ds4mlx-worker", daemon=True)
-        self._thread.start()
-        ready.wait()
+        try:
+            self._thread.start()
+            ready.wait()
+        except KeyboardInterrupt:
+            if self._thread.is_alive():
+                raise LoadInterrupted from None
+            raise
         if "error" in box:
             self._thread.join()  # its streams are cleared: nothing MLX is left to exit
             raise box["error"]
         return self.engine
-
-    def _load(self, load: Callable[[], Any], box: dict[str, Any]) -> bool:
-        """On the worker thread: build the engine and open the prompt cache; False with
-        ``box["error"]`` set when either raised. The error's frames are cleared here, so
-        the arrays they held (a half-built engine) are freed on this thread, before its
-        streams are."""
-        try:
-            engine = load()
-            from ds4mlx.kv.cache import PromptCache
-
-            self.engine = engine
-            self.session = engine.session
-            self.tokenizer = engine.tokenizer
-            # On this thread: the disk cache's arrays belong to it.
-            self.cache = PromptCache.open(engine, self.kv_settings, self.tool_memory)
-            return True
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            traceback.clear_frames(e.__traceback__)
-            self.engine = self.session = self.tokenizer = None
-            box["error"] = e
-            return False
 
     def submit(self, request: GenRequest) -> Job:
         """Queue ``request`` (FIFO) and return its `Job`. Call on the event loop."""
@@ -218,19 +211,23 @@ class Worker:
                 if not _refused(self, job):
                     self._run_job(job)
             except BaseException as e:  # noqa: BLE001 - the worker must survive anything
-                log.exception("job %d failed", job.id)
+                lost = _lost_rank(self, e)
+                if lost is None:
+                    log.exception("job %d failed", job.id)
                 # A failure inside the model may leave half-fed caches: start clean.
                 try:
                     (self._active or self.session).reset()
                 except Exception:  # pragma: no cover
                     log.exception("session reset failed")
-                job.emit(JobFailed(Failure.INTERNAL, detail=f"{type(e).__name__}: {e}"))
+                job.emit(_failure(e, lost))
                 if isinstance(e, KeyboardInterrupt | SystemExit):
                     raise
-                _stop_if_fatal(self, e)
+                if lost is not None:
+                    _stop_for(self, f"job {job.id} failed: {lost}")
             finally:
                 self.current = None
                 self._finish(job)
+        _stop_if_gone(self)
         try:
             # After a lost rank nothing more is sent to the ranks: no shutdown snapshot.
             self.cache.shutdown(save=self.exit_code == 0)
@@ -338,6 +335,28 @@ class Worker:
         _log_job(job, plan, result, outcome, t_start, detail)
 
 
+def _load(worker: Worker, load: Callable[[], Any], box: dict[str, Any]) -> bool:
+    """On the worker thread: build ``worker``'s engine and open its prompt cache; False
+    with ``box["error"]`` set when either raised. The error's frames are cleared here, so
+    the arrays they held (a half-built engine) are freed on this thread, before its
+    streams are."""
+    try:
+        engine = load()
+        from ds4mlx.kv.cache import PromptCache
+
+        worker.engine = engine
+        worker.session = engine.session
+        worker.tokenizer = engine.tokenizer
+        # On this thread: the disk cache's arrays belong to it.
+        worker.cache = PromptCache.open(engine, worker.kv_settings, worker.tool_memory)
+        return True
+    except BaseException as e:  # noqa: BLE001 - handed to the caller
+        traceback.clear_frames(e.__traceback__)
+        worker.engine = worker.session = worker.tokenizer = None
+        box["error"] = e
+        return False
+
+
 def _outcome(result, plan, decision: str) -> JobDone:
     """The job's final event from its `TurnResult` and plan."""
     return JobDone(
@@ -368,16 +387,39 @@ def _refused(worker: Worker, job: Job) -> bool:
     return True
 
 
-def _stop_if_fatal(worker: Worker, e: BaseException) -> None:
-    """A failure no later job can avoid (a pipeline rank is gone: every forward call needs
-    it) stops the server with exit code 1 instead of failing every request after it."""
+def _lost_rank(worker: Worker, e: BaseException) -> str | None:
+    """The lost-rank line (``rank 1 lost: …``) when ``e`` means a rank of a split model is
+    gone (``lost_peer``), else None."""
     lost = getattr(worker.engine.model, "lost_peer", None)
-    line = lost(e) if lost is not None else None
-    if line is None:
-        return
+    return lost(e) if lost is not None else None
+
+
+def _failure(e: BaseException, lost: str | None) -> JobFailed:
+    """A failed job's event: a lost rank (the server stops: a 503 naming the rank, not a
+    fault of the server) or an internal error naming the exception's type."""
+    if lost is not None:
+        return JobFailed(Failure.RANK_LOST, detail=lost)
+    return JobFailed(Failure.INTERNAL, detail=f"{type(e).__name__}: {e}")
+
+
+def _stop_for(worker: Worker, line: str) -> None:
+    """A failure no later job can avoid (a pipeline rank is gone: every forward call needs
+    it) stops the server with exit code 1 instead of failing every request after it; one
+    log line says why (``line``), no traceback."""
     log.error("%s; stopping the server", line)
     worker.exit_code = 1
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _stop_if_gone(worker: Worker) -> None:
+    """Before the shutdown snapshots: a split model's rank that died while the server
+    idled (nothing failed; the launcher's SIGTERM is what stopped the server) makes the
+    exit code 1 with the lost-rank line, and no snapshot is saved."""
+    closed = getattr(worker.engine.model, "peer_closed", None)
+    line = closed() if closed is not None and worker.exit_code == 0 else None
+    if line is not None:
+        log.error("%s; stopping the server without shutdown snapshots", line)
+        worker.exit_code = 1
 
 
 def _log_job(job: Job, plan, result, outcome: JobDone, t_start: float, detail: str) -> None:
