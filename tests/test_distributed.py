@@ -598,33 +598,17 @@ def test_every_rank_refuses_a_bad_serve_flag_alike(tiny_f32_dir, flags, code, li
     a rank slower to refuse was killed, ``--ctx`` and ``--speculative`` were refused
     after the weights loaded, and ``--sessions`` by the whole model's fit.) Malformed
     splits are refused the same way (`distributed_split`, above)."""
-    import subprocess
-
     from server_util import free_port
 
-    from tests.dist_util import _ring
+    from tests.dist_util import _launched
 
     held, port = _busy_port()
     argv = [sys.executable, "-m", "ds4mlx.cli", "serve", "-m", str(tiny_f32_dir)]
     argv += ["--distributed", "pipeline", "--kv-disk-dir", "none", "--port", str(free_port())]
     argv += [str(port) if f == "BUSY" else f for f in flags]
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
-    stdin, keep = os.pipe()
-    proc = subprocess.Popen(
-        _ring(argv),
-        stdin=stdin,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    os.close(stdin)
     try:
-        log, _ = proc.communicate(timeout=300)
+        log = _launched(argv, 300, clean=False)
     finally:
-        kill_group(proc)
-        os.close(keep)
         held.close()
     codes = dict(re.findall(r"rank (\d) exited with code (-?\d+)", log))
     assert codes == {"0": str(code), "1": str(code)}, log[-3000:]
