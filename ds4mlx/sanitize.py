@@ -11,8 +11,11 @@ terminal that honours 8-bit controls) — is replaced by its escape in one form,
 CSI as ``\\x9b``. So are the Unicode bidi embeddings, overrides and isolates
 (U+202A–U+202E, U+2066–U+2069), as ``\\uNNNN``: a bidi-aware terminal (macOS Terminal,
 iTerm2, Konsole) reorders the text around them, so a command could read as something
-else than what runs (Trojan Source, CVE-2021-42574). Right-to-left letters and the plain
-direction marks stay. The escape is plain printable text, so sanitizing is idempotent.
+else than what runs (Trojan Source, CVE-2021-42574). So are the Unicode tag characters
+(U+E0000–U+E007F), as ``\\UNNNNNNNN``: invisible in a terminal, they spell ASCII a file can
+carry unseen ("ASCII smuggling": instructions to the model the user never sees).
+Right-to-left letters and the plain direction marks stay. The escape is plain printable
+text, so sanitizing is idempotent.
 
 The agent's terminal UI (:mod:`ds4mlx.agent.ui`) applies it to everything it prints, the
 shell tool to the command output the model reads
@@ -26,19 +29,23 @@ from __future__ import annotations
 import logging
 import re
 
-# C0 without \t (0x09) and \n (0x0a), DEL (0x7f), C1 (0x80-0x9f), and the bidi
-# embeddings/overrides (U+202A-U+202E) and isolates (U+2066-U+2069).
-CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+# C0 without \t (0x09) and \n (0x0a), DEL (0x7f), C1 (0x80-0x9f), the bidi
+# embeddings/overrides (U+202A-U+202E) and isolates (U+2066-U+2069), the tags.
+CONTROL_RE = re.compile(
+    r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\U000e0000-\U000e007f]"
+)
 
 
 def _escape(m: re.Match[str]) -> str:
     code = ord(m.group())
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def escape_controls(text: str) -> str:
     """``text`` with every control character except ``\\n``/``\\t`` written as ``\\xNN``
-    (a bidi control as ``\\uNNNN``).
+    (a bidi control as ``\\uNNNN``, a tag character as ``\\UNNNNNNNN``).
 
     Args:
         text: any string (Python ``str``, so a C1 control is one code point).
@@ -46,7 +53,7 @@ def escape_controls(text: str) -> str:
     Returns:
         The same string when it holds no such character (the common case costs one
         regex search), else a copy where each one is its escape (four characters,
-        six for a bidi control).
+        six for a bidi control, ten for a tag character).
     """
     if CONTROL_RE.search(text) is None:
         return text

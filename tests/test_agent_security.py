@@ -92,6 +92,17 @@ def test_escape_controls_covers_bidi_overrides_and_keeps_rtl_text() -> None:
     assert escape_controls(rtl) == rtl
 
 
+def test_escape_controls_shows_unicode_tag_characters() -> None:
+    """Tag characters (U+E0000–U+E007F) are invisible in a terminal yet spell ASCII: a
+    file could carry instructions the user never sees ("ASCII smuggling"). They were
+    shown raw; each is now its escape, and an emoji stays."""
+    hidden = "".join(chr(0xE0000 + ord(c)) for c in "rm -rf ~")
+    out = escape_controls(f"fine{hidden}.")
+    assert out == "fine" + "".join(f"\\U{0xE0000 + ord(c):08x}" for c in "rm -rf ~") + "."
+    assert has_controls(hidden) and escape_controls(out) == out
+    assert escape_controls("ok 👍🏽") == "ok 👍🏽"
+
+
 def _ui(width: int = 100) -> tuple[RichUI, io.StringIO]:
     buf = io.StringIO()
     console = SafeConsole(file=buf, force_terminal=True, color_system="standard", width=width)
