@@ -108,7 +108,8 @@ FOLLOWED = object()
 
 
 def _load_engine(model: str, ctx_size: int | None, args: argparse.Namespace | None = None):
-    """Load an engine, turning load errors into one readable line on stderr (None).
+    """Load an engine, turning load errors into one readable line on stderr, headed with
+    the command as serve and agent head theirs (None: exit 2, as they do).
 
     With ``--distributed pipeline`` (under ``mlx.launch``) rank 0 gets an engine whose
     layers are split across the ranks, and the followers its shutdown at exit; other
@@ -135,7 +136,7 @@ def _load_engine(model: str, ctx_size: int | None, args: argparse.Namespace | No
             rank_timeout=args.rank_timeout,
         )
     except (LoadError, OSError, ValueError, RuntimeError) as e:
-        print(f"ds4mlx: cannot load model {model}: {e}", file=sys.stderr)
+        print(f"{_who(args)}: cannot load model {model}: {e}", file=sys.stderr)
         return None
     if engine is None:
         return FOLLOWED
@@ -169,9 +170,15 @@ def _with_speculation(engine, model: str, args: argparse.Namespace | None):
     try:  # ValueError with a message for the user: a drafter the checkpoint lacks
         engine.speculation = speculation_for(engine, args.speculative, args.draft_tokens)
     except ValueError as e:
-        print(f"ds4mlx: cannot load model {model}: {e}", file=sys.stderr)
+        print(f"{_who(args)}: cannot load model {model}: {e}", file=sys.stderr)
         return None
     return engine
+
+
+def _who(args: argparse.Namespace | None) -> str:
+    """``ds4mlx COMMAND``, the head of a command's one-line refusals."""
+    command = getattr(args, "command", None)
+    return f"ds4mlx {command}" if command else "ds4mlx"
 
 
 def add_distributed_flags(p: argparse.ArgumentParser) -> None:
@@ -304,7 +311,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if engine is FOLLOWED:
         return 0
     if engine is None:
-        return 1
+        return 2
     tok = engine.tokenizer
     if args.raw:  # a hand-written template: special-token spellings are recognized
         ids = tok.encode(args.prompt)
@@ -504,7 +511,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return 2
     engine = _load_engine(model, ctx, args)
     if engine is None or engine is FOLLOWED:
-        return 0 if engine is FOLLOWED else 1
+        return 0 if engine is FOLLOWED else 2
     print(
         f"model {engine.path} ({engine.quant_desc}), BLAS {blas_label()}, "
         f"chunk {args.chunk_size}, decode {args.decode_tokens} tokens per frontier",

@@ -77,7 +77,9 @@ BAD = [
     (["serve", "--ctx", "-5", "--demo"], 2, "--ctx: -5 must be at least 1"),
     (["serve", "--memory-limit", "foo", "--demo"], 2, "not a size: 'foo'"),
     (["serve", "-m", "MISSING", "--port", "PORT"], 2, "does not exist"),
-    (["generate", "-m", "MISSING", "-p", "hi"], 1, "does not exist"),
+    # As serve and agent: exit 2, the line headed with the command (it was 1, "ds4mlx:").
+    (["generate", "-m", "MISSING", "-p", "hi"], 2, "ds4mlx generate: cannot load model"),
+    (["bench", "-m", "MISSING"], 2, "ds4mlx bench: cannot load model"),
     (["generate", "-m", "TINY", "-p", "hi", "-n", "-3"], 2, "--max-tokens: -3"),
     (["generate", "-p", "hi"], 2, "-m/--model or --demo is required"),
     (["generate", "-m", "TINY", "--demo", "-p", "hi"], 2, "not both"),
@@ -86,7 +88,7 @@ BAD = [
     (["bench", "--demo", "--frontiers", "64,32"], 2, "increasing"),
     (["bench", "--shape", "flash", "--demo"], 2, "builds its own model"),
     (["bench", "--demo", "--compare"], 2, "--compare needs --distributed"),
-    # A flag error, not a failure to load the model (exit 1, "cannot load model").
+    # A flag error, not a failure to load the model ("cannot load model").
     (["generate", "-m", "TINY", "-p", "hi", "--pipeline-split", "2"], 2, "needs --distributed"),
     (["bench", "--demo", "--pipeline-split", "2"], 2, "--pipeline-split needs --distributed"),
     (["bench", "--demo", "--prefill-repeats", "0"], 2, "--prefill-repeats"),
