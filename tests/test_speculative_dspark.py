@@ -367,6 +367,8 @@ def test_serve_default_sessions_count_the_drafter_speculative_loads(dspark_dir, 
     assert want[True] == 1 < want[False]
     for mode, counted in (("off", False), ("mtp", False), ("dspark", True), ("auto", True)):
         kv, _ = _default_sessions(
-            KV(), Namespace(sessions=None, ctx=256, speculative=mode), str(dspark_dir)
+            KV(),
+            Namespace(sessions=None, ctx=256, speculative=mode, distributed=None),
+            str(dspark_dir),
         )
         assert kv.sessions == want[counted], mode
