@@ -3,7 +3,6 @@ refused before any weight is read."""
 
 from __future__ import annotations
 
-import os
 import re
 
 import numpy as np
@@ -103,11 +102,14 @@ def test_weights_alone_too_big_suggests_lower_bits(tiny_q, monkeypatch):
     assert "DS4MLX_MEMORY_LIMIT" in msg
 
 
-def test_generate_cli_refuses_with_memory_limit(tiny_q, capsys):
+def test_generate_cli_refuses_with_memory_limit(tiny_q, capsys, monkeypatch):
+    # ``--memory-limit`` reaches the loader through the variable (`_apply_memory_limit`):
+    # set under monkeypatch, so it is gone after the test whatever it asserts (a failed
+    # assertion once left it behind for every later test of the worker).
+    monkeypatch.setenv(fit.MEMORY_ENV, "3MB")
     rc = main(["generate", "-m", tiny_q, "-p", "hi", "-n", "2", "--memory-limit", "3MB"])
     err = capsys.readouterr().err
-    assert rc == 1 and "does not fit" in err and "3 MB" in err
-    os.environ.pop(fit.MEMORY_ENV, None)
+    assert rc == 2 and "does not fit" in err and "3 MB" in err
 
 
 def test_device_memory_is_real():
@@ -136,7 +138,7 @@ def test_default_sessions_are_what_memory_holds_at_most_four(tiny_q):
         fit.sessions_that_fit(tiny_q, 4096, base + kv // 2, dtype_bytes=4, gpu=False)
 
 
-def test_serve_refuses_sessions_memory_cannot_hold_with_the_numbers(tiny_q, capsys):
+def test_serve_refuses_sessions_memory_cannot_hold_with_the_numbers(tiny_q, capsys, monkeypatch):
     """Issue 19: ``serve --sessions 0`` and more states than the memory budget holds are
     refused before loading, with the fit check's numbers and how many would fit."""
     from server_util import free_port
@@ -146,6 +148,7 @@ def test_serve_refuses_sessions_memory_cannot_hold_with_the_numbers(tiny_q, caps
     kv = fit.kv_bytes(args, 4096, 2 if mx.default_device() == mx.gpu else 4)
     room = one.weights + one.working + 3 * kv + kv // 2  # three states fit, not four
     limit = ["--memory-limit", str(room), "--ctx", "4096", "--port", str(free_port())]
+    monkeypatch.setenv(fit.MEMORY_ENV, str(room))  # `main` sets it: gone after the test
     assert main(["serve", "-m", tiny_q, "--sessions", "4", *limit]) == 2
     err = capsys.readouterr().err
     assert "--sessions 4 does not fit" in err and "(4 sessions × " in err, err
@@ -157,4 +160,3 @@ def test_serve_refuses_sessions_memory_cannot_hold_with_the_numbers(tiny_q, caps
     per = fit.format_bytes(kv)
     assert f"KV {fit.format_bytes(3 * kv)} (3 sessions × {per} at ctx 4096)" in err, err
     assert "(memory limit override)" in err, err
-    os.environ.pop(fit.MEMORY_ENV, None)
