@@ -844,12 +844,9 @@ def _echo_tools(req: ResponsesRequest) -> list[dict[str, Any]]:
     return [t.model_dump(by_alias=True, exclude_none=True) for t in req.tools or []]
 
 
-def _response_object(
-    req: ResponsesRequest, model: str, sampling: SamplingParams | None
-) -> dict[str, Any]:
+def _response_object(req: ResponsesRequest, model: str, sampling: SamplingParams) -> dict[str, Any]:
     """The response object of ``req`` before its output (``in_progress``): the request's
-    settings as they served it (``sampling``: what drew the reply, or None for the
-    request's own values)."""
+    settings as they served it (``sampling``: what drew the reply)."""
     return {
         "id": new_id("resp_"),
         "object": "response",
@@ -874,11 +871,11 @@ def _response_object(
         "store": False,
         # What sampled the reply (thinking mode samples at DeepSeek's settings,
         # whatever the request asked).
-        "temperature": sampling.temperature if sampling else _or(req.temperature, 1.0),
+        "temperature": sampling.temperature,
         "text": _echo_text(req),
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
         "tools": _echo_tools(req),
-        "top_p": sampling.top_p if sampling else _or(req.top_p, 1.0),
+        "top_p": sampling.top_p,
         "truncation": req.truncation or "disabled",
         "max_tool_calls": req.max_tool_calls,
         "usage": None,
@@ -900,8 +897,8 @@ class ResponseEncoder:
         req: ResponsesRequest,
         model: str,
         carrier,
-        tokenizer=None,
-        sampling: SamplingParams | None = None,
+        tokenizer,
+        sampling: SamplingParams,
     ):
         self.carrier = carrier
         self.lps = _TextLogprobs(tokenizer)
@@ -1177,10 +1174,6 @@ def _encoder(prep: _Prepared) -> ResponseEncoder:
         st.tokenizer,
         sampling=prep.gen.turn.sampling,
     )
-
-
-def _or(value: float | None, default: float) -> float:
-    return default if value is None else value
 
 
 @bp.post("/v1/responses")
