@@ -8,8 +8,8 @@ or the worker, and the worker produces its events without knowing any protocol.
   the prompt as the route rendered it; nothing here has a protocol default (the tool-id
   prefix, the wording of errors, the live-continuation labels are the route's).
 - The events the worker emits: `JobStarted`, `PrefillProgress`, the dsml decoder
-  events, the engine's `TokenLogprob` / `RawText` (token ids: each route turns them into
-  its own texts), and last `JobDone` or `JobFailed`.
+  events, the engine's `TokenLogprob` / `RawText` / `PromptLogprobs` (token ids: each
+  route turns them into its own texts), and last `JobDone` or `JobFailed`.
 - Failures are neutral (`Failure`): a kind with its facts (the unknown id, the token
   counts); each route words them in its protocol.
 
@@ -42,7 +42,7 @@ from ds4mlx.engine.grammar import (
     ll_tokenizer,
     turn_grammar,
 )
-from ds4mlx.engine.turn import RawText, TokenLogprob, TurnSpec
+from ds4mlx.engine.turn import PromptLogprobs, RawText, TokenLogprob, TurnSpec
 
 log = logging.getLogger("ds4mlx.server")
 
@@ -58,6 +58,7 @@ __all__ = [
     "LiveLabels",
     "OutputConstraint",
     "PrefillProgress",
+    "PromptLogprobs",
     "RawText",
     "Script",
     "TokenLogprob",

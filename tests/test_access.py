@@ -42,6 +42,9 @@ ROUTES = [
     ("POST", "/v1/responses", {"model": "deepseek-chat", "input": "hi", "max_output_tokens": 2}),
     ("POST", "/v1/tokenize", {"text": "hi"}),
     ("POST", "/v1/detokenize", {"tokens": [1, 2]}),
+    ("POST", "/tokenize", {"prompt": "hi", "add_special_tokens": False}),
+    ("POST", "/detokenize", {"tokens": [1, 2]}),
+    ("GET", "/tokenizer_info", None),
     ("POST", "/debug/script", {"texts": []}),
 ]
 POSTS = [r for r in ROUTES if r[0] == "POST"]

@@ -91,6 +91,35 @@ def test_chunked_prefill_then_decode_equals_full_forward(engine, prompt, full_lo
     assert int(mx.argmax(s.logits).item()) == int(mx.argmax(full_logits[-1]).item())
 
 
+@pytest.mark.parametrize("chunk", [7, 10_000])
+def test_scored_prefill_rows_are_the_full_forwards(engine, prompt, full_logits, chunk):
+    """``prefill(on_rows=…)``: every token gets the logits it was predicted from (the
+    one forward's row before it), across chunk boundaries and after a prefix fed
+    earlier; a cold session's first token has none. `score_rows` takes the logprob and
+    best alternatives from them, and the session ends as an unscored prefill."""
+    from ds4mlx.engine.turn import score_rows
+
+    s = engine.new_session()
+    seen: list[tuple[mx.array, list[int]]] = []
+    split = 50
+    for part in (prompt[:split], prompt[split:]):
+        s.prefill(part, chunk_size=chunk, on_rows=lambda rows, t: seen.append((rows, t)))
+    assert [t for _, t in seen for t in t] == prompt[1:]
+    rows = mx.concatenate([r for r, _ in seen])
+    assert rows.shape == (len(prompt) - 1, engine.args.vocab_size)
+    assert _maxdiff(rows, full_logits[:-1]) < ATOL
+    assert _maxdiff(s.logits, full_logits[-1]) < ATOL and s.tokens == prompt
+    lps = np.array(full_logits[:-1] - mx.logsumexp(full_logits[:-1], axis=-1, keepdims=True))
+    scored = score_rows(rows, prompt[1:], 3)
+    assert [e.token for e in scored] == prompt[1:]
+    want = lps[np.arange(len(scored)), prompt[1:]]
+    np.testing.assert_allclose([e.logprob for e in scored], want, atol=ATOL)
+    three = np.argpartition(-lps, 3, axis=-1)[:, :3]
+    best = np.take_along_axis(three, np.argsort(-np.take_along_axis(lps, three, -1)), -1)
+    assert [[t for t, _ in e.top] for e in scored] == best.tolist()
+    assert all([v for _, v in e.top] == sorted((v for _, v in e.top), reverse=True) for e in scored)
+
+
 def test_progress_and_cancel(engine, prompt, full_logits):
     s = engine.new_session()
     calls = []

@@ -369,15 +369,93 @@ def test_completions_text_logprobs_echo(oai):
     )
     c = r.choices[0]
     assert c.text.startswith("The sky is") and len(c.text) > len("The sky is")
-    # Echoed prompt tokens come first, with null logprobs (not scored); then the 4 sampled.
-    n_prompt = r.usage.prompt_tokens - 1  # the BOS the server prepended is not echoed
+    # Echoed prompt tokens come first, scored (the first one after the BOS the server
+    # prepended, which is not echoed); then the 4 sampled.
+    n_prompt = r.usage.prompt_tokens - 1
     assert len(c.logprobs.tokens) == n_prompt + 4
     assert "".join(c.logprobs.tokens[:n_prompt]) == "The sky is"
-    assert c.logprobs.token_logprobs[:n_prompt] == [None] * n_prompt
-    assert all(len(t) <= 2 for t in c.logprobs.top_logprobs[n_prompt:])
-    assert all(lp <= 0 for lp in c.logprobs.token_logprobs[n_prompt:])
+    assert all(len(t) == 2 for t in c.logprobs.top_logprobs)
+    assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
     assert c.logprobs.text_offset[n_prompt] == len("The sky is")
     assert r.usage.completion_tokens == 4
+
+
+def _lm_eval_loglikelihood(out: dict, ctxlen: int) -> tuple[float, bool]:
+    """lm-eval's ``local-completions`` reading of a scoring response (its
+    ``parse_logprobs``): the continuation's summed logprobs and whether each of its
+    tokens was the most likely."""
+    lp = out["choices"][0]["logprobs"]
+    tokens_logprobs = lp["token_logprobs"][ctxlen:-1]
+    tops = lp["top_logprobs"][ctxlen:-1]
+    greedy = all(t == max(top.values()) for t, top in zip(tokens_logprobs, tops, strict=True))
+    return sum(tokens_logprobs), greedy
+
+
+def test_completions_score_the_prompt_as_lm_eval_asks(oai, server, trace_file):
+    """lm-eval's loglikelihood requests (``local-completions``: a token-id prompt,
+    ``echo``, ``logprobs`` 1, ``max_tokens`` 1) get every prompt token scored: a
+    continuation fed back as prompt scores as it was sampled (scripted ids, their
+    logprobs under the real logits), and each top entry is its position's best. A scored
+    prompt reuses no cached prefix (decision ``cold``, every time), and ``max_tokens`` 0
+    scores it alone. (Before, the echoed tokens had null logprobs: lm-eval's sum failed.)"""
+    url = server.url + "/v1/completions"
+    # lm-eval's remote tokenizer (vLLM's routes at the server's root): the probe, then
+    # each text encoded without special tokens.
+    info = HTTP.get(server.url + "/tokenizer_info").json()
+    assert info["eos_token"] == EOS and info["bos_token"] == "<｜begin▁of▁sentence｜>"
+
+    def encode(text: str) -> list[int]:
+        body = {"prompt": text, "add_special_tokens": False}
+        return HTTP.post(server.url + "/tokenize", json=body).json()["tokens"]
+
+    context = [0, *encode("Paris is the capital of")]
+    cont = encode(" France, and")
+    back = HTTP.post(server.url + "/detokenize", json={"tokens": cont}).json()
+    assert back["prompt"] == " France, and"
+    r = HTTP.post(server.url + "/debug/script", json={"tokens": [cont]})
+    assert r.status_code == 200, r.text
+    gen = oai.completions.create(
+        model=MODEL, prompt=context, max_tokens=len(cont), temperature=0, logprobs=1
+    ).choices[0]
+    sampled = gen.logprobs.token_logprobs
+    greedy_then = all(
+        v == max(top.values()) for v, top in zip(sampled, gen.logprobs.top_logprobs, strict=True)
+    )
+    body = {"model": MODEL, "prompt": [context + cont], "temperature": 0, "max_tokens": 1}
+    body |= {"logprobs": 1, "seed": 1234, "echo": True}
+    n = len(context) + len(cont)
+    for _ in range(2):  # the second time too: no cached prefix leaves tokens unscored
+        r = HTTP.post(url, json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        lp = out["choices"][0]["logprobs"]
+        assert len(lp["token_logprobs"]) == n + 1 and out["usage"]["prompt_tokens"] == n
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert all(v is not None and v <= 0 for v in lp["token_logprobs"][1:])
+        assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+        assert all(
+            max(top.values()) >= v
+            for v, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:], strict=True)
+        )
+        assert lp["token_logprobs"][len(context) : n] == pytest.approx(sampled, abs=1e-3)
+        total, greedy = _lm_eval_loglikelihood(out, len(context))
+        assert total == pytest.approx(sum(sampled), abs=1e-3) and greedy == greedy_then
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    records = [json.loads(line) for line in trace_file.read_text().splitlines()]
+    plans = [rec for rec in records if rec.get("kind") == "plan"]
+    assert [p["decision"] for p in plans[-2:]] == ["cold", "cold"], plans[-2:]
+    # max_tokens 0: the prompt scored, nothing generated; streamed, the echo comes first
+    # with its logprobs.
+    body |= {"max_tokens": 0}
+    alone = HTTP.post(url, json=body).json()
+    assert alone["choices"][0]["logprobs"]["token_logprobs"] == lp["token_logprobs"][:-1]
+    assert alone["usage"]["completion_tokens"] == 0
+    chunks = list(oai.completions.create(**{**body, "prompt": context + cont}, stream=True))
+    first = chunks[0].choices[0]
+    assert first.logprobs.token_logprobs == lp["token_logprobs"][:-1]
+    assert first.text == alone["choices"][0]["text"]
+    r = HTTP.post(url, json={**body, "echo": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
 def test_completions_token_ids_and_streaming(oai):

@@ -146,6 +146,8 @@ class Engine:
         self.layout = layout
         self.identity = _model_identity(self.path, config, self.quant_desc, layout)
         self._last_logits = _last_logits_fn(model)
+        # Every row's logits ``(L, vocab)`` float32: scoring a prompt (`Session.prefill`).
+        self._row_logits = lambda x, cache: model(x, cache)[0].astype(mx.float32)
         self.speculation = Speculation()
         self.session = Session(self)
 

@@ -135,6 +135,42 @@ def _pipeline_part(
         raise SnapshotError(str(e)) from e
 
 
+def _checked(engine, state: SessionState) -> tuple[list, mx.array | None]:
+    """The caches and logits of ``state`` for ``engine``, checked (its model, its token
+    count against the caches' offsets and the context size, the logits' shape).
+
+    Raises:
+        SnapshotError: a foreign or inconsistent ``state``.
+        ContextOverflowError: it holds more tokens than the engine's context size.
+    """
+    ident, n = state.meta.get("identity"), len(state.tokens)
+    if ident is not None and ident != engine.identity:
+        raise SnapshotError(f"snapshot is for model {ident}, this engine is {engine.identity}")
+    if n > engine.ctx_size:
+        raise ContextOverflowError(0, n, engine.ctx_size)
+    caches = _caches_from(engine.model.make_cache(), state.arrays)
+    offsets = {getattr(c, "offset", n) for c in caches}
+    if offsets != {n}:
+        raise SnapshotError(f"snapshot holds {n} tokens but its caches are at {offsets}")
+    logits = state.arrays.get(_LOGITS_KEY)
+    if (logits is None) != (n == 0):
+        raise SnapshotError("snapshot logits do not match its token count")
+    vocab = engine.args.vocab_size
+    if logits is not None and tuple(logits.shape) != (vocab,):
+        raise SnapshotError(f"snapshot logits have shape {logits.shape}, expected ({vocab},)")
+    return caches, logits
+
+
+def _predicting(before: mx.array | None, rows: mx.array, chunk: list[int]):
+    """``(rows, targets)`` of a chunk fed with every row's logits ``rows`` ``(L, vocab)``:
+    row i predicts ``chunk[i + 1]``, its first token was predicted by the logits the
+    session held before it (``before``; None: it goes unscored), its last row predicts
+    what comes next."""
+    if before is None:
+        return rows[:-1], chunk[1:]
+    return mx.concatenate([before[None], rows[:-1]]), chunk
+
+
 def _eval_settled(engine, *arrays) -> None:
     """Evaluate ``arrays`` (None entries skipped), which cover everything launched, then
     `_settled`."""
@@ -298,14 +334,20 @@ class Session:
 
     # ---- forward
 
-    def _forward(self, tokens: list[int]) -> mx.array:
-        """Feed ``tokens``; return float32 logits ``(vocab,)`` after the last one."""
+    def _forward(self, tokens: list[int], *, rows: bool = False) -> mx.array:
+        """Feed ``tokens``; return float32 logits ``(vocab,)`` after the last one, or with
+        ``rows`` ``(len(tokens), vocab)``: the logits after each of them (the vocab
+        projection then runs on every row; ``logits`` still ends as the last row)."""
         x = mx.array(tokens, dtype=mx.int32)[None]
         try:
-            logits = self.engine._last_logits(x, self._cache)
+            if rows:
+                every = self.engine._row_logits(x, self._cache)
+                logits = every[-1]
+            else:
+                every = logits = self.engine._last_logits(x, self._cache)
             # Evaluate the cache too: its frontier state is not always on the logits'
             # graph, and a lazy graph would otherwise grow across calls.
-            _eval_settled(self.engine, logits, self._cache_arrays())
+            _eval_settled(self.engine, every, logits, self._cache_arrays())
         except BaseException:
             # The caches may hold part of this chunk: the only consistent state left is
             # the empty one. (KeyboardInterrupt included: callers keep the session.)
@@ -314,7 +356,7 @@ class Session:
         self.draft.add(len(self.tokens))
         self.tokens.extend(tokens)
         self.logits = logits
-        return logits
+        return every
 
     def prefill(
         self,
@@ -325,6 +367,7 @@ class Session:
         cancel: Callable[[], bool] | None = None,
         checkpoints: Sequence[int] = (),
         on_checkpoint: Callable[[Session, int], Any] | None = None,
+        on_rows: Callable[[mx.array, list[int]], Any] | None = None,
     ) -> int:
         """Append ``tokens`` to the session in forward passes of at most ``chunk_size``.
 
@@ -345,6 +388,10 @@ class Session:
                 holds the chunks fed so far, consistently.
             checkpoints: absolute token counts where a chunk must end.
             on_checkpoint: called at each checkpoint reached.
+            on_rows: scoring a prompt: after each chunk, ``on_rows(rows, targets)``,
+                the float32 logits ``(k, vocab)`` each of the chunk's ``k`` tokens was
+                predicted from (`_predicting`). The vocab projection then runs on every
+                row (265 MB per 512-row chunk at Flash's 129,280).
         Returns:
             The number of tokens fed (``len(tokens)`` unless cancelled).
         Raises:
@@ -363,7 +410,10 @@ class Session:
         for end in prefill_chunks(start, start + total, chunk_size, checkpoints):
             if cancel is not None and cancel():
                 break
-            self._forward(tokens[done : end - start])
+            chunk, before = tokens[done : end - start], self.logits
+            rows = self._forward(chunk, rows=on_rows is not None)
+            if on_rows is not None:
+                on_rows(*_predicting(before, rows, chunk))
             done = end - start
             if progress is not None:
                 progress(done, total)
@@ -513,25 +563,7 @@ class Session:
                 the session is unchanged.
             ContextOverflowError: it holds more tokens than this context size.
         """
-        ident = state.meta.get("identity")
-        if ident is not None and ident != self.engine.identity:
-            raise SnapshotError(
-                f"snapshot is for model {ident}, this engine is {self.engine.identity}"
-            )
-        if len(state.tokens) > self.ctx_size:
-            raise ContextOverflowError(0, len(state.tokens), self.ctx_size)
-        caches = _caches_from(self.engine.model.make_cache(), state.arrays)
-        offsets = {getattr(c, "offset", len(state.tokens)) for c in caches}
-        if offsets != {len(state.tokens)}:
-            raise SnapshotError(
-                f"snapshot holds {len(state.tokens)} tokens but its caches are at {offsets}"
-            )
-        logits = state.arrays.get(_LOGITS_KEY)
-        if (logits is None) != (len(state.tokens) == 0):
-            raise SnapshotError("snapshot logits do not match its token count")
-        vocab = self.engine.args.vocab_size
-        if logits is not None and tuple(logits.shape) != (vocab,):
-            raise SnapshotError(f"snapshot logits have shape {logits.shape}, expected ({vocab},)")
+        caches, logits = _checked(self.engine, state)
         _pipeline_part(self.engine, caches, state, restore=True)
         self.draft.clear()
         self._cache = caches

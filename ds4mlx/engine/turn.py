@@ -109,6 +109,10 @@ class TurnSpec:
             drafted positions too (each verify row after the accepted tokens before it).
         thinking_budget: with ``thinking``, the most reasoning tokens before
             ``</think>`` is fed (`ds4mlx.engine.thinking_budget`), or None (no cap).
+        prompt_logprobs: score the prompt: each prefilled token's logprob with this
+            many alternatives (a `PromptLogprobs` event after the prefill, before any
+            sampled token), or None. The caller prefills the whole prompt (a token
+            the session already held is not scored).
     """
 
     sampling: SamplingParams
@@ -130,6 +134,7 @@ class TurnSpec:
     pipeline: bool = True
     grammar: Any = None
     thinking_budget: int | None = None
+    prompt_logprobs: int | None = None
 
 
 class PrefillPlan(Protocol):
@@ -156,6 +161,15 @@ class TokenLogprob:
     token: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class PromptLogprobs:
+    """The scored prompt (`TurnSpec.prompt_logprobs`): one entry per prefilled token, in
+    order: its `TokenLogprob` under the logits it was predicted from, or None for a
+    first token nothing predicted (the session held no logits before it)."""
+
+    entries: list[TokenLogprob | None]
 
 
 @dataclass
@@ -231,18 +245,42 @@ class TurnResult:
 _NO_HOOKS = TurnHooks()
 
 
+def _best(lps: mx.array, top_n: int) -> list[list[tuple[int, float]]]:
+    """The ``top_n`` best ``(id, logprob)`` pairs of each row of log-probabilities
+    ``(R, vocab)``, most likely first (``top_n`` <= 0: empty lists)."""
+    if top_n <= 0:
+        return [[] for _ in range(lps.shape[0])]
+    idx = mx.argpartition(-lps, top_n - 1, axis=-1)[:, :top_n]
+    vals = mx.take_along_axis(lps, idx, axis=-1)
+    mx.eval(idx, vals)
+    return [
+        sorted(((int(i), float(v)) for i, v in zip(ids, vs, strict=True)), key=lambda p: -p[1])
+        for ids, vs in zip(idx.tolist(), vals.tolist(), strict=True)
+    ]
+
+
 def top_logprobs(logits: mx.array, top_n: int) -> tuple[mx.array, list[tuple[int, float]]]:
     """Log-softmax of float32 ``logits`` ``(vocab,)`` and its ``top_n`` best ``(id, logprob)``
     pairs, most likely first (``top_n`` 0: empty list)."""
     lps = logits.astype(mx.float32)
     lps = lps - mx.logsumexp(lps, keepdims=True)
-    if top_n <= 0:
-        return lps, []
-    idx = mx.argpartition(-lps, top_n - 1)[:top_n]
-    vals = lps[idx]
-    mx.eval(idx, vals)
-    pairs = sorted(zip(idx.tolist(), vals.tolist(), strict=True), key=lambda p: -p[1])
-    return lps, [(int(i), float(v)) for i, v in pairs]
+    return lps, _best(lps[None], top_n)[0]
+
+
+def score_rows(rows: mx.array, targets: Sequence[int], top_n: int) -> list[TokenLogprob]:
+    """The `TokenLogprob` of each of ``targets`` (ids) under the float32 logits row
+    ``(k, vocab)`` that predicted it, with ``top_n`` alternatives (log-softmax over the
+    vocabulary, natural log, as `top_logprobs`)."""
+    if not targets:
+        return []
+    lps = rows.astype(mx.float32)
+    lps = lps - mx.logsumexp(lps, axis=-1, keepdims=True)
+    picked = mx.take_along_axis(lps, mx.array(list(targets), dtype=mx.int32)[:, None], axis=-1)
+    tops = _best(lps, top_n)
+    return [
+        TokenLogprob(int(t), float(v), top)
+        for t, v, top in zip(targets, picked[:, 0].tolist(), tops, strict=True)
+    ]
 
 
 def _forced_opener(spec: TurnSpec) -> str | None:
@@ -617,6 +655,14 @@ def run_turn(
     turn = Turn(session, tokenizer, spec, emit, cancel, tool_memory, hooks)
     if prefill is not None:
         suffix = list(getattr(prefill, "suffix_tokens", prefill))
+        scored: list[TokenLogprob] = []
+        on_rows = None
+        if spec.prompt_logprobs is not None:
+            n = spec.prompt_logprobs
+
+            def on_rows(rows: mx.array, targets: list[int]) -> None:
+                scored.extend(score_rows(rows, targets, n))
+
         t0 = time.monotonic()
         try:
             turn.result.prefilled = session.prefill(
@@ -626,6 +672,7 @@ def run_turn(
                 cancel=cancel,
                 checkpoints=getattr(prefill, "checkpoints", ()),
                 on_checkpoint=getattr(prefill, "on_checkpoint", None),
+                on_rows=on_rows,
             )
         finally:
             turn.result.prefill_s = time.monotonic() - t0
@@ -633,6 +680,8 @@ def run_turn(
         if turn.result.prefilled < len(suffix):
             turn.result.finish = FINISH_CANCELLED
             return turn.finish()
+        if on_rows is not None:  # a first token with no logits before it is unscored
+            emit(PromptLogprobs([None] * (len(suffix) - len(scored)) + scored))
     if session.logits is None:
         raise RuntimeError("no logits to sample from: the prompt is empty")
     if spec.sampling.seed is not None:

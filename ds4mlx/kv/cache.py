@@ -82,6 +82,8 @@ class Prompt:
         side: the client marked it a side request (a helper agent's fork of a
             conversation): it runs on a side state or room (`PromptCache.begin`), never
             on a conversation's state, even one it would continue.
+        whole: every token is prefilled (the prompt is scored: a kept or restored
+            prefix has no logits per position), on a side state as ``side``.
     """
 
     tokens: Tokens
@@ -92,6 +94,7 @@ class Prompt:
     state_key: str | None = None
     salt: str = ""
     side: bool = False
+    whole: bool = False
 
     @property
     def text(self) -> Rendered | None:
@@ -263,7 +266,9 @@ class PromptCache:
         tokens = lazy_tokens(prompt.tokens)
         r, why = self._choose(prompt, rendered, tokens)
         before = (len(r.session.tokens), r.bindings.save())
-        plan = self.planner.plan(r, tokens, rendered, prompt.conversation, prompt.salt)
+        plan = self.planner.plan(
+            r, tokens, rendered, prompt.conversation, prompt.salt, whole=prompt.whole
+        )
         if self.states.n > 1:
             plan.detail = f"{plan.detail} state={r.index}/{self.states.n} via={why}".strip()
         plan.session = r.session
@@ -301,7 +306,7 @@ class PromptCache:
             r = states.states[0]
         else:
             best = self._best_live(prompt, rendered, tokens)
-            side = prompt.side or self._is_side(prompt, rendered, tokens)
+            side = prompt.side or prompt.whole or self._is_side(prompt, rendered, tokens)
             keyed = [
                 s
                 for s in states.states
@@ -349,7 +354,7 @@ class PromptCache:
         best: tuple | None = None
         states = list(self.states.states)
         for s in states:
-            if prompt.side and not s.side and len(states) > 1:
+            if (prompt.side or prompt.whole) and not s.side and len(states) > 1:
                 continue
             score = self.planner.live_match(s, tokens, rendered, prompt.conversation, prompt.salt)
             if score is not None and (best is None or score[:2] > best[0][:2]):
@@ -366,7 +371,7 @@ class PromptCache:
         """
         tokens = lazy_tokens(prompt.tokens)
         # The state a job would choose (`_choose`), so the figure is what it is charged.
-        best = self._best_live(prompt, prompt.text, tokens)
+        best = None if prompt.whole else self._best_live(prompt, prompt.text, tokens)
         if best is None:
             return Reuse(0, None, len(tokens()))
         (_, kept, n_prompt), r = best

@@ -339,6 +339,8 @@ class Planner:
         rendered: Rendered | None,
         conversation=None,
         salt: str = "",
+        *,
+        whole: bool = False,
     ) -> Plan:
         """Decide how to serve a prompt on state ``r`` and bring its session to the
         state to extend (kept, restored from a disk hit, or reset after an ``evict``
@@ -355,6 +357,7 @@ class Planner:
             salt: the prompt's cache salt (``""``: none). A state of another salt is
                 never continued (rules 1-5 are skipped; it is replaced), and the disk
                 rule finds only snapshots saved under this salt.
+            whole: prefill every token (a scored prompt): rule 7 (cold) alone.
         Raises:
             UnknownToolId: a tool result that nothing explains (a client mistake); the
                 session and the bindings are unchanged.
@@ -369,6 +372,11 @@ class Planner:
         r.bindings.clear()
         tool_b, think_b, transcript_b = saved
         r.live_keys = self.keys_of(r, think_b)
+        if whole:
+            plan = self._cold(r, prompt_tokens())
+            plan.detail = "ids=0 scored"
+            r.salt = salt
+            return self._checkpoints(plan, r, rendered, conversation)
         plan = self._live_tools(session, conversation, tool_b) if live_ok else None
         if plan is None and conversation is not None:
             # Tool results must be live (above) or replayed with their calls.

@@ -1,7 +1,10 @@
 """OpenAI legacy Completions: ``POST /v1/completions`` (raw text, no chat template).
 
 Reference: https://platform.openai.com/docs/api-reference/completions/create (prompt as
-text or token ids, ``logprobs`` top-N, ``echo``). Streaming uses ``text_completion``
+text or token ids, ``logprobs`` top-N, ``echo``). ``echo`` with ``logprobs`` scores the
+prompt (every echoed token's logprob but the first of a prompt with nothing before it:
+what evaluation harnesses such as lm-eval's ``local-completions`` read, with
+``max_tokens`` 1, or 0 for the prompt alone). Streaming uses ``text_completion``
 SSE frames ending with ``data: [DONE]``. One encoder (`CompletionEncoder`) serves the
 stream and the JSON body alike. The prompt is raw: special-token spellings in it are
 tokens (users write templates here), and no conversation is involved, so no tool
@@ -16,7 +19,16 @@ from pydantic import Field
 from quart import Blueprint, request
 
 from ds4mlx.dsml.tokens import BOS
-from ds4mlx.jobs import GenRequest, JobDone, JobFailed, JobStarted, RawText, TurnSpec
+from ds4mlx.jobs import (
+    GenRequest,
+    JobDone,
+    JobFailed,
+    JobStarted,
+    PromptLogprobs,
+    RawText,
+    TokenLogprob,
+    TurnSpec,
+)
 from ds4mlx.routes import constraints
 from ds4mlx.routes.body import offload, parse, read_body
 from ds4mlx.routes.common import json_response, model_thinking, new_id, now, state
@@ -52,7 +64,8 @@ class CompletionRequest(SamplingFields):
 
     model: str = ""
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=1)
+    # 0 only with ``echo`` (the prompt scored, nothing generated; `_job`).
+    max_tokens: int | None = Field(None, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     # Fill-in-the-middle: DeepSeek V4's prompt format defines no template for it (its
@@ -61,32 +74,24 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
-def _echo_logprobs(tok, ids: list[int]) -> dict[str, Any]:
-    """``logprobs`` entries of echoed prompt tokens: their texts, null logprobs."""
-    tokens, offsets, offset = [], [], 0
-    for t in ids:
-        piece = tok.decode([t])
-        tokens.append(piece)
-        offsets.append(offset)
-        offset += len(piece)
-    n = len(tokens)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [None] * n,
-        "top_logprobs": [None] * n,
-        "text_offset": offsets,
-    }
+def _echo_logprobs(tok, ids: list[int], scored: PromptLogprobs) -> dict[str, Any]:
+    """``logprobs`` entries of the echoed prompt tokens ``ids`` (the prompt's last
+    ``len(ids)``: a text prompt's BOS is not echoed) from the scored prompt: a first
+    token nothing predicted gets null, as OpenAI gives it."""
+    entries = scored.entries[len(scored.entries) - len(ids) :]
+    return _logprobs_obj(list(zip(ids, entries, strict=True)), 0, tok)
 
 
-def _logprobs_obj(piece: RawText, offset: int, tok) -> dict[str, Any]:
-    """``logprobs`` entries of one generated piece whose text starts at ``offset`` (the
-    engine's ids turned into texts by ``tok``)."""
+def _logprobs_obj(pairs: list[tuple[int, TokenLogprob | None]], offset: int, tok) -> dict[str, Any]:
+    """``logprobs`` entries of ``(id, TokenLogprob or None)`` pairs whose text starts at
+    ``offset`` (the engine's ids turned into texts by ``tok``; None: null logprob and
+    alternatives)."""
     tokens, token_lps, tops, offsets = [], [], [], []
-    for e in piece.logprobs:
-        text = tok.decode([e.token])
+    for t, e in pairs:
+        text = tok.decode([t])
         tokens.append(text)
-        token_lps.append(e.logprob)
-        tops.append({tok.decode([i]): v for i, v in e.top})
+        token_lps.append(None if e is None else e.logprob)
+        tops.append(None if e is None else {tok.decode([i]): v for i, v in e.top})
         offsets.append(offset)
         offset += len(text)
     return {
@@ -100,8 +105,9 @@ def _logprobs_obj(piece: RawText, offset: int, tok) -> dict[str, Any]:
 class CompletionEncoder:
     """Job events → ``text_completion`` frames, and (fed everything) the response body.
 
-    ``echo``: the prompt text sent first ("" without ``echo``); ``echo_logprobs``: its
-    tokens' entries (null logprobs), or None; ``logprobs``: the request's top-N, or None.
+    ``echo``: the prompt text sent first ("" without ``echo``); ``echo_ids``: its token
+    ids, scored (their entries come with the job's `PromptLogprobs`, and the echo waits
+    for it) when ``logprobs`` is set; ``logprobs``: the request's top-N, or None.
     """
 
     def __init__(
@@ -109,7 +115,7 @@ class CompletionEncoder:
         meta: dict[str, Any],
         *,
         echo: str,
-        echo_logprobs: dict[str, Any] | None,
+        echo_ids: list[int],
         logprobs: int | None,
         include_usage: bool,
         tokenizer=None,
@@ -117,7 +123,9 @@ class CompletionEncoder:
         self.meta = meta
         self.tokenizer = tokenizer  # the ids of logprobs → texts (needed with logprobs)
         self.echo = echo
-        self.echo_logprobs = echo_logprobs
+        self.echo_ids = echo_ids
+        self.scored = bool(echo) and logprobs is not None
+        self.echo_logprobs: dict[str, Any] | None = None
         self.logprobs = logprobs
         self.include_usage = include_usage
         self.offset = len(echo)
@@ -139,7 +147,7 @@ class CompletionEncoder:
         return sse(ev)
 
     def opening(self) -> list[Any]:
-        return [self._chunk(self.echo, self.echo_logprobs)] if self.echo else []
+        return [self._chunk(self.echo)] if self.echo and not self.scored else []
 
     def idle(self) -> None:
         return None
@@ -148,12 +156,16 @@ class CompletionEncoder:
         return []
 
     def feed(self, e: Any) -> list[Any]:
+        if isinstance(e, PromptLogprobs) and self.scored:
+            self.echo_logprobs = _echo_logprobs(self.tokenizer, self.echo_ids, e)
+            return [self._chunk(self.echo, self.echo_logprobs)]
         if not isinstance(e, RawText):
             return []
         self.text.append(e.text)
         lp = None
         if self.logprobs is not None:
-            lp = _logprobs_obj(e, self.offset, self.tokenizer)
+            pairs = [(x.token, x) for x in e.logprobs]
+            lp = _logprobs_obj(pairs, self.offset, self.tokenizer)
             for k, v in lp.items():
                 self.lp[k] += v
             self.offset += sum(len(t) for t in lp["tokens"])
@@ -220,6 +232,13 @@ def _job(raw: bytes, path: str) -> tuple[CompletionRequest, GenRequest, str, lis
     """The typed request, its job, the echo text and echoed ids (off the event loop).
     The raw prompt is tokenized here (echo needs its ids): the job carries them."""
     req = parse(CompletionRequest, raw)
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(
+            400,
+            "max_tokens: 0 generates nothing; it is allowed only with echo (to score "
+            "the prompt with logprobs)",
+            param="max_tokens",
+        )
     if req.suffix:
         raise APIError(
             400,
@@ -233,7 +252,7 @@ def _job(raw: bytes, path: str) -> tuple[CompletionRequest, GenRequest, str, lis
     tok = state().tokenizer
     text, toks, echo_text, echo_ids = _prompt(req, tok)
     model_thinking(req.model)  # logs a model name the server does not list
-    limit, cap_is_eos = turn_limit(max_tokens)
+    limit, cap_is_eos = turn_limit(max_tokens) if max_tokens else (0, False)
     turn = TurnSpec(
         sampling=sampling_params(False, req),
         max_tokens=limit,
@@ -243,6 +262,8 @@ def _job(raw: bytes, path: str) -> tuple[CompletionRequest, GenRequest, str, lis
         stops=tuple(stops_of(req.stop)),
         logprobs=req.logprobs,
         cap_is_eos=cap_is_eos,
+        # Echoed with logprobs: the prompt is scored (the whole prompt is prefilled).
+        prompt_logprobs=req.logprobs if req.echo else None,
     )
     gen = GenRequest(
         path=path,
@@ -264,9 +285,9 @@ async def completions():
     """OpenAI legacy Completions: raw text continuation (no chat template).
 
     ``echo`` prepends the prompt text; ``logprobs`` (0–20) returns the sampled tokens'
-    logprobs with that many alternatives. With ``echo`` the prompt's tokens are listed
-    too, with null logprobs (scoring them would need a prefill that keeps every
-    position's logits; OpenAI itself gives null for the first token).
+    logprobs with that many alternatives. With ``echo`` the prompt's tokens are scored
+    too (the whole prompt is prefilled, no cached prefix reused); the first token of a
+    token-id prompt has nothing before it and gets null, as OpenAI gives it.
     """
     req, gen, echo_text, echo_ids = await offload(_job, await read_body(), request.path)
     st = state()
@@ -281,9 +302,7 @@ async def completions():
     enc = CompletionEncoder(
         meta,
         echo=echo_text if req.echo else "",
-        echo_logprobs=_echo_logprobs(tok, echo_ids)
-        if req.echo and req.logprobs is not None
-        else None,
+        echo_ids=echo_ids,
         logprobs=req.logprobs,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         tokenizer=tok,

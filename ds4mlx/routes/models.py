@@ -7,8 +7,16 @@
   (https://platform.openai.com/docs/api-reference/models,
   https://docs.anthropic.com/en/api/models).
 - ``POST /v1/tokenize``: ``{"text"|"prompt": str}`` or ``{"messages": [...]}`` (OpenAI
-  chat messages, rendered with the chat template) → ``{"tokens", "count"}``.
-- ``POST /v1/detokenize``: ``{"tokens": [int]}`` → ``{"text"}``.
+  chat messages, rendered with the chat template) → ``{"tokens", "count",
+  "max_model_len"}``. vLLM's ``add_special_tokens`` changes nothing: DeepSeek V4's
+  tokenizer adds no special tokens (its config says ``add_bos_token: false``); a text
+  prompt of ``/v1/completions`` gets its BOS from the route.
+- ``POST /v1/detokenize``: ``{"tokens": [int]}`` → ``{"text", "prompt"}``.
+- vLLM's spellings, which evaluation harnesses probe for a remote tokenizer (lm-eval's
+  ``tokenizer_backend=remote``): ``POST /tokenize``, ``POST /detokenize`` (the same) and
+  ``GET /tokenizer_info`` (``bos_token``, ``eos_token``, ``pad_token``,
+  ``model_max_length``; no chat template: DeepSeek V4's prompt format is code, not a
+  Jinja template).
 - ``GET /health``: ``{"status": "ok", ...}`` (no API key needed; without it, the
   resident states' client keys are left out); 503 with
   ``"status": "stopping"`` once shutdown began (jobs are refused then, and the shutdown
@@ -29,6 +37,7 @@ from typing import Any
 from pydantic import Field
 from quart import Blueprint
 
+from ds4mlx.dsml.tokens import BOS, EOS
 from ds4mlx.jobs import Script
 from ds4mlx.routes.access import check_auth
 from ds4mlx.routes.body import OpenModel, offload, parse, parse_body, read_body, validate
@@ -91,6 +100,7 @@ class DetokenizeRequest(OpenModel):
 
 
 @bp.post("/v1/tokenize")
+@bp.post("/tokenize")
 async def tokenize_route():
     """Tokenize raw text (special tokens recognized) or chat ``messages`` (rendered)."""
     toks = await offload(_tokens, await read_body())
@@ -112,7 +122,22 @@ def _tokens(raw: bytes) -> list[int]:
     return tokenize(text)
 
 
+@bp.get("/tokenizer_info")
+async def tokenizer_info():
+    """vLLM's tokenizer description (the fields a remote-tokenizer client reads)."""
+    return json_response(
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": BOS,
+            "eos_token": EOS,
+            "pad_token": EOS,
+            "model_max_length": state().ctx_size,
+        }
+    )
+
+
 @bp.post("/v1/detokenize")
+@bp.post("/detokenize")
 async def detokenize_route():
     req = await parse_body(DetokenizeRequest)
     tok = state().tokenizer
@@ -123,7 +148,8 @@ async def detokenize_route():
             f"tokens: id {bad[0]} outside the vocabulary (0..{tok.vocab_size - 1})",
             param="tokens",
         )
-    return json_response({"text": tok.decode(req.tokens)})
+    text = tok.decode(req.tokens)
+    return json_response({"text": text, "prompt": text})  # ``prompt``: vLLM's name
 
 
 @bp.get("/")

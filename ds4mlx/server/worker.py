@@ -466,6 +466,7 @@ def cache_prompt(req: GenRequest, tok):
         state_key=req.state_key,
         salt=req.salt,
         side=req.side,
+        whole=req.turn.prompt_logprobs is not None,
     )
 
 
