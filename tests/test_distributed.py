@@ -624,6 +624,29 @@ def test_every_rank_refuses_a_bad_serve_flag_alike(tiny_f32_dir, flags, code, li
     assert any(line in ln for ln in _said(log)), log[-3000:]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_a_launch_of_two_ranks_without_distributed_is_refused(tiny_f32_dir, command):
+    """``mlx.launch`` of two ranks without ``--distributed``: each rank would run alone
+    (two servers; on one host the second lost the port). Every rank refuses alike,
+    before loading, and rank 0 says what to give."""
+    from server_util import free_port
+
+    from tests.dist_util import _launched
+
+    argv = [sys.executable, "-m", "ds4mlx.cli", command, "-m", str(tiny_f32_dir)]
+    if command == "serve":
+        argv += ["--kv-disk-dir", "none", "--port", str(free_port())]
+    else:
+        argv += ["--prompt", "hi", "--max-tokens", "2"]
+    log = _launched(argv, 300, clean=False)
+    codes = dict(re.findall(r"rank (\d) exited with code (-?\d+)", log))
+    assert codes == {"0": "2", "1": "2"}, log[-3000:]
+    said = [ln for ln in re.findall(r"ds4mlx \w+: [^\n]*", log) if "mlx.launch" in ln]
+    assert said and "with 2 ranks: give --distributed pipeline or" in said[0], log[-3000:]
+    assert "url " not in log and "[ring]" not in log, log[-3000:]
+
+
 def test_a_part_removed_while_its_write_is_queued_is_not_left_behind(tmp_path):
     """Rank 0 may evict a snapshot right after ordering its save (the shutdown saves under
     a small ``--kv-disk-space-mb``): the follower's removal comes while its writer thread

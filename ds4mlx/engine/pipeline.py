@@ -654,10 +654,18 @@ def distributed_split(mode: str | None, text: str | None, speculative: str = "of
 
     Raises:
         PipelineError: a split without ``--distributed pipeline`` (none, or tensor), one
-            that is not comma-separated integers, or drafting under ``--distributed``.
+            that is not comma-separated integers, drafting under ``--distributed``, or
+            no ``--distributed`` in a launch of several ranks (each would run alone:
+            two servers, two benchmarks).
     """
     from .speculative import refused_under_split
 
+    world = launched_world() if "MLX_RANK" in os.environ else None
+    if mode is None and text is None and world is not None and world > 1:
+        raise PipelineError(
+            f"launched by mlx.launch with {world} ranks: give --distributed pipeline or "
+            "--distributed tensor (without it every rank would run on its own)"
+        )
     if text is not None and mode != "pipeline":
         raise PipelineError(
             "--pipeline-split needs --distributed pipeline"
