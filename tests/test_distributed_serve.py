@@ -53,6 +53,11 @@ def test_pipeline_serve_continues_a_tool_loop_live_and_ranks_die_with_the_launch
     try:
         server.start(timeout=300)
         proc = server.proc
+        # /health and the banner say how the model is split.
+        split = server.health()["distributed"]
+        want = {"mode": mode, "ranks": 2}
+        assert split == (want | {"layers": ["0-2", "2-4"]} if mode == "pipeline" else want)
+        assert f"{mode} over 2 ranks" in server.log()
         server.script(
             "Both at once.</think>\n\n<｜DSML｜tool_calls>\n"
             '<｜DSML｜invoke name="read">\n'

@@ -533,6 +533,7 @@ def test_server_reports_drafts_and_a_live_continuation_prefills_only_the_suffix(
         assert "drafted=" in line and "tokens/forward=" in line, line
         assert "grammar=complete" in line, line
         health = server.health()["speculative"]
+        assert server.health()["distributed"] is None  # one process
         assert health["mode"] == "lookup" and health["draft_tokens"] == 4
         assert health["accepted"] > 0 and health["tokens_per_forward"] > 1.2, health
         p1, _ = anthropic_usage(r1)

@@ -9,6 +9,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
@@ -199,6 +200,20 @@ class Engine:
         with open(path / "config.json") as f:
             config = json.load(f)
         return cls(model, args, Tokenizer.load(path), path=path, config=config, ctx_size=ctx_size)
+
+    @property
+    def distributed(self) -> dict[str, Any] | None:
+        """How the model is split across ranks, as plain values (``/health``, the
+        banner): ``{"mode": "pipeline", "ranks": 2, "layers": ["0-2", "2-4"]}`` (each
+        rank's layer range, rank 0 first) or ``{"mode": "tensor", "ranks": 2}``; None
+        for one process."""
+        if not self.layout:
+            return None
+        mode, _, rest = self.layout.partition(":")
+        if mode == "pipeline":
+            layers = rest.split(",")
+            return {"mode": mode, "ranks": len(layers), "layers": layers}
+        return {"mode": mode, "ranks": int(rest)}
 
     def kv_bytes_at(self, n_tokens: int) -> int:
         """KV-cache bytes one session allocates at ``n_tokens`` tokens, in the compute

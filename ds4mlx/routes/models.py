@@ -185,6 +185,8 @@ async def health():
             # Speculative decoding: mode, draft_tokens, drafted, accepted,
             # tokens_per_forward (target forward passes of drafting turns).
             "speculative": None if eng is None else eng.speculation.report(),
+            # The split across ranks (mode, ranks, each rank's layers), or None.
+            "distributed": None if eng is None else eng.distributed,
             # The prompt cache's own summary (plain values): live_tokens, sessions,
             # states (--sessions N), kv_writer (the disk writer's counts, or None).
             **cache,

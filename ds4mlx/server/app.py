@@ -151,6 +151,16 @@ def banner(engine, config: ServerConfig, url: str, *, connections: int | None = 
         else f"1 (--sessions N keeps N resident for interleaved conversations{why})",
     )
     t.add_row("[bold]device[/]", f"{device}, BLAS {blas_label()}")
+    if (split := engine.distributed) is not None:
+        ranks = split["ranks"]
+        parts = (
+            ", ".join(f"rank {i} layers {r}" for i, r in enumerate(split.get("layers", ())))
+            or "every layer split across the ranks"
+        )
+        t.add_row(
+            "[bold]distributed[/]",
+            f"{split['mode']} over {ranks} ranks: {parts} (rank 0 serves)",
+        )
     t.add_row(
         "[bold]url[/]",
         f"[cyan]{url}[/]  (OpenAI /v1/chat/completions, /v1/completions, /v1/responses; Anthropic /v1/messages)",
