@@ -91,6 +91,28 @@ def test_cold_when_live_state_diverges_or_is_empty(tok):
     assert (p.decision, p.keep) == ("cold", 0)
 
 
+def test_a_side_prompt_right_after_the_first_turn_takes_a_state_of_its_own(tok):
+    """With ``--sessions 2`` the states are made as needed: after a conversation's first
+    turn only its state exists. A side request then (Claude Code's prompt suggestion,
+    or a scored prompt) that continues it must still take a new state, not the
+    conversation's (it counted the states made, one, and continued it live)."""
+    first = FakeSession(tok, [])
+    engine = SimpleNamespace(tokenizer=tok, ctx_size=1 << 20, session=first)
+    engine.new_session = lambda: FakeSession(tok, [])
+    cache = PromptCache(engine, sessions=2)
+    conv = BOS + "<｜User｜>the main task<｜Assistant｜></think>"
+    lease = cache.begin(Prompt(tok.encode(conv), conv))
+    lease.session.tokens = tok.encode(conv + "Sure.")
+    lease.session.logits = object()
+    fork = conv + "Sure.<｜end▁of▁sentence｜><｜User｜>suggest the next prompt<｜Assistant｜>"
+    for flags in ({"side": True}, {"whole": True}):
+        side = cache.begin(Prompt(tok.encode(fork), fork, **flags))
+        assert side.state.index == 1 and side.session is not first, (flags, side.plan)
+        assert first.tokens == tok.encode(conv + "Sure.")  # the conversation is untouched
+    again = cache.begin(Prompt(tok.encode(fork), fork))
+    assert again.state.index == 0 and again.plan.decision == "exact-token-prefix"
+
+
 def test_token_id_prompts_never_match_by_text(tok):
     head = tok.encode(BOS + "abc")
     live = head + tok.encode("Hello wor")

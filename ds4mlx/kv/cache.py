@@ -352,9 +352,12 @@ class PromptCache:
         predicted prompt is no criterion. A ``prompt.side`` request matches side states
         only (a helper's fork would take the conversation's state). None: no match."""
         best: tuple | None = None
-        states = list(self.states.states)
-        for s in states:
-            if (prompt.side or prompt.whole) and not s.side and len(states) > 1:
+        # Against the configured count, not the states made so far: they are made as
+        # needed, and a helper right after a conversation's first turn found one state
+        # and took it (Claude Code's prompt suggestion after its first reply).
+        apart = (prompt.side or prompt.whole) and self.states.n > 1
+        for s in list(self.states.states):
+            if apart and not s.side:
                 continue
             score = self.planner.live_match(s, tokens, rendered, prompt.conversation, prompt.salt)
             if score is not None and (best is None or score[:2] > best[0][:2]):

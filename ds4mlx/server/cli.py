@@ -443,6 +443,7 @@ def _default_sessions(kv, args, model: str, split: list[int] | None = None):
     part instead (``split``; the fewest over the ranks, on this machine's budget)."""
     from dataclasses import replace
 
+    from ds4mlx.model.errors import LoadError
     from ds4mlx.model.fit import DEFAULT_SESSIONS, sessions_that_fit
 
     if args.sessions is not None:
@@ -459,7 +460,10 @@ def _default_sessions(kv, args, model: str, split: list[int] | None = None):
             (sessions_that_fit(model, args.ctx, mtp=drafter, part=part) for part in parts),
             key=lambda fit: fit[0],
         )
-    except Exception:  # FitError, a bad config: the load reports it with its numbers
+    except (LoadError, OSError, ValueError, KeyError, TypeError) as e:
+        # FitError, a bad or missing config: the load reports it with its numbers. (Not
+        # every exception: a mistake here must not pass for a model that does not fit.)
+        logging.getLogger("ds4mlx.server").debug("default --sessions: %s", e)
         return kv, "default"
     kv = replace(kv, sessions=n)
     if n == 1:
