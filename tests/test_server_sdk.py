@@ -456,6 +456,16 @@ def test_completions_score_the_prompt_as_lm_eval_asks(oai, server, trace_file):
     assert first.text == alone["choices"][0]["text"]
     r = HTTP.post(url, json={**body, "echo": False})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    # The one token generated is EOS: it is listed too (lm-eval drops the last entry as
+    # the generated one; without it the continuation's last token was dropped instead).
+    eos = HTTP.post(server.url + "/tokenize", json={"prompt": EOS}).json()["tokens"]
+    body |= {"max_tokens": 1, "logit_bias": {str(eos[0]): 100}}
+    out = HTTP.post(url, json=body).json()
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == 1
+    assert choice["logprobs"]["token_logprobs"][:-1] == lp["token_logprobs"][:-1]
+    assert choice["logprobs"]["tokens"][-1] == EOS and choice["text"] == alone["choices"][0]["text"]
+    assert _lm_eval_loglikelihood(out, len(context))[0] == pytest.approx(sum(sampled), abs=1e-3)
 
 
 def test_completions_token_ids_and_streaming(oai):

@@ -508,6 +508,12 @@ class Turn:
                 self.in_thinking = False
                 self._open_forced()
         if t == self.tok.eos_id and not spec.ignore_eos:
+            if self.decoder is None and lp is not None:
+                # A raw turn lists the EOS it sampled with its logprob, as vLLM does
+                # (it adds no text): one entry per generated token, which lm-eval's
+                # scoring requests count on (``token_logprobs[ctxlen:-1]``).
+                self.pending_ids.append(t)
+                self.pending_lp.append(lp)
             return FINISH_STOP, False
         if self._text_of(t, lp):
             self._stop_matched()
