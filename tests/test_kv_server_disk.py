@@ -194,6 +194,36 @@ def _back_to(server, conv: list[dict], reply: dict, name: str) -> dict:
     return r
 
 
+def _written(server) -> int:
+    """Snapshots the server's writer took so far (written or still queued)."""
+    w = server.wait_idle()["kv_writer"]
+    return w["written"] + w["pending"] + int(w["writing"])
+
+
+def test_scored_prompts_are_never_saved(disk):
+    """A scored prompt (completions ``echo`` with ``logprobs``: always prefilled whole,
+    so no lookup restores one) takes no disk snapshot: none at its checkpoints, and no
+    ``evict`` save when the next one replaces it (lm-eval sends thousands). The
+    conversation that replaces one is saved as usual."""
+    server = disk.server
+
+    def scored(seed: int) -> None:
+        text = f"Scored passage {seed}. " + long_system(40, seed=seed)
+        body = {"model": "m", "prompt": text, "max_tokens": 1}
+        post(server, "/v1/completions", {**body, "echo": True, "logprobs": 1})
+
+    scored(901)  # evict-saves the conversation it replaces, as any cold prompt does
+    before = _written(server)
+    scored(901)
+    scored(902)
+    assert _written(server) == before
+    assert [p["decision"] for p in server.trace.plans()[-3:]] == ["cold"] * 3
+    _unrelated(server, 77)  # replaces the scored state: no evict save of it
+    assert _written(server) > before  # the conversation's own checkpoints are saved
+    heads = [e.head for e in scan_dir(disk.dir).entries]
+    assert not [h for h in heads if "Scored passage" in h], heads
+
+
 def test_switching_conversations_a_b_a_hits_disk(disk):
     server = disk.server
     conv_a, ra, live_a = _evicted(server, "A", 11)  # B replaces A: A is saved (evict)

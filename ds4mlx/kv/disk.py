@@ -171,7 +171,8 @@ class DiskCache:
         tracker = self.tracker if tracker is None else tracker
         step = self.settings.continued_step
         return (
-            step > 0
+            not tracker.scored
+            and step > 0
             and n_tokens % step == 0
             and n_tokens >= self.settings.min_tokens
             and n_tokens > tracker.last_saved
@@ -180,9 +181,12 @@ class DiskCache:
     def worth_saving(self, n_tokens: int, tracker: policy.SaveTracker | None = None) -> bool:
         """Whether an ``evict``/``shutdown`` save of ``n_tokens`` live tokens is due:
         long enough, and not already saved at exactly this length (``tracker``: that
-        state's saves, default ``self.tracker``)."""
-        return policy.should_save_live(self.settings, n_tokens) and (
-            (self.tracker if tracker is None else tracker).last_saved != n_tokens
+        state's saves, default ``self.tracker``); never for a scored prompt."""
+        tracker = self.tracker if tracker is None else tracker
+        return (
+            policy.should_save_live(self.settings, n_tokens)
+            and not tracker.scored
+            and tracker.last_saved != n_tokens
         )
 
     # ---------------------------------------------------------------- save / load

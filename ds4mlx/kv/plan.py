@@ -373,10 +373,12 @@ class Planner:
         tool_b, think_b, transcript_b = saved
         r.live_keys = self.keys_of(r, think_b)
         if whole:
+            # No disk saves of a scored prompt: no lookup would restore one.
             plan = self._cold(r, prompt_tokens())
             plan.detail = "ids=0 scored"
+            r.tracker.scored = True
             r.salt = salt
-            return self._checkpoints(plan, r, rendered, conversation)
+            return plan
         plan = self._live_tools(session, conversation, tool_b) if live_ok else None
         if plan is None and conversation is not None:
             # Tool results must be live (above) or replayed with their calls.
@@ -459,6 +461,10 @@ class Planner:
         )
 
     def _checkpoints(self, plan: Plan, r: Resident, rendered, conv=None) -> Plan:
+        """``plan`` with its disk-save checkpoints, for a prompt a lookup may find: the
+        state holds one now (kept or replaced, after any evict save), so its saves are
+        due again even where it held a scored prompt."""
+        r.tracker.scored = False
         if self.tier is None:
             return plan
         stable = _stable_prefix(conv, rendered.text if rendered is not None else None, self)

@@ -452,13 +452,18 @@ class SaveTracker:
     ``reset()`` when the live session is replaced by a cold start; ``loaded(n)`` after
     restoring an ``n``-token disk snapshot (its frontiers are on disk already);
     ``saved(n)`` after each successful save. Pass :attr:`last_saved` to the point
-    functions.
+    functions. ``scored``: the state is a scored prompt (``ds4mlx.kv.cache.Prompt.whole``)
+    that no lookup restores (scoring always prefills the whole prompt), so no ``evict``,
+    ``shutdown`` or ``continued`` save is due for it (lm-eval replaces one with the next
+    at every request).
     """
 
     last_saved: int = field(default=0)
+    scored: bool = field(default=False)
 
     def reset(self) -> None:
         self.last_saved = 0
+        self.scored = False
 
     def loaded(self, n_tokens: int) -> None:
         self.last_saved = n_tokens
