@@ -177,7 +177,10 @@ class RawText:
     """Raw generated text (``parse=False``): complete UTF-8 only.
 
     ``tokens``: the ids this text completes (several when a character spans tokens);
-    ``logprobs``: one `TokenLogprob` per id when ``TurnSpec.logprobs`` is set.
+    ``logprobs``: one `TokenLogprob` per id when ``TurnSpec.logprobs`` is set. With
+    logprobs, a sampled EOS is listed too (it adds no text), as vLLM lists it: one entry
+    per generated token, which lm-eval's scoring requests count on
+    (``token_logprobs[ctxlen:-1]``).
     """
 
     text: str
@@ -508,10 +511,7 @@ class Turn:
                 self.in_thinking = False
                 self._open_forced()
         if t == self.tok.eos_id and not spec.ignore_eos:
-            if self.decoder is None and lp is not None:
-                # A raw turn lists the EOS it sampled with its logprob, as vLLM does
-                # (it adds no text): one entry per generated token, which lm-eval's
-                # scoring requests count on (``token_logprobs[ctxlen:-1]``).
+            if self.decoder is None and lp is not None:  # listed (`RawText`)
                 self.pending_ids.append(t)
                 self.pending_lp.append(lp)
             return FINISH_STOP, False
