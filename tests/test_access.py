@@ -287,6 +287,14 @@ def test_api_key_is_repeatable(allowing):
         assert r.status_code == 200
     for key in ("k3", "k1k2", None):
         assert_shaped(call(allowing, "GET", "/v1/models", key=key), "/v1/models", 401)
+    # Both headers, one of them stale (an SDK's api_key beside an auth_token): the
+    # matching one authorizes, whichever it is (a stale x-api-key shadowed the bearer).
+    for stale, good in (("x-api-key", "Authorization"), ("Authorization", "x-api-key")):
+        value = lambda name, k: f"Bearer {k}" if name == "Authorization" else k  # noqa: E731
+        h = {stale: value(stale, "old"), good: value(good, "k2")}
+        assert HTTP.get(allowing.url + "/v1/models", headers=h).status_code == 200
+    h = {"x-api-key": "old", "Authorization": "Bearer older"}
+    assert_shaped(HTTP.get(allowing.url + "/v1/models", headers=h), "/v1/models", 401)
 
 
 def test_debug_routes_answer_loopback_clients_only_even_with_their_flag(allowing):

@@ -125,25 +125,26 @@ def check_auth(headers: Mapping[str, str] | None = None) -> APIError | None:
     keys = state().config.api_keys
     if not keys:
         return None
-    got = _presented_key(request.headers if headers is None else headers)
-    ok = False
-    for key in keys:
-        ok |= hmac.compare_digest(got.encode(), key.encode())
-    if got and ok:
+    if _authorized_key(request.headers if headers is None else headers, keys) is not None:
         return None
     return APIError(
         401, "invalid or missing API key", type="invalid_request_error", code="invalid_api_key"
     )
 
 
-def _presented_key(headers: Mapping[str, str]) -> str:
-    """The API key a request presents (``x-api-key``, else ``Authorization: Bearer``),
-    or ``""``."""
-    got = headers.get("x-api-key") or ""
+def _authorized_key(headers: Mapping[str, str], keys) -> str | None:
+    """The key among ``keys`` the request presents, as ``x-api-key`` or as
+    ``Authorization: Bearer`` (a client may send both, one of them stale: the Anthropic
+    SDK's ``api_key`` beside an ``auth_token``), or None. Every presented value is
+    compared with every key in constant time."""
     auth = headers.get("authorization") or ""
-    if auth.lower().startswith("bearer "):
-        got = got or auth[7:].strip()
-    return got
+    bearer = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+    found = None
+    for got in (headers.get("x-api-key") or "", bearer):
+        for key in keys:
+            if hmac.compare_digest(got.encode(), key.encode()) and got:
+                found = found or got
+    return found
 
 
 def key_salt(headers: Mapping[str, str]) -> str:
@@ -152,9 +153,10 @@ def key_salt(headers: Mapping[str, str]) -> str:
     so one key's client never reuses, or times, another's prefix. A SHA-256 hex digest
     of the key (never the key: the salt is written into snapshot headers); ``""`` with
     one key or none (every client is the same tenant)."""
-    if len(state().config.api_keys) < 2:
+    keys = state().config.api_keys
+    if len(keys) < 2:
         return ""
-    got = _presented_key(headers)
+    got = _authorized_key(headers, keys) or ""
     return hashlib.sha256(b"ds4mlx api key\0" + got.encode("utf-8", "surrogatepass")).hexdigest()
 
 
