@@ -508,6 +508,21 @@ def test_bad_constraints_are_400(server, client, path, extra, param, word):
     assert h["queued"] == 0 and not h["busy"]
 
 
+def test_a_schema_number_beyond_float_is_a_400_naming_it(server, client):
+    """``"minimum": 1e400`` parses as infinity, which JSON cannot spell: the grammar
+    compiler got ``Infinity`` and answered "expected value at line 1 column 71". It is
+    a 400 naming the keyword's path instead."""
+    body = {**_body(CHAT, thinking=False), **_format(CHAT, {"type": "number"})}
+    raw = json.dumps(body).replace('{"type": "number"}', '{"type": "number", "minimum": 1e400}')
+    r = client.post(CHAT, content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "response_format.json_schema.schema.minimum", err
+    assert "not a finite number" in err["message"], err
+    h = server.health()
+    assert h["queued"] == 0 and not h["busy"]
+
+
 NULLS = {
     "type": "object",
     "properties": {

@@ -37,6 +37,7 @@ transformers), once per file (~1–2 s), and cached.
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 import time
@@ -275,9 +276,30 @@ def _matches_nothing(matcher: Any, vocab: int) -> bool:
 
 def _json_lark(schema: dict[str, Any]) -> str:
     """A Lark ``%json`` rule for ``schema``: compact JSON (no free whitespace between
-    tokens: a model could otherwise spend its whole budget on blanks)."""
+    tokens: a model could otherwise spend its whole budget on blanks).
+
+    Raises:
+        GrammarError: a number that is not finite (``1e400`` parses as infinity: JSON
+            has no spelling for it, and llguidance's parser only said "expected value").
+    """
+    _check_finite(schema)
     guide = {"whitespace_flexible": False, **(schema.get("x-guidance") or {})}
     return "%json " + json.dumps({**schema, "x-guidance": guide}, ensure_ascii=False)
+
+
+def _check_finite(node: Any, path: str = "") -> None:
+    """Raise GrammarError (with its dotted path) at the first non-finite number."""
+    if isinstance(node, float) and not math.isfinite(node):
+        raise GrammarError(f"{node} is not a finite number (too large for a float)", path)
+    items = (
+        node.items()
+        if isinstance(node, dict)
+        else enumerate(node)
+        if isinstance(node, list)
+        else ()
+    )
+    for key, value in items:
+        _check_finite(value, f"{path}.{key}" if path else str(key))
 
 
 # Keys that leave a schema holding "$ref" defining nothing else (annotations, a
