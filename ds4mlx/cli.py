@@ -1292,9 +1292,14 @@ def main(argv: list[str] | None = None) -> int:
             refused_under_launch(e.code)
         raise
     if launched and not (
-        getattr(args, "distributed", None) or getattr(args, "pipeline_split", None)
+        getattr(args, "distributed", None)
+        or getattr(args, "pipeline_split", None)
+        or (hasattr(args, "distributed") and _launched_ranks() > 1)
     ):
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # one process, launched alone
+        # One process, launched alone. (Several ranks of a command that could split
+        # the model either run split or all refuse alike, `distributed_split`: they
+        # keep ignoring SIGTERM until then.)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if args.command != "kv":
         from ds4mlx.blas import ensure_openblas
 
@@ -1311,6 +1316,13 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGPIPE
     except KeyboardInterrupt as e:
         return interrupted(args.command, e)
+
+
+def _launched_ranks() -> int:
+    """The rank count of the ``mlx.launch`` that started this process (1 when unknown)."""
+    from ds4mlx.engine.pipeline import launched_world
+
+    return launched_world() or 1
 
 
 def interrupted(command: str, e: KeyboardInterrupt) -> int:
