@@ -295,10 +295,15 @@ class Job:
         self.steer = threading.Event()
         self.submitted = time.monotonic()
         self.done = False
+        # Its last event (`JobDone`/`JobFailed`) was emitted: the worker may still be
+        # finishing its bookkeeping, but a shutdown then interrupts nothing.
+        self.answered = False
         self._held: list[Event] = []
 
     def emit(self, event: Event) -> None:
         """Hand ``event`` to the route (thread-safe; dropped once the loop is closed)."""
+        if isinstance(event, JobDone | JobFailed):
+            self.answered = True
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
         except RuntimeError:  # event loop closed during shutdown

@@ -628,6 +628,51 @@ def test_a_job_submitted_as_the_server_stops_is_answered(tiny_model_dir, monkeyp
         assert events[-1].finish == "cancelled", events
 
 
+def test_a_stop_after_the_answer_interrupts_nothing(tiny_model_dir, monkeypatch, caplog):
+    """A job that already emitted its last event (its client has the answer) while its
+    worker thread still finishes the bookkeeping (the log line, the bindings): a stop
+    then was logged as ``job 1 interrupted`` (seen right after a request). The test
+    holds the worker at that point, stops it, and lets it go on."""
+    import asyncio
+    import logging
+    import threading
+
+    from ds4mlx.dsml import ToolMemory
+    from ds4mlx.engine import Engine
+    from ds4mlx.jobs import JobDone
+    from ds4mlx.server import worker as worker_mod
+    from ds4mlx.server.worker import Worker
+
+    answered, go = threading.Event(), threading.Event()
+    log_job = worker_mod._log_job
+
+    def held(*args, **kwargs):
+        answered.set()
+        go.wait()
+        return log_job(*args, **kwargs)
+
+    monkeypatch.setattr(worker_mod, "_log_job", held)
+    worker = Worker(tool_memory=ToolMemory())
+    worker.start(lambda: Engine.load(str(tiny_model_dir), ctx_size=256))
+
+    async def main() -> list:
+        job = worker.submit(_gen())
+        await asyncio.to_thread(answered.wait)
+        stopper = threading.Thread(target=worker.stop, kwargs={"timeout": 120})
+        stopper.start()
+        while not worker.stopping:
+            await asyncio.sleep(0.01)
+        go.set()
+        await asyncio.to_thread(stopper.join)
+        await asyncio.sleep(0)
+        return [job.queue.get_nowait() for _ in range(job.queue.qsize())]
+
+    with caplog.at_level(logging.INFO, logger="ds4mlx.server"):
+        events = asyncio.run(main())
+    assert [e.finish for e in events if isinstance(e, JobDone)] == ["length"]
+    assert "interrupted" not in caplog.text, caplog.text
+
+
 def test_health_says_stopping_once_shutdown_began(tiny_model_dir):
     """Shutdown saves run while the socket still answers: a poller (a supervisor, a load
     balancer, a client waiting to send) must not read "ok" then. The real app and worker

@@ -181,7 +181,8 @@ class Worker:
             self._stopping.set()
         cur = self.current
         if cur is not None:
-            log.info("shutdown: %s job %d interrupted", cur.request.path, cur.id)
+            if not cur.answered:  # (an answered job is only finishing its bookkeeping)
+                log.info("shutdown: %s job %d interrupted", cur.request.path, cur.id)
             cur.cancel.set()
         # Fail everything still queued so their clients get an answer.
         while True:
