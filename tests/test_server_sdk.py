@@ -468,6 +468,35 @@ def test_completions_score_the_prompt_as_lm_eval_asks(oai, server, trace_file):
     assert _lm_eval_loglikelihood(out, len(context))[0] == pytest.approx(sum(sampled), abs=1e-3)
 
 
+def test_completions_of_several_prompts_answer_each_at_its_index(oai, server):
+    """A list of prompts (lm-eval's ``batch_size``; texts or token-id lists): one choice
+    per prompt, at its index, each as its own request would have it (a scored echo
+    included), usage summed. Streaming several, or more than 128, is a 400. (Before,
+    several prompts were a 400.)"""
+    url = server.url + "/v1/completions"
+    a, b = [0, 19923, 2058], [0, 1000, 1001, 1002]
+    body = {"model": MODEL, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 1}
+    alone = [HTTP.post(url, json={**body, "prompt": p}).json() for p in (a, b)]
+    both = HTTP.post(url, json={**body, "prompt": [a, b]}).json()
+    assert [c["index"] for c in both["choices"]] == [0, 1]
+    for got, want in zip(both["choices"], alone, strict=True):
+        want = want["choices"][0]
+        assert got["text"] == want["text"]
+        assert got["logprobs"]["token_logprobs"] == pytest.approx(
+            want["logprobs"]["token_logprobs"], abs=1e-4
+        )
+    for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert both["usage"][k] == sum(r["usage"][k] for r in alone)
+    texts = oai.completions.create(
+        model=MODEL, prompt=["The sky is", "Paris is"], max_tokens=2, temperature=0
+    )
+    assert [c.index for c in texts.choices] == [0, 1] and texts.usage.completion_tokens == 4
+    for extra, param in (({"stream": True}, "stream"), ({"prompt": [a] * 129}, "prompt")):
+        r = HTTP.post(url, json={**body, "prompt": [a, b], **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert server.health()["queued"] == 0
+
+
 def test_completions_token_ids_and_streaming(oai):
     ids = HTTP.post(
         str(oai.base_url).rstrip("/").removesuffix("/v1") + "/v1/tokenize", json={"text": "Hello"}

@@ -1,7 +1,8 @@
 """OpenAI legacy Completions: ``POST /v1/completions`` (raw text, no chat template).
 
 Reference: https://platform.openai.com/docs/api-reference/completions/create (prompt as
-text or token ids, ``logprobs`` top-N, ``echo``). ``echo`` with ``logprobs`` scores the
+text or token ids, or a list of several: one choice each, at its index; ``logprobs``
+top-N, ``echo``). ``echo`` with ``logprobs`` scores the
 prompt (every echoed token's logprob but the first of a prompt with nothing before it:
 what evaluation harnesses such as lm-eval's ``local-completions`` read, with
 ``max_tokens`` 1, or 0 for the prompt alone). Streaming uses ``text_completion``
@@ -13,6 +14,7 @@ results and no live tool continuation.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import Field
@@ -57,6 +59,17 @@ bp = Blueprint("completions", __name__)
 
 # Raw prompts have no tool results: only the field the context error names.
 NAMES = Wording(param="prompt")
+# Prompts one request may carry (lm-eval's ``batch_size``): each is its own job.
+MAX_PROMPTS = 128
+
+
+@dataclass
+class _Choice:
+    """One prompt of a request: its job, echo text and echoed ids."""
+
+    gen: GenRequest
+    echo_text: str
+    echo_ids: list[int]
 
 
 class CompletionRequest(SamplingFields):
@@ -119,8 +132,10 @@ class CompletionEncoder:
         logprobs: int | None,
         include_usage: bool,
         tokenizer=None,
+        index: int = 0,
     ):
         self.meta = meta
+        self.index = index  # the prompt's place in the request
         self.tokenizer = tokenizer  # the ids of logprobs → texts (needed with logprobs)
         self.echo = echo
         self.echo_ids = echo_ids
@@ -140,7 +155,7 @@ class CompletionEncoder:
         self.usage: dict[str, Any] | None = None
 
     def _chunk(self, text: str, lp=None, finish=None) -> dict[str, Any]:
-        choice = {"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}
+        choice = {"text": text, "index": self.index, "logprobs": lp, "finish_reason": finish}
         return {**self.meta, "choices": [choice]}
 
     def frame(self, ev: dict[str, Any] | str) -> bytes:
@@ -190,26 +205,41 @@ class CompletionEncoder:
             head = self.echo_logprobs
             lp = {k: head[k] + v for k, v in self.lp.items()} if head else self.lp
         text = self.echo + "".join(self.text)
-        choice = {"text": text, "index": 0, "logprobs": lp, "finish_reason": self.finish}
+        choice = {"text": text, "index": self.index, "logprobs": lp, "finish_reason": self.finish}
         return {**self.meta, "choices": [choice], "usage": self.usage}
 
 
-def _prompt(req: CompletionRequest, tok) -> tuple[str | None, list[int], str, list[int]]:
-    """``(prompt text or None, prompt ids, echo text, echoed ids)`` of a request (call off
-    the event loop: a text prompt is bounded (`bound`), then tokenized).
+def _prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts: one text or token-id list, or a list of several (each
+    answered by its own choice, at its index).
+
+    Raises:
+        APIError: 400 for an empty list or more than `MAX_PROMPTS`.
+    """
+    p = req.prompt
+    if not (isinstance(p, list) and p and isinstance(p[0], list | str)):
+        return [p]
+    if len(p) > MAX_PROMPTS:
+        raise APIError(
+            400,
+            f"prompt: {len(p)} prompts in one request; at most {MAX_PROMPTS} (they run one "
+            "after another: send the rest in further requests)",
+            param="prompt",
+        )
+    return list(p)
+
+
+def _prompt(p: str | list[int], tok) -> tuple[str | None, list[int], str, list[int]]:
+    """``(prompt text or None, prompt ids, echo text, echoed ids)`` of one prompt (call
+    off the event loop: a text prompt is bounded (`bound`), then tokenized).
 
     A text prompt gets BOS prepended unless it starts with it; token-id prompts are
     used as given.
 
     Raises:
-        APIError: 400 for several prompts, an empty prompt, an id outside the vocabulary
-            or a text the context cannot hold.
+        APIError: 400 for an empty prompt, an id outside the vocabulary or a text the
+            context cannot hold.
     """
-    p = req.prompt
-    if isinstance(p, list) and p and isinstance(p[0], list | str):
-        if len(p) != 1:
-            raise APIError(400, "prompt: only one prompt per request is supported", param="prompt")
-        p = p[0]
     if isinstance(p, str):
         text = p if p.startswith(BOS) else BOS + p
         bound(text, "prompt")
@@ -228,9 +258,10 @@ def _prompt(req: CompletionRequest, tok) -> tuple[str | None, list[int], str, li
     return None, toks, tok.decode(toks), toks
 
 
-def _job(raw: bytes, path: str) -> tuple[CompletionRequest, GenRequest, str, list[int]]:
-    """The typed request, its job, the echo text and echoed ids (off the event loop).
-    The raw prompt is tokenized here (echo needs its ids): the job carries them."""
+def _jobs(raw: bytes, path: str) -> tuple[CompletionRequest, list[_Choice]]:
+    """The typed request and one job per prompt, with its echo text and echoed ids (off
+    the event loop). The raw prompts are tokenized here (echo needs their ids): the
+    jobs carry them. A constraint is compiled once for them all."""
     req = parse(CompletionRequest, raw)
     if req.max_tokens == 0 and not req.echo:
         raise APIError(
@@ -250,7 +281,11 @@ def _job(raw: bytes, path: str) -> tuple[CompletionRequest, GenRequest, str, lis
     max_tokens = req.max_tokens if req.max_tokens is not None else 16
     check_min_tokens(req, max_tokens)
     tok = state().tokenizer
-    text, toks, echo_text, echo_ids = _prompt(req, tok)
+    prompts = [_prompt(p, tok) for p in _prompts(req)]
+    if req.stream and len(prompts) > 1:
+        raise APIError(
+            400, "stream: several prompts cannot be streamed; send one per request", param="stream"
+        )
     model_thinking(req.model)  # logs a model name the server does not list
     limit, cap_is_eos = turn_limit(max_tokens) if max_tokens else (0, False)
     turn = TurnSpec(
@@ -265,19 +300,25 @@ def _job(raw: bytes, path: str) -> tuple[CompletionRequest, GenRequest, str, lis
         # Echoed with logprobs: the prompt is scored (the whole prompt is prefilled).
         prompt_logprobs=req.logprobs if req.echo else None,
     )
-    gen = GenRequest(
-        path=path,
-        turn=turn,
-        prompt=text,
-        prompt_tokens=toks,
-        **wishes,
-    )
+    choices = [
+        _Choice(
+            GenRequest(path=path, turn=turn, prompt=text, prompt_tokens=toks, **wishes),
+            echo_text,
+            echo_ids,
+        )
+        for text, toks, echo_text, echo_ids in prompts
+    ]
     # A constrained reply the demo cap cuts is incomplete, never a natural end: the cap
     # stands in for EOS only where the grammar accepts one (no reasoning here).
     constraint = constraints.read(constraints.completion_constraint, req)
-    check_end_ban(gen, constraint is not None)
-    constrain(None, constraint, gen.set_grammar)
-    return req, gen, echo_text, echo_ids
+    check_end_ban(choices[0].gen, constraint is not None)
+
+    def put(grammar) -> None:  # one compile; each turn keeps its own matcher
+        for c in choices:
+            c.gen.set_grammar(grammar)
+
+    constrain(None, constraint, put)
+    return req, choices
 
 
 @bp.post("/v1/completions")
@@ -287,26 +328,53 @@ async def completions():
     ``echo`` prepends the prompt text; ``logprobs`` (0–20) returns the sampled tokens'
     logprobs with that many alternatives. With ``echo`` the prompt's tokens are scored
     too (the whole prompt is prefilled, no cached prefix reused); the first token of a
-    token-id prompt has nothing before it and gets null, as OpenAI gives it.
+    token-id prompt has nothing before it and gets null, as OpenAI gives it. Several
+    prompts (lm-eval's ``batch_size``) run one after another, one choice each, usage
+    summed; they are not streamed.
     """
-    req, gen, echo_text, echo_ids = await offload(_job, await read_body(), request.path)
+    req, choices = await offload(_jobs, await read_body(), request.path)
     st = state()
-    tok = st.tokenizer
-    job = st.submit(gen)
     meta = {
         "id": new_id("cmpl-"),
         "object": "text_completion",
         "created": now(),
         "model": req.model or st.config.model_name,
     }
-    enc = CompletionEncoder(
-        meta,
-        echo=echo_text if req.echo else "",
-        echo_ids=echo_ids,
-        logprobs=req.logprobs,
-        include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        tokenizer=tok,
-    )
+    # Every prompt is queued at once (the worker runs them in order); a failure or a
+    # client gone cancels those not finished.
+    jobs = [st.submit(c.gen) for c in choices]
+    encs = [
+        CompletionEncoder(
+            meta,
+            echo=c.echo_text if req.echo else "",
+            echo_ids=c.echo_ids,
+            logprobs=req.logprobs,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            tokenizer=st.tokenizer,
+            index=i,
+        )
+        for i, c in enumerate(choices)
+    ]
     if req.stream:
-        return await stream(job, enc, NAMES)
-    return json_response(await respond(job, enc, NAMES))
+        return await stream(jobs[0], encs[0], NAMES)
+    try:
+        bodies = [await respond(job, enc, NAMES) for job, enc in zip(jobs, encs, strict=True)]
+    finally:
+        for job in jobs:
+            if not job.done:
+                job.cancel.set()
+    return json_response(_merged(bodies))
+
+
+def _merged(bodies: list[dict[str, Any]]) -> dict[str, Any]:
+    """One response of several prompts' bodies: their choices in order, usage summed."""
+    if len(bodies) == 1:
+        return bodies[0]
+    usage = {
+        k: sum(b["usage"][k] for b in bodies)
+        for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+    }
+    for part in ("prompt_tokens_details", "completion_tokens_details"):
+        keys = bodies[0]["usage"][part]
+        usage[part] = {k: sum(b["usage"][part][k] for b in bodies) for k in keys}
+    return {**bodies[0], "choices": [b["choices"][0] for b in bodies], "usage": usage}
