@@ -2,10 +2,10 @@
 
 Reference: https://platform.openai.com/docs/api-reference/completions/create (prompt as
 text or token ids, or a list of several: one choice each, at its index; ``logprobs``
-top-N, ``echo``). ``echo`` with ``logprobs`` scores the
-prompt (every echoed token's logprob but the first of a prompt with nothing before it:
-what evaluation harnesses such as lm-eval's ``local-completions`` read, with
-``max_tokens`` 1, or 0 for the prompt alone). Streaming uses ``text_completion``
+top-N, ``echo``). ``echo`` with ``logprobs`` scores the prompt (every echoed token's
+logprob but the first of a prompt with nothing before it: what evaluation harnesses such
+as lm-eval's ``local-completions`` read, with ``max_tokens`` 1, or 0 for the prompt
+alone). Streaming uses ``text_completion``
 SSE frames ending with ``data: [DONE]``. One encoder (`CompletionEncoder`) serves the
 stream and the JSON body alike. The prompt is raw: special-token spellings in it are
 tokens (users write templates here), and no conversation is involved, so no tool
@@ -77,7 +77,7 @@ class CompletionRequest(SamplingFields):
 
     model: str = ""
     prompt: str | list[str] | list[int] | list[list[int]]
-    # 0 only with ``echo`` (the prompt scored, nothing generated; `_job`).
+    # 0 only with ``echo`` (the prompt scored, nothing generated; `_jobs`).
     max_tokens: int | None = Field(None, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
@@ -214,7 +214,7 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
     answered by its own choice, at its index).
 
     Raises:
-        APIError: 400 for an empty list or more than `MAX_PROMPTS`.
+        APIError: 400 for more than `MAX_PROMPTS` (an empty one is `_prompt`'s 400).
     """
     p = req.prompt
     if not (isinstance(p, list) and p and isinstance(p[0], list | str)):
