@@ -491,10 +491,43 @@ def test_completions_of_several_prompts_answer_each_at_its_index(oai, server):
         model=MODEL, prompt=["The sky is", "Paris is"], max_tokens=2, temperature=0
     )
     assert [c.index for c in texts.choices] == [0, 1] and texts.usage.completion_tokens == 4
-    for extra, param in (({"stream": True}, "stream"), ({"prompt": [a] * 129}, "prompt")):
+    # Refusals name the prompt, and come before anything is queued (a too-long last
+    # prompt cost the others' generation, then said only "prompt").
+    submitted = server.health()["submitted"]
+    long = [0] * server.health()["ctx"]
+    for extra, param in (
+        ({"stream": True}, "stream"),
+        ({"prompt": [a] * 129}, "prompt"),
+        ({"prompt": [a, [3, -1]]}, "prompt.1"),
+        ({"prompt": [a, []]}, "prompt.1"),
+        ({"prompt": [a, long]}, "prompt.1"),
+    ):
         r = HTTP.post(url, json={**body, "prompt": [a, b], **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-    assert server.health()["queued"] == 0
+    assert server.health()["submitted"] == submitted and server.health()["queued"] == 0
+
+
+def test_several_prompts_leave_room_for_other_clients(server, trace_file):
+    """The prompts of one request are queued one at a time: another client's request,
+    sent while the first prompt runs, is served before the list's later prompts (all
+    were queued at once: it waited for the whole list, 130 s behind 128 prompts)."""
+    import threading
+
+    url = server.url + "/v1/completions"
+    many = {"model": MODEL, "max_tokens": 48, "prompt": [f"List item {i}:" for i in range(4)]}
+    out: dict = {}
+    runner = threading.Thread(target=lambda: out.update(r=HTTP.post(url, json=many)))
+    runner.start()
+    while not server.health()["busy"] and runner.is_alive():  # the first prompt runs
+        pass
+    other = HTTP.post(url, json={"model": MODEL, "max_tokens": 2, "prompt": "Another client"})
+    runner.join(120)
+    assert other.status_code == 200 and out["r"].status_code == 200
+    records = [json.loads(line) for line in trace_file.read_text().splitlines()]
+    jobs = {rec["text"]: rec["job"] for rec in records if rec.get("kind") == "prompt"}
+    theirs = [jobs[f"<｜begin▁of▁sentence｜>List item {i}:"] for i in range(4)]
+    assert theirs == sorted(theirs)
+    assert jobs["<｜begin▁of▁sentence｜>Another client"] < theirs[-1], (jobs, theirs)
 
 
 def test_completions_token_ids_and_streaming(oai):

@@ -34,7 +34,7 @@ from ds4mlx.jobs import (
 from ds4mlx.routes import constraints
 from ds4mlx.routes.body import offload, parse, read_body
 from ds4mlx.routes.common import json_response, model_thinking, new_id, now, state
-from ds4mlx.routes.errors import APIError, Wording, failed_to_api, openai_error
+from ds4mlx.routes.errors import APIError, Wording, context_error, failed_to_api, openai_error
 from ds4mlx.routes.openai import (
     SamplingFields,
     check_min_tokens,
@@ -229,20 +229,24 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
     return list(p)
 
 
-def _prompt(p: str | list[int], tok) -> tuple[str | None, list[int], str, list[int]]:
+def _prompt(
+    p: str | list[int], tok, param: str = "prompt"
+) -> tuple[str | None, list[int], str, list[int]]:
     """``(prompt text or None, prompt ids, echo text, echoed ids)`` of one prompt (call
-    off the event loop: a text prompt is bounded (`bound`), then tokenized).
+    off the event loop: a text prompt is bounded (`bound`), then tokenized). ``param``:
+    the prompt's field path in errors (``prompt.1`` for the second of several).
 
     A text prompt gets BOS prepended unless it starts with it; token-id prompts are
     used as given.
 
     Raises:
-        APIError: 400 for an empty prompt, an id outside the vocabulary or a text the
-            context cannot hold.
+        APIError: 400 for an empty prompt, an id outside the vocabulary, or a prompt the
+            context cannot hold (before anything is queued: with several prompts, a bad
+            last one must not cost the others' generation).
     """
     if isinstance(p, str):
         text = p if p.startswith(BOS) else BOS + p
-        bound(text, "prompt")
+        bound(text, param)
         toks = tokenize(text)
         return text, toks, p, toks if p.startswith(BOS) else toks[1:]
     toks = list(p)
@@ -250,11 +254,14 @@ def _prompt(p: str | list[int], tok) -> tuple[str | None, list[int], str, list[i
     if bad:
         raise APIError(
             400,
-            f"prompt: token id {bad[0]} outside the vocabulary (0..{tok.vocab_size - 1})",
-            param="prompt",
+            f"{param}: token id {bad[0]} outside the vocabulary (0..{tok.vocab_size - 1})",
+            param=param,
         )
     if not toks:
-        raise APIError(400, "prompt: empty", param="prompt")
+        raise APIError(400, f"{param}: empty", param=param)
+    ctx = state().ctx_size
+    if len(toks) >= ctx:  # no room left for one token (the worker's own rule)
+        raise context_error(len(toks), ctx, param)
     return None, toks, tok.decode(toks), toks
 
 
@@ -281,7 +288,9 @@ def _jobs(raw: bytes, path: str) -> tuple[CompletionRequest, list[_Choice]]:
     max_tokens = req.max_tokens if req.max_tokens is not None else 16
     check_min_tokens(req, max_tokens)
     tok = state().tokenizer
-    prompts = [_prompt(p, tok) for p in _prompts(req)]
+    given = _prompts(req)
+    many = len(given) > 1
+    prompts = [_prompt(p, tok, f"prompt.{i}" if many else "prompt") for i, p in enumerate(given)]
     if req.stream and len(prompts) > 1:
         raise APIError(
             400, "stream: several prompts cannot be streamed; send one per request", param="stream"
@@ -340,9 +349,6 @@ async def completions():
         "created": now(),
         "model": req.model or st.config.model_name,
     }
-    # Every prompt is queued at once (the worker runs them in order); a failure or a
-    # client gone cancels those not finished.
-    jobs = [st.submit(c.gen) for c in choices]
     encs = [
         CompletionEncoder(
             meta,
@@ -356,13 +362,13 @@ async def completions():
         for i, c in enumerate(choices)
     ]
     if req.stream:
-        return await stream(jobs[0], encs[0], NAMES)
-    try:
-        bodies = [await respond(job, enc, NAMES) for job, enc in zip(jobs, encs, strict=True)]
-    finally:
-        for job in jobs:
-            if not job.done:
-                job.cancel.set()
+        return await stream(st.submit(choices[0].gen), encs[0], NAMES)
+    # One prompt queued at a time: another client's request waits for one prompt's
+    # turn, not for the whole list (128 queued at once held every other client for the
+    # whole list). `respond` cancels its job if the client goes away.
+    bodies = [
+        await respond(st.submit(c.gen), enc, NAMES) for c, enc in zip(choices, encs, strict=True)
+    ]
     return json_response(_merged(bodies))
 
 
