@@ -8,6 +8,7 @@ the forward passes, KV state and usage stay real.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from server_util import EOS, HTTP, Server, sse_events, tool_call_dsml
@@ -466,6 +467,29 @@ def test_completions_score_the_prompt_as_lm_eval_asks(oai, server, trace_file):
     assert choice["logprobs"]["token_logprobs"][:-1] == lp["token_logprobs"][:-1]
     assert choice["logprobs"]["tokens"][-1] == EOS and choice["text"] == alone["choices"][0]["text"]
     assert _lm_eval_loglikelihood(out, len(context))[0] == pytest.approx(sum(sampled), abs=1e-3)
+
+
+def test_completions_logprobs_of_characters_split_across_tokens(server):
+    """Emoji and CJK characters split across tokens: each part is spelled
+    ``bytes:\\xNN…`` (OpenAI's spelling; U+FFFD made every part the same
+    ``top_logprobs`` key, and a less likely one overwrote the best), and ``text_offset``
+    follows the text (each part at its character's start; it counted U+FFFD as a
+    character per part, so every later offset was off)."""
+    text = "🤗😀 日本語 𝔘 and more"
+    body = {"model": MODEL, "prompt": text, "max_tokens": 0, "echo": True, "logprobs": 5}
+    r = HTTP.post(server.url + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert r.json()["choices"][0]["text"] == text
+    parts = [t for t in lp["tokens"] if t.startswith("bytes:")]
+    assert parts and all(re.fullmatch(r"bytes:(\\x[0-9a-f]{2})+", t) for t in parts), parts
+    offsets = lp["text_offset"]
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    for token, at in zip(lp["tokens"], offsets, strict=True):
+        if not token.startswith("bytes:"):
+            assert text[at:].startswith(token), (token, at)
+    for top in lp["top_logprobs"][1:]:
+        assert list(top.values()) == sorted(top.values(), reverse=True)
 
 
 def test_completions_of_several_prompts_answer_each_at_its_index(oai, server):

@@ -92,27 +92,48 @@ def _echo_logprobs(tok, ids: list[int], scored: PromptLogprobs) -> dict[str, Any
     ``len(ids)``: a text prompt's BOS is not echoed) from the scored prompt: a first
     token nothing predicted gets null, as OpenAI gives it."""
     entries = scored.entries[len(scored.entries) - len(ids) :]
-    return _logprobs_obj(list(zip(ids, entries, strict=True)), 0, tok)
+    return _logprobs_obj(list(zip(ids, entries, strict=True)), tok, tok.detokenizer(), 0)[0]
 
 
-def _logprobs_obj(pairs: list[tuple[int, TokenLogprob | None]], offset: int, tok) -> dict[str, Any]:
-    """``logprobs`` entries of ``(id, TokenLogprob or None)`` pairs whose text starts at
-    ``offset`` (the engine's ids turned into texts by ``tok``; None: null logprob and
-    alternatives)."""
+def _token_text(tok, t: int) -> str:
+    """A token's text in ``logprobs``: its text, or for a part of a UTF-8 character
+    ``bytes:\\xNN…`` (OpenAI's spelling; the U+FFFD ``decode`` gives would make every
+    such part the same key of ``top_logprobs``)."""
+    raw = tok.token_bytes(t)
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return tok.decode([t])
+
+
+def _logprobs_obj(
+    pairs: list[tuple[int, TokenLogprob | None]], tok, detok, offset: int
+) -> tuple[dict[str, Any], int]:
+    """``logprobs`` entries of ``(id, TokenLogprob or None)`` pairs (None: null logprob
+    and alternatives), and the text offset after them. ``text_offset``: where each
+    token's text starts in the text, counted by ``detok`` (a `Detokenizer` that went
+    through the tokens before, at ``offset``): a part of a character starts where that
+    character does. ``top_logprobs`` keeps each text's most likely token."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for t, e in pairs:
-        text = tok.decode([t])
-        tokens.append(text)
-        token_lps.append(None if e is None else e.logprob)
-        tops.append(None if e is None else {tok.decode([i]): v for i, v in e.top})
+        tokens.append(_token_text(tok, t))
         offsets.append(offset)
-        offset += len(text)
-    return {
+        offset += len(detok.add(t))
+        token_lps.append(None if e is None else e.logprob)
+        top: dict[str, float] | None = None
+        if e is not None:
+            top = {}
+            for i, v in e.top:  # most likely first
+                top.setdefault(_token_text(tok, i), v)
+        tops.append(top)
+    obj = {
         "tokens": tokens,
         "token_logprobs": token_lps,
         "top_logprobs": tops,
         "text_offset": offsets,
     }
+    return obj, offset
 
 
 class CompletionEncoder:
@@ -144,6 +165,7 @@ class CompletionEncoder:
         self.logprobs = logprobs
         self.include_usage = include_usage
         self.offset = len(echo)
+        self.detok = tokenizer.detokenizer() if tokenizer is not None else None
         self.text: list[str] = []
         self.lp: dict[str, list[Any]] = {
             "tokens": [],
@@ -180,12 +202,9 @@ class CompletionEncoder:
         lp = None
         if self.logprobs is not None:
             pairs = [(x.token, x) for x in e.logprobs]
-            lp = _logprobs_obj(pairs, self.offset, self.tokenizer)
+            lp, self.offset = _logprobs_obj(pairs, self.tokenizer, self.detok, self.offset)
             for k, v in lp.items():
                 self.lp[k] += v
-            self.offset += sum(len(t) for t in lp["tokens"])
-        else:
-            self.offset += len(e.text)
         return [self._chunk(e.text, lp)]
 
     def done(self, e: JobDone) -> list[Any]:
