@@ -533,12 +533,33 @@ def test_a_bad_setting_variable_does_not_stop_a_command():
 # ----------------------------------------------------------------- worker shutdown race
 
 
+def _stopped_while_held(worker, held, seen, go) -> list:
+    """One job submitted to ``worker``: once its thread is held (``held``, an Event),
+    ``worker.stop()`` runs on another thread; once ``seen()`` holds, ``go`` releases the
+    worker. The job's events, after the stop returned."""
+    import asyncio
+    import threading
+
+    async def main() -> list:
+        job = worker.submit(_gen())
+        await asyncio.to_thread(held.wait)
+        stopper = threading.Thread(target=worker.stop, kwargs={"timeout": 120})
+        stopper.start()
+        while not seen():
+            await asyncio.sleep(0.01)
+        go.set()
+        await asyncio.to_thread(stopper.join)
+        await asyncio.sleep(0)  # the events the worker posted to this loop
+        return [job.queue.get_nowait() for _ in range(job.queue.qsize())]
+
+    return asyncio.run(main())
+
+
 def test_a_job_taken_as_the_server_stops_never_runs(tiny_model_dir):
     """``Worker.stop`` cancels the running job and refuses the queued ones. A job the
     worker had just taken off the queue was neither while the worker had not yet recorded
     it: the worker thread, preempted there, ran it to its end after the stop. The test
     pauses the worker thread at that point, stops the worker, then lets it go on."""
-    import asyncio
     import threading
 
     from ds4mlx.dsml import ToolMemory
@@ -567,19 +588,8 @@ def test_a_job_taken_as_the_server_stops_never_runs(tiny_model_dir):
 
     worker = Preempted(tool_memory=ToolMemory())
     worker.start(lambda: Engine.load(str(tiny_model_dir), ctx_size=256))
-
-    async def main() -> list:
-        job = worker.submit(_gen())
-        await asyncio.to_thread(taken.wait)
-        stopper = threading.Thread(target=worker.stop, kwargs={"timeout": 120})
-        stopper.start()
-        await asyncio.to_thread(looked.wait)  # stop() looked for a running job
-        go.set()
-        await asyncio.to_thread(stopper.join)
-        await asyncio.sleep(0)  # the events the worker posted to this loop
-        return [job.queue.get_nowait() for _ in range(job.queue.qsize())]
-
-    events = asyncio.run(main())
+    # Released once stop() looked for a running job.
+    events = _stopped_while_held(worker, taken, looked.is_set, go)
     assert not any(isinstance(e, JobStarted) for e in events), events
     assert [e.finish for e in events if isinstance(e, JobDone)] == ["cancelled"]
 
@@ -633,7 +643,6 @@ def test_a_stop_after_the_answer_interrupts_nothing(tiny_model_dir, monkeypatch,
     worker thread still finishes the bookkeeping (the log line, the bindings): a stop
     then was logged as ``job 1 interrupted`` (seen right after a request). The test
     holds the worker at that point, stops it, and lets it go on."""
-    import asyncio
     import logging
     import threading
 
@@ -654,21 +663,8 @@ def test_a_stop_after_the_answer_interrupts_nothing(tiny_model_dir, monkeypatch,
     monkeypatch.setattr(worker_mod, "_log_job", held)
     worker = Worker(tool_memory=ToolMemory())
     worker.start(lambda: Engine.load(str(tiny_model_dir), ctx_size=256))
-
-    async def main() -> list:
-        job = worker.submit(_gen())
-        await asyncio.to_thread(answered.wait)
-        stopper = threading.Thread(target=worker.stop, kwargs={"timeout": 120})
-        stopper.start()
-        while not worker.stopping:
-            await asyncio.sleep(0.01)
-        go.set()
-        await asyncio.to_thread(stopper.join)
-        await asyncio.sleep(0)
-        return [job.queue.get_nowait() for _ in range(job.queue.qsize())]
-
     with caplog.at_level(logging.INFO, logger="ds4mlx.server"):
-        events = asyncio.run(main())
+        events = _stopped_while_held(worker, answered, lambda: worker.stopping, go)
     assert [e.finish for e in events if isinstance(e, JobDone)] == ["length"]
     assert "interrupted" not in caplog.text, caplog.text
 
