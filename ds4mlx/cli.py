@@ -8,6 +8,7 @@ it (docs/ARCHITECTURE.md §1). Modules are imported lazily so ``ds4mlx --help`` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -302,7 +303,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     _apply_memory_limit(args)
     refused = distributed_refusal(args)
     if refused is not None:
-        print(f"ds4mlx generate: {refused}", file=sys.stderr)
+        with _quiet_unless_rank_0():
+            print(f"ds4mlx generate: {refused}", file=sys.stderr)
         return refused_under_launch(2)
     model = _model_or_demo(args, "generate")
     if model is None:
@@ -503,7 +505,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     frontiers = args.frontiers or [512, 1024, 2048]
     refused = _bench_refusal(args)
     if refused is not None:
-        print(f"ds4mlx bench: {refused}", file=sys.stderr)
+        with _quiet_unless_rank_0():
+            print(f"ds4mlx bench: {refused}", file=sys.stderr)
         return refused_under_launch(2)
     ctx = args.ctx or max(frontiers) + args.decode_tokens + 1
     model = _model_or_demo(args, "bench")
@@ -1263,6 +1266,20 @@ def _parsed(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+@contextlib.contextmanager
+def _quiet_unless_rank_0():
+    """Under ``mlx.launch``, stderr is dropped on ranks > 0 inside (a refusal every rank
+    makes alike is said once, by rank 0); elsewhere nothing changes."""
+    if "MLX_RANK" in os.environ:  # (the import is not paid by a command run alone)
+        from ds4mlx.engine.pipeline import launched_rank
+
+        if launched_rank() > 0:
+            with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
+                yield
+            return
+    yield
+
+
 def refused_under_launch(code: int) -> int:
     """Under ``mlx.launch`` (``MLX_RANK`` set), before any rank has sent anything: share
     this rank's refusal to start (exit ``code``, its line printed) with the others
@@ -1286,7 +1303,9 @@ def main(argv: list[str] | None = None) -> int:
         # (`ds4mlx.engine.pipeline.follow_parent`).
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        args = _parsed(argv)
+        # Every rank parses the same command line: only rank 0 says what is wrong.
+        with _quiet_unless_rank_0():
+            args = _parsed(argv)
     except SystemExit as e:
         if launched and e.code:
             refused_under_launch(e.code)

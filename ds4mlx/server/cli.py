@@ -86,7 +86,8 @@ def run_serve(args, register) -> int:
     from ds4mlx.engine.pipeline import launched_rank
 
     _log_to_stderr(args)
-    rank = launched_rank() if args.distributed else 0
+    # Launched, every rank checks the flags; only rank 0 says why it refuses.
+    rank = launched_rank() if args.distributed or "MLX_RANK" in os.environ else 0
     try:
         plan = _checked(args, rank)
     except Refused as e:
