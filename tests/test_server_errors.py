@@ -104,6 +104,7 @@ def _bad_requests():
         (COMP, j({"prompt": [0, 10**12]}), 400),  # token id outside the vocabulary
         (COMP, j({"prompt": "x", "logprobs": 1000}), 400),
         ("/v1/detokenize", j({"tokens": [-1]}), 400),
+        ("/v1/tokenize", j({"text": "a", "prompt": "bbbb"}), 400),  # which one? (was: text)
         (RESP, j({"input": "hi", "previous_response_id": "resp_1"}), 400),  # no store
         (RESP, j({"input": [{"type": "item_reference", "id": "msg_1"}]}), 400),
         (RESP, j({"input": "hi", "conversation": "conv_1"}), 400),

@@ -112,6 +112,9 @@ def _tokens(raw: bytes) -> list[int]:
     from ds4mlx.routes import openai
 
     req = parse(TokenizeRequest, raw)
+    given = [n for n in ("text", "prompt", "messages") if getattr(req, n) is not None]
+    if len(given) > 1:  # (one was used and the rest dropped without a word)
+        raise APIError(400, f"give one of text, prompt or messages, not {given}", param=given[1])
     if req.messages is not None:
         chat = validate(openai.ChatRequest, req.model_dump())
         text = render(openai.conversation(chat))
