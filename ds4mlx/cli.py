@@ -1268,12 +1268,13 @@ def _parsed(argv: list[str] | None) -> argparse.Namespace:
 
 @contextlib.contextmanager
 def _quiet_unless_rank_0():
-    """Under ``mlx.launch``, stderr is dropped on ranks > 0 inside (a refusal every rank
-    makes alike is said once, by rank 0); elsewhere nothing changes."""
+    """In a launch of several ranks, stderr is dropped on ranks > 0 inside (a refusal
+    every rank makes alike is said once, by rank 0); elsewhere (a stray ``MLX_RANK``
+    included) nothing changes."""
     if "MLX_RANK" in os.environ:  # (the import is not paid by a command run alone)
-        from ds4mlx.engine.pipeline import launched_rank
+        from ds4mlx.engine.pipeline import launched_rank, launched_world
 
-        if launched_rank() > 0:
+        if launched_rank() > 0 and (launched_world() or 1) > 1:
             with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
                 yield
             return

@@ -83,11 +83,12 @@ def run_serve(args, register) -> int:
     rank 0's, and the same exit code everywhere."""
     import sys
 
-    from ds4mlx.engine.pipeline import launched_rank
+    from ds4mlx.engine.pipeline import launched_rank, launched_world
 
     _log_to_stderr(args)
-    # Launched, every rank checks the flags; only rank 0 says why it refuses.
-    rank = launched_rank() if args.distributed or "MLX_RANK" in os.environ else 0
+    # In a launch of several ranks every rank checks the flags, and only rank 0 says
+    # why it refuses (without --distributed they all refuse: `distributed_split`).
+    rank = launched_rank() if args.distributed or (launched_world() or 1) > 1 else 0
     try:
         plan = _checked(args, rank)
     except Refused as e:
