@@ -1272,9 +1272,9 @@ def _quiet_unless_rank_0():
     every rank makes alike is said once, by rank 0); elsewhere (a stray ``MLX_RANK``
     included) nothing changes."""
     if "MLX_RANK" in os.environ:  # (the import is not paid by a command run alone)
-        from ds4mlx.engine.pipeline import launched_rank, launched_world
+        from ds4mlx.engine.pipeline import launched_rank
 
-        if launched_rank() > 0 and (launched_world() or 1) > 1:
+        if launched_rank() > 0 and _launched_ranks() > 1:
             with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
                 yield
             return
