@@ -1272,9 +1272,9 @@ def _quiet_unless_rank_0():
     every rank makes alike is said once, by rank 0); elsewhere (a stray ``MLX_RANK``
     included) nothing changes."""
     if "MLX_RANK" in os.environ:  # (the import is not paid by a command run alone)
-        from ds4mlx.engine.pipeline import launched_rank
+        from ds4mlx.engine.pipeline import launched_rank, launched_ranks
 
-        if launched_rank() > 0 and _launched_ranks() > 1:
+        if launched_rank() > 0 and launched_ranks() > 1:
             with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
                 yield
             return
@@ -1314,7 +1314,7 @@ def main(argv: list[str] | None = None) -> int:
     if launched and not (
         getattr(args, "distributed", None)
         or getattr(args, "pipeline_split", None)
-        or (hasattr(args, "distributed") and _launched_ranks() > 1)
+        or (hasattr(args, "distributed") and _several_ranks())
     ):
         # One process, launched alone. (Several ranks of a command that could split
         # the model either run split or all refuse alike, `distributed_split`: they
@@ -1338,11 +1338,11 @@ def main(argv: list[str] | None = None) -> int:
         return interrupted(args.command, e)
 
 
-def _launched_ranks() -> int:
-    """The rank count of the ``mlx.launch`` that started this process (1 when unknown)."""
-    from ds4mlx.engine.pipeline import launched_world
+def _several_ranks() -> bool:
+    """Whether an ``mlx.launch`` of several ranks started this process."""
+    from ds4mlx.engine.pipeline import launched_ranks
 
-    return launched_world() or 1
+    return launched_ranks() > 1
 
 
 def interrupted(command: str, e: KeyboardInterrupt) -> int:

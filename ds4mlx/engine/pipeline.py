@@ -660,8 +660,8 @@ def distributed_split(mode: str | None, text: str | None, speculative: str = "of
     """
     from .speculative import refused_under_split
 
-    world = launched_world() if "MLX_RANK" in os.environ else None
-    if mode is None and text is None and world is not None and world > 1:
+    world = launched_ranks()
+    if mode is None and text is None and world > 1:
         raise PipelineError(
             f"launched by mlx.launch with {world} ranks: give --distributed pipeline or "
             "--distributed tensor (without it every rank would run on its own)"
@@ -683,6 +683,13 @@ def launched_rank() -> int:
         return int(os.environ.get("MLX_RANK", "0"))
     except ValueError:
         return 0
+
+
+def launched_ranks() -> int:
+    """The rank count of the ``mlx.launch`` that started this process, 1 when it was not
+    launched (a stray ``MLX_RANK`` outside a launch included): several ranks either run
+    split or all refuse alike (`distributed_split`)."""
+    return (launched_world() or 1) if "MLX_RANK" in os.environ else 1
 
 
 def launched_world() -> int | None:

@@ -83,12 +83,12 @@ def run_serve(args, register) -> int:
     rank 0's, and the same exit code everywhere."""
     import sys
 
-    from ds4mlx.engine.pipeline import launched_rank, launched_world
+    from ds4mlx.engine.pipeline import launched_rank, launched_ranks
 
     _log_to_stderr(args)
     # In a launch of several ranks every rank checks the flags, and only rank 0 says
     # why it refuses (without --distributed they all refuse: `distributed_split`).
-    rank = launched_rank() if args.distributed or (launched_world() or 1) > 1 else 0
+    rank = launched_rank() if args.distributed or launched_ranks() > 1 else 0
     try:
         plan = _checked(args, rank)
     except Refused as e:
