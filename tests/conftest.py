@@ -22,14 +22,6 @@ from ds4mlx.blas import ensure_openblas, needs_reexec
 OPENBLAS_THREADS = os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
-def pytest_xdist_auto_num_workers(config):
-    """``-n auto``: one worker more than the cores. A worker spends part of its time
-    waiting on the processes its tests start (a server coming up, a real CLI, a rank
-    timeout): in one run on 2 cores the fast set kept the cores 77 % busy and the slow
-    set 63 %, so a further worker fills those waits."""
-    return (os.cpu_count() or 1) + 1
-
-
 def pytest_configure(config):
     if needs_reexec():
         # pytest has already redirected fd 1/2 into its capture files; the re-executed
