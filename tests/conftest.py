@@ -11,8 +11,8 @@ import pytest
 
 from ds4mlx.blas import ensure_openblas, needs_reexec
 
-# One OpenBLAS thread per test process. The suite runs an xdist worker per core (and one
-# more), each beside the server / agent subprocesses it starts, so every core is busy; the
+# One OpenBLAS thread per test process. The suite runs one xdist worker per core, each
+# beside the server / agent subprocesses it starts, so every core is already busy; the
 # tiny model's GEMMs are small, and OpenBLAS's extra thread spent its time spinning in
 # sched_yield between them (measured: sys time was a third of the suite's CPU time; this
 # halves it). Set before the re-exec below, so the re-executed
