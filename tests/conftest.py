@@ -11,8 +11,8 @@ import pytest
 
 from ds4mlx.blas import ensure_openblas, needs_reexec
 
-# One OpenBLAS thread per test process. The suite runs one xdist worker per core, each
-# beside the server / agent subprocesses it starts, so every core is already busy; the
+# One OpenBLAS thread per test process. The suite runs an xdist worker per core (and one
+# more), each beside the server / agent subprocesses it starts, so every core is busy; the
 # tiny model's GEMMs are small, and OpenBLAS's extra thread spent its time spinning in
 # sched_yield between them (measured: sys time was a third of the suite's CPU time; this
 # halves it). Set before the re-exec below, so the re-executed
@@ -20,6 +20,14 @@ from ds4mlx.blas import ensure_openblas, needs_reexec
 # user set is kept. Users' servers keep OpenBLAS's default (a real model's GEMMs gain
 # from every core).
 OPENBLAS_THREADS = os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker more than the cores. A worker spends part of its time
+    waiting on the processes its tests start (a server coming up, a real CLI, a rank
+    timeout): in one run on 2 cores the fast set kept the cores 77 % busy and the slow
+    set 63 %, so a further worker fills those waits."""
+    return (os.cpu_count() or 1) + 1
 
 
 def pytest_configure(config):
