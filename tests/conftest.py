@@ -42,6 +42,24 @@ def pytest_configure(config):
         _compile_package()
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection(session):
+    """Let pytest cache its assertion rewriting of the test modules (in the git-ignored
+    ``tests/__pycache__``) while it collects, also where ``PYTHONDONTWRITEBYTECODE`` is
+    set (see `_compile_package`): pytest writes that cache only when the interpreter may
+    write bytecode, so every xdist worker of both runs (fast set, slow set) rewrote all
+    the test modules again, 5 of the 8 CPU-s a worker's collection took. The setting is
+    the user's again once collection ends."""
+    import sys
+
+    before = sys.dont_write_bytecode
+    sys.dont_write_bytecode = False
+    try:
+        yield
+    finally:
+        sys.dont_write_bytecode = before
+
+
 def _compile_package() -> None:
     """Write the package's bytecode once before any test starts a process.
 
