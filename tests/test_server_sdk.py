@@ -492,6 +492,36 @@ def test_completions_logprobs_of_characters_split_across_tokens(server):
         assert list(top.values()) == sorted(top.values(), reverse=True)
 
 
+def test_a_scored_prompt_may_fill_the_context(server_factory, tiny_model_dir):
+    """``max_tokens: 0`` with ``echo`` generates nothing, so a prompt of exactly ``--ctx``
+    tokens is scored (lm-eval's rolling windows are ``max_length`` tokens long, which a
+    user may set to the server's context); one token more, or the same prompt asking for
+    a token, is the usual ``context_length_exceeded``. (Before, the exact fit was refused
+    as "leaving no room for output".)"""
+    ctx = 256
+    s = server_factory(tiny_model_dir, ctx=ctx, extra=["--kv-disk-dir", "none"])
+    url = s.url + "/v1/completions"
+    ids = [0, *range(1000, 1000 + ctx - 1)]
+    text = " a" * (ctx - 1)  # one token per " a", after the BOS the route puts first
+    tokens = HTTP.post(s.url + "/tokenize", json={"prompt": text}).json()["tokens"]
+    assert len(tokens) == ctx - 1 and 0 not in tokens, tokens[:4]
+    body = {"model": MODEL, "echo": True, "logprobs": 0, "max_tokens": 0, "temperature": 0}
+    for prompt in (ids, text):
+        r = HTTP.post(url, json={**body, "prompt": prompt})
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]["token_logprobs"]
+        assert len(lp) == ctx - (prompt is text) and all(v is not None for v in lp[1:])
+    for extra in (
+        {"prompt": [*ids, 1000]},
+        {"prompt": text + " a"},
+        {"prompt": ids, "max_tokens": 1},
+        {"prompt": text, "max_tokens": 1},
+    ):
+        r = HTTP.post(url, json={**body, **extra})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "context_length_exceeded", r.text
+
+
 def test_completions_of_several_prompts_answer_each_at_its_index(oai, server):
     """A list of prompts (lm-eval's ``batch_size``; texts or token-id lists): one choice
     per prompt, at its index, each as its own request would have it (a scored echo

@@ -84,6 +84,8 @@ class Prompt:
             on a conversation's state, even one it would continue.
         whole: every token is prefilled (the prompt is scored: a kept or restored
             prefix has no logits per position), on a side state as ``side``.
+        room: tokens the job needs after the prompt: 1 (it generates), or 0 (a scored
+            prompt that generates nothing may fill the context).
     """
 
     tokens: Tokens
@@ -95,6 +97,7 @@ class Prompt:
     salt: str = ""
     side: bool = False
     whole: bool = False
+    room: int = 1
 
     @property
     def text(self) -> Rendered | None:
@@ -273,7 +276,7 @@ class PromptCache:
             plan.detail = f"{plan.detail} state={r.index}/{self.states.n} via={why}".strip()
         plan.session = r.session
         n, ctx = plan.prompt_tokens, r.session.ctx_size
-        if n == 0 or n >= ctx:
+        if n == 0 or n + prompt.room > ctx:
             # The route's early bound used the whole prompt's tokens; a text-prefix plan
             # may differ by a few. Refuse rather than overflow.
             raise ContextFull(n, ctx)

@@ -249,11 +249,12 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 
 def _prompt(
-    p: str | list[int], tok, param: str = "prompt"
+    p: str | list[int], tok, param: str = "prompt", room: int = 1
 ) -> tuple[str | None, list[int], str, list[int]]:
     """``(prompt text or None, prompt ids, echo text, echoed ids)`` of one prompt (call
     off the event loop: a text prompt is bounded (`bound`), then tokenized). ``param``:
-    the prompt's field path in errors (``prompt.1`` for the second of several).
+    the prompt's field path in errors (``prompt.1`` for the second of several);
+    ``room``: tokens the job needs after it (0: scored, nothing generated).
 
     A text prompt gets BOS prepended unless it starts with it; token-id prompts are
     used as given.
@@ -265,7 +266,7 @@ def _prompt(
     """
     if isinstance(p, str):
         text = p if p.startswith(BOS) else BOS + p
-        bound(text, param)
+        bound(text, param, room)
         toks = tokenize(text)
         return text, toks, p, toks if p.startswith(BOS) else toks[1:]
     toks = list(p)
@@ -279,7 +280,7 @@ def _prompt(
     if not toks:
         raise APIError(400, f"{param}: empty", param=param)
     ctx = state().ctx_size
-    if len(toks) >= ctx:  # no room left for one token (the worker's own rule)
+    if len(toks) + room > ctx:  # the worker's own rule
         raise context_error(len(toks), ctx, param)
     return None, toks, tok.decode(toks), toks
 
@@ -309,7 +310,10 @@ def _jobs(raw: bytes, path: str) -> tuple[CompletionRequest, list[_Choice]]:
     tok = state().tokenizer
     given = _prompts(req)
     many = len(given) > 1
-    prompts = [_prompt(p, tok, f"prompt.{i}" if many else "prompt") for i, p in enumerate(given)]
+    room = 0 if max_tokens == 0 else 1  # scored alone (echo): it may fill the context
+    prompts = [
+        _prompt(p, tok, f"prompt.{i}" if many else "prompt", room) for i, p in enumerate(given)
+    ]
     if req.stream and len(prompts) > 1:
         raise APIError(
             400, "stream: several prompts cannot be streamed; send one per request", param="stream"

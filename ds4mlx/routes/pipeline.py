@@ -269,8 +269,9 @@ def _constraint_api_error(e: ConstraintError) -> APIError:
     return APIError(400, text, param=e.param or None, code="unsupported_constraint")
 
 
-def bound(text: str, param: str) -> None:
-    """Refuse a prompt text that cannot fit the context, before it is queued.
+def bound(text: str, param: str, room: int = 1) -> None:
+    """Refuse a prompt text that cannot fit the context with ``room`` tokens after it
+    (0: a scored prompt that generates nothing), before it is queued.
 
     First without tokenizing: more than ``ctx ×`` `MAX_TOKEN_CHARS` characters is more
     than ``ctx`` tokens. Then, for a text longer than ``ctx ×``
@@ -291,7 +292,7 @@ def bound(text: str, param: str) -> None:
     tok = st.tokenizer
     if tok is not None and len(text) > ctx * COUNT_ABOVE_CHARS_PER_TOKEN:
         n = tok.count(text, ctx)
-        if n >= ctx:  # no room left for one token (the worker's own rule)
+        if n + room > ctx:  # the worker's own rule
             raise context_error(n, ctx, param, at_least=True)
 
 

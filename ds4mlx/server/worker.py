@@ -468,6 +468,7 @@ def cache_prompt(req: GenRequest, tok):
         salt=req.salt,
         side=req.side,
         whole=req.turn.prompt_logprobs is not None,
+        room=0 if req.turn.prompt_logprobs is not None and req.turn.max_tokens == 0 else 1,
     )
 
 
@@ -520,10 +521,11 @@ def _job_hooks(job: Job):
 
 def _fitted(spec: TurnSpec, room: int, script: Script | str | None) -> TurnSpec:
     """``spec`` for a prompt that leaves ``room`` tokens: ``max_tokens`` at most the room
-    (at least 1); when the room, not the route's limit, bounds the turn, a demo cap no
-    longer stands for EOS (the turn ends with ``length``)."""
+    (at least 1; a turn of 0, a scored prompt alone, stays 0); when the room, not the
+    route's limit, bounds the turn, a demo cap no longer stands for EOS (the turn ends
+    with ``length``)."""
     changes: dict[str, Any] = {"greedy_after_script": bool(getattr(script, "greedy", False))}
-    if spec.max_tokens >= room:
+    if spec.max_tokens and spec.max_tokens >= room:
         changes.update(max_tokens=max(1, room), cap_is_eos=False)
     if not spec.parse:
         changes["top_logprobs"] = None
