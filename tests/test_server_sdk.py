@@ -558,6 +558,12 @@ def test_completions_of_several_prompts_answer_each_at_its_index(oai, server):
     ):
         r = HTTP.post(url, json={**body, "prompt": [a, b], **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    # A list of mixed kinds is named as such (it said "prompt.0: Input should be a valid
+    # string" of a valid token-id prompt).
+    for mixed in ([a, "The sky is"], [1, [2]], ["The sky is", 3]):
+        r = HTTP.post(url, json={**body, "prompt": mixed})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert "not a mix" in r.json()["error"]["message"], r.text
     assert server.health()["submitted"] == submitted and server.health()["queued"] == 0
 
 

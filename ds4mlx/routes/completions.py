@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
+from pydantic_core import PydanticCustomError
 from quart import Blueprint, request
 
 from ds4mlx.dsml.tokens import BOS
@@ -85,6 +86,20 @@ class CompletionRequest(SamplingFields):
     # tokenizer keeps older models' FIM tokens, which V4's encoder never writes), so a
     # suffix is refused rather than dropped (`_job`).
     suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_kind(cls, v: Any) -> Any:
+        """A list prompt holds one kind of item: pydantic's union names a mixed list's
+        first item as "not a valid string", which may be a valid token-id prompt."""
+        if isinstance(v, list):
+            kinds = {type(x) for x in v if isinstance(x, str | int | list)}
+            if len(kinds) > 1:
+                raise PydanticCustomError(
+                    "mixed_prompt",
+                    "a list prompt holds strings, token ids or lists of token ids, not a mix",
+                )
+        return v
 
 
 def _echo_logprobs(tok, ids: list[int], scored: PromptLogprobs) -> dict[str, Any]:
