@@ -331,11 +331,32 @@ def test_unsupported_schema_names_feature_and_path(llt, schema, path, word):
             },
             "$ref",
         ),
+        # Through allOf / anyOf members (compiled, and answered '{"x":' as finished).
+        (
+            {
+                "type": "object",
+                "properties": {"x": {"$ref": "#/$defs/a"}},
+                "required": ["x"],
+                "$defs": {"a": {"allOf": [{"$ref": "#/$defs/a"}]}},
+            },
+            "properties.x.$ref",
+        ),
+        ({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}]}}, "$ref": "#/$defs/a"}, "$ref"),
+        # Through a required property and a non-empty array of itself.
+        (
+            {
+                "type": "object",
+                "properties": {"kids": {"type": "array", "items": {"$ref": "#"}, "minItems": 1}},
+                "required": ["kids"],
+            },
+            "properties.kids.items.$ref",
+        ),
     ],
 )
 def test_ref_cycle_is_refused_with_its_path(llt, schema, path):
     """A ``$ref`` that only leads back to itself defines no value: refused (it compiled
-    and produced empty or invalid replies), while a recursive tree schema still compiles."""
+    and produced empty or invalid replies), while recursive schemas with a way out (a
+    tree whose children may be none, a list that may end in null) still compile."""
     with pytest.raises(GrammarError) as e:
         json_grammar(schema, llt)
     assert e.value.path == path and "$ref cycle" in e.value.message
@@ -344,6 +365,34 @@ def test_ref_cycle_is_refused_with_its_path(llt, schema, path):
         "properties": {"children": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
     }
     json_grammar(tree, llt)
+    node = {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/cell"}]}
+    cell = {"type": "object", "properties": {"next": node}, "required": ["next"]}
+    json_grammar({"$ref": "#/$defs/cell", "$defs": {"cell": cell}}, llt)
+    # A "$ref" inside a value (const, enum, default, examples) is data, not a schema.
+    json_grammar({"type": "object", "const": {"$ref": "#/nowhere"}}, llt)
+
+
+def test_overlapping_one_of_and_deep_schemas_are_refused_in_our_words(llt):
+    """llguidance's own texts named an option the client cannot see ("Enable
+    'coerce_one_of'") and a parser detail ("failed to parse \"%json\": recursion limit
+    exceeded"): a 400 says what is wrong with the schema instead, with the path. A
+    oneOf with disjoint branches (a discriminated union) compiles, and so does an
+    overlapping one the schema asks llguidance to coerce."""
+    overlap = {"oneOf": [{"type": "integer"}, {"type": "number"}]}
+    with pytest.raises(GrammarError) as e:
+        json_grammar({"type": "object", "properties": {"a": overlap}}, llt)
+    assert e.value.path == "properties.a.oneOf" and "use anyOf" in e.value.message
+    assert "coerce" not in e.value.message
+    json_grammar({**overlap, "x-guidance": {"coerce_one_of": True}}, llt)
+    cat = {"type": "object", "properties": {"kind": {"const": "cat"}}, "required": ["kind"]}
+    dog = {"type": "object", "properties": {"kind": {"const": "dog"}}, "required": ["kind"]}
+    json_grammar({"oneOf": [cat, dog]}, llt)
+    deep: dict = {"type": "string"}
+    for _ in range(300):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(GrammarError) as e:
+        json_grammar(deep, llt)
+    assert e.value.message == "the schema is nested too deeply"
 
 
 def test_null_values_in_a_schema_compile(llt):

@@ -190,6 +190,17 @@ def _explain(message: str, schema: Any) -> GrammarError:
         return GrammarError(
             f"unsupported string format {m.group(1)!r}", _value_path(schema, m.group(1)) or ""
         )
+    if "oneOf constraints are not supported" in message:
+        # llguidance compiles a oneOf only when its branches cannot both match a value;
+        # its advice names an option of its own (docs/STRUCTURED_OUTPUTS.md).
+        return GrammarError(
+            "a oneOf whose branches may both match one value is not supported (nothing "
+            "would check that exactly one matches): use anyOf, or make the branches "
+            "disjoint (a const property each, as a discriminated union has)",
+            _key_path(schema, "oneOf") or "",
+        )
+    if "recursion limit exceeded" in message:
+        return GrammarError("the schema is nested too deeply", "")
     m = _REGEX_ERR.search(message)
     if m:
         path = _value_path(schema, m.group(1)) or ""
@@ -302,9 +313,8 @@ def _check_finite(node: Any, path: str = "") -> None:
         _check_finite(value, f"{path}.{key}" if path else str(key))
 
 
-# Keys that leave a schema holding "$ref" defining nothing else (annotations, a
-# definitions table).
-_REF_ONLY = {"$ref", "$defs", "definitions", "description", "title", "$comment", "$schema", "$id"}
+# Keywords whose values are JSON values, not schemas: a "$ref" inside them is data.
+_VALUE_KEYS = frozenset({"const", "enum", "default", "examples"})
 
 
 def _pointer(root: Any, ref: Any) -> Any:
@@ -323,36 +333,118 @@ def _pointer(root: Any, ref: Any) -> Any:
     return node
 
 
-def _ref_cycle(root: Any, node: Any, path: tuple[str, ...] = ()) -> str | None:
-    """The path of a ``$ref`` under ``node`` (a part of the schema ``root``) that leads
-    only through ``$ref``s back to one it passed (``$defs.a: {"$ref": "#/$defs/a"}``),
-    else None. llguidance accepts such a schema, but nothing satisfies it: it must be
-    refused like any schema that cannot be served. A recursive schema that defines
-    structure on the way (a tree) is not a cycle. ``node`` may be any JSON value,
-    ``null`` included (a ``default``, a ``const``)."""
-    if isinstance(node, dict):
-        seen: set[int] = set()
-        cur = node
-        while isinstance(cur, dict) and "$ref" in cur and set(cur) <= _REF_ONLY:
-            if id(cur) in seen:
+def _schema_nodes(node: Any, path: tuple[str, ...] = ()) -> list[tuple[dict, tuple[str, ...]]]:
+    """Every object of the schema ``node`` with its path, in document order (values of
+    `_VALUE_KEYS` left out: they are data). Iterative: a deep schema is llguidance's to
+    refuse, not a RecursionError."""
+    out: list[tuple[dict, tuple[str, ...]]] = []
+    stack: list[tuple[Any, tuple[str, ...]]] = [(node, path)]
+    while stack:
+        cur, at = stack.pop()
+        if isinstance(cur, dict):
+            out.append((cur, at))
+            kids = [(v, (*at, str(k))) for k, v in cur.items() if k not in _VALUE_KEYS]
+        elif isinstance(cur, list):
+            kids = [(v, (*at, str(i))) for i, v in enumerate(cur)]
+        else:
+            continue
+        stack.extend(reversed(kids))
+    return out
+
+
+def _members(root: Any, node: dict) -> list[Any]:
+    """The subschemas whose values decide whether ``node`` defines a value
+    (`_defines_value`): its ``$ref`` target, ``allOf``/``anyOf``/``oneOf`` members, the
+    schemas of its required properties and of its least array items."""
+    out: list[Any] = []
+    if "$ref" in node:
+        out.append(_pointer(root, node["$ref"]))
+    for key in ("allOf", "anyOf", "oneOf"):
+        if isinstance(node.get(key), list):
+            out += node[key]
+    props, required = node.get("properties"), node.get("required")
+    if isinstance(props, dict) and isinstance(required, list):
+        out += [props[r] for r in required if isinstance(r, str) and r in props]
+    least = node.get("minItems")
+    if isinstance(least, int) and least > 0:
+        prefix = node.get("prefixItems")
+        out += prefix[:least] if isinstance(prefix, list) else []
+        out.append(node.get("items"))
+    return out
+
+
+def _defines_value(root: Any, node: dict, known: set[int]) -> bool:
+    """Whether some finite JSON value satisfies ``node`` as far as its ``$ref``, its
+    ``allOf``/``anyOf``/``oneOf`` members, its required properties and its least array
+    items go, given the objects already ``known`` to (ids); anything else counts as yes
+    (what else it constrains is llguidance's to judge)."""
+
+    def ok(sub: Any) -> bool:
+        if isinstance(sub, dict):
+            return id(sub) in known
+        return sub is not False
+
+    if "$ref" in node:
+        target = _pointer(root, node["$ref"])
+        if target is not None and not ok(target):
+            return False
+    if isinstance(node.get("allOf"), list) and not all(ok(m) for m in node["allOf"]):
+        return False
+    for key in ("anyOf", "oneOf"):
+        members = node.get(key)
+        if isinstance(members, list) and members and not any(ok(m) for m in members):
+            return False
+    props, required = node.get("properties"), node.get("required")
+    if isinstance(props, dict) and isinstance(required, list):
+        if not all(ok(props[r]) for r in required if isinstance(r, str) and r in props):
+            return False
+    least = node.get("minItems")
+    if isinstance(least, int) and least > 0:
+        prefix = node.get("prefixItems")
+        prefix = prefix if isinstance(prefix, list) else []
+        if not all(ok(p) for p in prefix[:least]):
+            return False
+        if least > len(prefix) and "items" in node and not ok(node["items"]):
+            return False
+    return True
+
+
+def _ref_cycle(schema: Any) -> str | None:
+    """The path of the first ``$ref`` in ``schema`` whose target no finite value
+    satisfies, else None: it leads back to itself without defining a value on the way,
+    directly (``$defs.a: {"$ref": "#/$defs/a"}``), through ``allOf``/``anyOf`` members
+    (``{"allOf": [{"$ref": "#/$defs/a"}]}``) or through required properties. llguidance
+    accepts such a schema, but answers empty or cut-off JSON: it must be refused like
+    any schema that cannot be served. A recursive schema with a way out (a tree whose
+    ``children`` may be empty) defines values.
+
+    The objects that define a value are a least fixpoint: each is checked once, members
+    before the objects holding them, and again whenever one of its `_members` turns out
+    to define a value (a worklist: linear in the schema's size)."""
+    nodes = _schema_nodes(schema)
+    users: dict[int, list[dict]] = {}
+    for node, _ in nodes:
+        for m in _members(schema, node):
+            if isinstance(m, dict):
+                users.setdefault(id(m), []).append(node)
+    known: set[int] = set()
+    todo = [node for node, _ in nodes]  # popped last first: members before holders
+    while todo:
+        node = todo.pop()
+        if id(node) not in known and _defines_value(schema, node, known):
+            known.add(id(node))
+            todo += [u for u in users.get(id(node), ()) if id(u) not in known]
+    for node, path in nodes:
+        if "$ref" in node:
+            target = _pointer(schema, node["$ref"])
+            if isinstance(target, dict) and id(target) not in known:
                 return ".".join((*path, "$ref"))
-            seen.add(id(cur))
-            cur = _pointer(root, cur["$ref"])
-        for k, v in node.items():
-            found = _ref_cycle(root, v, (*path, str(k)))
-            if found:
-                return found
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            found = _ref_cycle(root, v, (*path, str(i)))
-            if found:
-                return found
     return None
 
 
 def _check_refs(schema: Any, where: str = "") -> None:
     """Raise GrammarError when ``schema`` holds a `_ref_cycle`."""
-    found = _ref_cycle(schema, schema)
+    found = _ref_cycle(schema)
     if found is not None:
         raise GrammarError(f"{where}$ref cycle: it defines no value", found)
 
