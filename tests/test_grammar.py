@@ -172,6 +172,18 @@ def test_turn_reports_how_its_grammar_went(engine, llt):
     assert (r.finish, r.grammar) == ("length", "incomplete")
     r, _, _ = _run(engine, THINK, _spec(0, g, max_tokens=5, thinking=True))
     assert r.grammar == "unstarted"
+    # A grammar that dead-ends (the schema check refuses this one at the route: it is
+    # compiled here without it) leaves the reply cut: llguidance stops in error, which
+    # once read as "complete".
+    dead = {
+        "type": "object",
+        "properties": {"x": {"$ref": "#/$defs/a"}},
+        "required": ["x"],
+        "$defs": {"a": {"allOf": [{"$ref": "#/$defs/a"}]}},
+    }
+    g = grammar_mod.validate(f"start: {grammar_mod._json_lark(dead)}\n", llt, schema=dead)
+    r, _, _ = _run(engine, CHAT, _spec(0, g, max_tokens=12))
+    assert (r.text, r.grammar) == ('{"x":', "incomplete"), r.text
 
 
 def test_mask_forbids_what_the_grammar_rejects(engine, llt):

@@ -781,7 +781,10 @@ class GrammarHooks(TurnHooks):
             turn.result.grammar = "violated"
         else:
             self._start(turn)
-            turn.result.grammar = "complete" if self._accepts() else "incomplete"
+            # A matcher that stopped in error (a dead end: no token could extend the
+            # reply) is stopped without accepting: the reply is cut, not complete.
+            whole = self._accepts() and not self.matcher.is_error()
+            turn.result.grammar = "complete" if whole else "incomplete"
         self.inner.at_end(turn)
 
     def _start(self, turn: Turn) -> None:
