@@ -239,8 +239,10 @@ def speculative_flags(p: argparse.ArgumentParser) -> None:
         choices=SPECULATIVE_MODES,
         default="off",
         help="speculative decoding: lookup = prompt n-grams, mtp = the checkpoint's MTP "
-        "head, dspark = Flash 0731's DSpark drafter, auto = the checkpoint's drafter plus "
-        "lookup; exact (the output is the target's) (off)",
+        "head, dspark = Flash 0731's DSpark drafter, auto = lookup where the text repeats "
+        "(a 3-token match), the checkpoint's drafter elsewhere; exact: greedy output is the "
+        "target's, sampled output follows its distribution (a seed repeats within one "
+        "setting) (off)",
     )
     p.add_argument(
         "--draft-tokens",

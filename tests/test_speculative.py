@@ -264,6 +264,23 @@ def test_mtp_greedy_output_and_state_equal_plain(mtp_engine, where, scripted):
         assert r.accepted >= n // 3 and r.fed / r.forwards > 1
 
 
+def test_auto_copies_repeated_text_before_asking_the_head(mtp_engine):
+    """``--speculative auto`` on a checkpoint with an MTP head: where the reply repeats
+    the prompt (a 3-token match), prompt lookup drafts and its copies are accepted; the
+    output and state equal plain greedy. (The head always had a draft, so lookup was
+    never asked: ``auto`` accepted what the random head guessed, about nothing.)"""
+    engine = mtp_engine
+    tok = engine.tokenizer
+    words = tok.encode(" one two three four five six seven eight nine ten eleven twelve")
+    prompt = tok.encode(PROMPT.replace("hello there", "say" + tok.decode(words)))
+    spec = TurnSpec(GREEDY, len(words), parse=False, ignore_eos=True, pipeline=False)
+    plain = _run(engine, spec, prompt, script=list(words))
+    got = _run(engine, spec, prompt, script=list(words), mode="auto")
+    _assert_same_state(plain, got)
+    r = got[0]
+    assert r.accepted >= len(words) // 2 and r.fed / r.forwards > 1.5, (r.accepted, r.forwards)
+
+
 def _scripted_case(engine, case):
     tok = engine.tokenizer
     words = tok.encode(" one two three four five six seven eight nine ten")

@@ -5,7 +5,8 @@ and accepted a token ``t0`` that is to be fed:
 
 1. a drafter proposes up to ``k`` tokens ``d1 … dk`` to follow ``t0`` (`TurnHooks.draft`
    first, then the engine's own: the checkpoint's MTP head or DSpark drafter
-   (`ds4mlx.engine.dspark`), `PromptLookup`);
+   (`ds4mlx.engine.dspark`), `PromptLookup`; ``auto`` asks the lookup first for a
+   longest n-gram match, then the checkpoint's drafter, then shorter matches);
 2. one forward pass over the ``k + 1`` rows ``t0, d1 … dk`` from the live state
    (`ds4mlx.engine.session.VerifyStep`) gives the target's logits after each row;
 3. token by token, exactly as the plain loop would: poll (cancel, hooks, length), pick
@@ -211,12 +212,13 @@ class PromptLookup:
                 if end >= size:
                     self.seen[tuple(self.toks[end - size : end])] = end
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to ``k`` ids to follow ``tokens`` (empty when no n-gram recurs)."""
+    def propose(self, tokens: Sequence[int], k: int, shortest: int = 0) -> list[int]:
+        """Up to ``k`` ids to follow ``tokens`` (empty when no n-gram of ``shortest``
+        tokens or more recurs)."""
         self._sync(tokens)
         toks = self.toks
         for n in self.sizes:
-            if len(toks) <= n:
+            if len(toks) <= n or n < shortest:
                 continue
             end = self.seen.get(tuple(toks[-n:]))
             if end is not None and end < len(toks):
@@ -311,11 +313,16 @@ class Drafting:
             return []
         drafts = list(self.hooks.draft(turn))
         self.qs: list[mx.array | None] = []
+        context = [*s.tokens, t0]
+        if not drafts and self.lookup is not None and (self.mtp or self.dspark):
+            # ``auto``: where the text repeats a longest n-gram, copying it costs no
+            # forward and runs long (code, quoted files); the model drafter elsewhere.
+            drafts = self.lookup.propose(context, limit, shortest=self.lookup.sizes[0])
         for drafter in (self.mtp, self.dspark):
             if not drafts and drafter is not None:
                 drafts, self.qs = drafter.propose(s, t0, limit, turn.spec.sampling)
         if not drafts and self.lookup is not None:
-            drafts = self.lookup.propose([*s.tokens, t0], limit)
+            drafts = self.lookup.propose(context, limit)
         drafts = [int(d) for d in drafts[:limit]]
         return drafts[: self.hooks.admit(turn, drafts)] if drafts else drafts
 
