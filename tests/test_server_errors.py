@@ -683,6 +683,55 @@ def test_responses_echo_what_was_done_and_refuse_background(client):
     assert client.post(RESP, json={**body, "background": False}).status_code == 200
 
 
+def test_a_seed_repeats_an_anthropic_reply(client):
+    """``seed`` on the Messages API (not Anthropic's, as OpenAI's APIs take it): the
+    same seed samples the same reply, another seed another (it was dropped unread)."""
+    body = {"model": "deepseek-chat", "max_tokens": 8, "temperature": 1, "messages": OK_MSG}
+    texts = [
+        client.post(MSGS, json={**body, "seed": seed}).json()["content"][0]["text"]
+        for seed in (5, 5, 6)
+    ]
+    assert texts[0] == texts[1] != texts[2], texts
+
+
+@pytest.mark.parametrize(
+    "path, field, value, hint",
+    [
+        (RESP, "prompt", {"id": "pmpt_abc", "variables": {"name": "Ann"}}, "stored prompts"),
+        (RESP, "max_tokens", 3, "max_output_tokens"),
+        (RESP, "response_format", {"type": "json_object"}, "text.format"),
+        (RESP, "stop", ["a"], "not a Responses parameter"),
+        (RESP, "logit_bias", {"15": 100}, "not a Responses parameter"),
+        (RESP, "frequency_penalty", 1.0, "not a Responses parameter"),
+        (CHAT, "modalities", ["text", "audio"], "text output only"),
+        (CHAT, "audio", {"voice": "alloy", "format": "wav"}, "text output only"),
+        (CHAT, "web_search_options", {}, "no hosted tools"),
+        (MSGS, "mcp_servers", [{"type": "url", "url": "http://x", "name": "x"}], "MCP"),
+        (MSGS, "container", "c_1", "no tools run"),
+        (MSGS, "stop", ["a"], "stop_sequences"),
+        (MSGS, "logit_bias", {"15": 100}, "not a Messages API parameter"),
+        (MSGS, "n", 2, "not a Messages API parameter"),
+    ],
+)
+def test_explicit_wishes_that_cannot_be_carried_out_are_refused(client, path, field, value, hint):
+    """A wish the server cannot carry out, or another protocol's field the request's
+    protocol does not read, is a 400 naming it, not a 200 that silently drops it (a
+    stored prompt's instructions, audio, hosted MCP servers, Chat's ``stop`` on the
+    Responses API all were); its absent or empty forms are served."""
+    body = {
+        RESP: {"model": "deepseek-chat", "input": "hi", "max_output_tokens": 2},
+        CHAT: {**NORMAL, "max_tokens": 2},
+        MSGS: {"model": "deepseek-chat", "max_tokens": 2, "messages": OK_MSG},
+    }[path]
+    r = client.post(path, json={**body, field: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err.get("param", field) == field and field in err["message"], r.text
+    assert hint in err["message"], r.text
+    fine = {"modalities": ["text"]}.get(field)
+    assert client.post(path, json={**body, field: fine}).status_code == 200
+
+
 def test_responses_truncation_auto_drops_the_oldest_turns(client):
     """``truncation: "auto"``: a history past the context loses its oldest turns until
     it fits (the instructions and the last message stay); ``disabled`` (the default)

@@ -35,7 +35,7 @@ message follows them), ``is_error: true`` prefixing `TOOL_ERROR_PREFIX`; server 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Discriminator, Field, StrictBool, Tag
 from quart import Blueprint, request
@@ -262,9 +262,24 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
     stop_sequences: list[str] | None = Field(None, max_length=64)
+    # Not Anthropic's: reproducible sampling, as OpenAI's APIs take it (any int).
+    seed: int | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
     context_management: dict[str, Any] | None = None
+
+    refused: ClassVar[dict[str, str]] = {
+        "mcp_servers": "the MCP connector is not supported: this server runs no tools "
+        "itself; connect the MCP servers in your client",
+        "container": "code execution containers are not supported: no tools run on this server",
+        "stop": "not a Messages API parameter: use stop_sequences",
+        "max_completion_tokens": "not a Messages API parameter: use max_tokens",
+        "response_format": "not a Messages API parameter: use output_config.format",
+        **dict.fromkeys(
+            ("logit_bias", "frequency_penalty", "presence_penalty", "n"),
+            "not a Messages API parameter (OpenAI's APIs have it)",
+        ),
+    }
 
 
 # --------------------------------------------------------------------------- mapping

@@ -42,7 +42,7 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from quart import current_app, request
@@ -96,6 +96,10 @@ class OpenModel(BaseModel):
     """
 
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+    # Undeclared fields that carry a wish the route cannot carry out, or that are another
+    # protocol's and would be dropped unread: field -> why (`validate` refuses them set).
+    refused: ClassVar[dict[str, str]] = {}
 
 
 class ContentPart(OpenModel):
@@ -561,10 +565,22 @@ def validate(model: type[M], data: Any) -> M:
         )
     try:
         long = _long_lists(model, data)
-        if long:
-            return _validate_sliced(model, data, long)
-        return model.model_validate(data)
+        req = _validate_sliced(model, data, long) if long else model.model_validate(data)
     except ValidationError as e:
         raise errors_to_api(list(e.errors(include_url=False)), data) from None
     except RecursionError:
         raise APIError(400, "request JSON is nested too deeply") from None
+    _refuse_unread(req)
+    return req
+
+
+def _refuse_unread(req: BaseModel) -> None:
+    """A 400 naming the first field of ``type(req).refused`` the request sets: an
+    explicit wish is refused rather than dropped (docs/ARCHITECTURE.md §6). Unset is
+    absent, null, false or an empty list; ``["text"]`` asks for nothing more than text."""
+    extra = req.model_extra or {}
+    for name, why in getattr(type(req), "refused", {}).items():
+        v = extra.get(name)
+        if v is None or v is False or v == [] or v == ["text"]:
+            continue
+        raise APIError(400, f"{name}: {why}", param=name)

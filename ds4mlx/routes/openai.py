@@ -21,7 +21,7 @@ reasoning; tool-call arguments that are not a JSON object are kept under
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, StrictBool
 from quart import Blueprint, request
@@ -210,6 +210,13 @@ def logit_bias_of(req: SamplingFields) -> tuple[tuple[int, float], ...]:
 
 class ChatRequest(SamplingFields):
     """Body of ``POST /v1/chat/completions`` (unknown fields tolerated)."""
+
+    refused: ClassVar[dict[str, str]] = {
+        "modalities": "audio output is not supported: this model writes text output only",
+        "audio": "audio output is not supported: this model writes text output only",
+        "web_search_options": "web search is not supported: no hosted tools run on this "
+        "server; give the model a search tool of your own",
+    }
 
     model: str = ""
     messages: list[ChatMessage] = Field(min_length=1)

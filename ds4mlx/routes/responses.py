@@ -47,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Discriminator, Field, StrictBool, Tag, ValidationError
 from quart import Blueprint, request
@@ -300,6 +300,20 @@ class ResponsesRequest(OpenModel):
     background: StrictBool | None = None
     # OpenAI counts only its built-in (hosted) tools' calls against it; none run here.
     max_tool_calls: int | None = Field(None, ge=1)
+
+    refused: ClassVar[dict[str, str]] = {
+        "prompt": "stored prompts are not supported: this server keeps no prompt "
+        "templates; send their instructions and input themselves",
+        "max_tokens": "not a Responses parameter: use max_output_tokens",
+        "max_completion_tokens": "not a Responses parameter: use max_output_tokens",
+        "response_format": "not a Responses parameter: use text.format",
+        "logprobs": "not a Responses parameter: use top_logprobs with include "
+        '["message.output_text.logprobs"]',
+        **dict.fromkeys(
+            ("stop", "logit_bias", "frequency_penalty", "presence_penalty", "n"),
+            "not a Responses parameter (Chat Completions has it)",
+        ),
+    }
 
 
 # --------------------------------------------------------------------------- mapping
