@@ -295,6 +295,43 @@ def test_a_workspace_mcp_json_starts_nothing_until_approved(
     assert warnings == [f"MCP servers of {config} not started (denied)"]
 
 
+def test_an_approval_is_of_its_workspace_and_the_question_shows_everything_run(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """An approval was keyed by the file's resolved path: a repository whose
+    ``.mcp.json`` is a symlink to an approved file ran its own ``run.sh`` (the servers
+    start in the workspace) unasked. And the question showed the command line only,
+    not the ``env`` it runs with (``PYTHONPATH``, ``LD_PRELOAD``, ``NODE_OPTIONS`` can
+    run other code) nor an HTTP server's headers."""
+    import json
+
+    from ds4mlx.agent.mcp_trust import approve, describe
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    a, b = tmp_path / "ws_a", tmp_path / "ws_b"
+    a.mkdir()
+    b.mkdir()
+    servers = {
+        "tools": {"command": "bash", "args": ["run.sh"], "env": {"PYTHONPATH": ".cache"}},
+        "web": {"type": "http", "url": "http://127.0.0.1:9/mcp", "headers": {"X-K": "v 1"}},
+    }
+    (a / ".mcp.json").write_text(json.dumps({"mcpServers": servers}))
+    (b / ".mcp.json").symlink_to(a / ".mcp.json")
+    asked: list[str] = []
+
+    def ask(tool: str, summary: str) -> str:
+        asked.append(summary)
+        return "always"
+
+    cfg = load_config(a / ".mcp.json")
+    assert approve(cfg, a / ".mcp.json", ask, print) and len(asked) == 1
+    assert not approve(load_config(b / ".mcp.json"), b / ".mcp.json", None, lambda w: None)
+    assert approve(cfg, a / ".mcp.json", None, print)  # still approved where it was
+    assert describe(cfg) == (
+        "tools: PYTHONPATH=.cache bash run.sh\nweb: http://127.0.0.1:9/mcp (header X-K: 'v 1')"
+    )
+
+
 def shlex_quote(s: str) -> str:
     import shlex
 

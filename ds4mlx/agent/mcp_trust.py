@@ -5,17 +5,22 @@ repository's ``.mcp.json`` would otherwise run whatever it names as soon as some
 ``ds4mlx agent`` in a clone of it. So a workspace's file is started only once the user
 approved it (Claude Code asks the same of a project's servers):
 
-- the permission question shows each server's command line or URL; ``once`` starts them
-  this time, ``always`` also records the approval, ``deny`` starts none;
-- an approval is of the file's path *and* its bytes (SHA-256): an edited file is asked
-  about again;
+- the permission question shows everything a server is started with: its command line
+  with the environment it sets (``PYTHONPATH``, ``LD_PRELOAD`` or ``NODE_OPTIONS`` run
+  other code), or its URL with the headers; ``once`` starts them this time, ``always``
+  also records the approval, ``deny`` starts none;
+- an approval is of the file's place *and* its bytes (SHA-256): an edited file is asked
+  about again. The place is the workspace's own ``.mcp.json`` (its folder resolved, the
+  file not): the servers start in the workspace, so a relative command runs that
+  workspace's files, and a repository whose ``.mcp.json`` links to a file approved
+  elsewhere is asked about;
 - without a terminal to ask (``-p`` in a script) none start, with a warning naming the
   two ways to allow them. ``--yes`` does not: it answers the model's tool calls, and this
   runs before the model says anything. ``--mcp-config FILE`` is the user's own choice and
   needs no approval.
 
 Approvals live in ``$XDG_CONFIG_HOME/ds4mlx/trusted-mcp.json`` (``~/.config/…``), a JSON
-object of absolute path → digest, written atomically.
+object of place (absolute path) → digest, written atomically.
 """
 
 from __future__ import annotations
@@ -50,9 +55,16 @@ def _approvals() -> dict[str, str]:
     return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
 
 
+def _place(path: Path) -> str:
+    """The approval key of a workspace's config ``path``: its folder resolved (the
+    workspace the servers start in), its own name kept (not a link's target)."""
+    return str(path.absolute().parent.resolve() / path.name)
+
+
 def is_approved(path: Path, digest: str) -> bool:
-    """Whether the file at ``path`` was approved with exactly these bytes (``digest``)."""
-    return _approvals().get(str(path.resolve())) == digest
+    """Whether the file at ``path`` was approved there with exactly these bytes
+    (``digest``)."""
+    return _approvals().get(_place(path)) == digest
 
 
 def record(path: Path, digest: str) -> None:
@@ -62,7 +74,7 @@ def record(path: Path, digest: str) -> None:
         OSError: the approvals file cannot be written.
     """
     approvals = _approvals()
-    approvals[str(path.resolve())] = digest
+    approvals[_place(path)] = digest
     final = trust_file()
     final.parent.mkdir(parents=True, exist_ok=True)
     data = json.dumps(approvals, indent=1, sort_keys=True).encode()
@@ -70,10 +82,16 @@ def record(path: Path, digest: str) -> None:
 
 
 def describe(config: McpConfig) -> str:
-    """One line per server: ``NAME: command line`` (shell-quoted) or ``NAME: URL``."""
+    """One line per server, all it is started with: ``NAME: [VAR=value …] command line``
+    (shell-quoted, as a shell would run it) or ``NAME: URL (header K: v, …)``."""
     lines = []
     for s in config.servers:
-        target = s.url if s.url else shlex.join([s.command or "", *s.args])
+        if s.url:
+            sent = ", ".join(f"header {k}: {shlex.quote(v)}" for k, v in s.headers.items())
+            target = f"{s.url} ({sent})" if sent else s.url
+        else:
+            env = [f"{k}={v}" for k, v in s.env.items()]
+            target = shlex.join([*env, s.command or "", *s.args])
         lines.append(f"{s.name}: {target}")
     return "\n".join(lines)
 
