@@ -96,3 +96,22 @@ class LogFormatter(logging.Formatter):
 
     def formatException(self, ei) -> str:  # noqa: N802
         return escape_controls(super().formatException(ei))
+
+
+# Lone surrogates: no Unicode character (UTF-8 and the tokenizer refuse them).
+_SURROGATE_RE = re.compile(r"[\ud800-\udfff]")
+
+
+def valid_unicode(text: str) -> str:
+    """``text`` with each lone surrogate escaped: ``\\xNN`` for U+DC80–U+DCFF, the
+    undecodable byte NN a file name carries through ``os.fsdecode`` (surrogateescape: a
+    Latin-1 ``café`` lists as ``caf\\xe9``), ``\\uNNNN`` otherwise (a JSON
+    ``"\\ud800"`` a tool returned). Text without them is returned as is."""
+    if not _SURROGATE_RE.search(text):
+        return text
+
+    def one(m: re.Match[str]) -> str:
+        code = ord(m.group())
+        return f"\\x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"\\u{code:04x}"
+
+    return _SURROGATE_RE.sub(one, text)

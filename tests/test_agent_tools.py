@@ -715,3 +715,21 @@ def test_bash_spec_states_the_real_default_timeout(ws: Path) -> None:
     assert "Foreground default: 42;" in bash.parameters["properties"]["timeout"]["description"]
     bash.parameters["properties"].clear()  # callers get copies
     assert tb.specs[6].parameters["properties"]
+
+
+def test_names_that_are_not_utf8_reach_the_model_escaped(ws: Path) -> None:
+    """A file name of non-UTF-8 bytes (a Latin-1 ``café``) made ``list`` and ``search``
+    raise in the tokenizer (``os.listdir`` gives it lone surrogates), which stopped the
+    turn: every result's text is valid Unicode, the bytes shown as ``\\xNN``, and a
+    tool's MCP-style lone surrogate too."""
+    from ds4mlx.agent.permissions import Permissions
+    from ds4mlx.agent.tools import Toolbox
+    from ds4mlx.tokenizer import Tokenizer
+
+    tok = Tokenizer.load()
+    (ws / "caf\udce9.txt").write_bytes(b"hello\n")
+    with Toolbox(ws, Permissions(yes=True), count_tokens=lambda s: len(tok.encode_plain(s))) as box:
+        for name, args in (("list", {"path": "."}), ("search", {"pattern": "hello"})):
+            out = box.run(name, args)
+            assert out.ok and "caf\\xe9.txt" in out.text, out.text
+            out.text.encode("utf-8")  # no lone surrogate left

@@ -25,6 +25,7 @@ shaping happen here, once for every tool.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ from ds4mlx.agent.tools.shell import (
     clean_terminal_output,
 )
 from ds4mlx.dsml.conversation import ToolSpec
+from ds4mlx.sanitize import valid_unicode
 
 __all__ = [
     "EXIT_STATUS",
@@ -372,8 +374,15 @@ class Toolbox:
         return ToolOutcome(False, shaped.text, kind, shaped.handle)
 
     def _finish(self, r: Result) -> ToolOutcome:
-        """Shape ``r.body`` into what is left of the budget after ``before``/``after``."""
+        """Shape ``r.body`` into what is left of the budget after ``before``/``after``;
+        every part as valid Unicode (`valid_unicode`: a non-UTF-8 file name's bytes)."""
         handle = None
+        r = dataclasses.replace(
+            r,
+            before=valid_unicode(r.before),
+            body=valid_unicode(r.body),
+            after=valid_unicode(r.after),
+        )
         body = r.body
         if r.shape:
             room = self.budget - self.count_tokens(r.before) - self.count_tokens(r.after) - 4
