@@ -168,7 +168,14 @@ def test_a_second_origin_or_host_header_is_refused(server):
     assert ws_upgrade(server.port, {"host": "evil.example"})[0] == 400
 
 
-def test_loopback_origins_are_answered_on_http_and_the_websocket(server):
+def test_loopback_origins_are_answered_on_http_and_only_the_servers_own_on_the_websocket(
+    server,
+):
+    """Over HTTP a loopback page's request is answered (its browser's CORS check keeps
+    the answer from a page of another port). A WebSocket has no CORS: a page of another
+    local server (a dev server, `python -m http.server` serving a downloaded file) drove
+    the model and read every event, unasked. Only the server's own origin (its port) may
+    open it, or what --allowed-origin / --cors admit."""
     origins = (
         "http://localhost:3000",
         "http://127.0.0.1:8080",
@@ -178,7 +185,10 @@ def test_loopback_origins_are_answered_on_http_and_the_websocket(server):
     for origin in origins:
         h = {"Origin": origin, "Content-Type": "application/json"}
         assert call(server, "POST", "/v1/chat/completions", CHAT, h).status_code == 200
-        assert ws_upgrade(server.port, {"Origin": origin})[0] == 101
+        status, data = ws_upgrade(server.port, {"Origin": origin})
+        assert status == 403 and b"origin_not_allowed" in data, (origin, data)
+    for own in (f"http://127.0.0.1:{server.port}", f"http://localhost:{server.port}"):
+        assert ws_upgrade(server.port, {"Origin": own})[0] == 101, own
     assert ws_upgrade(server.port, {})[0] == 101  # no Origin: not a browser (Codex)
 
 

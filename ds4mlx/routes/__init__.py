@@ -158,7 +158,9 @@ def _install_access(app, rejected) -> None:
     async def _ws_access():
         mapping.note_unsupported()
         # The upgrade is refused with an HTTP answer before it is accepted.
-        err = access.check_request(websocket.path, websocket.headers, state().config)
+        err = access.check_request(
+            websocket.path, websocket.headers, state().config, websocket=True
+        )
         err = err or access.check_auth(websocket.headers)
         if err is not None:
             rejected(err, "WEBSOCKET", websocket.path)

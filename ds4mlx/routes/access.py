@@ -13,7 +13,10 @@ send requests to ``http://127.0.0.1:PORT``.
   (``Content-Type: text/plain``, no preflight) and open a WebSocket; the browser adds
   ``Origin`` to both. A request whose ``Origin`` is not loopback (``null``, sent by
   sandboxed frames and ``file:`` pages, counts as foreign) is refused unless ``--cors``
-  (every origin, as before) or ``--allowed-origin`` (exactly those) admits it. A POST
+  (every origin, as before) or ``--allowed-origin`` (exactly those) admits it. A
+  WebSocket has no CORS to keep its answers from a page, so a loopback ``Origin`` opens
+  one only from the server's own port (a page of another local server, a dev server
+  or ``python -m http.server`` serving a downloaded file, is refused like a foreign one). A POST
   that carries ``Origin`` must also declare a JSON content type, so even an admitted
   origin cannot skip the CORS preflight with a ``text/plain`` body. Requests without
   ``Origin`` (curl, the SDKs, the CLIs: no browser) are parsed as before, so
@@ -70,14 +73,26 @@ def check_host(headers: Mapping[str, str], config) -> APIError | None:
     )
 
 
-def check_origin(headers: Mapping[str, str], config) -> APIError | None:
+def check_origin(headers: Mapping[str, str], config, *, websocket: bool = False) -> APIError | None:
     """403 when ``Origin`` is present, not loopback, and neither ``--cors`` nor
-    ``--allowed-origin`` admits it (``null`` is foreign)."""
+    ``--allowed-origin`` admits it (``null`` is foreign). A WebSocket upgrade
+    (``websocket``) from a loopback origin is admitted only from the server's own port:
+    it has no CORS, so a page of another local server would otherwise drive the model and
+    read every event."""
     raw = headers.get("origin")
-    if raw is None or config.cors or loopback_origin(raw):
+    if raw is None or config.cors or _named_origin(raw, config):
         return None
-    if _named_origin(raw, config):
+    if loopback_origin(raw) and not websocket:
         return None
+    if websocket and loopback_origin(raw) and _origin_port(raw) == config.port:
+        return None
+    if loopback_origin(raw):
+        return _forbidden(
+            f"Origin {raw!r} may not open a WebSocket: a page of another local server "
+            "could drive the model; name it with --allowed-origin (or --cors admits "
+            "every origin)",
+            "origin_not_allowed",
+        )
     return _forbidden(
         f"Origin {raw!r} is not allowed: a web page may not use this server unless "
         "--allowed-origin names its origin (or --cors admits every origin)",
@@ -176,12 +191,18 @@ def check_single(headers: Mapping[str, str]) -> APIError | None:
     return None
 
 
-def check_request(path: str, headers: Mapping[str, str], config) -> APIError | None:
-    """The checks every HTTP request and WebSocket upgrade passes before its route, in
-    order: one Host and one Origin at most, Host, Origin, the debug routes' loopback
-    rule. (The API key, the size and the content type follow in the request hook: ``/``
-    and ``/health`` need no key.)"""
-    err = check_single(headers) or check_host(headers, config) or check_origin(headers, config)
+def check_request(
+    path: str, headers: Mapping[str, str], config, *, websocket: bool = False
+) -> APIError | None:
+    """The checks every HTTP request and WebSocket upgrade (``websocket``) passes before
+    its route, in order: one Host and one Origin at most, Host, Origin, the debug routes'
+    loopback rule. (The API key, the size and the content type follow in the request
+    hook: ``/`` and ``/health`` need no key.)"""
+    err = (
+        check_single(headers)
+        or check_host(headers, config)
+        or check_origin(headers, config, websocket=websocket)
+    )
     if err is None and path.startswith("/debug/"):
         err = check_debug(headers)
     return err
@@ -234,6 +255,17 @@ def cors_headers(headers: Mapping[str, str], config) -> dict[str, str]:
         "Access-Control-Allow-Headers": f"{allowed}, {asked}" if asked else allowed,
         "Access-Control-Max-Age": "600",
     }
+
+
+def _origin_port(origin: str) -> int | None:
+    """The port of ``origin`` (its scheme's default when it names none), or None."""
+    from urllib.parse import urlsplit
+
+    key = origin_key(origin)
+    if key is None:
+        return None
+    parts = urlsplit(key)
+    return parts.port or {"http": 80, "https": 443}.get(parts.scheme)
 
 
 def _named_origin(origin: str, config) -> bool:
