@@ -352,61 +352,46 @@ def _schema_nodes(node: Any, path: tuple[str, ...] = ()) -> list[tuple[dict, tup
     return out
 
 
-def _members(root: Any, node: dict) -> list[Any]:
-    """The subschemas whose values decide whether ``node`` defines a value
-    (`_defines_value`): its ``$ref`` target, ``allOf``/``anyOf``/``oneOf`` members, the
-    schemas of its required properties and of its least array items."""
-    out: list[Any] = []
-    if "$ref" in node:
-        out.append(_pointer(root, node["$ref"]))
-    for key in ("allOf", "anyOf", "oneOf"):
-        if isinstance(node.get(key), list):
-            out += node[key]
-    props, required = node.get("properties"), node.get("required")
-    if isinstance(props, dict) and isinstance(required, list):
-        out += [props[r] for r in required if isinstance(r, str) and r in props]
-    least = node.get("minItems")
-    if isinstance(least, int) and least > 0:
-        prefix = node.get("prefixItems")
-        out += prefix[:least] if isinstance(prefix, list) else []
-        out.append(node.get("items"))
-    return out
-
-
-def _defines_value(root: Any, node: dict, known: set[int]) -> bool:
-    """Whether some finite JSON value satisfies ``node`` as far as its ``$ref``, its
-    ``allOf``/``anyOf``/``oneOf`` members, its required properties and its least array
-    items go, given the objects already ``known`` to (ids); anything else counts as yes
-    (what else it constrains is llguidance's to judge)."""
-
-    def ok(sub: Any) -> bool:
-        if isinstance(sub, dict):
-            return id(sub) in known
-        return sub is not False
-
+def _needs(root: Any, node: dict) -> list[tuple[bool, list[Any]]]:
+    """What ``node`` needs to define a value, as ``(every, members)`` groups: every
+    member (True) or some member (False) of each group must define one. The groups:
+    its ``$ref`` target, its ``allOf`` members, its ``anyOf``/``oneOf`` members, the
+    schemas of its required properties and of its least array items; anything else it
+    constrains is llguidance's to judge."""
+    out: list[tuple[bool, list[Any]]] = []
     if "$ref" in node:
         target = _pointer(root, node["$ref"])
-        if target is not None and not ok(target):
-            return False
-    if isinstance(node.get("allOf"), list) and not all(ok(m) for m in node["allOf"]):
-        return False
+        if target is not None:
+            out.append((True, [target]))
+    if isinstance(node.get("allOf"), list):
+        out.append((True, node["allOf"]))
     for key in ("anyOf", "oneOf"):
-        members = node.get(key)
-        if isinstance(members, list) and members and not any(ok(m) for m in members):
-            return False
+        if isinstance(node.get(key), list) and node[key]:
+            out.append((False, node[key]))
     props, required = node.get("properties"), node.get("required")
     if isinstance(props, dict) and isinstance(required, list):
-        if not all(ok(props[r]) for r in required if isinstance(r, str) and r in props):
-            return False
+        out.append((True, [props[r] for r in required if isinstance(r, str) and r in props]))
     least = node.get("minItems")
     if isinstance(least, int) and least > 0:
         prefix = node.get("prefixItems")
         prefix = prefix if isinstance(prefix, list) else []
-        if not all(ok(p) for p in prefix[:least]):
-            return False
-        if least > len(prefix) and "items" in node and not ok(node["items"]):
-            return False
-    return True
+        out.append((True, prefix[:least]))
+        if least > len(prefix) and "items" in node:
+            out.append((True, [node["items"]]))
+    return out
+
+
+def _defines_value(root: Any, node: dict, known: set[int]) -> bool:
+    """Whether some finite JSON value satisfies ``node`` as far as `_needs` goes, given
+    the objects already ``known`` to (ids); ``false`` defines none, other non-objects
+    (``true``, a draft-4 items list) count as defining one."""
+
+    def ok(sub: Any) -> bool:
+        return id(sub) in known if isinstance(sub, dict) else sub is not False
+
+    return all(
+        (all if every else any)(ok(m) for m in members) for every, members in _needs(root, node)
+    )
 
 
 def _ref_cycle(schema: Any) -> str | None:
@@ -419,14 +404,15 @@ def _ref_cycle(schema: Any) -> str | None:
     ``children`` may be empty) defines values.
 
     The objects that define a value are a least fixpoint: each is checked once, members
-    before the objects holding them, and again whenever one of its `_members` turns out
-    to define a value (a worklist: linear in the schema's size)."""
+    before the objects holding them, and again whenever one it `_needs` turns out to
+    define a value (a worklist: linear in the schema's size)."""
     nodes = _schema_nodes(schema)
     users: dict[int, list[dict]] = {}
     for node, _ in nodes:
-        for m in _members(schema, node):
-            if isinstance(m, dict):
-                users.setdefault(id(m), []).append(node)
+        for _, members in _needs(schema, node):
+            for m in members:
+                if isinstance(m, dict):
+                    users.setdefault(id(m), []).append(node)
     known: set[int] = set()
     todo = [node for node, _ in nodes]  # popped last first: members before holders
     while todo:
