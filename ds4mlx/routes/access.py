@@ -16,10 +16,10 @@ send requests to ``http://127.0.0.1:PORT``.
   (every origin, as before) or ``--allowed-origin`` (exactly those) admits it. A
   WebSocket has no CORS to keep its answers from a page, so a loopback ``Origin`` opens
   one only from the server's own port (a page of another local server, a dev server
-  or ``python -m http.server`` serving a downloaded file, is refused like a foreign one). A POST
-  that carries ``Origin`` must also declare a JSON content type, so even an admitted
-  origin cannot skip the CORS preflight with a ``text/plain`` body. Requests without
-  ``Origin`` (curl, the SDKs, the CLIs: no browser) are parsed as before, so
+  or ``python -m http.server`` serving a downloaded file, is refused like a foreign
+  one). A POST that carries ``Origin`` must also declare a JSON content type, so even
+  an admitted origin cannot skip the CORS preflight with a ``text/plain`` body. Requests
+  without ``Origin`` (curl, the SDKs, the CLIs: no browser) are parsed as before, so
   ``curl -d`` keeps working.
 - **Debug routes** (``/debug/…``, behind their own flag) answer only a loopback ``Host``
   and a loopback or absent ``Origin``, whatever ``--allowed-host``/``--cors`` admit.
@@ -82,11 +82,9 @@ def check_origin(headers: Mapping[str, str], config, *, websocket: bool = False)
     raw = headers.get("origin")
     if raw is None or config.cors or _named_origin(raw, config):
         return None
-    if loopback_origin(raw) and not websocket:
-        return None
-    if websocket and loopback_origin(raw) and _origin_port(raw) == config.port:
-        return None
     if loopback_origin(raw):
+        if not websocket or _origin_port(raw) == config.port:
+            return None
         return _forbidden(
             f"Origin {raw!r} may not open a WebSocket: a page of another local server "
             "could drive the model; name it with --allowed-origin (or --cors admits "
