@@ -792,6 +792,36 @@ def test_responses_streaming_function_call_events(oai, server):
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
+def test_responses_stream_opens_every_content_part_it_writes_to(oai, server):
+    """Each text or reasoning delta of a Responses stream goes to a content part a
+    ``response.content_part.added`` opened, and ``content_part.done`` closes it, for
+    the reasoning item too: openai-node's accumulator (``responses.stream()``) raised
+    ``missing content at index 0`` on the first reasoning delta of every thinking
+    reply. Replayed here as that accumulator builds the response."""
+    server.script("Thinking R.</think>Answer R." + EOS)
+    events = [e.model_dump() for e in oai.responses.create(model=MODEL, input="hi", stream=True)]
+    items: dict[int, dict] = {}
+    for e in events:
+        t = e["type"]
+        if t == "response.output_item.added":
+            items[e["output_index"]] = {**e["item"], "content": []}
+        elif t == "response.content_part.added":
+            items[e["output_index"]]["content"].append(dict(e["part"]))
+        elif t in ("response.reasoning_text.delta", "response.output_text.delta"):
+            part = items[e["output_index"]]["content"][e["content_index"]]  # IndexError
+            part["text"] += e["delta"]
+        elif t == "response.content_part.done":
+            assert items[e["output_index"]]["content"][e["content_index"]] == e["part"], e
+    kinds = [(i["type"], [p["type"] for p in i["content"]]) for _, i in sorted(items.items())]
+    assert kinds == [("reasoning", ["reasoning_text"]), ("message", ["output_text"])], kinds
+    assert [p["text"] for _, i in sorted(items.items()) for p in i["content"]] == [
+        "Thinking R.",
+        "Answer R.",
+    ]
+    done = [e["type"] for e in events if e["type"].endswith(".done")]
+    assert done.count("response.content_part.done") == 2, done
+
+
 def test_responses_previous_response_id_rejected_clearly(oai):
     import openai
 

@@ -4,8 +4,10 @@ Reference: https://platform.openai.com/docs/api-reference/responses/create and t
 streaming events https://platform.openai.com/docs/api-reference/responses-streaming:
 ``response.created`` → ``response.in_progress`` → per output item
 ``response.output_item.added`` … ``response.output_item.done`` (reasoning:
-``response.reasoning_text.delta/done``; message: ``response.content_part.added``,
-``response.output_text.delta/done``, ``response.content_part.done``; function call:
+``response.content_part.added`` (a ``reasoning_text`` part),
+``response.reasoning_text.delta/done``, ``response.content_part.done``; message:
+``response.content_part.added``, ``response.output_text.delta/done``,
+``response.content_part.done``; function call:
 ``response.function_call_arguments.delta/done``; custom tool call:
 ``response.custom_tool_call_input.delta/done``) → ``response.completed`` |
 ``response.incomplete`` | ``response.failed``. Every event has ``sequence_number``.
@@ -982,6 +984,8 @@ class ResponseEncoder:
             if self.include_encrypted:
                 item["encrypted_content"] = self.carrier.seal(text)
             out.append(self._ev("response.reasoning_text.done", **ids, text=text))
+            part = {"type": "reasoning_text", "text": text}
+            out.append(self._ev("response.content_part.done", **ids, part=part))
         elif item["type"] == "message":
             lps = self.lps.close()
             part = _output_part(text, lps)
@@ -997,6 +1001,12 @@ class ResponseEncoder:
         if self.open is None or self.open["type"] != "reasoning":
             out = self._close()
             out += self._add({"id": new_id("rs_"), "type": "reasoning", "summary": []})
+            # Its reasoning_text part is opened as a message's output_text part is:
+            # clients that build the response from the events (openai-node's
+            # accumulator) write each delta into a part this event added.
+            ids = {"item_id": self.open["id"], "output_index": self._index(), "content_index": 0}
+            part = {"type": "reasoning_text", "text": ""}
+            out.append(self._ev("response.content_part.added", **ids, part=part))
         self.text.append(e.text)
         if e.text:
             ids = {"item_id": self.open["id"], "output_index": self._index(), "content_index": 0}
