@@ -407,6 +407,27 @@ def test_overlapping_one_of_and_deep_schemas_are_refused_in_our_words(llt):
     assert e.value.message == "the schema is nested too deeply"
 
 
+def test_a_property_names_every_key_satisfies_compiles(llt):
+    """zod's ``z.record(z.string(), z.number())`` writes ``propertyNames: {"type":
+    "string"}`` (JSON keys are strings anyway): dropped, the record compiles and keeps
+    its value type; a ``propertyNames`` that constrains keys is still refused by path."""
+    record = {
+        "type": "object",
+        "propertyNames": {"type": "string"},
+        "additionalProperties": {"type": "number"},
+    }
+    schema = {"type": "object", "properties": {"scores": record}, "required": ["scores"]}
+    g = json_grammar(schema, llt)
+    assert (
+        "propertyNames" not in g.source and '"additionalProperties": {"type": "number"}' in g.source
+    )
+    assert schema["properties"]["scores"]["propertyNames"] == {"type": "string"}  # not mutated
+    keyed = {**record, "propertyNames": {"pattern": "^[a-z]+$"}}
+    with pytest.raises(GrammarError) as e:
+        json_grammar({"type": "object", "properties": {"s": keyed}}, llt)
+    assert e.value.path == "properties.s.propertyNames", e.value
+
+
 def test_null_values_in_a_schema_compile(llt):
     """JSON ``null`` anywhere in a schema (``default``, ``const``, ``enum``, as pydantic
     and the Anthropic SDK write them) is a value like any other: the ``$ref`` cycle walk

@@ -36,6 +36,7 @@ transformers), once per file (~1–2 s), and cached.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -294,8 +295,30 @@ def _json_lark(schema: dict[str, Any]) -> str:
             has no spelling for it, and llguidance's parser only said "expected value").
     """
     _check_finite(schema)
+    schema = _without_noop_property_names(schema)
     guide = {"whitespace_flexible": False, **(schema.get("x-guidance") or {})}
     return "%json " + json.dumps({**schema, "x-guidance": guide}, ensure_ascii=False)
+
+
+def _noop_names(node: dict) -> bool:
+    """Whether ``node`` has a ``propertyNames`` every JSON key satisfies (keys are
+    strings): ``true``, ``{}`` or ``{"type": "string"}``, which zod's
+    ``z.record(z.string(), …)`` writes; llguidance refuses the keyword itself."""
+    v = node.get("propertyNames")
+    return v is True or (isinstance(v, dict) and v in ({}, {"type": "string"}))
+
+
+def _without_noop_property_names(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` without the ``propertyNames`` that constrain nothing (`_noop_names`;
+    a copy, or the schema itself when it has none). Any other ``propertyNames`` stays,
+    for llguidance to refuse with its path."""
+    if not any(_noop_names(n) for n, _ in _schema_nodes(schema)):
+        return schema
+    schema = copy.deepcopy(schema)
+    for node, _ in _schema_nodes(schema):
+        if _noop_names(node):
+            del node["propertyNames"]
+    return schema
 
 
 def _check_finite(node: Any, path: str = "") -> None:
