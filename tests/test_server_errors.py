@@ -833,6 +833,16 @@ def test_unknown_routes_and_methods_are_shaped(client):
     r = client.get("/v1/messages")
     assert r.status_code == 405 and r.json()["type"] == "error"
     assert client.post("/debug/script", json={"texts": ["x"]}).status_code == 404  # not enabled
+    # A base URL without /v1 (or with it twice) is the likeliest set-up mistake: the 404
+    # names the route meant.
+    for wrong, meant in (
+        ("/messages", "/v1/messages"),
+        ("/chat/completions", "/v1/chat/completions"),
+        ("/v1/v1/responses", "/v1/responses"),
+    ):
+        r = client.post(wrong, json={})
+        assert r.status_code == 404 and f"did you mean {meant}?" in r.text, r.text
+    assert "did you mean" not in client.post("/v1/nothing", json={}).text
 
 
 def test_cors_preflight_and_headers(server):

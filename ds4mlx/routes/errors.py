@@ -108,7 +108,7 @@ def http_exception_to_api(e: HTTPException) -> APIError:
     if status == 404:
         return APIError(
             404,
-            f"no route {request.method} {request.path}",
+            f"no route {request.method} {request.path}{_route_hint(request.method, request.path)}",
             type="not_found_error",
             code="not_found",
         )
@@ -121,6 +121,20 @@ def http_exception_to_api(e: HTTPException) -> APIError:
         e.description or e.name,
         type="invalid_request_error" if status < 500 else "server_error",
     )
+
+
+def _route_hint(method: str, path: str) -> str:
+    """``"; did you mean /v1/messages? …"`` when ``path`` is a route with its ``/v1``
+    missing or doubled (a client's base URL set without or with ``/v1`` where the other
+    was wanted), else ``""``."""
+    from werkzeug.exceptions import HTTPException as RouteMiss
+
+    meant = path[3:] if path.startswith("/v1/v1/") else "/v1" + path
+    try:
+        current_app.url_map.bind("").match(meant, method=method)
+    except RouteMiss:
+        return ""
+    return f"; did you mean {meant}? (check the client's base URL: with or without /v1)"
 
 
 _TYPE_LABELS = {"str", "int", "float", "bool", "dict", "list", "none", "bytes", "any"}
