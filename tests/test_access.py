@@ -40,6 +40,7 @@ ROUTES = [
     ("POST", "/v1/messages", MSGS),
     ("POST", "/v1/messages/count_tokens", {"model": "m", "messages": MSGS["messages"]}),
     ("POST", "/v1/responses", {"model": "deepseek-chat", "input": "hi", "max_output_tokens": 2}),
+    ("POST", "/v1/responses/input_tokens", {"model": "deepseek-chat", "input": "hi"}),
     ("POST", "/v1/tokenize", {"text": "hi"}),
     ("POST", "/v1/detokenize", {"tokens": [1, 2]}),
     ("POST", "/tokenize", {"prompt": "hi", "add_special_tokens": False}),

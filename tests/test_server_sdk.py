@@ -822,6 +822,19 @@ def test_responses_stream_opens_every_content_part_it_writes_to(oai, server):
     assert done.count("response.content_part.done") == 2, done
 
 
+def test_responses_input_tokens_count_what_the_response_is_charged(oai, server):
+    """``POST /v1/responses/input_tokens`` (openai's ``responses.input_tokens.count``)
+    answers the input tokens the same request is then charged, without queueing a job
+    (it was a 405: only ``GET /v1/responses/{id}`` matched the path)."""
+    body = {"model": "deepseek-chat", "input": "Count me, please.", "instructions": "Be brief."}
+    submitted = server.health()["submitted"]
+    n = oai.responses.input_tokens.count(**body)
+    assert n.object == "response.input_tokens" and n.input_tokens > 5, n
+    assert server.health()["submitted"] == submitted  # no job
+    r = oai.responses.create(**body, max_output_tokens=2)
+    assert r.usage.input_tokens == n.input_tokens, (r.usage, n)
+
+
 def test_responses_previous_response_id_rejected_clearly(oai):
     import openai
 

@@ -1218,6 +1218,22 @@ def _http_request(raw: bytes, path: str, headers, key: str = "") -> _Prepared:
     return _prepare(parse_json(raw), path=path, headers=headers, key=key)
 
 
+@bp.post("/v1/responses/input_tokens")
+async def count_input_tokens():
+    """``{"object": "response.input_tokens", "input_tokens": n}``: the input tokens the
+    same body to ``/v1/responses`` would be charged now (openai's
+    ``responses.input_tokens.count``), answered by the prompt cache's read-only query
+    (``ServerState.charged``): no job is queued, so it answers while a generation runs."""
+    headers = {h: request.headers.get(h) for h in STATE_HEADERS}
+    n = await offload(_count, await read_body(), headers, key_salt(request.headers))
+    return json_response({"object": "response.input_tokens", "input_tokens": n})
+
+
+def _count(raw: bytes, headers, key: str = "") -> int:
+    prep = _prepare(parse_json(raw), path="/v1/responses", headers=headers, key=key)
+    return state().charged(prep.gen)
+
+
 @bp.get("/v1/responses/<path:response_id>")
 async def get_response(response_id: str):
     raise APIError(
