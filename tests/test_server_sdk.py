@@ -835,6 +835,33 @@ def test_responses_input_tokens_count_what_the_response_is_charged(oai, server):
     assert r.usage.input_tokens == n.input_tokens, (r.usage, n)
 
 
+def test_responses_item_references_to_answered_items_resolve(oai, server):
+    """A client with ``store: true`` (the Vercel AI SDK's default) replays earlier
+    output items as ``item_reference``s: those the server answered resolve to the items
+    as sent, and the conversation goes on from the live state (its prefix cached); an
+    id it never answered is a 400 naming the item (every reference was a 400)."""
+    import openai
+
+    server.script("Thinking it over.</think>First answer." + EOS)
+    first = oai.responses.create(model=MODEL, input="Question one?")
+    ids = [it.id for it in first.output]
+    assert [it.type for it in first.output] == ["reasoning", "message"], first.output
+    history = [
+        {"role": "user", "content": "Question one?"},
+        *({"type": "item_reference", "id": i} for i in ids),
+        {"role": "user", "content": "And two?"},
+    ]
+    server.script("More.</think>Second answer." + EOS)
+    second = oai.responses.create(model=MODEL, input=history)
+    assert second.output_text == "Second answer.", second
+    assert second.usage.input_tokens_details.cached_tokens > 0, second.usage
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.responses.create(
+            model=MODEL, input=[*history[:1], {"type": "item_reference", "id": "msg_unknown"}]
+        )
+    assert "msg_unknown" in str(e.value) and e.value.body["param"] == "input[1]", e.value.body
+
+
 def test_responses_previous_response_id_rejected_clearly(oai):
     import openai
 

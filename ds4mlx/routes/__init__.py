@@ -76,6 +76,7 @@ def register(app) -> None:
         body,
         carrier,
         completions,
+        items,
         models,
         openai,
         responses,
@@ -84,6 +85,7 @@ def register(app) -> None:
     from ds4mlx.routes.errors import APIError, http_exception_to_api, internal_error
 
     carrier.install(app, app.extensions["ds4mlx"].config.reasoning_key)
+    items.install(app)
     for mod in (openai, completions, anthropic, responses, responses_ws, models):
         app.register_blueprint(mod.bp)
 

@@ -82,6 +82,7 @@ from ds4mlx.routes.common import (
     state_key,
 )
 from ds4mlx.routes.errors import APIError, Wording, failed_to_api
+from ds4mlx.routes.items import ItemMemory, item_memory, resolve_references
 from ds4mlx.routes.mapping import (
     WireError,
     allowed_names,
@@ -589,9 +590,11 @@ def _add_item(turns: _Turns, i: int, it: Any) -> None:
     elif isinstance(it, ToolSearchOutputItem):
         turns.search_output(it, i)
     elif it.type == "item_reference":
+        # `routes.items` resolved every reference to an item this server still holds.
         raise WireError(
-            "item_reference needs a server-side response store, which this server does not keep; "
-            "send the full input items (store: false)",
+            f"item_reference {getattr(it, 'id', None)!r} is not an item this server answered "
+            "recently (it keeps no response store, only its latest output items); send "
+            "the full input items (store: false)",
             f"input[{i}]",
         )
     # Other item types (web_search_call, compaction, local_shell_call…) describe
@@ -746,6 +749,7 @@ def _prepare(
     ``prompt_cache_key`` naming the request's resident state. ``key``: the API key's
     `key_salt`, with the body's ``cache_salt`` the request's cache salt (`cache_salt`).
     """
+    data = resolve_references(data, item_memory()) if isinstance(data, dict) else data
     req = validate(ResponsesRequest, data)
     sent = dict(data)
     if req.conversation is not None:
@@ -915,8 +919,10 @@ class ResponseEncoder:
         carrier,
         tokenizer,
         sampling: SamplingParams,
+        items: ItemMemory | None = None,
     ):
         self.carrier = carrier
+        self.items = items  # where the output items are remembered (`routes.items`)
         self.lps = _TextLogprobs(tokenizer)
         self.include_encrypted = "reasoning.encrypted_content" in (req.include or [])
         self.kinds = {**_loaded_kinds(req), **tool_kinds(req.tools)}
@@ -1160,6 +1166,8 @@ class ResponseEncoder:
             if not (it["type"] == "function_call" and it["status"] == "incomplete")
         ]
         self.response["usage"] = _usage(d)
+        if self.items is not None:  # a later request may name them by item_reference
+            self.items.put_all(self.output)
         if d.finish == "cancelled":  # a client's cancel (or a shutdown), not a failure
             self.response["status"] = "cancelled"
             return [*out, self._ev("response.incomplete", response=self.result())]
@@ -1197,6 +1205,7 @@ def _encoder(prep: _Prepared) -> ResponseEncoder:
         carrier(),
         st.tokenizer,
         sampling=prep.gen.turn.sampling,
+        items=item_memory(),
     )
 
 
