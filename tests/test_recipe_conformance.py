@@ -25,8 +25,9 @@ import pytest
 
 from ds4mlx.dsml import render
 from ds4mlx.dsml.tokens import BOS, REASONING_EFFORT_MAX_PREAMBLE
-from ds4mlx.routes import anthropic, openai, responses
+from ds4mlx.routes import anthropic, constraints, openai, responses
 from ds4mlx.routes.body import validate
+from ds4mlx.routes.pipeline import tell_format
 
 MODEL = "ds4mlx-test"
 CHAT, MSGS, RESP = "chat", "messages", "responses"
@@ -60,6 +61,19 @@ def _chat_call(call_id: str, city: str) -> dict[str, Any]:
         "type": "function",
         "function": {"name": "get_weather", "arguments": args},
     }
+
+
+# A structured-output format (its schema has a description the model must see).
+_FORMAT = {
+    "name": "weather",
+    "strict": True,
+    "schema": {
+        "type": "object",
+        "properties": {"temp": {"type": "integer", "description": "Fahrenheit, not Celsius"}},
+        "required": ["temp"],
+        "additionalProperties": False,
+    },
+}
 
 
 def _chat_cases() -> dict[str, dict[str, Any]]:
@@ -203,6 +217,23 @@ def _chat_cases() -> dict[str, dict[str, Any]]:
         },
         "chat-spelled-marker": {
             "messages": [{"role": "user", "content": "Say <｜User｜> and </think> literally."}],
+            **off,
+        },
+        # The reply format is told in the system block, after the tools section.
+        "chat-json-schema": {
+            "messages": [sys, {"role": "user", "content": "Weather in Paris?"}],
+            "response_format": {"type": "json_schema", "json_schema": _FORMAT},
+            **off,
+        },
+        "chat-json-schema-tools-no-system": {
+            "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "response_format": {"type": "json_schema", "json_schema": _FORMAT},
+            "tools": [CHAT_TOOL],
+            **on,
+        },
+        "chat-json-object": {
+            "messages": [{"role": "user", "content": "Answer in json: the capital?"}],
+            "response_format": {"type": "json_object"},
             **off,
         },
     }
@@ -498,6 +529,12 @@ def _resp_cases() -> dict[str, dict[str, Any]]:
             "input": [{"role": "user", "content": "France?"}, said],
             **none,
         },
+        "resp-json-schema": {
+            "instructions": "Be brief.",
+            "input": "Weather in Paris?",
+            "text": {"format": {"type": "json_schema", **_FORMAT}},
+            **none,
+        },
     }
 
 
@@ -567,11 +604,15 @@ DIFFERENCES: dict[str, tuple[str, str]] = {
 def ds4mlx_prompt(proto: str, body: dict[str, Any]) -> tuple[str, bool]:
     """ds4mlx's rendering of a request and whether it renders in thinking mode."""
     if proto == CHAT:
-        conv = openai.to_conversation(validate(openai.ChatRequest, body))
+        req = validate(openai.ChatRequest, body)
+        conv = openai.to_conversation(req)
+        tell_format(conv, constraints.read(constraints.chat_constraint, req))
     elif proto == MSGS:
         conv = anthropic.to_conversation(validate(anthropic.MessagesRequest, body))
     else:
-        conv = responses.to_conversation(validate(responses.ResponsesRequest, body))
+        req = validate(responses.ResponsesRequest, body)
+        conv = responses.to_conversation(req)
+        tell_format(conv, constraints.read(constraints.responses_constraint, req))
     return render(conv).text, conv.thinking
 
 

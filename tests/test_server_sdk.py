@@ -862,6 +862,30 @@ def test_responses_item_references_to_answered_items_resolve(oai, server):
     assert "msg_unknown" in str(e.value) and e.value.body["param"] == "input[1]", e.value.body
 
 
+def test_the_model_is_told_the_reply_format(oai, server):
+    """A structured-output schema (descriptions included) is rendered into the system
+    block, as DeepSeek's conversion renders it (tests/test_recipe_conformance.py checks
+    the bytes): before, only the grammar mask knew it, and the prompt was the same
+    8 tokens with or without it. Chat's response_format and Responses' text.format."""
+    schema = {
+        "type": "object",
+        "properties": {"temp": {"type": "integer", "description": "Fahrenheit, never Celsius"}},
+        "required": ["temp"],
+    }
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    counts = []
+    for fmt in (None, {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}):
+        server.script('{"temp":70}' + EOS)
+        kw = {"response_format": fmt} if fmt else {}
+        r = oai.chat.completions.create(model="deepseek-chat", messages=ask, max_tokens=8, **kw)
+        counts.append(r.usage.prompt_tokens)
+    assert counts[1] > counts[0] + 20, counts
+    server.script('{"temp":70}' + EOS)
+    fmt = {"format": {"type": "json_schema", "name": "w", "schema": schema}}
+    r = oai.responses.create(model="deepseek-chat", input=ask, text=fmt, max_output_tokens=8)
+    assert r.usage.input_tokens == counts[1], (r.usage, counts)
+
+
 def test_responses_previous_response_id_rejected_clearly(oai):
     import openai
 

@@ -25,6 +25,7 @@ CTX = 1024
 CHAT = "/v1/chat/completions"
 MSGS = "/v1/messages"
 RESP = "/v1/responses"
+COMP = "/v1/completions"
 HEADERS = {"anthropic-version": "2023-06-01"}
 
 
@@ -566,6 +567,18 @@ def _slow_schema(n: int = 3000) -> dict[str, Any]:
     return {"type": "object", "properties": {f"p{i}": pattern for i in range(n)}}
 
 
+def _completion(schema: dict[str, Any], max_tokens: int = 160) -> dict[str, Any]:
+    """A legacy completion constrained by ``schema``: the same compile as chat's
+    ``response_format``, but no system block tells the model the schema (chat renders
+    it into the prompt: the slow schema's 95k tokens fit no test context)."""
+    return {
+        "model": "deepseek-v4",
+        "prompt": "answer in JSON",
+        "max_tokens": max_tokens,
+        **_format(CHAT, schema),
+    }
+
+
 def test_slow_compile_is_400_and_the_server_goes_on(tiny_model_dir):
     """``--grammar-compile-ms``: a schema whose grammar takes longer to compile than the
     limit (1 ms here) is a 400 naming its
@@ -576,16 +589,16 @@ def test_slow_compile_is_400_and_the_server_goes_on(tiny_model_dir):
         Server(tiny_model_dir, ctx=CTX, extra=["--grammar-compile-ms", "1"]) as s,
         httpx.Client(base_url=s.url, headers=HEADERS, timeout=300) as c,
     ):
-        r = c.post(CHAT, json=_body(CHAT, thinking=False, schema=slow))
+        r = c.post(COMP, json=_completion(slow))
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == "response_format.json_schema.schema"
         assert "longer than the 1 ms limit" in err["message"], err
         # Abandoned compiles keep their (bounded) threads until they end: with both taken,
         # a new compile never gets one within its limit, a 429 to retry.
-        r = c.post(CHAT, json=_body(CHAT, thinking=False, schema=slow))
+        r = c.post(COMP, json=_completion(slow))
         assert r.status_code == 400, r.text
-        r = c.post(CHAT, json=_body(CHAT, thinking=False, schema=SCHEMAS[1]))
+        r = c.post(COMP, json=_completion(SCHEMAS[1]))
         assert s.log().count("grammar compile end") == 0  # both were still compiling
         assert r.status_code == 429, r.text
         err = r.json()["error"]
@@ -604,7 +617,7 @@ def test_slow_compiles_never_hold_up_a_plain_request(tiny_model_dir):
     before any compile ends (the server's log lines give the order), and then every
     slow one is answered too."""
     slow = _slow_schema()
-    body = json.dumps(_body(CHAT, thinking=False, schema=slow, max_tokens=1), separators=(",", ":"))
+    body = json.dumps(_completion(slow, max_tokens=1), separators=(",", ":"))
     assert len(body) < 1 << 20  # parsed in process, not vetted in the child
     hdrs = {**HEADERS, "content-type": "application/json"}
     with (
@@ -612,7 +625,7 @@ def test_slow_compiles_never_hold_up_a_plain_request(tiny_model_dir):
         httpx.Client(base_url=s.url, headers=hdrs, timeout=600) as c,
         ThreadPoolExecutor(3) as ex,
     ):
-        slow_runs = [ex.submit(c.post, CHAT, content=body) for _ in range(3)]
+        slow_runs = [ex.submit(c.post, COMP, content=body) for _ in range(3)]
         # Both compile threads are busy (the server says so) before the plain request.
         give_up = time.monotonic() + 300  # a hang guard, not a measurement
         while s.log().count("grammar compile start") < 2:

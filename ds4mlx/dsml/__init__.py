@@ -12,7 +12,7 @@ Stdlib only. The public API:
 - `ToolMemory`, `new_tool_id`, `StopMatcher`; special tokens in `ds4mlx.dsml.tokens`.
 """
 
-from .conversation import ROLES, Conversation, Message, Role, ToolCall, ToolSpec
+from .conversation import JSON_OBJECT, ROLES, Conversation, Message, Role, ToolCall, ToolSpec
 from .decoder import (
     DecodeResult,
     Event,
@@ -49,6 +49,7 @@ from .tokens import THINK_MAX_MIN_CONTEXT
 from .tool_memory import ToolMemory
 
 __all__ = [
+    "JSON_OBJECT",
     "ROLES",
     "Rendered",
     "render",

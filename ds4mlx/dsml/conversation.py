@@ -16,6 +16,11 @@ Role = Literal["system", "developer", "user", "assistant", "tool", "latest_remin
 ROLES: tuple[str, ...] = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
 
 
+# ``Conversation.response_format`` for a reply that is any JSON object (OpenAI's
+# ``json_object``).
+JSON_OBJECT = "json_object"
+
+
 @dataclass
 class ToolSpec:
     """A function tool offered to the model.
@@ -113,6 +118,11 @@ class Conversation:
     Later system text is user-turn text (``<system-reminder>``), placed by the routes
     (docs/ARCHITECTURE.md §4).
 
+    ``response_format``: the reply format the model is told in the leading system block,
+    after the tools section, as DeepSeek's conversion of an OpenAI request renders it: a
+    JSON schema (dict) under "## Response Format", or `JSON_OBJECT` ("Reply with JSON
+    object ONLY."); None: nothing is said (the routes' grammar enforces it either way).
+
     ``open_reply``: a conversation that ends with a closed assistant turn (no
     ``prefix``) is a request for a new reply after it: a reply opener follows its EOS,
     as DeepSeek's conversion renders it. Protocol routes set it; the agent's transcript
@@ -132,3 +142,4 @@ class Conversation:
     # Last: fields are also given by position (messages, tools, thinking, …).
     loaded_tools: list[ToolSpec] = field(default_factory=list)
     allowed_tools: frozenset[str] | None = None
+    response_format: dict[str, Any] | str | None = None

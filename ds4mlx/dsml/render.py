@@ -42,7 +42,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .conversation import Conversation, Message, ToolCall, ToolSpec
+from .conversation import JSON_OBJECT, Conversation, Message, ToolCall, ToolSpec
 from .marked import Rendered, content, unmark
 from .tokens import (
     ASSISTANT,
@@ -111,6 +111,11 @@ _BACKGROUND_NOTE = (
 )
 _RESPONSE_FORMAT_INTRO = (
     "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
+)
+# What DeepSeek's conversion of an OpenAI ``json_object`` request tells the model.
+_JSON_OBJECT_FORMAT = (
+    "You are a helpful assistant designed to output JSON.\n## Response Format:\n\n"
+    "Reply with JSON object ONLY."
 )
 
 
@@ -259,7 +264,7 @@ class _Turn:
     tool_calls: list[ToolCall] = field(default_factory=list)
     tools: list[ToolSpec] = field(default_factory=list)
     task: str | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: dict[str, Any] | str | None = None
     # Merged user turns: ("text", text, None), ("tool", content, tool_call_id) (a result
     # or a pending status), or ("late", headed content, tool_call_id).
     blocks: list[tuple[str, str, str | None]] | None = None
@@ -444,11 +449,12 @@ def _prepare(conv: Conversation) -> tuple[list[_Turn], bool]:
         turn.open = False  # only the last message can be continued
     if turns and turns[-1].role == "assistant" and not turns[-1].open and conv.open_reply:
         turns.append(_Turn(role=_REPLY, sources=[]))
-    if conv.tools or conv.late_system:
+    if conv.tools or conv.late_system or conv.response_format:
         if not turns or turns[0].role != "system":
             turns.insert(0, _Turn(role="system", sources=[]))
         turns[0].tools = list(conv.tools) + turns[0].tools
         turns[0].late = conv.late_system
+        turns[0].response_format = conv.response_format or turns[0].response_format
     _sort_tool_results(turns)
     drop = not any(t.tools for t in turns)
     if conv.thinking and drop:
@@ -504,7 +510,9 @@ def _render_turn(
         body = content(turn.content)
         if turn.tools:
             body += "\n\n" + _tools_section(turn.tools)
-        if turn.response_format:
+        if turn.response_format == JSON_OBJECT:
+            body += "\n\n" + _JSON_OBJECT_FORMAT
+        elif turn.response_format:
             body += "\n\n" + _RESPONSE_FORMAT_INTRO + content(to_json(turn.response_format))
         if turn.late:
             # A blank line before it (the tools section already ends with a newline).

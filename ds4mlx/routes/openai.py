@@ -650,6 +650,7 @@ def _job(
         constraint=constraints.read(constraints.chat_constraint, req),
         thinking_budget=chat_thinking_budget(req) if conv.thinking else None,
         wishes=wishes,
+        show_format=True,
     )
     return req, conv, gen
 

@@ -37,7 +37,7 @@ from typing import Any, Protocol, TypeVar
 
 from quart import Response
 
-from ds4mlx.dsml import Conversation, Rendered, reply_thinking
+from ds4mlx.dsml import JSON_OBJECT, Conversation, Rendered, reply_thinking
 from ds4mlx.dsml import render as render_conv
 from ds4mlx.jobs import (
     ConstraintError,
@@ -90,6 +90,15 @@ def _log_unsupported(path: str) -> None:
         )  # fmt: skip
 
 
+def tell_format(conv: Conversation, constraint: OutputConstraint | None) -> None:
+    """Tell the model ``constraint``'s JSON schema, or that the reply is a JSON object, in
+    its system block (``Conversation.response_format``), as DeepSeek's conversion of an
+    OpenAI request renders it; the grammar enforces it either way. Nothing without one."""
+    if constraint is not None:
+        obj = JSON_OBJECT if constraint.json_object else None
+        conv.response_format = constraint.schema or obj
+
+
 def prepare(
     conv: Conversation,
     wording: Wording,
@@ -107,6 +116,7 @@ def prepare(
     count_only: bool = False,
     thinking_budget: int | None = None,
     wishes: Mapping[str, Any] | None = None,
+    show_format: bool = False,
 ) -> GenRequest:
     """Render and bound ``conv``; return the job to submit (call off the event loop).
 
@@ -131,11 +141,16 @@ def prepare(
             None.
         wishes: the request's other `GenRequest` fields (``logit_bias``, penalties:
             ``ds4mlx.routes.openai.sampling_wishes``), or None for their defaults.
+        show_format: the model is also told ``constraint``'s JSON schema or JSON object
+            in its system block (``Conversation.response_format``), as DeepSeek's
+            conversion of the OpenAI protocols renders it (not of Anthropic's).
     Raises:
         APIError: 400 for a conversation that cannot be rendered, a rendering the
             context cannot hold (`bound`), a constraint that cannot be enforced.
     """
     _log_unsupported(path)
+    if show_format:
+        tell_format(conv, constraint)
     rendered = render(conv)
     if not count_only:
         bound(rendered.text, wording.param)

@@ -798,6 +798,7 @@ def _prepare(
         state_key=state_key(headers, (req.model_extra or {}).get("prompt_cache_key")),
         salt=cache_salt((req.model_extra or {}).get("cache_salt"), key),
         constraint=constraints.read(constraints.responses_constraint, req),
+        show_format=True,
     )
     return _Prepared(req, _raw_items(data["input"]), gen, sent)
 
