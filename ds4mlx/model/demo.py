@@ -32,7 +32,8 @@ def demo_policy(demo: bool, output_limit: int | None) -> bool:
 # Why the demo policy turns thinking off, for the banner, the agent and the docs.
 DEMO_NO_THINKING = (
     f"the demo model answers without thinking: its noise reasoning would fill the whole "
-    f"{DEMO_MAX_TOKENS}-token cap and show nothing (an explicit output limit lifts this)"
+    f"{DEMO_MAX_TOKENS}-token cap and show nothing (serve --tokens N or agent --max-tokens N "
+    f"lifts this; a request's own max_tokens does not)"
 )
 
 

@@ -128,8 +128,7 @@ def banner(engine, config: ServerConfig, url: str, *, connections: int | None = 
             "[bold]output[/]",
             f"at most {config.max_tokens_cap} tokens per request (demo cap, reported as a "
             "natural end of turn: the noise model never samples EOS); every model id "
-            f"without thinking: {DEMO_NO_THINKING}; --tokens N sets a real output limit "
-            "instead",
+            f"without thinking: {DEMO_NO_THINKING}",
         )
     elif config.max_tokens_cap is not None:
         t.add_row(
