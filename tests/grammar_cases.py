@@ -90,8 +90,9 @@ def bounded(schema: Any, *, chars: int = 6, items: int = 2) -> Any:
             return
         if not isinstance(node, dict):
             return
-        for v in node.values():
-            walk(v)
+        for k, v in node.items():
+            if k != "propertyNames":  # the keys' schema: capped, it would constrain them
+                walk(v)
         t = node.get("type")
         types = t if isinstance(t, list) else [t]
         if "string" in types and "enum" not in node and "const" not in node:

@@ -6,8 +6,9 @@ The tool schemas are captured at test time from the real CLIs in ``tests/clients
 Each compilable client tool is offered as a *strict* tool with ``tool_choice``
 required: every call that closes must validate against the tool's original schema.
 `grammar_cases.SCHEMAS` and a few more are sampled as JSON replies. A schema llguidance
-cannot compile must fail with a `GrammarError` naming the keyword and its path (Claude
-Code's ``TaskCreate``/``TaskUpdate`` use ``propertyNames``).
+cannot compile must fail with a `GrammarError` naming the keyword and its path (none of
+Claude Code's does today: ``TaskCreate``/``TaskUpdate``'s ``propertyNames`` is a zod
+record's, which every key satisfies, and is dropped).
 
 Served schemas are the `grammar_cases.bounded` variants (the noise model never ends an
 unbounded string) and a tool-call block holds one call (an unbounded repetition of calls
