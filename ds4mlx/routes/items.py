@@ -5,19 +5,19 @@ replays the earlier turns' assistant items as ``{"type": "item_reference", "id":
 "msg_…"}`` instead of their content. The server keeps no response store (nothing can be
 fetched by response id), but it remembers the output items it answered — messages,
 reasoning, calls — by their unguessable ids, in a bounded map (the least recently used
-pruned first, as the tool memory is), so such a reference resolves to the item as it
+pruned first: the tool memory's map), so such a reference resolves to the item as it
 was sent. An id it no longer holds is a 400 naming it. Thread-safe: requests are
 prepared off the event loop while responses end on it.
 """
 
 from __future__ import annotations
 
-import copy
-import threading
-from collections import OrderedDict
+import json
 from typing import Any
 
 from quart import current_app
+
+from ds4mlx.dsml import ToolMemory
 
 _KEY = "ds4mlx.items"
 # Items remembered (one turn writes a few: reasoning, message, calls).
@@ -25,31 +25,25 @@ MAX_ITEMS = 20_000
 
 
 class ItemMemory:
-    """Bounded map ``item id -> output item`` (the JSON object as sent)."""
+    """Bounded map ``item id -> output item`` (the JSON object as sent).
+
+    Kept in a `ds4mlx.dsml.ToolMemory`: the same bounded, thread-safe map of id -> text,
+    least recently used pruned first, here holding each item's JSON (so every `get` is
+    a fresh copy)."""
 
     def __init__(self, max_items: int = MAX_ITEMS) -> None:
-        self.max_items = max_items
-        self._map: OrderedDict[str, dict[str, Any]] = OrderedDict()
-        self._lock = threading.Lock()
+        self._map = ToolMemory(max_items)
 
     def put_all(self, items: list[dict[str, Any]]) -> None:
-        """Remember each item that has an ``id`` (a copy: the caller's may change)."""
-        with self._lock:
-            for it in items:
-                if isinstance(it.get("id"), str):
-                    self._map[it["id"]] = copy.deepcopy(it)
-                    self._map.move_to_end(it["id"])
-            while len(self._map) > self.max_items:
-                self._map.popitem(last=False)
+        """Remember each item that has an ``id``."""
+        for it in items:
+            if isinstance(it.get("id"), str):
+                self._map.put(it["id"], json.dumps(it, ensure_ascii=False))
 
     def get(self, item_id: str) -> dict[str, Any] | None:
         """A copy of the item ``item_id`` names, or None."""
-        with self._lock:
-            it = self._map.get(item_id)
-            if it is None:
-                return None
-            self._map.move_to_end(item_id)
-            return copy.deepcopy(it)
+        text = self._map.get(item_id)
+        return None if text is None else json.loads(text)
 
 
 def install(app) -> ItemMemory:
