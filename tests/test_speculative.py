@@ -179,6 +179,13 @@ def test_prompt_lookup_continues_the_latest_occurrence():
     assert look.propose([*toks, 4], 2) == [5, 6]  # incremental
     assert look.propose([*toks, 4, 8], 2) == []  # "4 8" / "8" never seen (no 1-grams)
     assert look.propose([5, 5], 2) == []  # another context: rebuilt, nothing recurs yet
+    # The sampled token not fed yet comes as ``then`` (the session's list is not copied):
+    # the same answers, asked twice or after it was fed.
+    then = PromptLookup()
+    assert then.propose(toks[:-1], 3, then=toks[-1]) == [4, 5, 6]
+    assert then.propose(toks[:-1], 3, then=toks[-1]) == [4, 5, 6]
+    assert then.propose(toks, 2, then=4) == [5, 6]
+    assert then.propose([*toks, 4], 2, then=8) == []
 
 
 def test_backoff_pauses_a_losing_drafter_longer_each_time():

@@ -200,22 +200,31 @@ class PromptLookup:
         self.seen: dict[tuple[int, ...], int] = {}
         self.toks: list[int] = []
 
-    def _sync(self, tokens: Sequence[int]) -> None:
-        n = len(self.toks)
-        if len(tokens) < n or (n and tokens[n - 1] != self.toks[-1]):  # another context
+    def _sync(self, tokens: Sequence[int], then: int | None = None) -> None:
+        """Index ``tokens`` (then ``then``, when given) past what the last call saw: only
+        their new tail is read, so a session's whole token list is never copied."""
+        n, total = len(self.toks), len(tokens) + (then is not None)
+        last = (tokens[n - 1] if n <= len(tokens) else then) if n else None
+        if total < n or (n and last != self.toks[-1]):  # another context
             self.seen.clear()
             self.toks, n = [], 0
-        self.toks.extend(tokens[n:])
+        if n <= len(tokens):
+            self.toks.extend(tokens[n:])
+            if then is not None:
+                self.toks.append(then)
         # Index the n-grams that end before the last position (the last one is the query).
         for end in range(max(n, 1), len(self.toks)):
             for size in self.sizes:
                 if end >= size:
                     self.seen[tuple(self.toks[end - size : end])] = end
 
-    def propose(self, tokens: Sequence[int], k: int, shortest: int = 0) -> list[int]:
-        """Up to ``k`` ids to follow ``tokens`` (empty when no n-gram of ``shortest``
-        tokens or more recurs)."""
-        self._sync(tokens)
+    def propose(
+        self, tokens: Sequence[int], k: int, shortest: int = 0, then: int | None = None
+    ) -> list[int]:
+        """Up to ``k`` ids to follow ``tokens`` and then ``then`` (the sampled token not
+        fed yet, when given); empty when no n-gram of ``shortest`` tokens or more
+        recurs."""
+        self._sync(tokens, then)
         toks = self.toks
         for n in self.sizes:
             if len(toks) <= n or n < shortest:
@@ -313,16 +322,15 @@ class Drafting:
             return []
         drafts = list(self.hooks.draft(turn))
         self.qs: list[mx.array | None] = []
-        context = [*s.tokens, t0]
         if not drafts and self.lookup is not None and (self.mtp or self.dspark):
             # ``auto``: where the text repeats a longest n-gram, copying it costs no
             # forward and runs long (code, quoted files); the model drafter elsewhere.
-            drafts = self.lookup.propose(context, limit, shortest=self.lookup.sizes[0])
+            drafts = self.lookup.propose(s.tokens, limit, self.lookup.sizes[0], then=t0)
         for drafter in (self.mtp, self.dspark):
             if not drafts and drafter is not None:
                 drafts, self.qs = drafter.propose(s, t0, limit, turn.spec.sampling)
         if not drafts and self.lookup is not None:
-            drafts = self.lookup.propose(context, limit)
+            drafts = self.lookup.propose(s.tokens, limit, then=t0)
         drafts = [int(d) for d in drafts[:limit]]
         return drafts[: self.hooks.admit(turn, drafts)] if drafts else drafts
 
