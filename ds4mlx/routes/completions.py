@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 from quart import Blueprint, request
 
@@ -87,19 +87,26 @@ class CompletionRequest(SamplingFields):
     # suffix is refused rather than dropped (`_job`).
     suffix: str | None = None
 
-    @field_validator("prompt", mode="before")
+    @field_validator("prompt", mode="wrap")
     @classmethod
-    def _one_kind(cls, v: Any) -> Any:
+    def _one_kind(cls, v: Any, handler) -> Any:
         """A list prompt holds one kind of item: pydantic's union names a mixed list's
-        first item as "not a valid string", which may be a valid token-id prompt."""
-        if isinstance(v, list):
-            kinds = {type(x) for x in v if isinstance(x, str | int | list)}
+        first item as "not a valid string", which may be a valid token-id prompt. Looked
+        at only when the prompt fails (a valid one of 100k ids is not walked twice)."""
+        try:
+            return handler(v)
+        except ValidationError:
+            kinds = (
+                {type(x) for x in v if isinstance(x, str | int | list)}
+                if isinstance(v, list)
+                else set()
+            )
             if len(kinds) > 1:
                 raise PydanticCustomError(
                     "mixed_prompt",
                     "a list prompt holds strings, token ids or lists of token ids, not a mix",
-                )
-        return v
+                ) from None
+            raise
 
 
 def _echo_logprobs(tok, ids: list[int], scored: PromptLogprobs) -> dict[str, Any]:
