@@ -22,6 +22,7 @@ LONG = "Thanks. Now " + "please continue with more numbers and explain them, " *
 SUMMARY = "Summary: the user wants number listings; seq ran twice and printed 1..2000."
 
 
+@pytest.mark.slow
 def test_hard_compaction_when_a_tool_result_does_not_fit(engine, workspace):
     ui = RecordingUI()
     script = [
@@ -68,6 +69,7 @@ def test_hard_compaction_when_a_tool_result_does_not_fit(engine, workspace):
         agent.close()
 
 
+@pytest.mark.slow
 def test_soft_compaction_and_mechanical_fallback(engine, workspace):
     ui = RecordingUI()
     policy = cmp.CompactionPolicy(soft_fraction=0.75, tail_fraction=0.1)

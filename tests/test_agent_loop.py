@@ -61,6 +61,7 @@ def assert_suffix_only(agent: Agent, engine: Engine) -> list:
     return [steps[i] for i in rounds]
 
 
+@pytest.mark.slow
 def test_every_tool_in_a_workspace_with_suffix_only_prefill(engine, workspace):
     ui = RecordingUI({"write": "once", "edit": "once", "bash": "always"})
     script = [

@@ -57,6 +57,7 @@ def http_server():
     proc.wait(10)
 
 
+@pytest.mark.slow
 def test_mcp_stdio_and_http_discovered_filtered_called(
     workspace: Path, http_server: str, monkeypatch
 ) -> None:
@@ -161,6 +162,7 @@ def _approve(workspace: Path, monkeypatch) -> None:
     record(path, load_config(path).digest)
 
 
+@pytest.mark.slow
 def test_mcp_tools_are_in_the_agent_first_prompt_and_called(
     tiny_f32_dir: Path, workspace: Path
 ) -> None:
@@ -202,6 +204,7 @@ def test_mcp_cli_bad_config_is_one_line_exit_2(workspace: Path) -> None:
     assert r.stderr.startswith(f"ds4mlx agent: cannot read MCP config {missing}")
 
 
+@pytest.mark.slow
 def test_mcp_cli_workspace_config_broken_server_warns_and_agent_goes_on(
     tiny_f32_dir: Path, workspace: Path, monkeypatch
 ) -> None:
@@ -233,6 +236,7 @@ def test_mcp_cli_workspace_config_broken_server_warns_and_agent_goes_on(
     assert "fixture server starting" in log
 
 
+@pytest.mark.slow
 def test_a_workspace_mcp_json_starts_nothing_until_approved(
     tiny_f32_dir: Path, workspace: Path, monkeypatch
 ) -> None:

@@ -26,7 +26,10 @@ IDLE = 1100
 # one interval apart are at least ``LOG_INTERVAL_S - 1`` apart in the log.
 LOG_INTERVAL_S = 3
 
-pytestmark = pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs util-linux prlimit")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs util-linux prlimit"),
+]
 
 
 @pytest.fixture(autouse=True)

@@ -13,6 +13,8 @@ import sys
 import pytest
 from server_util import REPO
 
+pytestmark = pytest.mark.slow
+
 FIELDS = ["python", "mlx", "device", "memory", "wired_limit", "disk", "fits", "checks", "verdict"]
 
 

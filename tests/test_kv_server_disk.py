@@ -200,6 +200,7 @@ def _written(server) -> int:
     return w["written"] + w["pending"] + int(w["writing"])
 
 
+@pytest.mark.slow
 def test_scored_prompts_are_never_saved(disk):
     """A scored prompt (completions ``echo`` with ``logprobs``: always prefilled whole,
     so no lookup restores one) takes no disk snapshot: none at its checkpoints, and no

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from kv_server_util import Trace, post, script
 from server_util import HTTP, Server, sse_events
 
 CTX = 1024
 
 
+@pytest.mark.slow
 def test_live_thinking_that_would_overflow_is_rebuilt(tiny_model_dir, tmp_path):
     trace = tmp_path / "trace.jsonl"
     with Server(tiny_model_dir, ctx=CTX, extra=["--trace", str(trace)]) as s:

@@ -25,6 +25,8 @@ import httpx
 import pytest
 from server_util import HTTP, Server
 
+pytestmark = pytest.mark.slow
+
 CTX = 4096
 # The vetting child's idle lifetime in these servers (``$DS4MLX_VET_IDLE_S``; 30 s by
 # default): long enough that the child outlives the gaps between one test's bodies,

@@ -429,6 +429,7 @@ def test_drafts_the_grammar_forbids_are_not_verified(engine):
 # --------------------------------------------------------------------------- sampling
 
 
+@pytest.mark.slow
 def test_first_drafted_token_has_the_target_distribution(engine):
     """Temperature 1, the vocabulary masked to 16 ids after a fixed first token: the
     token decided by the acceptance rule (a deterministic draft of one of the 16)

@@ -579,6 +579,7 @@ def _completion(schema: dict[str, Any], max_tokens: int = 160) -> dict[str, Any]
     }
 
 
+@pytest.mark.slow
 def test_slow_compile_is_400_and_the_server_goes_on(tiny_model_dir):
     """``--grammar-compile-ms``: a schema whose grammar takes longer to compile than the
     limit (1 ms here) is a 400 naming its
@@ -610,6 +611,7 @@ def test_slow_compile_is_400_and_the_server_goes_on(tiny_model_dir):
         assert r.status_code == 200, r.text
 
 
+@pytest.mark.slow
 def test_slow_compiles_never_hold_up_a_plain_request(tiny_model_dir):
     """Grammar compiles run on their own bounded threads, never on the request-parsing
     pool: with more slow compiles in flight than there are parsing threads (two) or
