@@ -518,6 +518,25 @@ def test_the_protocols_own_values_are_accepted(client):
         assert r.status_code == 200, (body, r.text[:300])
 
 
+def test_hosted_tool_types_are_logged_once_each(server, client):
+    """Hosted (server-run) tool types are accepted and not offered: the log says so once
+    per type, not per request (Codex sends ``web_search`` with every request). Before,
+    nothing told the operator why a web search never happened."""
+    resp = {"input": "hi", "max_output_tokens": 2, "store": False}
+    msgs = {"messages": OK_MSG, "max_tokens": 2}
+    for _ in range(2):
+        for path, body in [
+            (RESP, {**resp, "tools": [{"type": "web_search"}, {"type": "code_interpreter"}]}),
+            (MSGS, {**msgs, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}),
+        ]:
+            r = client.post(path, json=body)
+            assert r.status_code == 200, r.text[:300]
+    log = server.log()
+    for kind in ("web_search", "code_interpreter", "web_search_20250305"):
+        line = f"tool type '{kind}' is accepted and not offered to the model"
+        assert log.count(line) == 1, (kind, log[-2000:])
+
+
 @pytest.mark.parametrize("path", [CHAT, COMP])
 def test_logit_bias_out_of_range_is_a_400_naming_the_entry(client, path):
     """Token ids outside the vocabulary (129280 ids) or negative, and biases outside

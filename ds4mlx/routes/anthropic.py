@@ -62,6 +62,7 @@ from ds4mlx.routes.common import (
     json_response,
     model_thinking,
     new_id,
+    note_unoffered,
     state,
     state_key,
 )
@@ -421,6 +422,7 @@ def _tools(req: CountTokensRequest) -> list[ToolSpec]:
             raise WireError(
                 f"tools[{i}].input_schema: required for a custom tool", f"tools.{i}.input_schema"
             )
+    note_unoffered(t.type for t in req.tools or [] if t.input_schema is None and t.type)
     if (req.tool_choice or {}).get("type") == "none":
         return []
     return unique_names(

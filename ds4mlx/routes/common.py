@@ -14,6 +14,7 @@ import logging
 import re
 import secrets
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from quart import Response, current_app
@@ -73,6 +74,28 @@ def model_thinking(model: str | None) -> bool:
             "on" if thinking else "off",
         )
     return thinking
+
+
+# Hosted tool types already logged by `note_unoffered` (one line per type and process).
+_UNOFFERED: set[str] = set()
+
+
+def note_unoffered(kinds: Iterable[str]) -> None:
+    """Log once per server process each hosted (server-run) or provider-defined tool
+    type a request carried (Responses ``web_search``, Anthropic ``web_search_20250305``):
+    it is accepted, as the protocols' clients send them with every request (Codex's
+    ``web_search``), and not offered to the model, since no hosted tool runs here. The
+    operator then learns why a web search never happens; a line per request would flood
+    a Codex user's log. Client-chosen names: at most 100 are kept."""
+    for kind in kinds:
+        if kind in _UNOFFERED or len(_UNOFFERED) >= 100:
+            continue
+        _UNOFFERED.add(kind)
+        log.info(
+            "tool type %r is accepted and not offered to the model: it is a hosted or "
+            "provider-defined tool, and none run on this server (logged once)",
+            kind[:80],
+        )
 
 
 def state_key(headers: Any = None, body_key: Any = None) -> str | None:

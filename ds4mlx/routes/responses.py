@@ -77,6 +77,7 @@ from ds4mlx.routes.common import (
     json_response,
     model_thinking,
     new_id,
+    note_unoffered,
     now,
     state,
     state_key,
@@ -432,6 +433,10 @@ def _namespace_specs(t: ResponsesTool, deferring: bool, where: str) -> list[Tool
     return specs
 
 
+# The tool types a request declares for the model (the rest are hosted types).
+_CALLABLE_TYPES = ("function", "custom", "namespace")
+
+
 def tool_specs(tools: list[ResponsesTool] | None, *, loaded: bool = False) -> list[ToolSpec]:
     """The tools offered to the model.
 
@@ -447,6 +452,7 @@ def tool_specs(tools: list[ResponsesTool] | None, *, loaded: bool = False) -> li
     """
     specs: list[ToolSpec] = []
     search = None if loaded else _search_tool(tools)
+    note_unoffered(t.type for t in tools or [] if t.type not in _CALLABLE_TYPES and t is not search)
     for i, t in enumerate(tools or []):
         if t.type in ("function", "custom") and not t.name:
             raise WireError(f"tools[{i}].name: required for a {t.type} tool", f"tools.{i}.name")
