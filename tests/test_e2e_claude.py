@@ -152,7 +152,7 @@ def test_claude_code_compacts_when_the_server_refuses_a_prompt_as_too_long(serve
     assert any(e.get("subtype") == "compact_boundary" for e in events), events
     # The server refused one prompt as too long, in the Messages API's words ...
     refused = re.findall(r"rejected 400: .*", server.log()[log0:])
-    assert len(refused) == 1, server.log()[log0:]
+    assert len(refused) == 1 and "prompt is too long" in refused[0], server.log()[log0:]
     # ... then served the summarization request and the retried turn.
     prompts = server.trace.prompts()[n0:]
     assert len(prompts) == 5, [p["tokens"] for p in prompts]

@@ -233,7 +233,7 @@ def _cut_requests(max_tokens: int):
 # ----------------------------------------------------------------- item 8
 
 
-def test_item8_context_errors_carry_the_counts_as_fields(client):
+def test_item8_context_errors_carry_the_counts_as_fields(server, client):
     long = "w " * (CTX + 500)
     cases = [
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": long}]}),
@@ -258,6 +258,9 @@ def test_item8_context_errors_carry_the_counts_as_fields(client):
             assert m and (int(m[1]), int(m[2])) == (err["n_prompt_tokens"], CTX - 1), err
         else:
             assert err["code"] == "context_length_exceeded"
+        # The log line says what the client was told (it showed OpenAI's wording for the
+        # Messages API).
+        assert f"POST {path} rejected 400: {err['message']}" in server.log(), path
 
 
 def test_count_tokens_counts_a_prompt_over_the_context(client):

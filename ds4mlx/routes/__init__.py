@@ -52,17 +52,23 @@ def _unread_body_closes(resp):
     return resp
 
 
+def _shape(path: str):
+    """The error shape of route ``path``: Anthropic's on the Messages API's paths,
+    OpenAI's on every other route."""
+    from ds4mlx.routes import anthropic
+    from ds4mlx.routes.errors import openai_error
+
+    return anthropic.error_body if path.startswith(anthropic.PATH_PREFIX) else openai_error
+
+
 def _answer(err, path: str | None = None):
-    """``err`` as a response in its protocol's error shape: Anthropic's on the Messages
-    API's paths, OpenAI's on every other route. ``path``: the request's by default (a
-    WebSocket hook passes its own: there is no ``request`` then)."""
+    """``err`` as a response in its protocol's error shape (`_shape`). ``path``: the
+    request's by default (a WebSocket hook passes its own: there is no ``request`` then)."""
     from quart import request
 
-    from ds4mlx.routes import anthropic
-    from ds4mlx.routes.errors import error_response, openai_error
+    from ds4mlx.routes.errors import error_response
 
-    anthropic_path = (request.path if path is None else path).startswith(anthropic.PATH_PREFIX)
-    return error_response(err, anthropic.error_body if anthropic_path else openai_error)
+    return error_response(err, _shape(request.path if path is None else path))
 
 
 def register(app) -> None:
@@ -97,12 +103,15 @@ def register(app) -> None:
         # A client mistake is not a server fault, but the operator should see why a
         # client failed (a wrong key, a route an SDK expects, a body too large).
         if e.status < 500:
+            path = path or request.path
             log.info(
                 "%s %s rejected %d: %s",
                 method or request.method,
-                path or request.path,
+                path,
                 e.status,
-                e.message,
+                # The client's wording (the Messages API words a context overflow its own
+                # way, and Claude Code acts on that text).
+                _shape(path)(e)["error"]["message"],
             )
 
     @app.errorhandler(APIError)
