@@ -11,30 +11,15 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from server_util import free_port
 
 SCRIPT = Path(__file__).with_name("dist_script.py")
 N_PROMPT, CHUNK = 300, 64
-
-
-def _free_port_pair() -> int:
-    """A port P with P and P + 1 free (the ring listens on one port per rank)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s2:
-                s2.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
 
 
 def _launcher() -> str:
@@ -53,7 +38,7 @@ def _ring(argv: list[str]) -> list[str]:
         "--hosts",
         "127.0.0.1,127.0.0.1",
         "--starting-port",
-        str(_free_port_pair()),
+        str(free_port(2)),  # the ring listens on one port per rank
         "--",
         *argv,
     ]

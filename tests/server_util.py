@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -53,10 +54,45 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 49152, IANA's, elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
+
+
+def free_port(count: int = 1) -> int:
+    """A port P with P … P + ``count`` - 1 free on 127.0.0.1, picked at random below the
+    kernel's ephemeral range.
+
+    A port ``bind(0)`` hands out is an ephemeral one: until the process it is meant for
+    binds it (a server or a ring rank binds seconds later, after its imports), any
+    outgoing connection on the machine may get it as its local port, and the suite
+    makes thousands (seen: a ring rank's ``Couldn't bind socket (error: 98)`` beside the
+    test holding 1,100 idle connections). Below that range only an explicit bind takes
+    a port.
+    """
+    high = _ephemeral_start() - count
+    low = max(1024, high - 16384)
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(low, high) if high > low else 0
+        held: list[socket.socket] = []
+        try:
+            for k in range(count):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", port + k if port else 0))
+                port = port or s.getsockname()[1]
+            return port
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError(f"no {count} free consecutive ports below {high + count}")
 
 
 class Server:

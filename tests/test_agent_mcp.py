@@ -19,6 +19,8 @@ import pytest
 if importlib.util.find_spec("mcp") is None:
     pytest.skip("the mcp package is not installed", allow_module_level=True)
 
+from server_util import free_port  # noqa: E402
+
 from ds4mlx.agent.child_env import EnvPolicy  # noqa: E402
 from ds4mlx.agent.mcp import McpClient, McpConfigError, load_config, parse_config  # noqa: E402
 from ds4mlx.agent.permissions import Permissions  # noqa: E402
@@ -28,15 +30,9 @@ SERVER = str(Path(__file__).parent / "fixtures" / "mcp_server.py")
 GH = "ghp_" + "A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def http_server():
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, SERVER, "http", str(port)],
         stdout=subprocess.DEVNULL,
