@@ -354,8 +354,10 @@ _WAITING_RANK = """
 import resource, sys, time
 import mlx.core as mx
 from ds4mlx.engine.deadline import StepDeadline
+from ds4mlx.engine.pipeline import fill_launcher_stdin
 
 WAIT = 3.0
+fill_launcher_stdin()  # else mlx.launch's per-rank threads spin beside the ranks
 g = mx.distributed.init(strict=True, backend="ring")
 StepDeadline(60, "the other rank")  # as on every rank of a split
 mx.eval(mx.distributed.all_sum(mx.zeros((16,)), group=g))  # both ranks here
