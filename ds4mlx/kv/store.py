@@ -60,8 +60,8 @@ existing one): they hold whole prompts.
 
 **A full disk.** The budget is a share of the free space measured at start; other
 programs may fill the filesystem since. A write failing with ``ENOSPC`` evicts the
-lowest-valued snapshots (the order below) until the directory holds the new file's size
-less than before, then retries once; if nothing could be evicted, the file would not fit
+lowest-valued snapshots (the order below) until the free space holds the new file (with
+a little slack for its last block), then retries once; if nothing could be evicted, the file would not fit
 even with every snapshot gone (nothing is evicted then), or the retry fails too,
 the save is dropped (logged; ``SnapshotWriter.status()["failed"]``, shown by
 ``/health``) and serving goes on.
@@ -1285,8 +1285,7 @@ class DiskKVStore:
         inference thread do not wait for a write (a temp name matches no snapshot).
 
         A write failing with ``ENOSPC`` (the filesystem filled up below the budget)
-        evicts the lowest-valued snapshots, the new file's size of them, and is retried
-        once.
+        evicts the lowest-valued snapshots until the new file fits, and is retried once.
 
         Returns:
             The new (or identical existing) `Entry`, or None when the snapshot alone
@@ -1387,24 +1386,32 @@ class DiskKVStore:
         return None
 
     def _free_on_full_disk(self, p: PreparedSave) -> bool:
-        """Evict the lowest-valued snapshots, ``p``'s size of them (never ``p``'s own
-        key): the filesystem is full below the budget. False when nothing was evicted,
-        or when ``p`` would not fit even with every snapshot gone (then none is)."""
+        """Evict the lowest-valued snapshots (never ``p``'s own key) until ``p`` fits: the
+        filesystem is full below the budget. True when the save should be retried (room
+        was made, or another program freed some meanwhile); False when ``p`` would not
+        fit even with every snapshot gone (then none is evicted)."""
         with self._lock:
             total = self.scan().total_bytes
             try:
                 st = os.statvfs(self.dir)
-                room = st.f_bavail * st.f_frsize + total
+                free, block = st.f_bavail * st.f_frsize, st.f_frsize
             except OSError:
-                room = p.nbytes
-            if room < p.nbytes:
+                free, block = 0, 0
+            if block and free + total < p.nbytes:
                 log.warning(
                     "kv cache: disk full: a %.2f MiB save does not fit even without the "
                     "%.2f MiB of snapshots; nothing evicted",
                     p.nbytes / 2**20, total / 2**20,
                 )  # fmt: skip
                 return False
-            gone = self._evict(total - p.nbytes, protect=p.key)
+            # What the save lacks, not its whole size: the failed write left no file, so
+            # the free space counts. Slack for the file's last block and metadata. (Asked
+            # for ``p``'s whole size, a snapshot a few bytes smaller than ``p`` (its
+            # header's timestamps) did not cover it, and a second one went.)
+            need = p.nbytes + max(2 * block, p.nbytes // 100) - free
+            if need <= 0:
+                return True
+            gone = self._evict(total - need, protect=p.key)
         freed = sum(g.size for g in gone)
         log.warning(
             "kv cache: disk full: evicted %d snapshots (%.2f MiB) for a %.2f MiB save%s",
