@@ -9,6 +9,7 @@ tiny model instead of touching the user's cache.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -47,7 +48,15 @@ def places(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
     (root / "empty").mkdir()
     (root / "shared.txt").write_text("someone's notes\n")
     (root / "link.jsonl").symlink_to(root / "shared.txt")
+    # An interrupted download or copy: the weights file cut short, or empty.
+    for name, size in (("trunc", 5000), ("hollow", 0)):
+        shutil.copytree(tiny_model_dir, root / name)
+        for f in (root / name).glob("*.safetensors"):
+            with open(f, "r+b") as fh:
+                fh.truncate(size)
     return {
+        "TRUNC": root / "trunc",
+        "HOLLOW": root / "hollow",
         "LINK": root / "link.jsonl",
         "AFILE": existing / "config.json",
         "MISSING": root / "no-such-model",
@@ -77,6 +86,10 @@ BAD = [
     (["serve", "--ctx", "-5", "--demo"], 2, "--ctx: -5 must be at least 1"),
     (["serve", "--memory-limit", "foo", "--demo"], 2, "not a size: 'foo'"),
     (["serve", "-m", "MISSING", "--port", "PORT"], 2, "does not exist"),
+    # A cut or empty weights file (it was a traceback from the default --sessions).
+    (["serve", "-m", "TRUNC", "--port", "PORT"], 2, "cannot read the safetensors header"),
+    (["serve", "-m", "HOLLOW", "--port", "PORT"], 2, "cannot read the safetensors header"),
+    (["generate", "-m", "TRUNC", "-p", "hi"], 2, "cannot read the safetensors header"),
     # As serve and agent: exit 2, the line headed with the command (it was 1, "ds4mlx:").
     (["generate", "-m", "MISSING", "-p", "hi"], 2, "ds4mlx generate: cannot load model"),
     (["bench", "-m", "MISSING"], 2, "ds4mlx bench: cannot load model"),
@@ -141,6 +154,15 @@ def test_bad_values_are_one_line(env, places, argv, status, phrase):
     assert "reading headers" not in r.stderr  # no progress bar before the failure
     assert not (places["OUT"] / "config.json").exists()
     assert places["LINK"].resolve().stat().st_mode & 0o777 != 0o600
+
+
+def test_convert_names_a_cut_weights_file(env, places):
+    """``convert`` of a checkpoint whose weights file is empty: the file named, exit 1,
+    nothing written (the safetensors error escaped as a traceback)."""
+    r = _run(env, "convert", str(places["HOLLOW"]), str(places["OUT"]))
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr and not places["OUT"].exists()
+    assert "model.safetensors: cannot read the safetensors header" in r.stderr.splitlines()[-1]
 
 
 def test_a_bad_memory_limit_variable_is_named(env, places):

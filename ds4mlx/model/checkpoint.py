@@ -14,7 +14,9 @@ import math
 import os
 from dataclasses import dataclass
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+
+from .errors import LoadError
 
 # Bytes per element of each safetensors dtype string.
 _ITEMSIZE = {
@@ -78,18 +80,22 @@ def scan(path: str) -> dict[str, TensorInfo]:
     """Every tensor of the checkpoint directory ``path`` by name (headers only).
 
     Raises:
-        OSError / safetensors errors: an unreadable or corrupt file (the caller adds the
-            file name to its message).
+        OSError: an unreadable file.
+        LoadError: a file whose header does not parse (truncated, empty, not safetensors:
+            an interrupted download or copy), its path named.
         ValueError: the same tensor name in two files.
     """
     out: dict[str, TensorInfo] = {}
     for f in safetensors_files(path):
-        with safe_open(f, "numpy") as st:
-            for name in st.keys():
-                sl = st.get_slice(name)
-                if name in out:
-                    raise ValueError(f"tensor {name} is in both {out[name].file} and {f}")
-                out[name] = TensorInfo(name, f, sl.get_dtype(), tuple(sl.get_shape()))
+        try:
+            with safe_open(f, "numpy") as st:
+                for name in st.keys():
+                    sl = st.get_slice(name)
+                    if name in out:
+                        raise ValueError(f"tensor {name} is in both {out[name].file} and {f}")
+                    out[name] = TensorInfo(name, f, sl.get_dtype(), tuple(sl.get_shape()))
+        except SafetensorError as e:
+            raise LoadError(f"{f}: cannot read the safetensors header: {e}") from e
     return out
 
 

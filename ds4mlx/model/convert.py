@@ -662,7 +662,7 @@ def convert(
         cfg = read_config(src)
         args = ModelArgs.from_dict(cfg)
         tensors = scan(src)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, LoadError) as e:
         raise ConvertError(f"{src}: {e}") from e
     if not tensors:
         raise ConvertError(f"{src}: no *.safetensors files")

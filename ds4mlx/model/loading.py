@@ -169,7 +169,7 @@ def _scan(path: str) -> dict[str, TensorInfo]:
         raise LoadError(f"{path}: no *.safetensors files")
     try:
         return scan(path)
-    except Exception as e:  # noqa: BLE001 — safetensors raises its own error types
+    except (OSError, ValueError) as e:
         raise LoadError(f"{path}: cannot read the safetensors headers: {e}") from e
 
 
