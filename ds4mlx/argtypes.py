@@ -42,7 +42,7 @@ def positive_int(text: str) -> int:
 
 
 def nonempty(text: str) -> str:
-    """A name that is not empty or blank (an unset ``$VAR`` passed as the value)."""
+    """A value that is not empty or blank (an unset ``$VAR`` passed as the value)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty value (an unset variable?)")
     return text

@@ -106,6 +106,8 @@ BAD = [
     (["bench", "--demo", "--pipeline-split", "2"], 2, "--pipeline-split needs --distributed"),
     (["bench", "--demo", "--prefill-repeats", "0"], 2, "--prefill-repeats"),
     (["agent", "--ctx", "0", "--demo"], 2, "--ctx: 0 must be at least 1"),
+    # An empty message (an unset variable): a usage error (it was a traceback, exit 1).
+    (["agent", "--demo", "-p", " "], 2, "-p/--prompt: an empty value"),
     (["make-tiny", "EXISTING"], 1, "--overwrite"),
     (["convert", "MISSING", "OUT"], 1, "does not exist"),
     (["convert", "TINY", "OUT", "--override", "oops"], 2, "PART=SPEC"),

@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ds4mlx.argtypes import positive_int, positive_seconds
+from ds4mlx.argtypes import nonempty, positive_int, positive_seconds
 
 # Heavy imports (rich, MLX through the loop) happen inside the functions: building the
 # CLI parser must stay fast (``ds4mlx --help``).
@@ -63,7 +63,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--demo", action="store_true", help="use the tiny demo model (random weights: noise)"
     )
-    p.add_argument("-p", "--prompt", default=None, help="send one message, print, exit")
+    p.add_argument(
+        "-p", "--prompt", type=nonempty, default=None, help="send one message, print, exit"
+    )
     p.add_argument("--yes", action="store_true", help="allow write/edit/bash without asking")
     p.add_argument("--ctx", type=positive_int, default=None, help="context size in tokens")
     p.add_argument("--workspace", default=None, help="directory the tools work in (cwd)")
