@@ -195,6 +195,34 @@ def test_errors_come_back_as_results_and_the_loop_continues(engine, workspace):
     assert agent.consistent()
 
 
+def test_ctrl_c_at_the_permission_question_answers_the_call_not_run(engine, workspace):
+    """Ctrl+C while the question is on screen: the call did not run, and its result
+    says so (it said "outcome unknown … it may have run in part", which sends the model
+    checking for partial effects of a write that never started)."""
+
+    class Interrupting(RecordingUI):
+        def ask(self, tool: str, summary: str) -> str:
+            super().ask(tool, summary)
+            raise KeyboardInterrupt
+
+    ui = Interrupting()
+    script = [
+        turn("Write it.", "", invoke("write", path="g.txt", content="g\n")),
+        turn("Ok.", "Not written, then."),
+    ]
+    agent = Agent(engine, workspace, ui=ui, script=script)
+    try:
+        res = agent.send("write g")
+        assert res.status == "interrupted"
+        assert [t for t, _ in ui.asked] == ["write"] and not (workspace / "g.txt").exists()
+        (text,) = tool_texts(agent)
+        assert text.startswith("error: not run: the user interrupted"), text
+        assert "may have run" not in text
+        assert agent.send("go on").status == "done" and agent.consistent()
+    finally:
+        agent.close()
+
+
 def test_interrupts_leave_the_session_consistent(engine, workspace):
     ui = RecordingUI()
     script = [

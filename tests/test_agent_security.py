@@ -177,7 +177,7 @@ def test_a_padded_command_keeps_its_first_lines_beside_the_question() -> None:
     assert len(lines) < 10, lines
     assert any("rm -rf /important" in ln for ln in lines)
     assert any("⋯ 59 blank lines ⋯" in ln for ln in lines) and asked == [
-        "allow? [o]nce / [a]lways / [d]eny › "
+        "allow? [o]nce / [a]lways (bash, this session) / [d]eny › "
     ]
     # Tall without blanks: the question names the tool and how tall its request is.
     ui, buf = _ui()
@@ -368,7 +368,7 @@ def test_terminal_never_receives_raw_sequences(tiny_f32_dir, tmp_path) -> None:
         child.expect("› ")
         child.sendline("run the command")
         child.expect("allow bash")
-        child.expect(r"\[o\]nce / \[a\]lways / \[d\]eny")
+        child.expect(r"\[o\]nce / \[a\]lways \(bash, this session\) / \[d\]eny")
         child.sendline("d")
         child.expect("DONE-TWO")
         child.expect("› ")

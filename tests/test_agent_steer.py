@@ -141,7 +141,7 @@ def test_steer_line_queued_before_a_permission_prompt_does_not_answer_it(tiny, t
         child.send("a\r")
         child.expect("queued for the next boundary: a")
         child.expect("allow write")
-        child.expect(r"\[o\]nce / \[a\]lways / \[d\]eny")
+        child.expect(r"\[o\]nce / \[a\]lways \(write, this session\) / \[d\]eny")
         # Nothing typed yet: the question stays (the queued "a" did not answer it).
         with pytest.raises(pexpect.TIMEOUT):
             child.expect("Asked and answered.", timeout=3)

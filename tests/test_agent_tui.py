@@ -75,7 +75,7 @@ def test_terminal_session(tiny, tmp_path):
         child.expect("Writing hello.txt now.")
         child.expect("write")
         child.expect("allow write")
-        child.expect(r"\[o\]nce / \[a\]lways / \[d\]eny")
+        child.expect(r"\[o\]nce / \[a\]lways \(write, this session\) / \[d\]eny")
         child.sendline("o")
         child.expect("created hello.txt")
         child.expect("Created hello.txt for you.")

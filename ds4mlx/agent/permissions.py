@@ -68,6 +68,11 @@ def resolve_in_workspace(workspace: Path, path: str | os.PathLike[str]) -> Path:
     return resolved
 
 
+class QuestionInterrupted(KeyboardInterrupt):
+    """Ctrl+C while a permission question was on screen: the call was not run (unlike a
+    Ctrl+C while a tool runs, whose outcome is unknown)."""
+
+
 class Permissions:
     """Per-session permission state.
 
@@ -113,7 +118,10 @@ class Permissions:
             return True
         if self.ask is None:
             return False
-        decision = self.ask(tool, summary)
+        try:
+            decision = self.ask(tool, summary)
+        except KeyboardInterrupt as e:
+            raise QuestionInterrupted from e
         if decision == "always":
             self._always.add(tool)
             return True

@@ -22,6 +22,7 @@ from ds4mlx.agent.events import Generated, Step
 from ds4mlx.agent.hooks import AFTER, BEFORE, fire_response
 from ds4mlx.agent.idle import JobNotices
 from ds4mlx.agent.live import Live, LiveState
+from ds4mlx.agent.permissions import QuestionInterrupted
 from ds4mlx.agent.tools import ToolOutcome
 from ds4mlx.dsml import (
     Event,
@@ -395,6 +396,9 @@ class Steps:
                         outcome = self.toolbox.already_applied(call.name, call.arguments)
                     outcome = outcome or self.dispatcher.take(call.id)  # started early
                     outcome = outcome or self.toolbox.run(call.name, call.arguments)
+            except QuestionInterrupted:  # at the permission question: nothing ran
+                interrupted = True
+                outcome = ToolOutcome(False, INTERRUPTED_TEXT, INTERRUPTED)
             except KeyboardInterrupt:
                 interrupted = True
                 outcome = ToolOutcome(False, once.INTERRUPTED_TEXT, INTERRUPTED)

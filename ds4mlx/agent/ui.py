@@ -221,11 +221,15 @@ class RichUI(AgentUI):
         self.console.print(
             Panel(body, title=f"allow {tool}?", title_align="left", border_style="yellow")
         )
-        question = "allow? [o]nce / [a]lways / [d]eny › "
+        # "always" allows the tool, not this one request, until /new: say so where it
+        # is chosen (read as "always this command", a later, different command then ran
+        # unasked).
+        answers = f"[o]nce / [a]lways ({escape_controls(tool)}, this session) / [d]eny › "
+        question = "allow? " + answers
         if body.plain.count("\n") + 1 > ASK_LINES:
             question = (
                 f"allow {escape_controls(tool)} (the {n_lines} lines above: read them from "
-                "the box's top)? [o]nce / [a]lways / [d]eny › "
+                f"the box's top)? {answers}"
             )
         while True:
             try:
