@@ -143,7 +143,9 @@ def test_killed_client_frees_worker_within_a_token_and_state_stays_consistent(se
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["TERM", "HUP"])
 def test_graceful_shutdown_cancels_running_and_queued_jobs(tiny_model_dir, sig):
     """SIGTERM, and SIGHUP (the terminal closed, the ssh session dropped: it killed the
-    server at once, no shutdown save, the stream cut without its end) stop gracefully."""
+    server at once, no shutdown save, the stream cut without its end) stop gracefully.
+    The stream ends with an error saying so (it ended ``finish_reason: stop``, as if the
+    text were whole)."""
     s = Server(tiny_model_dir, ctx=2048).start()
     try:
         body = {
@@ -156,15 +158,16 @@ def test_graceful_shutdown_cancels_running_and_queued_jobs(tiny_model_dir, sig):
         results: dict[str, object] = {}
 
         def run() -> None:
-            chunks = 0
+            chunks, last = 0, []
             try:
                 with HTTP.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
                     for _, data in sse_events(r.iter_lines()):
+                        last = [*last[-1:], data]
                         if data and data != "[DONE]":
                             chunks += 1
             except httpx.HTTPError as e:
                 results["error"] = e
-            results["chunks"] = chunks
+            results["chunks"], results["last"] = chunks, last
 
         t = threading.Thread(target=run)
         t.start()
@@ -178,6 +181,9 @@ def test_graceful_shutdown_cancels_running_and_queued_jobs(tiny_model_dir, sig):
         t.join(20)
         assert rc == 0, s.log()[-2000:]
         assert 0 < results["chunks"] < 1500
+        end, done = results["last"]
+        assert done == "[DONE]", results["last"]
+        assert json.loads(end)["error"]["message"] == "generation cancelled (server shutting down)"
         assert "Traceback" not in s.log(), s.log()[-3000:]
     finally:
         s.kill()

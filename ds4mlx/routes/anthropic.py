@@ -81,6 +81,7 @@ from ds4mlx.routes.mapping import (
     unique_names,
 )
 from ds4mlx.routes.pipeline import (
+    SHUTDOWN_CANCEL,
     demo_policy,
     prepare,
     respond,
@@ -693,7 +694,7 @@ class MessageEncoder:
     def done(self, e: JobDone) -> list[dict[str, Any]]:
         out = self._close()
         if e.finish == "cancelled":
-            err = {"type": "api_error", "message": "generation cancelled"}
+            err = {"type": "api_error", "message": SHUTDOWN_CANCEL}
             return [*out, self._ev("error", error=err)]
         if e.finish == "length":
             reason = "max_tokens"

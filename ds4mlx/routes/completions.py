@@ -41,6 +41,7 @@ from ds4mlx.routes.openai import (
     check_min_tokens,
     finish_of,
     sampling_wishes,
+    shutdown_events,
     stops_of,
     usage_of,
 )
@@ -230,6 +231,8 @@ class CompletionEncoder:
         return [self._chunk(e.text, lp)]
 
     def done(self, e: JobDone) -> list[Any]:
+        if e.finish == "cancelled":  # it ended "stop", as if the text were whole
+            return shutdown_events()
         self.finish = finish_of(e, False)
         self.usage = usage_of(e)
         out = [self._chunk("", None, self.finish)]

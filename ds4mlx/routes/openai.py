@@ -66,7 +66,14 @@ from ds4mlx.routes.mapping import (
     system_in_conversation,
     unique_names,
 )
-from ds4mlx.routes.pipeline import demo_policy, prepare, respond, sampling_params, stream
+from ds4mlx.routes.pipeline import (
+    SHUTDOWN_CANCEL,
+    demo_policy,
+    prepare,
+    respond,
+    sampling_params,
+    stream,
+)
 from ds4mlx.routes.sse import sse
 
 bp = Blueprint("openai", __name__)
@@ -259,6 +266,13 @@ def usage_of(d: JobDone) -> dict[str, Any]:
         "prompt_tokens_details": {"cached_tokens": d.cached_tokens},
         "completion_tokens_details": {"reasoning_tokens": d.reasoning_tokens},
     }
+
+
+def shutdown_events() -> list[Any]:
+    """The end of a stream whose job a shutdown cancelled: an error event, then
+    ``[DONE]`` (a ``finish_reason`` would read as a whole answer)."""
+    err = {"message": SHUTDOWN_CANCEL, "type": "server_error", "param": None, "code": None}
+    return [{"error": err}, "[DONE]"]
 
 
 def finish_of(d: JobDone, tools: bool) -> str:
@@ -572,13 +586,7 @@ class ChatEncoder:
 
     def done(self, e: JobDone) -> list[Any]:
         if e.finish == "cancelled":
-            err = {
-                "message": "generation cancelled",
-                "type": "server_error",
-                "param": None,
-                "code": None,
-            }
-            return [{"error": err}, "[DONE]"]
+            return shutdown_events()
         self.finish = finish_of(e, bool(self.calls))
         self.usage = usage_of(e)
         out = [self._chunk({}, self.finish)]

@@ -59,6 +59,11 @@ from ds4mlx.routes.mapping import take_unsupported
 from ds4mlx.routes.sse import SSE_COMMENT, sse_response
 from ds4mlx.sampling import DEFAULT_MIN_P, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, SamplingParams
 
+# What a cancelled job tells a client still reading it: only a shutdown cancels the job of
+# a client that is there (a client that went away reads nothing). A client can then tell
+# it from a failure and retry once the server is back.
+SHUTDOWN_CANCEL = "generation cancelled (server shutting down)"
+
 T = TypeVar("T")
 
 # The longest token of the DeepSeek V4 vocabulary, in characters: 128 (id 70676, a run
@@ -593,7 +598,7 @@ async def respond(job: Job, enc: Encoder, wording: Wording) -> dict[str, Any]:
         _dispatch(enc, e)
     enc.done(done)
     if done.finish == "cancelled":
-        raise APIError(503, "generation cancelled (server shutting down)", type="server_error")
+        raise APIError(503, SHUTDOWN_CANCEL, type="server_error")
     return enc.result()
 
 
