@@ -80,8 +80,9 @@ class KVCacheSettings:
             cold save (tokens).
         boundary_align_tokens: ``--kv-cache-boundary-align-tokens``, alignment of cold
             saves and continued frontiers (tokens; 0 = none).
-        reject_different_quant: ``--kv-cache-reject-different-quant``, load only
-            snapshots written with the same routed-expert bits.
+        reject_different_quant: ``--kv-cache-reject-different-quant`` (ds4's flag): load
+            only snapshots written with the same routed-expert bits. The engine's model
+            identity already includes the quantization, so this changes nothing there.
         prompt_end: ``prompt`` saves at the end of prompts that were not live
             continuations (off with ``--kv-cache-no-prompt-end``).
         write_queue_mb: ``--kv-write-queue-mb``, bound of the writer thread's queue of
@@ -276,7 +277,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    default=DEFAULT_BOUNDARY_ALIGN_TOKENS,
                    help="align cold saves and frontiers to this many tokens (default %(default)s)")  # fmt: skip
     g.add_argument("--kv-cache-reject-different-quant", action="store_true",
-                   help="load only snapshots written with the same routed-expert bits")  # fmt: skip
+                   help="ds4's flag, accepted: snapshots are never loaded across "
+                        "quantizations here (the model identity includes them)")  # fmt: skip
     g.add_argument("--kv-cache-no-prompt-end", action="store_true",
                    help="no snapshot at the end of prompts that were not live continuations")  # fmt: skip
     g.add_argument("--kv-write-queue-mb", type=int, metavar="MB", default=DEFAULT_WRITE_QUEUE_MB,
