@@ -298,6 +298,40 @@ def test_full_disk_evicts_the_lowest_valued_and_retries(tmp_path):
     assert out["end"]["written"] == 4 and out["end"]["failed"] == 1
 
 
+_READ_ONLY_SCRIPT = textwrap.dedent(
+    """
+    import logging, sys
+    import mlx.core as mx
+    from ds4mlx.kv.store import DiskKVStore
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    kw = dict(budget_bytes=64 << 20, model_identity="m", ctx_size=64, expert_bits=None)
+    store = DiskKVStore(sys.argv[1], **kw)
+    store.save(text="snapshot 0", tokens=[1], arrays={"x": mx.zeros((8,))}, reason="cold")
+    print("saved", flush=True)
+    """
+)
+
+
+@pytest.mark.skipif(not _can("-m", "true"), reason="needs root and unshare -m")
+def test_a_read_only_cache_is_said_at_start(tmp_path):
+    """A cache directory on a read-only mount: one warning when the store opens (before,
+    only each save's failure said it), its snapshots still read, a save fails cleanly."""
+    kv = tmp_path / "kv"
+    script = tmp_path / "ro.py"
+    script.write_text(_READ_ONLY_SCRIPT)
+    cmd = f'"{sys.executable}" "{script}" "{kv}"'
+    r = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, env=_env(), timeout=300)
+    assert r.returncode == 0 and "not writable" not in r.stderr, r.stderr[-2000:]
+    r = subprocess.run(
+        ["unshare", "-m", "sh", "-c", f'mount --bind -o ro "{kv}" "{kv}" && exec {cmd}'],
+        capture_output=True, text=True, env=_env(), timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0 and "saved" in r.stdout, r.stderr[-3000:]
+    assert f"kv cache: {kv} is not writable" in r.stderr, r.stderr[-3000:]
+    assert "1 snapshots (1 usable" in r.stderr and "Traceback" not in r.stderr
+
+
 _KILLED_WRITER = textwrap.dedent(
     """
     import itertools, os, sys

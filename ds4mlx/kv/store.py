@@ -818,6 +818,12 @@ class DiskKVStore:
                 self.dir, len(scan.entries), usable, len(scan.entries) - usable, len(scan.bad),
                 scan.total_bytes / 2**20, self.budget_bytes / 2**20,
             )  # fmt: skip
+            if not os.access(self.dir, os.W_OK):  # a read-only mount, another owner
+                log.warning(
+                    "kv cache: %s is not writable: its snapshots are read, no new one is "
+                    "saved (each save will log its failure)",
+                    self.dir,
+                )
 
     # ---------------------------------------------------------------- directory state
 
