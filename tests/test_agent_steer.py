@@ -187,3 +187,27 @@ def test_steer_escape_stops_at_once_and_sends_the_queue(tiny, tmp_path):
         _quit(child, tmp_path)
     finally:
         child.close()
+
+
+def test_a_command_typed_during_a_turn_runs_when_it_ends(tiny, tmp_path):
+    """``/quit`` typed while the model writes is the agent's command, not the model's
+    words: the turn ends as it would, then the agent saves and exits (it was sent to the
+    model as a steering message, and the agent went on)."""
+    script = [
+        turn("Long.", "Long " + "words " * 400 + "END-OF-TURN."),
+        turn("Never.", "never reached"),
+    ]
+    child = _spawn(tiny, tmp_path, script)
+    try:
+        child.sendline("write a lot")
+        child.expect("words words")
+        child.send("/quit\r")
+        child.expect(re.escape("runs when the turn ends (Ctrl+C ends it now): /quit"))
+        child.expect("END-OF-TURN.")
+        child.expect(pexpect.EOF)
+        child.close()
+        assert child.exitstatus == 0, (tmp_path / "terminal.log").read_text()[-3000:]
+        log = (tmp_path / "terminal.log").read_text()
+        assert "never reached" not in log and "sent: /quit" not in log
+    finally:
+        child.close()

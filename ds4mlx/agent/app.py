@@ -46,7 +46,8 @@ commands:
 Ctrl+C stops the model (or a running tool) and returns to the prompt.
 While the model works: type a line and Enter to steer (applied at the next boundary:
 at once in its text, after a tool-call block; calls not started are skipped); Esc stops
-at once and sends what is queued; a question on screen takes the next line typed."""
+at once and sends what is queued; a question on screen takes the next line typed; a
+/command typed then runs when the turn ends."""
 
 
 def default_kv_dir() -> Path:
@@ -673,18 +674,18 @@ def repl(agent: Agent, ui: RichUI, sig: SignalState | None = None, *, demo: bool
         text = line.strip()
         if not text:
             continue
-        if text.startswith("/"):
-            if command(agent, ui, text, demo=demo) == "quit":
+        commands = [text] if text.startswith("/") else send_steerable(agent, ui, line)
+        for cmd in commands:
+            if command(agent, ui, cmd, demo=demo) == "quit":
                 return 0
-            continue
-        send_steerable(agent, ui, line)
 
 
-def send_steerable(agent: Agent, ui: RichUI, line: str) -> None:
+def send_steerable(agent: Agent, ui: RichUI, line: str) -> list[str]:
     """Send ``line`` with the steering key reader running (``ds4mlx.agent.steer``): lines
     typed meanwhile are applied at the turn's next boundary; what is still queued when
     the message's turns end (Esc, or typed as the last turn finished) is sent next. After
-    Ctrl+C the queue is dropped (said)."""
+    Ctrl+C the queue is dropped (said). Returns the ``/commands`` typed meanwhile, for
+    the prompt to run in order."""
     from ds4mlx.agent.steer import SteerQueue, steering
 
     steer = SteerQueue()
@@ -695,9 +696,10 @@ def send_steerable(agent: Agent, ui: RichUI, line: str) -> None:
         text = steer.take()
         if text and result.status == "interrupted" and not (keys and keys.escaped):
             ui.notice(f"dropped after Ctrl+C: {text}", "warn")
-            return
+            break
         if text:
             ui.line(f"› {text}", "bold green")
+    return steer.commands
 
 
 def _switch(agent: Agent, ui: RichUI, arg: str) -> None:

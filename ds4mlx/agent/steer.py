@@ -14,6 +14,8 @@ thread that runs the turn. What the keys do:
   appends the queued text as the user's words in the same user turn (``Steps``);
 - **Esc** stops at once, as Ctrl+C does (the model, or a running tool), and the queue
   (with the line being typed) is sent as the next message;
+- a line starting with ``/`` is one of the agent's commands, never the model's words: it
+  runs at the prompt once the turn ends (:attr:`SteerQueue.commands`);
 - **Ctrl+C** is sent to the process as SIGINT (raw mode turns the terminal's own off), so
   the agent's handler stops the model or the running tool as before;
 - while a permission or a command's input prompt is on screen (:meth:`KeyReader.read_line`),
@@ -40,11 +42,18 @@ _EOF = object()
 
 
 class SteerQueue:
-    """Lines typed while a turn runs, to be applied at the next boundary (thread-safe)."""
+    """Lines typed while a turn runs, to be applied at the next boundary (thread-safe).
+
+    Attributes:
+        commands: ``/commands`` typed meanwhile, in order: they are the agent's, never
+            the model's words, and run at the prompt once the turn ends (a ``/quit``
+            typed mid-turn went to the model as a message).
+    """
 
     def __init__(self) -> None:
         self._lines: list[str] = []
         self._lock = threading.Lock()
+        self.commands: list[str] = []
 
     def push(self, line: str) -> None:
         with self._lock:
@@ -157,6 +166,9 @@ class KeyReader:
             if answers is not None:
                 self._echo("\r\n", typed=False)
                 answers.put(line)
+            elif line.strip().startswith("/"):
+                self.steer.commands.append(line.strip())
+                self.show(f"runs when the turn ends (Ctrl+C ends it now): {line.strip()}")
             elif line.strip():
                 self.steer.push(line)
                 self.show(f"queued for the next boundary: {line}")
