@@ -108,6 +108,9 @@ BAD = [
     (["agent", "--ctx", "0", "--demo"], 2, "--ctx: 0 must be at least 1"),
     # An empty message (an unset variable): a usage error (it was a traceback, exit 1).
     (["agent", "--demo", "-p", " "], 2, "-p/--prompt: an empty value"),
+    # Smaller than the system prompt and tools: at start (each message said "does not fit
+    # even after compaction", exit 1).
+    (["agent", "-m", "TINY", "--ctx", "10", "-p", "go"], 2, "give --ctx"),
     (["make-tiny", "EXISTING"], 1, "--overwrite"),
     (["convert", "MISSING", "OUT"], 1, "does not exist"),
     (["convert", "TINY", "OUT", "--override", "oops"], 2, "PART=SPEC"),

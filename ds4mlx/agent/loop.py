@@ -107,6 +107,26 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 
 
+# Room a context must leave beside the system prompt and tools for a message and a reply.
+MIN_ROOM_TOKENS = 256
+
+
+def _check_room(base: Rendered, tok, ctx: int) -> None:
+    """Refuse a context that cannot hold ``base`` (the empty transcript's rendering: the
+    system prompt and the tool definitions) and a turn. Known before any message: said
+    at start, not as every message's "does not fit even after compaction".
+
+    Raises:
+        ValueError: with the ``--ctx`` to give.
+    """
+    need = len(tok.encode(base.text, content=base.content)) + MIN_ROOM_TOKENS
+    if need > ctx:
+        raise ValueError(
+            f"a {ctx}-token context cannot hold the agent's system prompt and tool "
+            f"definitions and a turn: give --ctx {need} or more"
+        )
+
+
 class Agent:
     """The terminal agent's loop on an engine's live session.
 
@@ -133,13 +153,12 @@ class Agent:
         script: scripted decoding (tests only): one completion text per generation,
             consumed in order (answers and compaction summaries alike); an EOS is added
             to entries that lack one. When it runs out the model samples normally.
-        system_prompt: system text; ``{workspace}`` is replaced. Default
-            :data:`DEFAULT_SYSTEM_PROMPT`.
+        system_prompt: system text, ``{workspace}`` replaced (:data:`DEFAULT_SYSTEM_PROMPT`).
         chunk_size: prefill chunk (tokens).
         hooks: :class:`~ds4mlx.agent.hooks.Hooks` around every response (observe only).
 
     Raises:
-        ValueError: ``workspace`` is not a directory.
+        ValueError: ``workspace`` is not a directory; a context too small (`_check_room`).
     """
 
     def __init__(
@@ -212,6 +231,7 @@ class Agent:
         self.control = SessionControl(self.live, book, self.workspace, self.toolbox, self._fresh)
         self.turns.persist = self.control.persist
         cache.reset()
+        _check_room(self.render(), self.tok, self.ctx)
 
     # ----------------------------------------------------------------- public API
 

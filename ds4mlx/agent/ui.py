@@ -221,9 +221,7 @@ class RichUI(AgentUI):
         self.console.print(
             Panel(body, title=f"allow {tool}?", title_align="left", border_style="yellow")
         )
-        # "always" allows the tool, not this one request, until /new: say so where it
-        # is chosen (read as "always this command", a later, different command then ran
-        # unasked).
+        # "always" is the tool's until /new, not this request's (it read as the latter).
         answers = f"[o]nce / [a]lways ({escape_controls(tool)}, this session) / [d]eny › "
         question = "allow? " + answers
         if body.plain.count("\n") + 1 > ASK_LINES:
