@@ -39,8 +39,9 @@ def test_hard_compaction_when_a_tool_result_does_not_fit(engine, workspace):
         assert len(ui.compactions) == 2
         info = agent.compactions[0]
         assert info.reason == "hard" and info.by_model and info.summary == SUMMARY
-        # Without compaction the second result (~1000 tokens) would have been added.
-        assert info.after < info.before + 200
+        # Both counts take the whole transcript, the pending result too: the line shows
+        # the first listing's ~1000 tokens saved (it showed "3013 -> 3010").
+        assert info.after < info.before - 500, (info.before, info.after)
         # The pending step (the call and its result) is kept verbatim after the summary.
         msgs = agent.messages
         assert msgs[0].role == "system"

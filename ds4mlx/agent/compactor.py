@@ -110,7 +110,11 @@ class Compactor:
         """
         lv = self.live
         msgs = lv.messages
-        before = len(lv.session.tokens)
+        # The whole transcript, as ``after`` counts the rebuilt one: the live state lacks
+        # the pending messages (the tool result that did not fit), and "3013 -> 3010"
+        # hid the thousand tokens a compaction had saved.
+        full = lv.render()
+        before = len(lv.tok.encode(full.text, content=full.content))
         lv.ui.compaction(CompactionInfo(reason, "start", before))
         keep_from = lv.pending_from()
         if keep_from < len(msgs) and msgs[keep_from].role == "tool" and keep_from > 1:

@@ -76,7 +76,7 @@ class CompactionInfo:
 
     Attributes:
         reason: ``soft`` or ``hard``; phase: ``start`` or ``done``;
-        before: live tokens before; after: tokens after the rebuild;
+        before: the transcript's tokens before (pending messages too); after: after the rebuild;
         summary: the summary text; by_model: the live model wrote it (else mechanical);
         kept: messages kept verbatim; dropped: messages replaced by the summary.
     """
