@@ -292,6 +292,9 @@ def test_full_disk_evicts_the_lowest_valued_and_retries(tmp_path):
     assert out["fourth"] in out["present"] and k1 in out["present"]
     assert len({k0, k2} & set(out["present"])) == 1
     assert "disk full: evicted" in r.stderr
+    # The first failure is said as what it is: a retry follows (it read "save failed").
+    assert "disk full at a save tokens=3" in r.stderr and "save failed" not in r.stderr
+    assert "does not fit even without the" in r.stderr and "not saved" in r.stderr
     assert out["before"]["written"] == 3 and out["before"]["failed"] == 0
     assert out["after_fourth"]["written"] == 4 and out["after_fourth"]["failed"] == 0
     assert out["end_present"] == out["present"]

@@ -1386,8 +1386,14 @@ class DiskKVStore:
                     log.warning("kv cache: cannot make %s: %s", self.dir, e2)
                     return None
             except OSError as e:
-                log.warning("kv cache: save failed tokens=%d reason=%s: %s", p.tokens, p.reason, e)
-                if e.errno != errno.ENOSPC or attempt == 2 or not self._free_on_full_disk(p):
+                # A first full-disk failure is followed by evictions and a retry: said as
+                # such (a "save failed" line there read as a loss the retry then undid).
+                full = e.errno == errno.ENOSPC and attempt == 1
+                log.warning(
+                    "kv cache: %s tokens=%d reason=%s: %s",
+                    "disk full at a save" if full else "save failed", p.tokens, p.reason, e,
+                )  # fmt: skip
+                if not full or not self._free_on_full_disk(p):
                     return None
         return None
 
@@ -1406,7 +1412,7 @@ class DiskKVStore:
             if block and free + total < p.nbytes:
                 log.warning(
                     "kv cache: disk full: a %.2f MiB save does not fit even without the "
-                    "%.2f MiB of snapshots; nothing evicted",
+                    "%.2f MiB of snapshots; nothing evicted, not saved",
                     p.nbytes / 2**20, total / 2**20,
                 )  # fmt: skip
                 return False
