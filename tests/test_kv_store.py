@@ -783,3 +783,21 @@ def test_a_disk_hit_waits_on_no_fsync_and_a_save_still_syncs(tmp_path, monkeypat
     assert json.loads((store.dir / kvs.INDEX_NAME).read_text())["entries"]
     assert save(store, "other", seed=1) is not None
     assert len(calls) >= 2  # the snapshot file, then the directory's rename
+
+
+def test_the_opening_line_names_this_models_snapshots_of_another_ctx(tmp_path, caplog):
+    """A restart with another ``--ctx`` leaves the model's snapshots unusable: the line
+    the store opens with names that context (it said only "of other models or
+    contexts", and every request after the restart was cold without a word why)."""
+    import logging
+
+    make_store(tmp_path, ctx_size=8192).save(
+        text="hello", tokens=[1, 2], arrays=arrays(1), reason="cold"
+    )
+    make_store(tmp_path, model_identity="another").save(
+        text="hi", tokens=[1], arrays=arrays(2), reason="cold"
+    )
+    with caplog.at_level(logging.INFO, logger="ds4mlx.kv"):
+        make_store(tmp_path, ctx_size=16384)
+    (line,) = [r.getMessage() for r in caplog.records if "snapshots (" in r.getMessage()]
+    assert "2 snapshots (0 usable; 2 of other models or contexts: this model at ctx 8192," in line

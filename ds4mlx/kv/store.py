@@ -812,11 +812,17 @@ class DiskKVStore:
             self.evict()  # the budget may have been lowered since the last run
             scan = self.scan()
             usable = len(self.entries())
+            # Of this model at another --ctx: named, as a changed --ctx makes them unusable.
+            ctxs = sorted(
+                {e.ctx_size for e in scan.entries if e.model_identity == model_identity}
+                - {ctx_size}
+            )
             log.info(
-                "kv cache: %s: %d snapshots (%d usable; %d of other models or contexts, "
+                "kv cache: %s: %d snapshots (%d usable; %d of other models or contexts%s, "
                 "never loaded), %d bad, %.1f of %.1f MiB",
-                self.dir, len(scan.entries), usable, len(scan.entries) - usable, len(scan.bad),
-                scan.total_bytes / 2**20, self.budget_bytes / 2**20,
+                self.dir, len(scan.entries), usable, len(scan.entries) - usable,
+                f": this model at ctx {', '.join(map(str, ctxs))}" if ctxs else "",
+                len(scan.bad), scan.total_bytes / 2**20, self.budget_bytes / 2**20,
             )  # fmt: skip
             if not os.access(self.dir, os.W_OK):  # a read-only mount, another owner
                 log.warning(
