@@ -184,6 +184,10 @@ def test_graceful_shutdown_cancels_running_and_queued_jobs(tiny_model_dir, sig):
         end, done = results["last"]
         assert done == "[DONE]", results["last"]
         assert json.loads(end)["error"]["message"] == "generation cancelled (server shutting down)"
+        # The log tells a clean stop from a crash: how it began, and that it ended.
+        log = s.log()
+        assert f"{sig.name}: stopping" in log, log[-2000:]
+        assert log.rstrip().endswith("stopped"), log[-2000:]
         assert "Traceback" not in s.log(), s.log()[-3000:]
     finally:
         s.kill()

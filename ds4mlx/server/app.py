@@ -275,9 +275,16 @@ def serve(
         loop.set_exception_handler(quiet_accept_errors)
         # SIGHUP too: a closed terminal or a dropped ssh session stops the server as
         # Ctrl+C does (shutdown saves, streams ended), not at once.
+        log = logging.getLogger("ds4mlx.server")
+
+        def stopping(sig: signal.Signals) -> None:
+            if not stop.is_set():  # the log says a clean stop began (and ended, below)
+                log.info("%s: stopping (the running job ends, states are saved)", sig.name)
+            stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             try:
-                loop.add_signal_handler(sig, stop.set)
+                loop.add_signal_handler(sig, stopping, sig)
             except (NotImplementedError, RuntimeError):  # pragma: no cover - Windows
                 pass
 
@@ -296,6 +303,7 @@ def serve(
             await asyncio.to_thread(worker.stop)
 
         await hyper_serve(app, hc, shutdown_trigger=shutdown_trigger)
+        log.info("stopped")
 
     asyncio.run(main())
     return worker.exit_code
