@@ -632,6 +632,25 @@ def test_notice_not_sent_after_bash_status_saw_the_end(engine, ws: Path) -> None
 # ------------------------------------------------------------------ stdin (input prompts)
 
 
+def test_a_foreground_command_is_said_to_run_once_it_starts(ws: Path) -> None:
+    """Its output comes only with its result: the terminal says it runs once it started,
+    after its permission (a user took a silent 15 s command for one that ignored Ctrl+C);
+    a background job, whose call returns at once, and the file tools are not."""
+    said: list[str] = []
+
+    def ask(tool: str, summary: str) -> str:
+        said.append("asked")
+        return "once"
+
+    perms = Permissions(ask=ask)
+    with Toolbox(ws, perms, bash_timeout=60, on_running=lambda: said.append("running")) as box:
+        assert box.run("bash", {"command": "echo hi"}).ok
+        assert said == ["asked", "running"]
+        assert box.run("bash", {"command": "sleep 0.1", "background": True}).ok
+        assert box.run("list", {"path": "."}).ok
+    assert said == ["asked", "running", "asked"]
+
+
 def test_stdin_prompt_answered_or_given_eof(ws: Path) -> None:
     seen: list[tuple[str, str, bool]] = []
 

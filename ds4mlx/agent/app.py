@@ -360,6 +360,8 @@ def run(args: argparse.Namespace) -> int:
             job_output_limit=int(args.job_output_limit_mb * 2**20),
             # -p: a command waiting for input gets end of file (said in its result).
             ask_input=ui.ask_input if interactive else None,
+            # A foreground command's output comes with its result: say that it runs.
+            on_running=lambda: ui.line("  … running (Ctrl+C stops it)", "dim"),
             script=script,
             hooks=hooks,
             mcp=mcp,

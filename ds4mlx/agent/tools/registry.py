@@ -168,6 +168,7 @@ class Toolbox:
         job_output_limit: bytes a background job may print before it is stopped.
         ask_input: answers a foreground command's input prompt (``ShellTools``); None
             gives it end of file.
+        on_running: called as a foreground command starts (``ShellTools``).
 
     Raises:
         ValueError: ``workspace`` is not a directory, or the budget is below 64.
@@ -190,6 +191,7 @@ class Toolbox:
         job_timeout: float = JOB_TIMEOUT,
         job_output_limit: int = JOB_OUTPUT_LIMIT,
         ask_input: Callable[[str, str, bool], str | None] | None = None,
+        on_running: Callable[[], None] | None = None,
     ) -> None:
         root = Path(workspace).resolve()
         if not root.is_dir():
@@ -208,7 +210,7 @@ class Toolbox:
         )
         self._ws = Workspace(root)
         self._files = files = FileTools(self._ws)
-        self._shell = shell = ShellTools(root, self.jobs, bash_timeout, ask_input)
+        self._shell = shell = ShellTools(root, self.jobs, bash_timeout, ask_input, on_running)
         handlers: dict[str, Handler] = {
             "read": files.read,
             "more": self._more,

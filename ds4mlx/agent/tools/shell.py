@@ -111,6 +111,9 @@ class ShellTools:
             for a password): the user's line answers it, None sends end of file,
             KeyboardInterrupt stops it. None (``-p``): end of file, said in the
             result. The time spent asking does not count toward the timeout.
+        on_running: ``f()`` once a foreground command started (its permission given):
+            the terminal says it runs and how to stop it, as its output comes only
+            with its result.
     """
 
     def __init__(
@@ -119,11 +122,13 @@ class ShellTools:
         jobs: JobManager,
         default_timeout: float,
         ask_input: Callable[[str, str, bool], str | None] | None = None,
+        on_running: Callable[[], None] | None = None,
     ) -> None:
         self.cwd = cwd
         self.jobs = jobs
         self.default_timeout = default_timeout
         self.ask_input = ask_input
+        self.on_running = on_running
 
     def bash(self, a: dict[str, Any]) -> Proposal:
         command: str = a["command"]
@@ -194,6 +199,8 @@ class ShellTools:
 
     def _foreground(self, command: str, timeout: float) -> Result:
         job = self.jobs.start(command, self.cwd, register=False, pty_stdin=True)
+        if self.on_running is not None:
+            self.on_running()
         try:
             code, stdin_note = self._wait_answering(job, command, timeout)
         except BaseException:  # Ctrl+C in the agent: do not leave the command running
