@@ -61,9 +61,9 @@ existing one): they hold whole prompts.
 **A full disk.** The budget is a share of the free space measured at start; other
 programs may fill the filesystem since. A write failing with ``ENOSPC`` evicts the
 lowest-valued snapshots (the order below) until the free space holds the new file (with
-a little slack for its last block), then retries once; if nothing could be evicted, the file would not fit
-even with every snapshot gone (nothing is evicted then), or the retry fails too,
-the save is dropped (logged; ``SnapshotWriter.status()["failed"]``, shown by
+a little slack for its last block), then retries once; if nothing could be evicted, the
+file would not fit even with every snapshot gone (nothing is evicted then), or the retry
+fails too, the save is dropped (logged; ``SnapshotWriter.status()["failed"]``, shown by
 ``/health``) and serving goes on.
 
 Eviction score (lower is evicted first; ties: least recently used first)::
