@@ -465,10 +465,13 @@ def test_peek_and_summary_change_nothing(engine):
     assert (reuse.cached, reuse.state) == (len(live), 0)
     assert engine.session.tokens == live  # nothing was prefilled or reset
     assert cache.peek(_prompt(_job(engine, _conv(Message("user", "other")), None))).cached == 0
+    # One state is listed too: /health's shape does not change with --sessions (it
+    # was None for one state and a list for more).
+    (state,) = cache.summary()["states"]
     assert cache.summary() == {
         "live_tokens": len(live),
         "sessions": 1,
-        "states": None,
+        "states": [{**state, "state": 0, "tokens": len(live)}],
         "kv_writer": None,
     }
     # The real plan keeps what peek said it would.

@@ -389,14 +389,15 @@ class PromptCache:
 
     def summary(self) -> dict[str, Any]:
         """The cache as plain values (any thread): ``live_tokens`` (the engine's own
-        state), ``sessions`` (N), ``states`` (per state, N > 1; else None),
-        ``kv_writer`` (the disk writer's counts, or None)."""
+        state), ``sessions`` (N), ``states`` (per state, a list also for N = 1: the
+        shape of ``/health`` does not change with a flag), ``kv_writer`` (the disk
+        writer's counts, or None)."""
         states = self.states
         writer = self.disk.writer if self.disk is not None else None
         return {
             "live_tokens": len(states.states[0].session.tokens),
             "sessions": states.n,
-            "states": states.describe() if states.n > 1 else None,
+            "states": states.describe(),
             "kv_writer": writer.status() if writer is not None else None,
         }
 
