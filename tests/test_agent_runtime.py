@@ -657,7 +657,7 @@ def test_stdin_prompt_answered_or_given_eof(ws: Path) -> None:
     def ask(command: str, prompt: str, hidden: bool) -> str | None:
         seen.append((command, prompt, hidden))
         if "Again?" in prompt:
-            return "y" * 200
+            return "y" * 800
         return "y" if "Apply?" in prompt else "s3cret" if "pw:" in prompt else None
 
     with Toolbox(ws, Permissions(yes=True), bash_timeout=60, ask_input=ask) as box:
@@ -671,9 +671,9 @@ def test_stdin_prompt_answered_or_given_eof(ws: Path) -> None:
         assert out.ok and "len=6" in out.text and "s3cret" not in out.text, out.text
         assert seen[1][1].endswith("pw: ") and seen[1][2] is True
         # 8 KB of answers on one terminal (now echoed to its master side): all read.
-        many = 'for i in $(seq 40); do read -p "Again? " a; done; echo done ${#a}'
+        many = 'for i in $(seq 10); do read -p "Again? " a; done; echo done ${#a}'
         out = box.run("bash", {"command": many})
-        assert out.ok and "done 200" in out.text, out.text
+        assert out.ok and "done 800" in out.text, out.text
         out = box.run("bash", {"command": "cat"})  # EOF chosen: cat ends, exit 0
         assert out.ok and "exit code 0" in out.text and "end of file" in out.text
     with Toolbox(ws, Permissions(yes=True), bash_timeout=60) as box:  # -p: nobody to ask
