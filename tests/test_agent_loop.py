@@ -147,6 +147,7 @@ def test_every_tool_in_a_workspace_with_suffix_only_prefill(engine, workspace):
         assert agent.tool_memory.get(c.id) == c.dsml and c.dsml in live
 
 
+@pytest.mark.slow
 def test_errors_come_back_as_results_and_the_loop_continues(engine, workspace):
     ui = RecordingUI({"write": "deny", "bash": "once"})
     script = [

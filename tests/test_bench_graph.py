@@ -6,6 +6,7 @@ import math
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from ds4mlx.bench import graph_figures, run_bench
 from ds4mlx.engine import Engine
@@ -157,6 +158,7 @@ def test_make_tiny_shape_flash_writes_a_loadable_checkpoint(monkeypatch, tmp_pat
         assert a.func(a) == 2
 
 
+@pytest.mark.slow
 def test_bench_times_each_prefill_repeatedly_and_reports_the_median(tiny_f32_dir):
     """``prefill_repeats``: the interval is prefilled R times from the same state, the
     session ends as after one prefill (same tokens and logits), the row says R; 0 is

@@ -56,6 +56,7 @@ def test_tokenize(tiny):
     assert ids[0] == 128803 and ids[-1] == 128821
 
 
+@pytest.mark.slow
 def test_bench_csv(tiny, tmp_path):
     out = tmp_path / "bench.csv"
     png = tmp_path / "bench.png"

@@ -44,6 +44,7 @@ def _leave_mid_prefill(s: Server, body: dict) -> None:
         # The response (and its connection) is closed here, mid-prefill.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
 def test_disconnect_during_prefill_cancels_between_chunks(tiny_model_dir, stream):
     with Server(tiny_model_dir, ctx=32768, extra=["--kv-disk-dir", "none"]) as s:

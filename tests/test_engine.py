@@ -91,6 +91,7 @@ def test_chunked_prefill_then_decode_equals_full_forward(engine, prompt, full_lo
     assert int(mx.argmax(s.logits).item()) == int(mx.argmax(full_logits[-1]).item())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [7, 10_000])
 def test_scored_prefill_rows_are_the_full_forwards(engine, prompt, full_logits, chunk):
     """``prefill(on_rows=…)``: every token gets the logits it was predicted from (the

@@ -89,6 +89,7 @@ def test_ll_tokenizer_without_transformers(engine):
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_json_schema_validity_and_unconstrained_invalid(engine, llt):
     """Every schema: the constrained reply validates when it finishes (>= 90 % finish),
     a reply cut by max_tokens is a prefix the grammar accepts; the same seeds without

@@ -288,6 +288,7 @@ def test_count_tokens_predicts_a_live_thinking_turns_usage(server):
     assert rendering < predicted
 
 
+@pytest.mark.slow
 def test_count_tokens_answers_while_a_generation_streams(server):
     """count_tokens queues no job: it answers while a long generation streams, which goes
     on after the answer."""

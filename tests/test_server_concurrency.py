@@ -68,6 +68,7 @@ def _messages_stream(url: str, i: int, out: dict) -> None:
     out[i] = ("".join(text), stop)
 
 
+@pytest.mark.slow
 def test_twenty_concurrent_streams_are_served_in_fifo_order(server):
     # Each job (in the worker's order) decodes the next script: client i must get text i.
     scripts = [f"job{i:02d} " + "tick " * 12 + EOS for i in range(N_CLIENTS)]
