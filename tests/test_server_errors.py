@@ -531,10 +531,25 @@ def test_hosted_tool_types_are_logged_once_each(server, client):
         ]:
             r = client.post(path, json=body)
             assert r.status_code == 200, r.text[:300]
+        # A model name the server does not list: said once too (the same rule).
+        r = client.post(MSGS, json={**msgs, "model": "claude-hosted-tools-test"})
+        assert r.status_code == 200, r.text[:300]
     log = server.log()
     for kind in ("web_search", "code_interpreter", "web_search_20250305"):
         line = f"tool type '{kind}' is accepted and not offered to the model"
         assert log.count(line) == 1, (kind, log[-2000:])
+    assert log.count("model 'claude-hosted-tools-test' is not a served id") == 1, log[-2000:]
+
+
+def test_first_time_is_bounded() -> None:
+    """What is logged once per name: once each, and nothing past the bound (the names
+    are client-chosen; a client sending ever new ones must not grow the set)."""
+    from ds4mlx.routes.common import MAX_NOTED, first_time
+
+    seen: set[str] = set()
+    assert first_time(seen, "a") and not first_time(seen, "a")
+    assert all(first_time(seen, f"n{i}") for i in range(MAX_NOTED - 1))
+    assert not first_time(seen, "one more") and len(seen) == MAX_NOTED
 
 
 @pytest.mark.parametrize("path", [CHAT, COMP])

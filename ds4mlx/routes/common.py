@@ -52,6 +52,20 @@ def new_id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
 
 
+# Keys a `first_time` set keeps at most: they are client-chosen (model names, tool types).
+MAX_NOTED = 1000
+
+
+def first_time(seen: set[str], key: str) -> bool:
+    """True the first time ``key`` comes to ``seen`` (it is added): what is logged once
+    per name. False once ``seen`` holds `MAX_NOTED` keys, so a client sending ever new
+    names cannot grow it, nor flood the log."""
+    if key in seen or len(seen) >= MAX_NOTED:
+        return False
+    seen.add(key)
+    return True
+
+
 def model_thinking(model: str | None) -> bool:
     """Thinking default for a request naming ``model``; any name is served.
 
@@ -64,9 +78,7 @@ def model_thinking(model: str | None) -> bool:
     st = state()
     cfg = st.config
     thinking = cfg.thinking_default(model)
-    if model and model not in cfg.model_ids() and model not in st.unknown_models:
-        if len(st.unknown_models) < 1000:  # a bound: names are client-chosen
-            st.unknown_models.add(model)
+    if model and model not in cfg.model_ids() and first_time(st.unknown_models, model):
         logging.getLogger("ds4mlx.server").info(
             "model %r is not a served id; serving %s (thinking %s) under that name",
             model,
@@ -86,16 +98,14 @@ def note_unoffered(kinds: Iterable[str]) -> None:
     it is accepted, as the protocols' clients send them with every request (Codex's
     ``web_search``), and not offered to the model, since no hosted tool runs here. The
     operator then learns why a web search never happens; a line per request would flood
-    a Codex user's log. Client-chosen names: at most 100 are kept."""
+    a Codex user's log."""
     for kind in kinds:
-        if kind in _UNOFFERED or len(_UNOFFERED) >= 100:
-            continue
-        _UNOFFERED.add(kind)
-        log.info(
-            "tool type %r is accepted and not offered to the model: it is a hosted or "
-            "provider-defined tool, and none run on this server (logged once)",
-            kind[:80],
-        )
+        if first_time(_UNOFFERED, kind):
+            log.info(
+                "tool type %r is accepted and not offered to the model: it is a hosted or "
+                "provider-defined tool, and none run on this server (logged once)",
+                kind[:80],
+            )
 
 
 def state_key(headers: Any = None, body_key: Any = None) -> str | None:
