@@ -93,6 +93,8 @@ def main() -> int:
     if idle:
         reset_then_idle(engine, prompt, idle, out)
         return 0
+    if split != "tensor":
+        write_step_graph(pm, Path(out).parent / "step.dot")
     prefill, decode = feeds(pm, prompt, chunk)
     spec = TurnSpec(SamplingParams(temperature=0.0), max_tokens=32, parse=False, ignore_eos=True)
     session = engine.new_session()
@@ -114,6 +116,18 @@ def main() -> int:
         identity=np.array(engine.identity),
     )
     return 0
+
+
+def write_step_graph(pm, path) -> None:
+    """Write the graph of one decode step of rank 0's ``PipelineModel`` ``pm`` (built on
+    fresh caches, never evaluated: nothing is sent) as DOT (``mx.export_to_dot``) to
+    ``path``."""
+    import io
+
+    buf = io.StringIO()
+    mx.export_to_dot(buf, pm(mx.array([1], dtype=mx.int32), pm.make_cache(), last_only=True))
+    pm.settled()  # built, never launched
+    path.write_text(buf.getvalue())
 
 
 def reset_then_idle(engine, prompt: list[int], timeout: float, out: str) -> None:

@@ -48,6 +48,36 @@ def _reference(model_dir: Path) -> dict[str, np.ndarray]:
     }
 
 
+def assert_layers_wait_for_the_header(dot: str) -> None:
+    """Rank 0's decode step (``dot``, `mx.export_to_dot` of its logits) sends the header
+    and the ids before its layers compute: every matrix product of the step (its layers'
+    and the head's) has a ``Send`` among its inputs' ancestors, and the first send
+    depends on none. So the next rank has the call while rank 0's layers run."""
+    labels = dict(re.findall(r'\{ (\d+) \[label ="([^"]+)"', dot))
+    parents: dict[str, set[str]] = {}
+    for a, b in re.findall(r'^"?(\w+)"? -> "?(\w+)"?$', dot, re.M):
+        parents.setdefault(b, set()).add(a)
+
+    def ancestors(node: str) -> set[str]:
+        seen, todo = set(), [node]
+        while todo:
+            for q in parents.get(todo.pop(), ()):
+                if q not in seen:
+                    seen.add(q)
+                    todo.append(q)
+        return seen
+
+    sends = [n for n, op in labels.items() if op == "Send"]
+    products = [n for n, op in labels.items() if "Matmul" in op or op == "GatherMM"]
+    assert len(sends) == 3 and products
+    before = {n: {labels.get(a) for a in ancestors(n)} for n in sends}
+    assert any(
+        "Send" not in ops and not ops & {labels[p] for p in products} for ops in before.values()
+    )
+    late = [labels[n] for n in products if "Send" not in {labels.get(a) for a in ancestors(n)}]
+    assert not late, f"{len(late)} matrix products run before the header is sent: {late[:3]}"
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_f32_dir):
     return _reference(tiny_f32_dir)
@@ -69,6 +99,7 @@ def test_pipeline_two_ranks_match_one_process_bitwise(tiny_f32_dir, reference, t
     assert np.array_equal(got["decode"], reference["decode"])
     assert got["turn"].tolist() == reference["turn"].tolist()
     assert len(got["turn"]) >= 31  # the last sampled token is not fed
+    assert_layers_wait_for_the_header((tmp_path / "step.dot").read_text())
     # dist_script saved a snapshot on both ranks, then removed rank 0's file.
     assert sorted(p.name for p in (tmp_path / "kv").glob("*.safetensors")) == []
 

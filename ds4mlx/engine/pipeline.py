@@ -8,15 +8,16 @@ every ``Session`` (so `engine.turn`, `kv/` and the routes are unchanged: rank 0'
 
 One forward call on rank 0 (a prefill chunk or a decode step):
 
-1. rank 0 embeds the tokens and runs its layers;
-2. it sends a header (int32 ``(HEADER_LEN,)``: op, token count, cache-state id, a freed
-   state id or -1, last-only flag), the token ids (int32 ``(L,)``: hash-routed layers
-   read ``tid2eid[token]``, and a split may put them past rank 0) and the residual
-   streams (``(L, hc, dim)`` in the compute dtype) to rank 1;
-3. each rank runs its layers and passes header, ids and streams on; the last rank sends
-   the streams (only the last row for a last-only call) back to rank 0, which is the next
-   rank on the ring;
-4. rank 0 applies the head. The logits are what one process computes: the same layers,
+1. rank 0 sends a header (int32 ``(HEADER_LEN,)``: op, token count, cache-state id, a
+   freed state id or -1, last-only flag) and the token ids (int32 ``(L,)``: hash-routed
+   layers read ``tid2eid[token]``, and a split may put them past rank 0) to rank 1, then
+   embeds the tokens, runs its layers and sends the residual streams (``(L, hc, dim)`` in
+   the compute dtype). Header and ids go first so that rank 1 builds its part of the call
+   while rank 0 computes, and starts computing the moment the streams land;
+2. each rank passes header and ids on, runs its layers and passes the streams on; the
+   last rank sends the streams (only the last row for a last-only call) back to rank 0,
+   which is the next rank on the ring;
+3. rank 0 applies the head. The logits are what one process computes: the same layers,
    the same order, the same dtype (rank 0 holds the head so sampling needs nothing
    more from the others; sending logits instead would cost ``vocab`` floats per row).
 
@@ -271,12 +272,18 @@ class PipelineModel:
         n = tokens.shape[0]
         ctx = m.step_for(cache[0].offset, n)
         x = m.embed_streams(tokens)
+        if p.world > 1:
+            # Header and ids go out before this rank's layers run (the streams depend on
+            # their sends), so the next rank builds its part of the call meanwhile and
+            # starts computing the moment the streams land: its graph building is then
+            # off the step's critical path.
+            header = self._header(OP_FORWARD, n, cache.state_id, int(last_only))
+            x = mx.depends(x, [_send_chain([header, tokens], p.next, p.group)])
         for i, c in zip(self.ranges[0], cache, strict=True):
             x = m.layers[i](x, tokens, c, ctx)
         if p.world == 1:
             return m.head_logits(x, last_only=last_only)
-        header = self._header(OP_FORWARD, n, cache.state_id, int(last_only))
-        sent = _send_chain([header, tokens, x], p.next, p.group)
+        sent = mx.distributed.send(x, p.next, group=p.group)
         rows = 1 if last_only else n
         back = mx.distributed.recv((rows, *x.shape[1:]), x.dtype, p.prev, group=p.group)
         back = mx.depends(back, [sent])
@@ -505,7 +512,11 @@ class _Follower:
         # Receives run in graph order, not call order: the ids must arrive before the
         # streams are asked for, or the streams' bytes would be read as ids.
         mx.eval(tokens)
-        wait_for_bytes(self.fds)  # the streams come once the previous ranks' layers ran
+        if not self.last:
+            # Passed on before this rank's layers run, as rank 0 does (`PipelineModel`).
+            mx.eval(_send_chain([header, tokens], p.next, group))
+        # The streams come once the previous ranks' layers ran. The step is built now and
+        # its evaluation waits for them asleep in the receive (`sleep_in_waits`).
         shape = (n, self.model.args.hc_mult, self.model.args.dim)
         x = mx.distributed.recv(shape, self.model.compute_dtype, p.prev, group=group)
         if state_id not in self.states:
@@ -515,11 +526,8 @@ class _Follower:
         for i, c in zip(self.mine, cache, strict=True):
             x = self.model.layers[i](x, tokens, c, ctx)
         arrays = [a for c in cache for a in c.arrays()]
-        if self.last:
-            out = x[-1:] if last_only else x
-            mx.eval(mx.distributed.send(out, p.next, group=group), arrays)
-        else:
-            mx.eval(_send_chain([header, tokens, x], p.next, group), arrays)
+        out = x[-1:] if last_only and self.last else x
+        mx.eval(mx.distributed.send(out, p.next, group=group), arrays)
 
 
 def keep_part(cache: list, layers: range, parts, key: str | None, n: int) -> list[dict]:
