@@ -15,6 +15,7 @@ import resource
 import shutil
 import socket
 import time
+from datetime import datetime
 
 import httpx
 import pytest
@@ -92,12 +93,10 @@ def health_answers(server) -> dict:
 
 
 def line_times(log: str, pattern: str) -> list[int]:
-    """Seconds of day of the log lines matching ``pattern`` (``HH:MM:SS`` prefixed)."""
-    out = []
-    for m in re.finditer(rf"^(\d\d):(\d\d):(\d\d) .*{pattern}", log, re.M):
-        h, mi, sec = (int(x) for x in m.groups())
-        out.append(h * 3600 + mi * 60 + sec)
-    return out
+    """Times (whole seconds) of the log lines matching ``pattern``: a log line starts with
+    its ISO 8601 date and time (``2026-12-05T02:42:26``)."""
+    line = rf"^(\d{{4}}-\d\d-\d\dT\d\d:\d\d:\d\d) .*{pattern}"
+    return [int(datetime.fromisoformat(t).timestamp()) for t in re.findall(line, log, re.M)]
 
 
 def assert_once_per_interval(times: list[int]) -> None:

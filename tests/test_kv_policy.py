@@ -233,3 +233,22 @@ def test_live_saves_and_tracker():
     assert t.continued(D, 30720, 30721) == []
     t.reset()
     assert t.continued(D, 0, 10240) == [10240]
+
+
+def test_a_disk_budget_without_a_disk_cache_is_said(tiny_model_dir, caplog):
+    """``--kv-disk-dir none --kv-disk-space-mb N``: the budget has no effect, and serve says
+    so at start (it was accepted silently)."""
+    import logging
+
+    from ds4mlx.cli import build_parser
+    from ds4mlx.server.cli import _kv_settings
+
+    def settings(*flags: str):
+        argv = ["serve", "-m", str(tiny_model_dir), "--sessions", "1", *flags]
+        with caplog.at_level(logging.WARNING, logger="ds4mlx.server"):
+            return _kv_settings(build_parser().parse_args(argv), str(tiny_model_dir))[0]
+
+    assert settings("--kv-disk-dir", "none").disk_dir is None
+    assert "has no effect" not in caplog.text
+    assert settings("--kv-disk-dir", "none", "--kv-disk-space-mb", "100").disk_dir is None
+    assert "--kv-disk-space-mb 100 has no effect: --kv-disk-dir none" in caplog.text

@@ -9,6 +9,7 @@ PID-1 tests run in namespaces of their own (``unshare -m`` with a small tmpfs,
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -333,6 +334,22 @@ def test_a_read_only_cache_is_said_at_start(tmp_path):
     assert r.returncode == 0 and "saved" in r.stdout, r.stderr[-3000:]
     assert f"kv cache: {kv} is not writable" in r.stderr, r.stderr[-3000:]
     assert "1 snapshots (1 usable" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_budget_the_disk_cannot_hold_is_said_at_start(tmp_path, caplog):
+    """A ``--kv-disk-space-mb`` above what the cache directory's filesystem holds (its
+    snapshots plus the free space): one warning naming the flag when the store opens
+    (it was accepted silently); a budget that fits: none."""
+    st = os.statvfs(tmp_path)
+    room = st.f_bavail * st.f_frsize
+    with caplog.at_level(logging.WARNING, logger="ds4mlx.kv"):
+        DiskKVStore(tmp_path / "a", budget_bytes=room // 4, model_identity="m", ctx_size=64,
+                    expert_bits=None)  # fmt: skip
+        assert "can hold" not in caplog.text
+        DiskKVStore(tmp_path / "b", budget_bytes=4 * room + (1 << 30), model_identity="m",
+                    ctx_size=64, expert_bits=None)  # fmt: skip
+    (line,) = [r.getMessage() for r in caplog.records if "can hold" in r.getMessage()]
+    assert f"is more than {tmp_path / 'b'} can hold" in line and "--kv-disk-space-mb" in line
 
 
 _KILLED_WRITER = textwrap.dedent(

@@ -830,6 +830,25 @@ class DiskKVStore:
                     "saved (each save will log its failure)",
                     self.dir,
                 )
+            self._check_budget_room(scan.total_bytes)
+
+    def _check_budget_room(self, stored: int) -> None:
+        """Warn when the budget is more than the directory's filesystem can hold: its
+        ``stored`` snapshot bytes plus the free space. Saves then meet a full disk before
+        the budget (each evicts and retries, `write`), and every other writer on that
+        disk meets it too."""
+        try:
+            st = os.statvfs(self.dir)
+        except OSError:
+            return
+        room = stored + st.f_bavail * st.f_frsize  # what an unprivileged writer may use
+        if self.budget_bytes > room:
+            log.warning(
+                "kv cache: budget %.0f MiB is more than %s can hold (%.0f MiB: its snapshots "
+                "and the free space): the disk fills up before the budget does "
+                "(--kv-disk-space-mb)",
+                self.budget_bytes / 2**20, self.dir, room / 2**20,
+            )  # fmt: skip
 
     # ---------------------------------------------------------------- directory state
 

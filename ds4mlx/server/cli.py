@@ -106,7 +106,9 @@ def _log_to_stderr(args) -> None:
     # Log lines quote what clients send (paths, ids, schema keys): escaped, so a
     # request cannot write a terminal escape sequence into the operator's terminal.
     handler = logging.StreamHandler()
-    handler.setFormatter(LogFormatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+    # Dated (ISO 8601, one word: scripts split a line at its first space): a server runs
+    # for days, and its log is read after the fact.
+    handler.setFormatter(LogFormatter("%(asctime)s %(message)s", datefmt="%Y-%m-%dT%H:%M:%S"))
     logging.basicConfig(
         level=logging.WARNING if getattr(args, "quiet", False) else logging.INFO,
         handlers=[handler],
@@ -350,6 +352,11 @@ def _kv_settings(args, model: str, split: list[int] | None = None):
     if refused is not None:
         raise ValueError(refused)
     kv, sessions_why = _default_sessions(KVCacheSettings.from_args(args), args, model, split)
+    if args.kv_disk_space_mb is not None and kv.disk_dir is None:
+        logging.getLogger("ds4mlx.server").warning(
+            "--kv-disk-space-mb %d has no effect: --kv-disk-dir none turns the disk cache off",
+            args.kv_disk_space_mb,
+        )
     if kv.enabled and kv.disk_dir is not None:
         from ds4mlx.fsutil import private_dir
         from ds4mlx.kv.store import cache_file
