@@ -837,18 +837,24 @@ class DiskKVStore:
         ``stored`` snapshot bytes plus the free space. Saves then meet a full disk before
         the budget (each evicts and retries, `write`), and every other writer on that
         disk meets it too."""
-        try:
-            st = os.statvfs(self.dir)
-        except OSError:
-            return
-        room = stored + st.f_bavail * st.f_frsize  # what an unprivileged writer may use
-        if self.budget_bytes > room:
+        free, block = self._free_space()
+        room = stored + free
+        if block and self.budget_bytes > room:
             log.warning(
                 "kv cache: budget %.0f MiB is more than %s can hold (%.0f MiB: its snapshots "
                 "and the free space): the disk fills up before the budget does "
                 "(--kv-disk-space-mb)",
                 self.budget_bytes / 2**20, self.dir, room / 2**20,
             )  # fmt: skip
+
+    def _free_space(self) -> tuple[int, int]:
+        """``(free, block)``: the bytes an unprivileged writer may still use on the
+        directory's filesystem and its block size; ``(0, 0)`` when it cannot be asked."""
+        try:
+            st = os.statvfs(self.dir)
+        except OSError:
+            return 0, 0
+        return st.f_bavail * st.f_frsize, st.f_frsize
 
     # ---------------------------------------------------------------- directory state
 
@@ -1429,11 +1435,7 @@ class DiskKVStore:
         fit even with every snapshot gone (then none is evicted)."""
         with self._lock:
             total = self.scan().total_bytes
-            try:
-                st = os.statvfs(self.dir)
-                free, block = st.f_bavail * st.f_frsize, st.f_frsize
-            except OSError:
-                free, block = 0, 0
+            free, block = self._free_space()
             if block and free + total < p.nbytes:
                 log.warning(
                     "kv cache: disk full: a %.2f MiB save does not fit even without the "
